@@ -1,0 +1,175 @@
+"""The `ortpipe` command: run, inspect, validate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ConfigError, OrtpipeError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"ortpipe: {args.model}: {e}", file=sys.stderr)
+        return 2
+    except OrtpipeError as e:
+        print(f"ortpipe: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ortpipe", description="Run generative ONNX models from a folder "
+                                     "of ONNX files and one genai_config.json.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="generate from a prompt")
+    run.add_argument("model", metavar="MODEL_DIR")
+    prompt = run.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (uses the folder's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated: 1,2,3")
+    length = run.add_mutually_exclusive_group()
+    length.add_argument("--max-new-tokens", type=int, help="tokens to generate at most")
+    length.add_argument("--max-length", type=int, help="prompt + generated tokens at most")
+    _session_args(run)
+    run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
+    run.set_defaults(func=_run)
+
+    inspect = sub.add_parser("inspect", help="show what was detected and the expanded v2 config")
+    inspect.add_argument("model", metavar="MODEL_DIR")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(func=_inspect)
+
+    validate = sub.add_parser("validate", help="check a model folder; exit 0, or print every problem and exit 2")
+    validate.add_argument("model", metavar="MODEL_DIR")
+    validate.set_defaults(func=_validate)
+
+    bench = sub.add_parser("bench", help="decode speed of ortpipe beside onnxruntime-genai and a hand-written loop")
+    bench.add_argument("model", metavar="MODEL_DIR")
+    bench.add_argument("--prompt-tokens", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine")
+    bench.add_argument("--threads", type=int, default=1, help="intra-op threads, the same for every engine")
+    bench.add_argument("--engines", default="ortpipe,genai,floor", help="comma-separated: ortpipe,genai,floor")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def _session_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    p.add_argument("--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ...")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3, found {text!r}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .targets.cpython import load
+
+    pipe = load(args.model, provider=args.provider, threads=args.threads)
+    options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "max_length": args.max_length}
+    if args.json:
+        result = pipe.generate(args.prompt, prompt_ids=args.prompt_ids, **options)
+        print(json.dumps(result.as_dict()))
+        return 0
+    from .pipeline import Timings
+
+    timings = Timings()
+    if args.prompt is not None:
+        print(args.prompt, end="", flush=True)
+    for chunk in pipe.stream(args.prompt, prompt_ids=args.prompt_ids, timings=timings, **options):
+        print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
+    t = timings
+    print(f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new; prefill {t.prefill_ms:.1f} ms, "
+          f"decode {t.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .config.expand import as_v2
+    from .targets.cpython import build_plan
+
+    plan, sessions = build_plan(_path(args.model))
+    report = {
+        "config_source": plan.config.source,
+        "sessions": {name: {"file": plan.config.pipeline.sessions[name].file,
+                            "provider": s.get_providers()[0],
+                            "inputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].inputs],
+                            "outputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].outputs]}
+                     for name, s in sessions.items()},
+        "steps": [_step_report(s) for s in [*[x for lv in plan.init for x in lv], *plan.step, *plan.final]],
+        "config": as_v2(plan.config),
+    }
+    print(json.dumps(report, indent=2) if args.json else _format_report(report))
+    return 0
+
+
+def _step_report(s: Any) -> dict[str, Any]:
+    report: dict[str, Any] = {"session": s.session, "when": s.step.when,
+                              "feeds": {f.input: f.kind + (f" <- {f.source}" if f.source else "") for f in s.feeds
+                                        if f.kind != "past"}}
+    if s.kv:
+        e0 = s.kv.entries[0]
+        report["kv_cache"] = {"format": s.kv.format, "share_buffer": s.kv.share_buffer, "layers": s.kv.layers,
+                              "entries": len(s.kv.entries), "dtype": e0.dtype,
+                              "shapes": sorted({str(list(e.shape)) for e in s.kv.entries}),
+                              "sliding_window_layers": sorted({e.layer for e in s.kv.entries if e.window})}
+    if s.logits:
+        report["logits"] = s.logits
+    return report
+
+
+def _format_report(report: dict[str, Any]) -> str:
+    lines = [f"config: {report['config_source']}"]
+    for name, s in report["sessions"].items():
+        lines.append(f"session {name}: {s['file']} on {s['provider']}")
+        lines += [f"  in  {t}" for t in s["inputs"]] + [f"  out {t}" for t in s["outputs"]]
+    for step in report["steps"]:
+        lines.append(f"step {step['session']} ({step['when']}):")
+        lines += [f"  {k}: {v}" for k, v in step["feeds"].items()]
+        if "kv_cache" in step:
+            lines.append(f"  kv cache: {json.dumps(step['kv_cache'])}")
+    lines.append("expanded config:")
+    lines.append(json.dumps(report["config"], indent=2))
+    return "\n".join(lines)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .targets.cpython import build_plan
+
+    plan, _ = build_plan(_path(args.model))
+    steps = len(plan.config.pipeline.flow)
+    print(f"{args.model}: ok ({plan.config.source} config, {len(plan.signatures)} session(s), {steps} flow step(s))")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .targets.bench import run_bench
+
+    return run_bench(args)
+
+
+def _path(model: str) -> Any:
+    from pathlib import Path
+
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"model folder {path} does not exist or is not a directory")
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

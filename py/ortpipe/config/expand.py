@@ -1,0 +1,60 @@
+"""A Config written back as a plain v2 mapping: what `ortpipe inspect` shows as the expanded config."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .schema import Config, FlowStep, SessionSpec
+
+
+def as_v2(config: Config) -> dict[str, Any]:
+    p = config.pipeline
+    pipeline: dict[str, Any] = {
+        "sessions": {name: _session(s) for name, s in p.sessions.items()},
+        "flow": [_step(s) for s in p.flow],
+        "dataflow": [{"from": f"{w.from_session}.{w.from_output}", "to": f"{w.to_session}.{w.to_input}"}
+                     for w in p.dataflow],
+        "state": _clean(dataclasses.asdict(p.state)),
+    }
+    if p.extends:
+        pipeline = {"extends": p.extends, **pipeline}
+    for key in ("preprocessing", "plugin"):
+        if getattr(p, key):
+            pipeline[key] = getattr(p, key)
+    return {
+        "version": 2,
+        "pipeline": pipeline,
+        "tokens": _clean(dataclasses.asdict(config.tokens)),
+        "generation": _clean(dataclasses.asdict(config.generation)),
+        "metadata": config.metadata,
+    }
+
+
+def _session(s: SessionSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"file": s.file, "execution_provider": list(s.providers)}
+    for key in ("provider_options", "session_options", "inputs", "outputs"):
+        if getattr(s, key):
+            out[key] = getattr(s, key)
+    if s.optional:
+        out["optional"] = True
+    return out
+
+
+def _step(s: FlowStep) -> dict[str, Any]:
+    defaults = FlowStep(run=s.run, when=s.when)
+    out = {"run": s.run, "when": s.when}
+    for f in dataclasses.fields(s):
+        value = getattr(s, f.name)
+        if f.name not in out and value != getattr(defaults, f.name):
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def _clean(value: Any) -> Any:
+    """Drop None fields and turn tuples into lists, recursively."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value

@@ -1,0 +1,155 @@
+"""The v2 pipeline schema as frozen dataclasses.
+
+Key names follow the pipeline-as-config proposal (seed 000, sections 3.2 to 3.10). A Config is
+built and validated once by `config.parse`; the rest of the runtime trusts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+WHEN = ("init", "step", "final")
+WHEN_ALIASES = {"once": "init", "prompt": "init", "always": "step"}
+LOOP_MODES = ("batched", "per_image")
+KV_FORMATS = ("auto", "separate", "combined")
+POSITION_STRATEGIES = ("auto", "default", "mrope_3d", "windowed")
+GENERATION_LOOPS = ("autoregressive", "single_pass", "denoising")
+MAX_FLOW_STEPS = 10
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    name: str
+    file: str
+    providers: tuple[str, ...] = ("cpu",)  # the first available wins; later ones are fallbacks
+    provider_options: dict[str, Any] = field(default_factory=dict)
+    session_options: dict[str, Any] = field(default_factory=dict)
+    optional: bool = False
+    inputs: dict[str, str] = field(default_factory=dict)  # role -> graph input name
+    outputs: dict[str, str] = field(default_factory=dict)  # role -> graph output name
+
+
+@dataclass(frozen=True)
+class DynamicShape:
+    source: str
+    apply_to_dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlowStep:
+    run: str
+    when: str
+    loop: str = "batched"
+    loop_over: str | None = None
+    dynamic_shape: DynamicShape | None = None
+    repeat: int = 1
+    counter: str | None = None
+    optional: bool = False
+    after: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Wire:
+    from_session: str
+    from_output: str
+    to_session: str
+    to_input: str
+
+    def __str__(self) -> str:
+        return f"{self.from_session}.{self.from_output} -> {self.to_session}.{self.to_input}"
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    window_size: int
+    layers: tuple[int, ...] | None = None  # None: every layer
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    format: str = "auto"
+    past_key_pattern: str | None = None
+    present_key_pattern: str | None = None
+    past_value_pattern: str | None = None
+    present_value_pattern: str | None = None
+    past_pattern: str | None = None  # combined format: key and value stacked in one tensor
+    present_pattern: str | None = None
+    share_buffer: bool = False  # past and present are one buffer sized to max_length, updated in place
+    sliding_window: SlidingWindow | None = None
+
+
+@dataclass(frozen=True)
+class PositionIdsSpec:
+    strategy: str = "auto"
+    input_name: str = "position_ids"
+    grid_source: str | None = None
+
+
+@dataclass(frozen=True)
+class CrossCacheSpec:
+    source: str
+    frozen: bool = True
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    kv_cache: KVCacheSpec = field(default_factory=KVCacheSpec)
+    position_ids: PositionIdsSpec = field(default_factory=PositionIdsSpec)
+    cross_cache: CrossCacheSpec | None = None
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    sessions: dict[str, SessionSpec]
+    flow: tuple[FlowStep, ...]
+    dataflow: tuple[Wire, ...] = ()
+    state: StateSpec = field(default_factory=StateSpec)
+    preprocessing: dict[str, Any] = field(default_factory=dict)
+    plugin: dict[str, Any] | None = None
+    extends: str | None = None
+
+
+@dataclass(frozen=True)
+class Tokens:
+    eos: tuple[int, ...] = ()
+    pad: int | None = None
+    bos: int | None = None
+    image_token: int | None = None
+    decoder_start: int | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    loop: str = "autoregressive"
+    max_length: int | None = None
+    min_length: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    num_steps: int | None = None
+    scheduler: str | None = None
+    guidance_scale: float | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    pipeline: PipelineSpec
+    tokens: Tokens = field(default_factory=Tokens)
+    generation: Generation = field(default_factory=Generation)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = "v2"  # where it came from: "v2", "v1" (translated) or "detected"
+    version: int = 2
+
+    def session_of(self, step: FlowStep) -> SessionSpec:
+        return self.pipeline.sessions[step.run]

@@ -1,0 +1,62 @@
+"""Structural detection: a v2 config for a folder that has no genai_config.json.
+
+Covers the Optimum and transformers.js export layout (`model.onnx` beside `config.json`,
+`generation_config.json`, `tokenizer.json`). What the graph is (decoder, KV layout, layers) is
+read from its signature by `plan`; here we only find the file and the special tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import parse_json
+from .errors import ConfigError
+from .folder import Folder
+
+DECODER_FILES = (
+    "model.onnx", "decoder_model_merged.onnx", "decoder_model.onnx",
+    "onnx/model.onnx", "onnx/decoder_model_merged.onnx", "onnx/decoder_model.onnx",
+)
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+
+
+def detect_config(folder: Folder) -> dict[str, Any]:
+    file = next((f for f in DECODER_FILES if folder.exists(f)), None)
+    if file is None:
+        raise ConfigError(f"{folder.describe()} has no genai_config.json and no decoder graph "
+                          f"(looked for {', '.join(DECODER_FILES)}). Add a genai_config.json naming the "
+                          "ONNX files (see the README's config reference)")
+    hf = _json(folder, "config.json")
+    gen = _json(folder, "generation_config.json")
+    raw: dict[str, Any] = {
+        "version": 2,
+        "pipeline": {"extends": "autoregressive-decoder", "sessions": {"decoder": {"file": file}}},
+        "tokens": _tokens(gen, hf),
+        "generation": {},
+        "metadata": {"model_type": hf.get("model_type"), "detected_from": file},
+    }
+    length = next((hf[k] for k in _LENGTH_KEYS if isinstance(hf.get(k), int)), None)
+    if length:
+        raw["generation"]["max_length"] = length
+    return raw
+
+
+def _json(folder: Folder, name: str) -> dict[str, Any]:
+    if not folder.exists(name):
+        return {}
+    value = parse_json(folder.read_text(name), folder.describe(name))
+    return value if isinstance(value, dict) else {}
+
+
+def _tokens(gen: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Special tokens, generation_config.json first (it is what transformers' generate uses)."""
+    def pick(key: str) -> Any:
+        return gen.get(key, hf.get(key))
+
+    eos = pick("eos_token_id")
+    tokens: dict[str, Any] = {"eos": [] if eos is None else eos if isinstance(eos, list) else [eos]}
+    for hf_key, key in (("bos_token_id", "bos"), ("pad_token_id", "pad"), ("decoder_start_token_id", "decoder_start")):
+        value = pick(hf_key)
+        if isinstance(value, int):
+            tokens[key] = value
+    return tokens

@@ -1,0 +1,59 @@
+"""The one error family users see.
+
+Every mistake in a config or a model folder is reported as a ConfigError that names the field,
+what was found, what is allowed and, where one is close, a suggestion. Validation collects every
+problem it finds and raises them together, so one run of `ortpipe validate` lists them all.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class OrtpipeError(Exception):
+    """Base of every error ortpipe raises on purpose."""
+
+
+class ConfigError(OrtpipeError, ValueError):
+    """A config or model folder that cannot be run; `problems` lists every problem found."""
+
+    def __init__(self, problems: str | Iterable[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            text = self.problems[0]
+        else:
+            text = f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(text)
+
+
+class GenerationError(OrtpipeError, ValueError):
+    """A request that cannot be served: bad settings or inputs, caught before any model runs."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' Did you mean "x"?' when a choice is close to `name`, else ''."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return f' Did you mean "{close[0]}"?' if close else ""
+
+
+def one_of(choices: Iterable[str]) -> str:
+    return ", ".join(choices)
+
+
+class Problems:
+    """Collects problems during validation; `raise_if_any` raises them as one ConfigError."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, message: str) -> None:
+        if message not in self.items:
+            self.items.append(message)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise ConfigError(self.items)

@@ -1,0 +1,54 @@
+"""The work the sans-IO core asks a target to do, and the target's small tensor interface.
+
+Core generators yield `Run` / `RunAll` and receive the outputs (psycopg's generators.py shape):
+the CPython driver answers with InferenceSession.run, the browser driver with onnxruntime-web.
+Tensors are opaque handles owned by the target; the core only creates small integer tensors and
+reads small integer results through `Backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Handle = Any  # a target's tensor (numpy array, OrtValue, ort.Tensor proxy)
+
+KERNEL = "kernel:"  # session names starting with this are ortpipe's kernel graphs
+
+
+@dataclass(slots=True)
+class Run:
+    """Run one session. `inplace` maps an output to the input whose buffer it must be written into."""
+
+    session: str
+    feeds: dict[str, Handle]
+    outputs: tuple[str, ...]
+    inplace: dict[str, str] | None = None
+
+
+@dataclass(slots=True)
+class RunAll:
+    """Runs that do not depend on each other; a target may run them side by side."""
+
+    runs: list[Run]
+
+
+Work = Generator[Run | RunAll, Any, Any]
+
+
+class Backend(Protocol):
+    """The few tensor operations the core needs from a target."""
+
+    def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> Handle: ...
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: str) -> Handle: ...
+
+    def shape(self, handle: Handle) -> tuple[int, ...]: ...
+
+    def to_list(self, handle: Handle) -> list[int]: ...
+
+
+def kernel(name: str, dtype: str) -> str:
+    """The session name of a kernel graph specialised for one element type."""
+    return f"{KERNEL}{name}_{dtype}"

@@ -1,0 +1,67 @@
+"""The autoregressive loop as a step-wise, sans-IO generator of tokens.
+
+`append_tokens` queues ids; `next_token` runs the flow on what is queued (the init phase first,
+on the first call) and selects one token from the logits. The selected token is queued, not run:
+N new tokens cost one prefill and N-1 decode runs. Appending after generation continues from the
+cache (continuous decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import GenerationError
+from ..execute.flow import FlowRun
+from ..execute.work import Backend, Handle, Work
+from ..plan import Plan
+from ..sampling.greedy import Greedy
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_length: int  # prompt + generated, never more
+    eos: frozenset[int] = field(default_factory=frozenset)
+
+
+class TokenGenerator:
+    def __init__(self, plan: Plan, backend: Backend, limits: Limits, inputs: dict[str, Handle] | None = None):
+        self.plan, self.backend, self.limits = plan, backend, limits
+        self.flow = FlowRun(plan, backend, 1, limits.max_length, inputs)
+        gen = plan.generator
+        self.sampler = Greedy(backend, plan.signatures[gen.session].output(gen.logits).dtype)
+        self.tokens: list[int] = []  # every id so far: prompts and generated
+        self.generated = 0
+        self._pending: list[int] = []
+        self._started = False
+        self.interrupted = False
+
+    def append_tokens(self, ids: list[int]) -> None:
+        if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise GenerationError(f"token ids must be a non-empty list of non-negative integers, found {ids!r}")
+        if len(self.tokens) + len(ids) > self.limits.max_length:
+            raise GenerationError(f"{len(self.tokens) + len(ids)} tokens do not fit in max_length "
+                                  f"{self.limits.max_length}; raise max_length or shorten the prompt")
+        self.tokens.extend(ids)
+        self._pending.extend(ids)
+        self.generated = 0
+
+    @property
+    def done(self) -> bool:
+        if self.interrupted or len(self.tokens) >= self.limits.max_length:
+            return True
+        return self.generated > 0 and self.tokens[-1] in self.limits.eos
+
+    def next_token(self) -> Work:
+        if not self._pending:
+            raise GenerationError("append tokens (a prompt) before asking for the next token")
+        if self.done:
+            raise GenerationError("generation is done (eos, max_length or interrupt); append tokens to go on")
+        if not self._started:
+            yield from self.flow.run_init(self._pending)
+            self._started = True
+        logits = yield from self.flow.run_step(self._pending)
+        token = yield from self.sampler.select(logits, self.tokens)
+        self.tokens.append(token)
+        self._pending = [token]
+        self.generated += 1
+        return token

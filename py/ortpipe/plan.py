@@ -1,0 +1,278 @@
+"""Config + session signatures -> an executable Plan.
+
+The plan says, for every flow step, where each graph input comes from (a generation role, the KV
+cache, a dataflow value, or the request) and which outputs to keep. Everything that needs the
+graphs' signatures is validated here, at load time, and reported as one ConfigError.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .config.schema import Config, FlowStep, KVCacheSpec
+from .errors import Problems, did_you_mean, one_of
+from .signature import Signature, TensorInfo
+
+# Feed kinds: where a graph input's value comes from on each run.
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PAST, VALUE, STATE, REQUEST, CACHE_BRANCH, COUNTER = (
+    "input_ids", "attention_mask", "position_ids", "past", "value", "state", "request",
+    "use_cache_branch", "counter")
+
+# (past key, present key, past value, present value) name patterns tried by format "auto".
+SEPARATE_PATTERNS = (
+    ("past_key_values.{layer}.key", "present.{layer}.key", "past_key_values.{layer}.value", "present.{layer}.value"),
+    ("past_key_values.{layer}.key", "present_key_values.{layer}.key",
+     "past_key_values.{layer}.value", "present_key_values.{layer}.value"),
+    ("past_key_{layer}", "present_key_{layer}", "past_value_{layer}", "present_value_{layer}"),
+    ("past_key_self_{layer}", "present_key_self_{layer}", "past_value_self_{layer}", "present_value_self_{layer}"),
+    ("past.{layer}.key", "present.{layer}.key", "past.{layer}.value", "present.{layer}.value"),
+)
+COMBINED_PATTERNS = (("past_{layer}", "present_{layer}"), ("past.{layer}", "present.{layer}"))
+
+
+@dataclass(frozen=True)
+class Feed:
+    input: str
+    kind: str
+    source: str = ""  # VALUE / STATE: "session.output"
+    dtype: str = "int64"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One past input fed back from one present output."""
+
+    past: str
+    present: str
+    layer: int
+    dtype: str
+    shape: tuple[int | None, ...]  # batch and sequence axes are None, filled in per request
+    batch_axis: int
+    seq_axis: int
+    window: int | None = None  # sliding-window layers keep only the last `window` positions
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    format: str  # "separate" or "combined"
+    share_buffer: bool
+    entries: tuple[CacheEntry, ...]
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({e.layer for e in self.entries})
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: FlowStep
+    session: str
+    feeds: tuple[Feed, ...]
+    outputs: tuple[str, ...]
+    kv: KVPlan | None = None
+    logits: str | None = None
+
+    @property
+    def request_inputs(self) -> list[str]:
+        return [f.input for f in self.feeds if f.kind == REQUEST]
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: Config
+    signatures: dict[str, Signature]
+    init: tuple[tuple[StepPlan, ...], ...]  # levels: the steps of one level may run side by side
+    step: tuple[StepPlan, ...]
+    final: tuple[StepPlan, ...]
+
+    @property
+    def generator(self) -> StepPlan | None:
+        """The step whose logits drive generation: the last step-phase step with logits."""
+        return next((s for s in reversed(self.step) if s.logits), None)
+
+
+def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
+    problems = Problems()
+    _check_wires(config, signatures, problems)
+    loaded = [s for s in config.pipeline.flow if s.run in signatures]
+    plans = {id(s): _step_plan(config, s, loaded, signatures, problems) for s in loaded}
+    by_phase = {w: [plans[id(s)] for s in loaded if s.when == w] for w in ("init", "step", "final")}
+    plan = Plan(config, signatures, _levels(by_phase["init"]), tuple(by_phase["step"]), tuple(by_phase["final"]))
+    if config.generation.loop == "autoregressive" and plan.generator is None:
+        steps = [s.run for s in config.pipeline.flow if s.when == "step"]
+        problems.add('generation.loop is "autoregressive" but no step-phase session has a logits output '
+                     f"(step sessions: {one_of(steps) or 'none'}). Add a decoder step with "
+                     '"when": "step", or name its logits output in sessions.NAME.outputs.logits')
+    problems.raise_if_any()
+    return plan
+
+
+def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
+    for w in config.pipeline.dataflow:
+        src, dst = sigs.get(w.from_session), sigs.get(w.to_session)
+        if src and w.from_output not in src.output_names:
+            problems.add(f'Dataflow wire references output "{w.from_output}" but session "{w.from_session}" has '
+                         f"no such output (available outputs: {one_of(src.output_names)})."
+                         f"{did_you_mean(w.from_output, src.output_names)}")
+        if dst and w.to_input not in dst.input_names:
+            problems.add(f'Dataflow wire references input "{w.to_input}" but session "{w.to_session}" has '
+                         f"no such input (available inputs: {one_of(dst.input_names)})."
+                         f"{did_you_mean(w.to_input, dst.input_names)}")
+
+
+def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
+               problems: Problems) -> StepPlan:
+    spec, sig = config.session_of(step), sigs[step.run]
+    kv = _kv_plan(config, step.run, sig, problems)
+    cache_inputs = {e.past for e in kv.entries} if kv else set()
+    roles = {
+        INPUT_IDS: spec.inputs.get("input_ids", "input_ids"),
+        ATTENTION_MASK: spec.inputs.get("attention_mask", "attention_mask"),
+        POSITION_IDS: spec.inputs.get("position_ids", config.pipeline.state.position_ids.input_name),
+        CACHE_BRANCH: "use_cache_branch",
+    }
+    if step.counter:
+        roles[COUNTER] = step.counter
+    by_name = {name: role for role, name in roles.items()}
+    feeds = []
+    for t in sig.inputs:
+        if t.name in cache_inputs:
+            feeds.append(Feed(t.name, PAST, dtype=t.dtype))
+            continue
+        feed = (_explicit_wire(config, step, t)
+                or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
+                or _same_name_output(step, flow, sigs, t))
+        if feed is None and step.when == "init":
+            feed = Feed(t.name, REQUEST, dtype=t.dtype)
+        if feed is None:
+            problems.add(_unfed_message(step.run, t))
+            continue
+        if feed.kind == POSITION_IDS:
+            _check_positions(config, step.run, t, problems)
+        feeds.append(feed)
+    logits = spec.outputs.get("logits", "logits")
+    logits = logits if logits in sig.output_names else None
+    outputs = tuple(t.name for t in sig.outputs)
+    return StepPlan(step, step.run, tuple(feeds), outputs, kv, logits)
+
+
+def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
+    for w in config.pipeline.dataflow:
+        if w.to_session == step.run and w.to_input == t.name:
+            kind = STATE if w.from_session == step.run else VALUE
+            return Feed(t.name, kind, f"{w.from_session}.{w.from_output}", t.dtype)
+    return None
+
+
+def _same_name_output(step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
+                      t: TensorInfo) -> Feed | None:
+    """Dataflow auto-matching: another session's output of the same name (its own: carried state)."""
+    producers = [s.run for s in flow if t.name in sigs[s.run].output_names]
+    if not producers:
+        return None
+    others = [p for p in producers if p != step.run]
+    source = others[0] if others else step.run
+    return Feed(t.name, STATE if source == step.run else VALUE, f"{source}.{t.name}", t.dtype)
+
+
+def _unfed_message(session: str, t: TensorInfo) -> str:
+    return (f'Session "{session}" input "{t.name}" ({t.dtype} {list(t.shape)}) cannot be fed: it is not a KV '
+            "cache input, not input_ids / attention_mask / position_ids, and no dataflow wire or other "
+            f'session output provides it. Add a wire {{"from": "SESSION.OUTPUT", "to": "{session}.{t.name}"}} '
+            "to pipeline.dataflow, or rename the role in sessions.NAME.inputs")
+
+
+def _check_positions(config: Config, session: str, t: TensorInfo, problems: Problems) -> None:
+    strategy = config.pipeline.state.position_ids.strategy
+    if strategy == "auto":
+        strategy = "mrope_3d" if t.rank == 3 else "default"
+    if strategy != "default":
+        problems.add(f'position_ids strategy "{strategy}" (session "{session}" input "{t.name}", shape '
+                     f"{list(t.shape)}) is not supported by this version yet; supported: default")
+
+
+def _kv_plan(config: Config, session: str, sig: Signature, problems: Problems) -> KVPlan | None:
+    spec = config.pipeline.state.kv_cache
+    pairs, fmt = _match_cache(spec, sig)
+    if not pairs:
+        if spec.format != "auto" and any("past" in n for n in sig.input_names):
+            problems.add(f'kv_cache format "{spec.format}" was asked for, but session "{session}" inputs '
+                         f"({one_of(sig.input_names)}) match none of its name patterns. Set "
+                         "state.kv_cache.past_key_pattern etc., or use \"format\": \"auto\"")
+        return None
+    window = spec.sliding_window
+    entries = []
+    for layer, past, present in pairs:
+        p_info, o_info = sig.input(past), sig.output(present)
+        if o_info is None:
+            problems.add(f'Session "{session}" has cache input "{past}" but no matching output "{present}" '
+                         f"(outputs: {one_of(sig.output_names)}). Set state.kv_cache.present_*_pattern")
+            continue
+        batch_axis, seq_axis = (1, 3) if fmt == "combined" else (0, 2)
+        shape = _cache_shape(config, session, p_info, batch_axis, seq_axis, problems)
+        windowed = window and (window.layers is None or layer in window.layers)
+        entries.append(CacheEntry(past, present, layer, p_info.dtype, shape, batch_axis, seq_axis,
+                                  window.window_size if windowed else None))
+    return KVPlan(fmt, spec.share_buffer and fmt == "separate", tuple(entries))
+
+
+def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str, str]], str]:
+    """[(layer, past input, present output)] for the first pattern family that matches any input."""
+    separate = [(spec.past_key_pattern, spec.present_key_pattern, spec.past_value_pattern, spec.present_value_pattern)]
+    combined = [(spec.past_pattern, spec.present_pattern)]
+    families: list[tuple[str, tuple[str | None, ...]]] = []
+    if spec.format in ("auto", "separate"):
+        families += [("separate", p) for p in (separate if separate[0][0] else SEPARATE_PATTERNS)]
+    if spec.format in ("auto", "combined"):
+        families += [("combined", p) for p in (combined if combined[0][0] else COMBINED_PATTERNS)]
+    for fmt, patterns in families:
+        pairs = []
+        for past_pat, present_pat in zip(patterns[::2], patterns[1::2]):
+            if past_pat is None or present_pat is None:
+                continue
+            regex = re.compile(re.escape(past_pat).replace(re.escape("{layer}"), r"(\d+)") + "$")
+            for name in sig.input_names:
+                m = regex.match(name)
+                if m:
+                    pairs.append((int(m.group(1)), name, present_pat.replace("{layer}", m.group(1))))
+        if pairs:
+            return sorted(pairs), fmt
+    return [], "separate"
+
+
+def _cache_shape(config: Config, session: str, t: TensorInfo, batch_axis: int, seq_axis: int,
+                 problems: Problems) -> tuple[int | None, ...]:
+    """The cache's fixed dims from the signature; unnamed ones from the config's metadata."""
+    meta = config.metadata
+    fallback = {seq_axis + 1: meta.get("head_size"), seq_axis - 1: meta.get("num_key_value_heads")}
+    shape: list[int | None] = []
+    for axis, dim in enumerate(t.shape):
+        if axis in (batch_axis, seq_axis):
+            shape.append(None)
+        elif isinstance(dim, int):
+            shape.append(dim)
+        elif isinstance(fallback.get(axis), int):
+            shape.append(fallback[axis])
+        else:
+            problems.add(f'Session "{session}" cache input "{t.name}" has a symbolic dimension {axis} ({dim!r}) '
+                         "that ortpipe cannot size. Export the graph with fixed head counts and sizes, or set "
+                         "metadata.num_key_value_heads and metadata.head_size in genai_config.json")
+            shape.append(0)
+    return tuple(shape)
+
+
+def _levels(steps: list[StepPlan]) -> tuple[tuple[StepPlan, ...], ...]:
+    """Init steps grouped into levels: a step runs after every step it depends on (after or data)."""
+    deps = {s.session: set(s.step.after) | {f.source.split(".")[0] for f in s.feeds if f.kind == VALUE}
+            for s in steps}
+    names = {s.session for s in steps}
+    levels: list[tuple[StepPlan, ...]] = []
+    done: set[str] = set()
+    remaining = list(steps)
+    while remaining:
+        ready = [s for s in remaining if (deps[s.session] & names) <= done] or remaining[:1]
+        levels.append(tuple(ready))
+        done |= {s.session for s in ready}
+        remaining = [s for s in remaining if s not in ready]
+    return tuple(levels)

@@ -1,0 +1,45 @@
+"""The KV cache of one session for one request.
+
+Two ways to carry it (format and sizes come from the plan, detected from the graph):
+- concat: the graph returns present = past + new; the present is the next past.
+- shared buffer: one buffer per entry, sized to the request's max length (never the model's
+  context length), passed as past and written in place as present (onnxruntime-genai's
+  GroupQueryAttention graphs with past_present_share_buffer).
+Sliding-window entries keep only their last `window` positions (a kernel slices them).
+"""
+
+from __future__ import annotations
+
+from ..execute.work import Backend, Handle, Run, Work, kernel
+from ..plan import CacheEntry, KVPlan
+
+
+class KVCache:
+    def __init__(self, plan: KVPlan, backend: Backend, batch: int, max_length: int):
+        self.plan = plan
+        self.length = 0  # positions the graph has seen
+        seq = max_length if plan.share_buffer else 0
+        self.feeds: dict[str, Handle] = {
+            e.past: backend.full(_shape(e, batch, seq), 0, e.dtype) for e in plan.entries}
+        self.inplace = {e.present: e.past for e in plan.entries} if plan.share_buffer else None
+        self._windowed = [e for e in plan.entries if e.window is not None and not plan.share_buffer]
+
+    def update(self, outputs: dict[str, Handle], new: int, backend: Backend) -> Work:
+        """Take the run's presents as the next pasts (nothing to do for a shared buffer)."""
+        self.length += new
+        if self.plan.share_buffer:
+            return
+        feeds = self.feeds
+        for e in self.plan.entries:
+            feeds[e.past] = outputs[e.present]
+        for e in self._windowed:
+            if backend.shape(feeds[e.past])[e.seq_axis] > e.window:
+                feeds[e.past] = (yield Run(kernel("keep_last", e.dtype), {
+                    "x": feeds[e.past], "keep": backend.tensor([e.window], (1,), "int64"),
+                    "axis": backend.tensor([e.seq_axis], (1,), "int64")}, ("y",)))["y"]
+
+
+def _shape(e: CacheEntry, batch: int, seq: int) -> tuple[int, ...]:
+    shape = list(e.shape)
+    shape[e.batch_axis], shape[e.seq_axis] = batch, seq
+    return tuple(d or 0 for d in shape)

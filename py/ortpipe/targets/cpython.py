@@ -1,0 +1,307 @@
+"""The CPython target: the core's work carried out by onnxruntime, tensors as numpy arrays.
+
+Plain `run()` is zero-copy on CPU. Sessions whose cache is one shared past/present buffer run
+through an IOBinding that is kept between steps: the buffers are bound once, and only the inputs
+that changed are bound again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from ..config import load_config
+from ..config.schema import SessionSpec
+from ..errors import ConfigError, GenerationError, OrtpipeError
+from ..execute.work import KERNEL, Run, RunAll, Work
+from ..folder import LocalFolder
+from ..loops.autoregressive import TokenGenerator
+from ..pipeline import Chunk, Pipeline, Result, Timings
+from ..plan import Plan, make_plan
+from ..signature import Signature, TensorInfo
+from ..tokenizer import TextStream
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider", "qnn": "QNNExecutionProvider", "coreml": "CoreMLExecutionProvider",
+    "webgpu": "WebGpuExecutionProvider", "tensorrt": "TensorrtExecutionProvider",
+}
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
+              "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(bfloat16)": "bfloat16"}
+_SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads")
+
+
+class CpuBackend:
+    """Tensors as numpy arrays."""
+
+    def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.array(values, dtype=dtype).reshape(shape)
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
+        return np.full(shape, value, dtype=dtype)
+
+    def shape(self, handle: np.ndarray) -> tuple[int, ...]:
+        return handle.shape
+
+    def to_list(self, handle: np.ndarray) -> list[int]:
+        return handle.ravel().tolist()
+
+
+def provider_name(name: str) -> str:
+    return PROVIDERS.get(name.lower(), name)
+
+
+def choose_provider(spec: SessionSpec, override: str | None) -> tuple[str, dict[str, Any]]:
+    """The first available provider of the session's list; a fallback is a warning, never silent."""
+    wanted = [override] if override else list(spec.providers)
+    available = ort.get_available_providers()
+    for name in wanted:
+        full = provider_name(name)
+        if full in available:
+            if full != provider_name(wanted[0]):
+                warnings.warn(f'session "{spec.name}": {wanted[0]} is not available in this onnxruntime '
+                              f"({', '.join(available)}); using {full}", stacklevel=3)
+            return full, dict(spec.provider_options.get(name, {}))
+    raise ConfigError(f'session "{spec.name}" asks for execution provider {" or ".join(wanted)}, but this '
+                      f"onnxruntime has only {', '.join(available)}. Install the matching onnxruntime package "
+                      "(one flavour per environment) or choose another provider")
+
+
+def open_session(folder: Path, spec: SessionSpec, provider: str | None, threads: int | None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    for key in _SESSION_OPTIONS:
+        if isinstance(spec.session_options.get(key), int):
+            setattr(options, key, spec.session_options[key])
+    if threads:
+        options.intra_op_num_threads = threads
+    name, provider_options = choose_provider(spec, provider)
+    path = folder / spec.file
+    try:
+        session = ort.InferenceSession(str(path), options, providers=[name], provider_options=[provider_options])
+    except Exception as e:  # onnxruntime raises its own types; give them context
+        raise ConfigError(f'session "{spec.name}" could not be created from {path} with {name}: {e}') from e
+    got = session.get_providers()[0]
+    if got != name:
+        warnings.warn(f'session "{spec.name}": asked for {name}, onnxruntime gave {got}', stacklevel=3)
+    return session
+
+
+def signature_of(session: ort.InferenceSession) -> Signature:
+    def info(arg: Any) -> TensorInfo:
+        return TensorInfo(arg.name, _ORT_TYPES.get(arg.type, arg.type), tuple(arg.shape))
+
+    return Signature(tuple(map(info, session.get_inputs())), tuple(map(info, session.get_outputs())))
+
+
+class _Binding:
+    """An IOBinding kept between runs of one session, with what is bound to it."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.io = session.io_binding()
+        self.inputs: dict[str, Any] = {}
+        self.inplace: dict[str, Any] = {}  # output name -> the array it is written into
+        self.inplace_inputs: dict[str, Any] = {}  # input name -> the OrtValue over that array
+        self.outputs: list[str] = []  # binding order, which is the order get_outputs() returns
+
+
+class Driver:
+    """Carries out the core's Run / RunAll requests on onnxruntime sessions."""
+
+    def __init__(self, sessions: dict[str, ort.InferenceSession], threads: int | None = None):
+        self.sessions = dict(sessions)
+        self.threads = threads
+        self._bindings: dict[str, _Binding] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def drive(self, gen: Work) -> Any:
+        """Answer a core generator's requests until it returns; its return value is ours."""
+        try:
+            work = next(gen)
+            while True:
+                work = gen.send(self.execute(work))
+        except StopIteration as stop:
+            return stop.value
+
+    def execute(self, work: Run | RunAll) -> Any:
+        if isinstance(work, Run):
+            return self.run(work)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ortpipe")
+        return list(self._pool.map(self.run, work.runs))  # onnxruntime releases the GIL in run()
+
+    def run(self, work: Run) -> dict[str, Any]:
+        session = self.sessions.get(work.session) or self._kernel(work.session)
+        try:
+            if work.inplace:
+                return self._run_bound(session, work)
+            return dict(zip(work.outputs, session.run(work.outputs, work.feeds)))
+        except Exception as e:
+            shapes = ", ".join(f"{k} {list(getattr(v, 'shape', ()))}" for k, v in work.feeds.items())
+            raise OrtpipeError(f'session "{work.session}" failed: {e}\n  inputs: {shapes}') from e
+
+    def _kernel(self, name: str) -> ort.InferenceSession:
+        if not name.startswith(KERNEL):
+            raise OrtpipeError(f'no session "{name}" is loaded')
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1  # kernels are tiny: a thread pool costs more than it saves
+        session = ort.InferenceSession(str(KERNEL_DIR / f"{name[len(KERNEL):]}.onnx"), options,
+                                       providers=["CPUExecutionProvider"])
+        self.sessions[name] = session
+        return session
+
+    def _run_bound(self, session: ort.InferenceSession, work: Run) -> dict[str, Any]:
+        b = self._bindings.get(work.session)
+        if b is None:
+            b = self._bindings[work.session] = _Binding(session)
+        io = b.io
+        for out, inp in work.inplace.items():
+            if b.inplace.get(out) is not work.feeds[inp]:
+                self._rebind_outputs(b, work)
+                break
+        for name, value in work.feeds.items():
+            if b.inputs.get(name) is not value:
+                if name in b.inplace_inputs:
+                    io.bind_ortvalue_input(name, b.inplace_inputs[name])
+                else:
+                    io.bind_cpu_input(name, value)
+                b.inputs[name] = value
+        session.run_with_iobinding(io)
+        values = io.get_outputs()
+        return {name: values[i].numpy() for i, name in enumerate(b.outputs) if name not in work.inplace}
+
+    @staticmethod
+    def _rebind_outputs(b: _Binding, work: Run) -> None:
+        """Bind every output again: in-place ones to their input's buffer, the rest to fresh CPU memory."""
+        b.io.clear_binding_outputs()
+        b.inputs.clear()
+        b.inplace = {out: work.feeds[inp] for out, inp in work.inplace.items()}
+        b.inplace_inputs = {}
+        for out, inp in work.inplace.items():
+            value = ort.OrtValue.ortvalue_from_numpy(work.feeds[inp])  # shares the array's memory
+            b.inplace_inputs[inp] = value
+            b.io.bind_ortvalue_output(out, value)
+        rest = [o for o in work.outputs if o not in work.inplace]
+        for out in rest:
+            b.io.bind_output(out, "cpu")
+        b.outputs = list(work.inplace) + rest
+
+
+class HFTokenizer:
+    """Hugging Face `tokenizers` over the folder's tokenizer.json."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class StepGenerator:
+    """The step-wise API: append tokens, ask for the next one, check whether it is done."""
+
+    def __init__(self, core: TokenGenerator, driver: Driver):
+        self.core, self.driver = core, driver
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.core.tokens
+
+    @property
+    def done(self) -> bool:
+        return self.core.done
+
+    def append_tokens(self, ids: list[int]) -> None:
+        self.core.append_tokens(list(ids))
+
+    def next_token(self) -> int:
+        return self.driver.drive(self.core.next_token())
+
+    def interrupt(self) -> None:
+        self.core.interrupted = True
+
+
+class CpuPipeline:
+    """A loaded model: `generate`, `stream`, and the step-wise `generator`."""
+
+    def __init__(self, core: Pipeline, driver: Driver, load_ms: float):
+        self.core, self.driver, self.load_ms = core, driver, load_ms
+        self.plan: Plan = core.plan
+        self.config = core.config
+        self.tokenizer = core.tokenizer
+
+    def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
+                  inputs: dict[str, Any] | None = None) -> StepGenerator:
+        return StepGenerator(self.core.generator(prompt_len, max_new_tokens, max_length, inputs), self.driver)
+
+    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+               max_new_tokens: int | None = None, max_length: int | None = None,
+               inputs: dict[str, Any] | None = None, timings: Timings | None = None) -> Iterator[Chunk]:
+        ids = self.core.prompt_ids(prompt, prompt_ids)
+        gen = self.generator(len(ids), max_new_tokens, max_length, inputs)
+        gen.append_tokens(ids)
+        text = TextStream(self.tokenizer) if self.tokenizer else None
+        timings = timings if timings is not None else Timings()
+        timings.prompt_tokens, timings.load_ms = len(ids), self.load_ms
+        start = time.perf_counter()
+        while not gen.done:
+            token = gen.next_token()
+            now = time.perf_counter()
+            if timings.new_tokens == 0:
+                timings.prefill_ms = (now - start) * 1000
+            else:
+                timings.decode_ms += (now - start) * 1000
+            timings.new_tokens += 1
+            yield Chunk(token, text.push(token) if text else "")
+            start = time.perf_counter()
+        self._last = gen
+
+    def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                 max_new_tokens: int | None = None, max_length: int | None = None,
+                 inputs: dict[str, Any] | None = None) -> Result:
+        timings = Timings()
+        tokens = [c.token for c in self.stream(prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                               max_length=max_length, inputs=inputs, timings=timings)]
+        text = self.tokenizer.decode(tokens) if self.tokenizer else ""
+        return Result(tokens, text, timings, self.core.finish_reason(self._last.core))
+
+
+def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, threads: int | None = None) -> CpuPipeline:
+    """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime."""
+    start = time.perf_counter()
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ConfigError(f"model folder {path} does not exist or is not a directory")
+    plan, sessions = build_plan(path, provider, threads)
+    tokenizer = HFTokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None
+    core = Pipeline(plan, CpuBackend(), tokenizer)
+    return CpuPipeline(core, Driver(sessions, threads), (time.perf_counter() - start) * 1000)
+
+
+def build_plan(path: Path, provider: str | None = None, threads: int | None = None
+               ) -> tuple[Plan, dict[str, ort.InferenceSession]]:
+    config = load_config(LocalFolder(path))
+    used = {s.run for s in config.pipeline.flow}
+    sessions = {}
+    for name, spec in config.pipeline.sessions.items():
+        if name in used and (path / spec.file).is_file():
+            sessions[name] = open_session(path, spec, provider, threads)
+    plan = make_plan(config, {n: signature_of(s) for n, s in sessions.items()})
+    return plan, sessions
+
+
+__all__ = ["CpuPipeline", "Driver", "GenerationError", "load", "build_plan"]

@@ -1,0 +1,237 @@
+"""Config loading and load-time validation: each error names the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ortpipe.config import load_config
+from ortpipe.config.expand import as_v2
+from ortpipe.errors import ConfigError
+from ortpipe.folder import LocalFolder
+from ortpipe.plan import make_plan
+from ortpipe.signature import Signature, TensorInfo
+
+
+def folder_with(tmp_path: Path, config: dict | str, files: tuple[str, ...] = ("model.onnx",)) -> LocalFolder:
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    text = config if isinstance(config, str) else json.dumps(config, indent=2)
+    (tmp_path / "genai_config.json").write_text(text)
+    return LocalFolder(tmp_path)
+
+
+def v2(pipeline: dict, **rest) -> dict:
+    return {"version": 2, "pipeline": pipeline, **rest}
+
+
+def errors_of(tmp_path: Path, config: dict | str, files: tuple[str, ...] = ("model.onnx",)) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(folder_with(tmp_path, config, files))
+    return str(info.value)
+
+
+VLM_FILES = ("vision.onnx", "embedding.onnx", "decoder.onnx")
+VLM_SESSIONS = {"vision": {"file": "vision.onnx"}, "embedding": {"file": "embedding.onnx"},
+                "decoder": {"file": "decoder.onnx"}}
+
+
+def test_minimal_v2_expands_the_preset(tmp_path: Path) -> None:
+    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"}, tokens={"eos": 7})))
+    assert config.source == "v2"
+    assert [(s.run, s.when) for s in config.pipeline.flow] == [("decoder", "step")]
+    assert config.pipeline.sessions["decoder"].file == "model.onnx"
+    assert config.tokens.eos == (7,)
+
+
+def test_overrides_replace_preset_values_and_when_aliases_resolve(tmp_path: Path) -> None:
+    config = load_config(folder_with(tmp_path, v2({
+        "extends": "vision-language", "sessions": VLM_SESSIONS,
+        "flow": [{"run": "vision", "when": "prompt", "loop": "per_image", "loop_over": "pixel_values"},
+                 {"run": "embedding", "when": "once"}, {"run": "decoder", "when": "always"}],
+        "state": {"position_ids": {"strategy": "mrope_3d", "grid_source": "vision.image_grid_thw"}},
+    }), VLM_FILES))
+    assert [s.when for s in config.pipeline.flow] == ["init", "init", "step"]
+    assert config.pipeline.flow[0].loop == "per_image"
+    assert config.pipeline.state.position_ids.strategy == "mrope_3d"
+    assert config.pipeline.state.kv_cache.format == "auto"  # kept from the preset
+    assert set(config.pipeline.sessions) == {"vision", "embedding", "decoder"}
+
+
+def test_flow_step_naming_an_undeclared_session(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"sessions": VLM_SESSIONS, "flow": [
+        {"run": "visoin", "when": "init"}, {"run": "decoder", "when": "step"}]}), VLM_FILES)
+    assert 'references session "visoin" but no such session is declared in pipeline.sessions' in msg
+    assert 'Did you mean "vision"?' in msg
+
+
+@pytest.mark.parametrize("field,value,valid", [
+    ("when", "sometimes", "init, step, final"),
+    ("loop", "per_frame", "batched, per_image"),
+])
+def test_unknown_flow_vocabulary_lists_valid_values(tmp_path: Path, field: str, value: str, valid: str) -> None:
+    step = {"run": "decoder", "when": "step", field: value}
+    msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "model.onnx"}}, "flow": [step]}))
+    assert f'"{value}"' in msg and f"Valid options: {valid}" in msg
+
+
+def test_unknown_position_strategy(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"extends": "autoregressive-decoder",
+                                  "state": {"position_ids": {"strategy": "my_custom"}}}))
+    assert 'Unknown position_ids strategy "my_custom"' in msg
+    assert "Valid options: auto, default, mrope_3d, windowed" in msg
+
+
+def test_unknown_preset_lists_presets_and_suggests(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"extends": "vision-languag"}))
+    assert 'Unknown pipeline preset "vision-languag"' in msg
+    assert "Built-in presets: autoregressive-decoder, vision-language, encoder-decoder, speech-language" in msg
+    assert 'Did you mean "vision-language"?' in msg
+
+
+def test_no_sessions(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"sessions": {}, "flow": []}))
+    assert "requires at least one session" in msg and '"sessions": {"decoder": {"file": "model.onnx"}}' in msg
+
+
+def test_session_file_missing(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "decoder.onnx"}},
+                                  "flow": [{"run": "decoder", "when": "step"}]}))
+    assert '"decoder.onnx" does not exist' in msg and str(tmp_path) in msg
+
+
+def test_session_file_outside_the_folder(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "../x.onnx"}},
+                                  "flow": [{"run": "decoder", "when": "step"}]}))
+    assert '"../x.onnx" points outside the model folder' in msg
+
+
+def test_more_than_ten_flow_steps(tmp_path: Path) -> None:
+    flow = [{"run": "decoder", "when": "step"}] * 11
+    msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "model.onnx"}}, "flow": flow}))
+    assert "pipeline.flow has 11 steps; at most 10 are allowed" in msg
+
+
+def test_malformed_json_names_line_and_column(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, '{\n  "version": 2,\n  "pipeline": {"extends": "autoregressive-decoder",}\n}')
+    assert "is not valid JSON" in msg and "line 3, column" in msg
+
+
+def test_cycle_in_dataflow_shows_the_cycle(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"sessions": VLM_SESSIONS, "flow": [
+        {"run": "vision", "when": "init"}, {"run": "embedding", "when": "init"}, {"run": "decoder", "when": "step"}],
+        "dataflow": [{"from": "vision.image_features", "to": "embedding.image_features"},
+                     {"from": "embedding.inputs_embeds", "to": "decoder.inputs_embeds"},
+                     {"from": "decoder.hidden", "to": "vision.hint"}]}), VLM_FILES)
+    assert "Circular dependency detected" in msg
+    assert "decoder → vision → embedding → decoder" in msg
+
+
+def test_cycle_through_after(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"sessions": VLM_SESSIONS, "flow": [
+        {"run": "vision", "when": "init", "after": ["embedding"]},
+        {"run": "embedding", "when": "init", "after": ["vision"]}, {"run": "decoder", "when": "step"}]}), VLM_FILES)
+    assert "embedding → vision → embedding" in msg
+
+
+def test_unknown_key_is_named_with_a_suggestion(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, v2({"extends": "autoregressive-decoder", "sesions": {}}))
+    assert 'Unknown key "sesions" in pipeline. Did you mean "sessions"?' in msg
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(folder_with(tmp_path, v2({"sessions": {"decoder": {"file": "../x.onnx"}},
+                                              "flow": [{"run": "decoder", "when": "never", "loop": "twice"}]})))
+    assert len(info.value.problems) == 3
+
+
+# Checks that need the graphs' signatures (plan time).
+
+def sig(inputs: list[tuple[str, str, tuple]], outputs: list[tuple[str, str, tuple]]) -> Signature:
+    return Signature(tuple(TensorInfo(*t) for t in inputs), tuple(TensorInfo(*t) for t in outputs))
+
+
+DECODER = sig([("input_ids", "int64", ("b", "s")), ("attention_mask", "int64", ("b", "t")),
+               ("past_key_values.0.key", "float32", ("b", 2, "p", 8)),
+               ("past_key_values.0.value", "float32", ("b", 2, "p", 8))],
+              [("logits", "float32", ("b", "s", 50)), ("present.0.key", "float32", ("b", 2, "t", 8)),
+               ("present.0.value", "float32", ("b", 2, "t", 8))])
+
+
+def test_dataflow_wire_to_a_missing_output_lists_the_outputs(tmp_path: Path) -> None:
+    config = load_config(folder_with(tmp_path, v2({
+        "sessions": {"vision": {"file": "vision.onnx"}, "decoder": {"file": "decoder.onnx"}},
+        "flow": [{"run": "vision", "when": "init"}, {"run": "decoder", "when": "step"}],
+        "dataflow": [{"from": "vision.image_features", "to": "decoder.inputs_embeds"}]}),
+        ("vision.onnx", "decoder.onnx")))
+    vision = sig([("pixel_values", "float32", ("b", 3, 8, 8))],
+                 [("hidden_states", "float32", ("b", 4, 16)), ("pooler_output", "float32", ("b", 16))])
+    with pytest.raises(ConfigError) as info:
+        make_plan(config, {"vision": vision, "decoder": DECODER})
+    msg = str(info.value)
+    assert 'references output "image_features" but session "vision" has no such output' in msg
+    assert "(available outputs: hidden_states, pooler_output)" in msg
+
+
+def test_an_input_the_plan_cannot_feed_is_named(tmp_path: Path) -> None:
+    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"})))
+    odd = sig([*((t.name, t.dtype, t.shape) for t in DECODER.inputs), ("speaker_embedding", "float32", ("b", 16))],
+              [(t.name, t.dtype, t.shape) for t in DECODER.outputs])
+    with pytest.raises(ConfigError) as info:
+        make_plan(config, {"decoder": odd})
+    assert 'Session "decoder" input "speaker_embedding" (float32 [\'b\', 16]) cannot be fed' in str(info.value)
+
+
+def test_plan_detects_separate_cache_and_feeds(tmp_path: Path) -> None:
+    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"})))
+    plan = make_plan(config, {"decoder": DECODER})
+    step = plan.step[0]
+    assert [(f.input, f.kind) for f in step.feeds] == [
+        ("input_ids", "input_ids"), ("attention_mask", "attention_mask"),
+        ("past_key_values.0.key", "past"), ("past_key_values.0.value", "past")]
+    assert step.kv.format == "separate" and step.kv.layers == [0]
+    assert step.kv.entries[0].shape == (None, 2, None, 8)
+    assert plan.generator is step
+
+
+def test_expanded_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"}, tokens={"eos": [2, 3]})))
+    again = load_config(folder_with(tmp_path / "again", as_v2(config)))
+    assert again.pipeline == config.pipeline and again.tokens == config.tokens
+
+
+def test_v1_unknown_model_type_is_metadata_only(tmp_path: Path) -> None:
+    v1 = {"model": {"type": "my_finetune", "eos_token_id": [2, 32000], "bos_token_id": 1, "pad_token_id": 0,
+                    "context_length": 4096,
+                    "decoder": {"filename": "model.onnx", "head_size": 8, "num_key_value_heads": 2,
+                                "session_options": {"log_id": "x", "intra_op_num_threads": 1, "provider_options": []},
+                                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                                           "past_key_names": "past_key_values.%d.key",
+                                           "past_value_names": "past_key_values.%d.value"},
+                                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                                            "present_value_names": "present.%d.value"}}},
+          "search": {"max_length": 256, "past_present_share_buffer": True, "do_sample": False, "top_k": 1}}
+    config = load_config(folder_with(tmp_path, v1))
+    assert config.source == "v1" and config.metadata["model_type"] == "my_finetune"
+    assert config.tokens.eos == (2, 32000) and config.tokens.bos == 1
+    kv = config.pipeline.state.kv_cache
+    assert kv.share_buffer and kv.past_key_pattern == "past_key_values.{layer}.key"
+    assert config.generation.max_length == 256
+    assert config.pipeline.sessions["decoder"].session_options == {"intra_op_num_threads": 1}
+    plan = make_plan(config, {"decoder": DECODER})
+    assert plan.step[0].kv.share_buffer
+
+
+def test_detected_config_takes_tokens_from_generation_config(tmp_path: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2,
+                                                      "max_position_embeddings": 512}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "bos_token_id": 1}))
+    config = load_config(LocalFolder(tmp_path))
+    assert config.source == "detected"
+    assert config.tokens.eos == (2, 5) and config.tokens.bos == 1
+    assert config.generation.max_length == 512

@@ -1,0 +1,163 @@
+"""The sans-IO executor driven by scripted outputs: what it asks for, step by step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ortpipe.config import load_config
+from ortpipe.errors import GenerationError
+from ortpipe.execute.work import Run
+from ortpipe.folder import LocalFolder
+from ortpipe.loops.autoregressive import Limits, TokenGenerator
+from ortpipe.plan import make_plan
+from ortpipe.signature import Signature, TensorInfo
+
+
+class FakeTensor:
+    def __init__(self, values: list, shape: tuple[int, ...], dtype: str):
+        self.values, self.shape, self.dtype = list(values), tuple(shape), dtype
+
+
+class FakeBackend:
+    def tensor(self, values, shape, dtype):
+        return FakeTensor(values, shape, dtype)
+
+    def full(self, shape, value, dtype):
+        n = 1
+        for d in shape:
+            n *= d
+        return FakeTensor([value] * n, shape, dtype)
+
+    def shape(self, h):
+        return h.shape
+
+    def to_list(self, h):
+        return h.values
+
+
+def decoder_sig(layers: tuple[int, ...] = (0, 1)) -> Signature:
+    ins = [TensorInfo("input_ids", "int64", ("b", "s")), TensorInfo("attention_mask", "int64", ("b", "t")),
+           TensorInfo("position_ids", "int64", ("b", "s"))]
+    outs = [TensorInfo("logits", "float32", ("b", "s", 10))]
+    for i in layers:
+        for kind in ("key", "value"):
+            ins.append(TensorInfo(f"past_key_values.{i}.{kind}", "float32", ("b", 2, "p", 4)))
+            outs.append(TensorInfo(f"present.{i}.{kind}", "float32", ("b", 2, "t", 4)))
+    return Signature(tuple(ins), tuple(outs))
+
+
+def make_generator(tmp_path: Path, kv: dict, max_length: int = 8, eos: tuple = (9,),
+                   sig: Signature | None = None) -> TokenGenerator:
+    (tmp_path / "model.onnx").write_bytes(b"")
+    (tmp_path / "genai_config.json").write_text(json.dumps(
+        {"version": 2, "pipeline": {"extends": "autoregressive-decoder", "state": {"kv_cache": kv}}}))
+    plan = make_plan(load_config(LocalFolder(tmp_path)), {"decoder": sig or decoder_sig()})
+    return TokenGenerator(plan, FakeBackend(), Limits(max_length, frozenset(eos)))
+
+
+def scripted(gen: TokenGenerator, picks: list[int], present_len=None) -> list[Run]:
+    """Drive next_token() for each pick; the fake decoder returns presents of the right length."""
+    runs = []
+    for pick in picks:
+        work = gen.next_token()
+        request = next(work)
+        try:
+            while True:
+                runs.append(request)
+                if request.session.startswith("kernel:argmax_last"):
+                    reply = {"token": FakeTensor([pick], (1,), "int64")}
+                elif request.session.startswith("kernel:keep_last"):
+                    x, keep = request.feeds["x"], request.feeds["keep"].values[0]
+                    shape = list(x.shape)
+                    shape[2] = keep
+                    reply = {"y": FakeTensor([], tuple(shape), x.dtype)}
+                else:
+                    total = request.feeds["attention_mask"].shape[1]
+                    reply = {"logits": FakeTensor([], (1, 1, 10), "float32")}
+                    for name in request.outputs:
+                        if name.startswith("present"):
+                            length = present_len(name, total) if present_len else total
+                            reply[name] = FakeTensor([], (1, 2, length, 4), "float32")
+                request = work.send(reply)
+        except StopIteration as stop:
+            assert stop.value == pick
+    return runs
+
+
+def test_prefill_then_one_decode_run_per_token(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {"format": "auto"})
+    gen.append_tokens([5, 6, 7])
+    runs = scripted(gen, [1, 2, 3])
+    decoder = [r for r in runs if r.session == "decoder"]
+    assert len(decoder) == 3  # prefill + 2 decodes for 3 tokens
+    assert decoder[0].feeds["input_ids"].values == [5, 6, 7]
+    assert decoder[0].feeds["position_ids"].values == [0, 1, 2]
+    assert decoder[0].feeds["past_key_values.0.key"].shape == (1, 2, 0, 4)
+    assert decoder[1].feeds["input_ids"].values == [1]
+    assert decoder[1].feeds["position_ids"].values == [3]
+    assert decoder[1].feeds["attention_mask"].shape == (1, 4)
+    assert decoder[2].feeds["past_key_values.1.value"].shape == (1, 2, 4, 4)
+    assert decoder[0].inplace is None
+    assert gen.tokens == [5, 6, 7, 1, 2, 3]
+
+
+def test_shared_buffer_is_sized_from_max_length_and_bound_in_place(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {"share_buffer": True}, max_length=7)
+    gen.append_tokens([5, 6, 7])
+    runs = [r for r in scripted(gen, [1, 2], present_len=lambda name, total: 7) if r.session == "decoder"]
+    buffer = runs[0].feeds["past_key_values.0.key"]
+    assert buffer.shape == (1, 2, 7, 4)
+    assert runs[1].feeds["past_key_values.0.key"] is buffer  # the same buffer every step
+    assert runs[0].inplace == {"present.0.key": "past_key_values.0.key", "present.0.value": "past_key_values.0.value",
+                               "present.1.key": "past_key_values.1.key", "present.1.value": "past_key_values.1.value"}
+    assert runs[1].feeds["attention_mask"].shape == (1, 4)
+
+
+def test_sliding_window_layers_are_trimmed_by_the_kernel(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {"sliding_window": {"window_size": 3, "layers": [1]}}, max_length=10)
+    gen.append_tokens([5, 6, 7, 8])
+    runs = scripted(gen, [1, 2])
+    trims = [r for r in runs if r.session.startswith("kernel:keep_last")]
+    assert {r.feeds["x"].shape for r in trims} == {(1, 2, 4, 4), (1, 2, 5, 4)}
+    decode = [r for r in runs if r.session == "decoder"][1]
+    assert decode.feeds["past_key_values.1.key"].shape == (1, 2, 3, 4)  # windowed layer
+    assert decode.feeds["past_key_values.0.key"].shape == (1, 2, 4, 4)  # full layer
+
+
+def test_sparse_layers_come_from_the_signature(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {"format": "separate"}, sig=decoder_sig((0, 2, 5)))
+    assert gen.plan.step[0].kv.layers == [0, 2, 5]
+
+
+def test_stops_at_eos_and_max_length(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {}, max_length=8, eos=(9,))
+    gen.append_tokens([5, 6])
+    scripted(gen, [1, 9])
+    assert gen.done
+    with pytest.raises(GenerationError, match="generation is done"):
+        next(gen.next_token())
+    gen = make_generator(tmp_path, {}, max_length=4, eos=(9,))
+    gen.append_tokens([5, 6])
+    scripted(gen, [1, 2])
+    assert gen.done and len(gen.tokens) == 4
+
+
+def test_continuous_decoding_appends_without_re_running_history(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {}, max_length=20)
+    gen.append_tokens([5, 6])
+    scripted(gen, [1, 2])
+    gen.append_tokens([7, 8])
+    runs = [r for r in scripted(gen, [3]) if r.session == "decoder"]
+    assert runs[0].feeds["input_ids"].values == [2, 7, 8]  # last generated token + the new turn
+    assert runs[0].feeds["position_ids"].values == [3, 4, 5]
+
+
+def test_bad_prompts_are_refused_before_running(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {}, max_length=4)
+    with pytest.raises(GenerationError, match="non-negative integers"):
+        gen.append_tokens([1, -2])
+    with pytest.raises(GenerationError, match="do not fit in max_length 4"):
+        gen.append_tokens([1, 2, 3, 4, 5])

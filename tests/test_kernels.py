@@ -1,0 +1,37 @@
+"""Kernel graphs: the shipped files equal a fresh build, and they compute what they claim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from build.kernels import OUT_DIR, build_all
+
+
+def test_shipped_kernels_equal_a_fresh_build() -> None:
+    fresh = build_all()
+    shipped = {p.name: p.read_bytes() for p in Path(OUT_DIR).glob("*.onnx")}
+    assert shipped == fresh
+
+
+def run(name: str, **feeds: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(Path(OUT_DIR) / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def test_argmax_last_picks_the_last_position() -> None:
+    logits = np.array([[[9.0, 0, 0, 0], [0, 0.5, 3.0, -1]],
+                       [[0, 0, 0, 0], [4.0, 1, 1, 5.0]]], dtype=np.float32)
+    assert run("argmax_last_float32", logits=logits).tolist() == [2, 3]
+    assert run("argmax_last_float16", logits=logits.astype(np.float16)).tolist() == [2, 3]
+
+
+def test_keep_last_trims_the_sequence_axis() -> None:
+    x = np.arange(2 * 3 * 6 * 4, dtype=np.float32).reshape(2, 3, 6, 4)
+    y = run("keep_last_float32", x=x, keep=np.array([4]), axis=np.array([2]))
+    assert np.array_equal(y, x[:, :, 2:])
+    combined = np.arange(2 * 1 * 2 * 5 * 3, dtype=np.float16).reshape(2, 1, 2, 5, 3)
+    y = run("keep_last_float16", x=combined, keep=np.array([2]), axis=np.array([3]))
+    assert np.array_equal(y, combined[:, :, :, 3:])
