@@ -53,15 +53,170 @@ def keep_last(elem: int) -> onnx.GraphProto:
     return helper.make_graph(nodes, "keep_last", [x, *ints], [y])
 
 
-KERNELS: dict[str, Callable[[int], onnx.GraphProto]] = {"argmax_last": argmax_last, "keep_last": keep_last}
+# Sampling: logits processors and samplers over float32 scores [batch, vocab] (seed 000's sampling,
+# transformers' processor semantics). `process` starts from the model's logits; each later stage
+# maps scores to scores, masking removed tokens with -inf; `sample` / `argmax` end the chain.
+
+NEG_INF = float("-inf")
+
+
+def _scores(name: str) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "vocab"])
+
+
+def _scalar(name: str, elem: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, [1])
+
+
+def _fconst(name: str, value: float) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value]))
+
+
+def process(elem: int) -> onnx.GraphProto:
+    """logits [b, s, v] -> scores [b, v]: last position, banned ids to -inf, repetition penalty, temperature.
+
+    `banned` and `seen` are id lists [b, n] padded with the id `vocab` (one past the end): they
+    address an extra column that is dropped at the end, so rows of different lengths need no mask.
+    """
+    nodes = [
+        _const("start", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]), _const("zero", [0]),
+        helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
+        helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
+        helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
+        # the padding column
+        helper.make_node("Shape", ["last"], ["shape"]),
+        helper.make_node("Slice", ["shape", "zero", "axis1", "zero"], ["batch"]),
+        helper.make_node("Concat", ["batch", "axis1"], ["pad_shape"], axis=0),
+        helper.make_node("ConstantOfShape", ["pad_shape"], ["pad"],
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
+        helper.make_node("Concat", ["last", "pad"], ["wide"], axis=1),
+        # repetition penalty: seen tokens' scores divided (positive) or multiplied (negative) by it
+        _fconst("f0", 0.0),
+        helper.make_node("GatherElements", ["wide", "seen"], ["seen_scores"], axis=1),
+        helper.make_node("Less", ["seen_scores", "f0"], ["negative"]),
+        helper.make_node("Mul", ["seen_scores", "penalty"], ["times"]),
+        helper.make_node("Div", ["seen_scores", "penalty"], ["divided"]),
+        helper.make_node("Where", ["negative", "times", "divided"], ["penalized"]),
+        helper.make_node("ScatterElements", ["wide", "seen", "penalized"], ["repeated"], axis=1),
+        # banned ids
+        helper.make_node("Shape", ["banned"], ["banned_shape"]),
+        helper.make_node("ConstantOfShape", ["banned_shape"], ["minus_inf"],
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG_INF])),
+        helper.make_node("ScatterElements", ["repeated", "banned", "minus_inf"], ["allowed"], axis=1),
+        helper.make_node("Shape", ["last"], ["narrow_shape"]),
+        helper.make_node("Slice", ["narrow_shape", "axis1", "end", "zero"], ["vocab"]),
+        helper.make_node("Slice", ["allowed", "zero", "vocab", "axis1"], ["trimmed"]),
+        helper.make_node("Div", ["trimmed", "temperature"], ["scores"]),
+    ]
+    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", n + "_count"]) for n in ("banned", "seen")]
+    return helper.make_graph(
+        nodes, "process",
+        [helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]), *ids,
+         _scalar("penalty"), _scalar("temperature")],
+        [_scores("scores")])
+
+
+def top_k(_: int) -> onnx.GraphProto:
+    """Keep the k highest scores (ties with the k-th included); k is at most the vocabulary size."""
+    nodes = [
+        helper.make_node("TopK", ["scores", "k"], ["values", "indices"], axis=-1),
+        _const("last", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]),
+        helper.make_node("Slice", ["values", "last", "end", "axis1"], ["threshold"]),
+        helper.make_node("Less", ["scores", "threshold"], ["drop"]),
+        _fconst("minus_inf", NEG_INF),
+        helper.make_node("Where", ["drop", "minus_inf", "scores"], ["kept"]),
+    ]
+    return helper.make_graph(nodes, "top_k", [_scores("scores"), _scalar("k", TensorProto.INT64)], [_scores("kept")])
+
+
+def top_p(_: int) -> onnx.GraphProto:
+    """Keep the smallest set of highest scores whose probability reaches p.
+
+    A token is kept while the probability of the tokens above it is below p. Only the `k` highest
+    are sorted: when top-k ran first, every other score is already -inf.
+    """
+    nodes = [
+        helper.make_node("TopK", ["scores", "k"], ["values", "indices"], axis=-1),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        helper.make_node("GatherElements", ["probs", "indices"], ["sorted_probs"], axis=1),
+        _const("axis1", [1]),
+        helper.make_node("CumSum", ["sorted_probs", "axis1"], ["above"], exclusive=1),
+        helper.make_node("Less", ["above", "p"], ["keep"]),
+        helper.make_node("Cast", ["keep"], ["keep_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["keep_int", "axis1"], ["count"], keepdims=1),
+        _const("one", [1]),
+        helper.make_node("Sub", ["count", "one"], ["last_kept"]),
+        helper.make_node("GatherElements", ["values", "last_kept"], ["threshold"], axis=1),
+        helper.make_node("Less", ["scores", "threshold"], ["drop"]),
+        _fconst("minus_inf", NEG_INF),
+        helper.make_node("Where", ["drop", "minus_inf", "scores"], ["kept"]),
+    ]
+    return helper.make_graph(nodes, "top_p", [_scores("scores"), _scalar("p"), _scalar("k", TensorProto.INT64)],
+                             [_scores("kept")])
+
+
+def min_p(_: int) -> onnx.GraphProto:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    nodes = [
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        helper.make_node("ReduceMax", ["probs"], ["top"], axes=[-1], keepdims=1),
+        helper.make_node("Mul", ["top", "min_p"], ["floor"]),
+        helper.make_node("Less", ["probs", "floor"], ["drop"]),
+        _fconst("minus_inf", NEG_INF),
+        helper.make_node("Where", ["drop", "minus_inf", "scores"], ["kept"]),
+    ]
+    return helper.make_graph(nodes, "min_p", [_scores("scores"), _scalar("min_p")], [_scores("kept")])
+
+
+def sample(_: int) -> onnx.GraphProto:
+    """scores, u in (0, 1] per row -> token: the first token whose cumulative probability reaches u."""
+    nodes = [
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        _const("axis1", [1]),
+        helper.make_node("CumSum", ["probs", "axis1"], ["cdf"]),
+        _const("last", [-1]), _const("end", [INT64_MAX]),
+        helper.make_node("Slice", ["cdf", "last", "end", "axis1"], ["total"]),
+        helper.make_node("Unsqueeze", ["u", "axis1"], ["u2"]),
+        helper.make_node("Mul", ["u2", "total"], ["target"]),
+        helper.make_node("Less", ["cdf", "target"], ["below"]),
+        helper.make_node("Cast", ["below"], ["below_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["below_int", "axis1"], ["count"], keepdims=0),
+        helper.make_node("Shape", ["scores"], ["shape"]),
+        helper.make_node("Slice", ["shape", "axis1", "end"], ["vocab"]),
+        _const("one", [1]),
+        helper.make_node("Sub", ["vocab", "one"], ["last_id"]),
+        helper.make_node("Min", ["count", "last_id"], ["token"]),  # float rounding past the end
+    ]
+    return helper.make_graph(nodes, "sample",
+                             [_scores("scores"), helper.make_tensor_value_info("u", TensorProto.FLOAT, ["batch"])],
+                             [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
+
+
+def argmax(_: int) -> onnx.GraphProto:
+    nodes = [helper.make_node("ArgMax", ["scores"], ["token"], axis=-1, keepdims=0)]
+    return helper.make_graph(nodes, "argmax", [_scores("scores")],
+                             [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
+
+
+# name -> (builder, element types it is built for); stages over float32 scores are built once.
+KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
+    "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
+    "keep_last": (keep_last, tuple(FLOAT_TYPES)),
+    "process": (process, tuple(FLOAT_TYPES)),
+    "top_k": (top_k, ("float32",)),
+    "top_p": (top_p, ("float32",)),
+    "min_p": (min_p, ("float32",)),
+    "sample": (sample, ("float32",)),
+    "argmax": (argmax, ("float32",)),
+}
 
 
 def build_all() -> dict[str, bytes]:
     """File name -> serialized model, for every kernel and float type."""
     files = {}
-    for name, make in KERNELS.items():
-        for type_name, elem in FLOAT_TYPES.items():
-            model = helper.make_model(make(elem), producer_name="ortpipe",
+    for name, (make, types) in KERNELS.items():
+        for type_name in types:
+            model = helper.make_model(make(FLOAT_TYPES[type_name]), producer_name="ortpipe",
                                       opset_imports=[helper.make_opsetid("", OPSET)])
             model.ir_version = IR_VERSION
             files[f"{name}_{type_name}.onnx"] = model.SerializeToString()

@@ -35,3 +35,15 @@ def test_keep_last_trims_the_sequence_axis() -> None:
     combined = np.arange(2 * 1 * 2 * 5 * 3, dtype=np.float16).reshape(2, 1, 2, 5, 3)
     y = run("keep_last_float16", x=combined, keep=np.array([2]), axis=np.array([3]))
     assert np.array_equal(y, combined[:, :, :, 3:])
+
+
+def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
+    from ortpipe.targets.cpython import NATIVE_KERNELS
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 4, 50)).astype(np.float32)
+    assert np.array_equal(NATIVE_KERNELS["argmax_last"](logits)[0], run("argmax_last_float32", logits=logits))
+    for shape, axis in (((1, 2, 9, 4), 2), ((2, 1, 2, 7, 3), 3)):
+        x = rng.standard_normal(shape).astype(np.float16)
+        feeds = {"x": x, "keep": np.array([5]), "axis": np.array([axis])}
+        assert np.array_equal(NATIVE_KERNELS["keep_last"](**feeds)[0], run("keep_last_float16", **feeds))

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError, OrtpipeError
+from .errors import ConfigError, GenerationError, OrtpipeError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,6 +18,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"ortpipe: {args.model}: {e}", file=sys.stderr)
+        return 2
+    except GenerationError as e:
+        print(f"ortpipe: {e}", file=sys.stderr)
         return 2
     except OrtpipeError as e:
         print(f"ortpipe: {e}", file=sys.stderr)
@@ -40,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     length.add_argument("--max-new-tokens", type=int, help="tokens to generate at most")
     length.add_argument("--max-length", type=int, help="prompt + generated tokens at most")
     _session_args(run)
+    _generation_args(run)
     run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
     run.set_defaults(func=_run)
 
@@ -69,6 +73,23 @@ def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ...")
 
 
+def _generation_args(p: argparse.Namespace) -> None:
+    g = p.add_argument_group("generation (defaults from genai_config.json)")
+    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--no-repeat-ngram-size", type=int)
+    g.add_argument("--min-length", type=int)
+    g.add_argument("--min-new-tokens", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--num-beams", type=int)
+    g.add_argument("--length-penalty", type=float)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -80,22 +101,27 @@ def _run(args: argparse.Namespace) -> int:
     from .targets.cpython import load
 
     pipe = load(args.model, provider=args.provider, threads=args.threads)
-    options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "max_length": args.max_length}
+    request = pipe.request(args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
+                           max_length=args.max_length, **_settings(args))
     if args.json:
-        result = pipe.generate(args.prompt, prompt_ids=args.prompt_ids, **options)
-        print(json.dumps(result.as_dict()))
+        for _ in pipe.drive(request):
+            pass
+        print(json.dumps(request.result().as_dict()))
         return 0
-    from .pipeline import Timings
-
-    timings = Timings()
     if args.prompt is not None:
         print(args.prompt, end="", flush=True)
-    for chunk in pipe.stream(args.prompt, prompt_ids=args.prompt_ids, timings=timings, **options):
+    for chunk in pipe.drive(request):
         print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
-    t = timings
-    print(f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new; prefill {t.prefill_ms:.1f} ms, "
-          f"decode {t.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+    t = request.timings
+    print(f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
+          f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size",
+             "min_length", "min_new_tokens", "seed", "num_beams", "length_penalty", "stop")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def _inspect(args: argparse.Namespace) -> int:

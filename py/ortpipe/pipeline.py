@@ -1,17 +1,21 @@
-"""What a loaded model is, independent of the target: plan, tokenizer, and request set-up.
+"""What a loaded model is, independent of the target: plan, tokenizer, and requests.
 
-Targets (targets/cpython.py, targets/pyodide.py) build a Pipeline and drive its generators.
+A Request is one generation: the token generator, the text stream with stop strings, and timings.
+Targets (targets/cpython.py, targets/pyodide.py) drive `Request.step()` with their own driver.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import GenerationError
-from .execute.work import Backend, Handle
+from .execute.work import Backend, Handle, Work
 from .loops.autoregressive import Limits, TokenGenerator
 from .plan import Plan
-from .tokenizer import Tokenizer
+from .sampling.settings import SearchSettings, settings_for
+from .tokenizer import TextStream, Tokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -40,7 +44,7 @@ class Result:
     tokens: list[int]  # generated ids, prompt excluded
     text: str
     timings: Timings = field(default_factory=Timings)
-    finish_reason: str = "length"  # "eos", "length" or "interrupt"
+    finish_reason: str = "length"  # "eos", "length", "stop" or "interrupt"
 
     def as_dict(self) -> dict[str, object]:
         return {"tokens": self.tokens, "text": self.text, "finish_reason": self.finish_reason,
@@ -50,7 +54,74 @@ class Result:
 @dataclass(frozen=True)
 class Chunk:
     token: int
-    text: str  # the text this token completes (may be "" while a character is incomplete)
+    text: str  # the text this token completes ("" while a character or a possible stop string is open)
+
+
+class Request:
+    """One generation, stepped by a target's driver: `while not r.done: chunk = drive(r.step())`."""
+
+    def __init__(self, gen: TokenGenerator, settings: SearchSettings, tokenizer: Tokenizer | None,
+                 prompt_len: int):
+        if settings.stop and tokenizer is None:
+            raise GenerationError("stop strings need the folder's tokenizer.json to decode text")
+        self.gen, self.settings = gen, settings
+        self.stream = TextStream(tokenizer) if tokenizer else None
+        self.timings = Timings(prompt_tokens=prompt_len)
+        self.tokens: list[int] = []
+        self.text = ""  # text sent so far
+        self._held = ""  # decoded text not sent yet: it may start a stop string
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self) -> Work:
+        start = time.perf_counter()
+        token = yield from self.gen.next_token()
+        elapsed = (time.perf_counter() - start) * 1000
+        if self.timings.new_tokens == 0:
+            self.timings.prefill_ms = elapsed
+        else:
+            self.timings.decode_ms += elapsed
+        self.timings.new_tokens += 1
+        self.tokens.append(token)
+        if self.gen.done:
+            self.finish_reason = "interrupt" if self.gen.interrupted else (
+                "eos" if token in self.gen.limits.eos else "length")
+        return Chunk(token, self._text(token))
+
+    def interrupt(self) -> None:
+        self.gen.interrupted = True
+        self.finish_reason = self.finish_reason or "interrupt"
+
+    def _text(self, token: int) -> str:
+        if self.stream is None:
+            return ""
+        self._held += self.stream.push(token) if not self.done else self.stream.push(token) + self.stream.flush()
+        for stop in self.settings.stop:
+            at = self._held.find(stop)
+            if at >= 0:
+                self._held = self._held[:at]
+                self.finish_reason = "stop"
+        keep = 0 if self.done else _open_stop_prefix(self._held, self.settings.stop)
+        out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        self.text += out
+        return out
+
+    def result(self) -> Result:
+        return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length")
+
+
+def _open_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
 
 
 class Pipeline:
@@ -67,15 +138,26 @@ class Pipeline:
             raise GenerationError("this model folder has no tokenizer.json: pass prompt_ids instead of a prompt")
         return self.tokenizer.encode(prompt)
 
-    def generator(self, prompt_len: int, max_new_tokens: int | None = None, max_length: int | None = None,
-                  inputs: dict[str, Handle] | None = None) -> TokenGenerator:
+    def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
+                  inputs: dict[str, Handle] | None = None, **settings: Any) -> TokenGenerator:
         """A step-wise generator sized for the request; its caches never exceed the requested length."""
+        search = settings_for(self.config, settings)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
-        return TokenGenerator(self.plan, self.backend, Limits(limit, frozenset(self.config.tokens.eos)), inputs)
+        return TokenGenerator(self.plan, self.backend, Limits(limit, frozenset(self.config.tokens.eos)), search,
+                              inputs)
+
+    def request(self, prompt_ids: list[int], max_new_tokens: int | None = None, max_length: int | None = None,
+                inputs: dict[str, Handle] | None = None, **settings: Any) -> Request:
+        search = settings_for(self.config, settings)
+        if search.num_beams > 1:
+            raise GenerationError("num_beams > 1 is not supported by this version yet; use num_beams 1")
+        gen = self.generator(len(prompt_ids), max_new_tokens, max_length, inputs, **settings)
+        gen.append_tokens(prompt_ids)
+        return Request(gen, search, self.tokenizer, len(prompt_ids))
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         for name, value in (("max_new_tokens", max_new_tokens), ("max_length", max_length)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise GenerationError(f"{name} must be a positive integer, found {value!r}")
         configured = self.config.generation.max_length
         if max_length is None:
@@ -87,8 +169,3 @@ class Pipeline:
             raise GenerationError(f"max_length {max_length} leaves no room to generate after a "
                                   f"{prompt_len}-token prompt; raise max_length or use max_new_tokens")
         return max_length
-
-    def finish_reason(self, gen: TokenGenerator) -> str:
-        if gen.interrupted:
-            return "interrupt"
-        return "eos" if gen.generated and gen.tokens[-1] in gen.limits.eos else "length"

@@ -369,9 +369,14 @@ def _tokens(sec: Section) -> Tokens:
 
 def _generation(sec: Section) -> Generation:
     sec.allow("loop", "max_length", "min_length", "sampling", "num_beams", "length_penalty", "num_steps",
-              "scheduler", "guidance_scale", "stop")
+              "scheduler", "guidance_scale", "stop", "early_stopping", "num_return_sequences",
+              "no_repeat_ngram_size", "suppress_tokens")
     samp = sec.sub("sampling")
-    samp.allow("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+    samp.allow("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    stop = sec.get("stop", list, [])
+    if not all(isinstance(x, str) for x in stop):
+        sec.problems.add(f"{sec.path}.stop must be a list of strings, found {stop!r}")
+        stop = []
     max_length = sec.get("max_length", int)
     if max_length is not None and max_length < 1:
         sec.problems.add(f"{sec.path}.max_length must be a positive integer, found {max_length}")
@@ -385,11 +390,17 @@ def _generation(sec: Section) -> Generation:
             temperature=samp.get("temperature", float, 1.0),
             top_k=samp.get("top_k", int, 0),
             top_p=samp.get("top_p", float, 1.0),
+            min_p=samp.get("min_p", float, 0.0),
             repetition_penalty=samp.get("repetition_penalty", float, 1.0),
             seed=samp.get("seed", int),
         ),
         num_beams=sec.get("num_beams", int, 1),
         length_penalty=sec.get("length_penalty", float, 1.0),
+        early_stopping=sec.get("early_stopping", bool, False),
+        num_return_sequences=sec.get("num_return_sequences", int, 1),
+        no_repeat_ngram_size=sec.get("no_repeat_ngram_size", int, 0),
+        suppress_tokens=sec.int_list("suppress_tokens") or (),
+        stop=tuple(stop),
         num_steps=sec.get("num_steps", int),
         scheduler=sec.get("scheduler", str),
         guidance_scale=sec.get("guidance_scale", float),

@@ -125,6 +125,7 @@ class Sampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
 
@@ -137,6 +138,11 @@ class Generation:
     sampling: Sampling = field(default_factory=Sampling)
     num_beams: int = 1
     length_penalty: float = 1.0
+    early_stopping: bool = False
+    num_return_sequences: int = 1
+    no_repeat_ngram_size: int = 0
+    suppress_tokens: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     num_steps: int | None = None
     scheduler: str | None = None
     guidance_scale: float | None = None

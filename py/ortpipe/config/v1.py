@@ -97,7 +97,8 @@ def _generation(search: dict[str, Any]) -> dict[str, Any]:
     gen: dict[str, Any] = {"sampling": {k: search[k] for k in _SEARCH_TO_SAMPLING if k in search}}
     if "random_seed" in search and isinstance(search["random_seed"], int) and search["random_seed"] >= 0:
         gen["sampling"]["seed"] = search["random_seed"]
-    for key in ("max_length", "min_length", "num_beams", "length_penalty"):
+    for key in ("max_length", "min_length", "num_beams", "length_penalty", "early_stopping",
+                "num_return_sequences", "no_repeat_ngram_size"):
         if key in search:
             gen[key] = search[key]
     return gen

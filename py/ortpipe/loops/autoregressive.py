@@ -14,7 +14,8 @@ from ..errors import GenerationError
 from ..execute.flow import FlowRun
 from ..execute.work import Backend, Handle, Work
 from ..plan import Plan
-from ..sampling.greedy import Greedy
+from ..sampling.sampler import Sampler
+from ..sampling.settings import SearchSettings
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,21 @@ class Limits:
 
 
 class TokenGenerator:
-    def __init__(self, plan: Plan, backend: Backend, limits: Limits, inputs: dict[str, Handle] | None = None):
+    def __init__(self, plan: Plan, backend: Backend, limits: Limits, settings: SearchSettings | None = None,
+                 inputs: dict[str, Handle] | None = None):
         self.plan, self.backend, self.limits = plan, backend, limits
         self.flow = FlowRun(plan, backend, 1, limits.max_length, inputs)
         gen = plan.generator
-        self.sampler = Greedy(backend, plan.signatures[gen.session].output(gen.logits).dtype)
+        dtype = plan.signatures[gen.session].output(gen.logits).dtype
+        self.sampler = Sampler(backend, dtype, settings or SearchSettings(), limits.eos)
         self.tokens: list[int] = []  # every id so far: prompts and generated
-        self.generated = 0
+        self.generated = 0  # since the last append
         self._pending: list[int] = []
         self._started = False
         self.interrupted = False
 
     def append_tokens(self, ids: list[int]) -> None:
-        if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise GenerationError(f"token ids must be a non-empty list of non-negative integers, found {ids!r}")
         if len(self.tokens) + len(ids) > self.limits.max_length:
             raise GenerationError(f"{len(self.tokens) + len(ids)} tokens do not fit in max_length "
@@ -51,6 +54,11 @@ class TokenGenerator:
             return True
         return self.generated > 0 and self.tokens[-1] in self.limits.eos
 
+    @property
+    def prefill_length(self) -> int:
+        """How many ids the next run will feed (the last prefill's length, once it ran)."""
+        return len(self._pending)
+
     def next_token(self) -> Work:
         if not self._pending:
             raise GenerationError("append tokens (a prompt) before asking for the next token")
@@ -60,7 +68,7 @@ class TokenGenerator:
             yield from self.flow.run_init(self._pending)
             self._started = True
         logits = yield from self.flow.run_step(self._pending)
-        token = yield from self.sampler.select(logits, self.tokens)
+        token = yield from self.sampler.select(logits, self.tokens, self.generated)
         self.tokens.append(token)
         self._pending = [token]
         self.generated += 1

@@ -24,10 +24,9 @@ from ..errors import ConfigError, GenerationError, OrtpipeError
 from ..execute.work import KERNEL, Run, RunAll, Work
 from ..folder import LocalFolder
 from ..loops.autoregressive import TokenGenerator
-from ..pipeline import Chunk, Pipeline, Result, Timings
+from ..pipeline import Chunk, Pipeline, Request, Result
 from ..plan import Plan, make_plan
 from ..signature import Signature, TensorInfo
-from ..tokenizer import TextStream
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 PROVIDERS = {
@@ -103,6 +102,31 @@ def signature_of(session: ort.InferenceSession) -> Signature:
     return Signature(tuple(map(info, session.get_inputs())), tuple(map(info, session.get_outputs())))
 
 
+def _argmax_last(logits: np.ndarray) -> list[np.ndarray]:
+    return [logits[:, -1].argmax(-1)]
+
+
+def _keep_last(x: np.ndarray, keep: np.ndarray, axis: np.ndarray) -> list[np.ndarray]:
+    index = [slice(None)] * x.ndim
+    index[int(axis[0])] = slice(x.shape[int(axis[0])] - int(keep[0]), None)
+    return [np.ascontiguousarray(x[tuple(index)])]
+
+
+# numpy twins of kernel graphs whose onnxruntime call costs more than the work (about 50 µs a run
+# here, against 3 µs for an argmax); tests/test_kernels.py checks each twin against its graph.
+NATIVE_KERNELS = {"argmax_last": _argmax_last, "keep_last": _keep_last}
+
+
+class NativeKernel:
+    """A kernel computed with numpy, with InferenceSession's run() signature."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def run(self, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.fn(**feeds)
+
+
 class _Binding:
     """An IOBinding kept between runs of one session, with what is bound to it."""
 
@@ -149,9 +173,13 @@ class Driver:
             shapes = ", ".join(f"{k} {list(getattr(v, 'shape', ()))}" for k, v in work.feeds.items())
             raise OrtpipeError(f'session "{work.session}" failed: {e}\n  inputs: {shapes}') from e
 
-    def _kernel(self, name: str) -> ort.InferenceSession:
+    def _kernel(self, name: str) -> Any:
         if not name.startswith(KERNEL):
             raise OrtpipeError(f'no session "{name}" is loaded')
+        native = NATIVE_KERNELS.get(name[len(KERNEL):].rsplit("_", 1)[0])
+        if native is not None:
+            self.sessions[name] = NativeKernel(native)
+            return self.sessions[name]
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1  # kernels are tiny: a thread pool costs more than it saves
         session = ort.InferenceSession(str(KERNEL_DIR / f"{name[len(KERNEL):]}.onnx"), options,
@@ -236,7 +264,12 @@ class StepGenerator:
 
 
 class CpuPipeline:
-    """A loaded model: `generate`, `stream`, and the step-wise `generator`."""
+    """A loaded model: `generate`, `stream`, and the step-wise `generator`.
+
+    Generation settings (do_sample, temperature, top_k, top_p, min_p, repetition_penalty,
+    no_repeat_ngram_size, min_length, min_new_tokens, suppress_tokens, seed, stop, ...) default to
+    the config's and can be given per call.
+    """
 
     def __init__(self, core: Pipeline, driver: Driver, load_ms: float):
         self.core, self.driver, self.load_ms = core, driver, load_ms
@@ -245,39 +278,31 @@ class CpuPipeline:
         self.tokenizer = core.tokenizer
 
     def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
-                  inputs: dict[str, Any] | None = None) -> StepGenerator:
-        return StepGenerator(self.core.generator(prompt_len, max_new_tokens, max_length, inputs), self.driver)
+                  inputs: dict[str, Any] | None = None, **settings: Any) -> StepGenerator:
+        return StepGenerator(self.core.generator(prompt_len, max_new_tokens, max_length, inputs, **settings),
+                             self.driver)
 
-    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-               max_new_tokens: int | None = None, max_length: int | None = None,
-               inputs: dict[str, Any] | None = None, timings: Timings | None = None) -> Iterator[Chunk]:
+    def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                max_new_tokens: int | None = None, max_length: int | None = None,
+                inputs: dict[str, Any] | None = None, **settings: Any) -> Request:
         ids = self.core.prompt_ids(prompt, prompt_ids)
-        gen = self.generator(len(ids), max_new_tokens, max_length, inputs)
-        gen.append_tokens(ids)
-        text = TextStream(self.tokenizer) if self.tokenizer else None
-        timings = timings if timings is not None else Timings()
-        timings.prompt_tokens, timings.load_ms = len(ids), self.load_ms
-        start = time.perf_counter()
-        while not gen.done:
-            token = gen.next_token()
-            now = time.perf_counter()
-            if timings.new_tokens == 0:
-                timings.prefill_ms = (now - start) * 1000
-            else:
-                timings.decode_ms += (now - start) * 1000
-            timings.new_tokens += 1
-            yield Chunk(token, text.push(token) if text else "")
-            start = time.perf_counter()
-        self._last = gen
+        request = self.core.request(ids, max_new_tokens, max_length, inputs, **settings)
+        request.timings.load_ms = self.load_ms
+        return request
 
-    def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                 max_new_tokens: int | None = None, max_length: int | None = None,
-                 inputs: dict[str, Any] | None = None) -> Result:
-        timings = Timings()
-        tokens = [c.token for c in self.stream(prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                               max_length=max_length, inputs=inputs, timings=timings)]
-        text = self.tokenizer.decode(tokens) if self.tokenizer else ""
-        return Result(tokens, text, timings, self.core.finish_reason(self._last.core))
+    def stream(self, prompt: str | None = None, **options: Any) -> Iterator[Chunk]:
+        yield from self.drive(self.request(prompt, **options))
+
+    def drive(self, request: Request) -> Iterator[Chunk]:
+        """The chunks of a request, as its tokens are generated."""
+        while not request.done:
+            yield self.driver.drive(request.step())
+
+    def generate(self, prompt: str | None = None, **options: Any) -> Result:
+        request = self.request(prompt, **options)
+        for _ in self.drive(request):
+            pass
+        return request.result()
 
 
 def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, threads: int | None = None) -> CpuPipeline:

@@ -1,0 +1,72 @@
+"""Token selection as a chain of kernel graphs (build/kernels.py): process -> top-k -> top-p ->
+min-p -> sample, or argmax. Plain greedy with no processor runs one argmax kernel.
+
+Randomness comes from `random.Random(seed)` here and enters the `sample` kernel as an input, so a
+seeded run gives the same tokens on every target.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..execute.work import Backend, Handle, Run, Work, kernel
+from .processors import banned_ids
+from .settings import SearchSettings
+
+
+class Sampler:
+    def __init__(self, backend: Backend, logits_dtype: str, settings: SearchSettings, eos: frozenset[int]):
+        self.backend, self.settings, self.eos = backend, settings, eos
+        self.dtype = logits_dtype
+        self.rng = random.Random(settings.seed)
+        self._vocab = 0
+
+    def select(self, logits: Handle, tokens: list[int], generated: int) -> Work:
+        s, b = self.settings, self.backend
+        banned = banned_ids(s, tokens, generated, self.eos)
+        if not s.sampling and not banned and s.repetition_penalty == 1.0:
+            out = yield Run(kernel("argmax_last", self.dtype), {"logits": logits}, ("token",))
+            return b.to_list(out["token"])[0]
+        if not self._vocab:
+            self._vocab = b.shape(logits)[-1]
+        scores = yield from self.scores(logits, [tokens], [banned])
+        if not s.sampling:
+            out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",))
+            return b.to_list(out["token"])[0]
+        out = yield Run(kernel("sample", "float32"),
+                        {"scores": scores, "u": b.tensor([1.0 - self.rng.random()], (1,), "float32")}, ("token",))
+        return b.to_list(out["token"])[0]
+
+    def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]]) -> Work:
+        """Processed float32 scores [rows, vocab]: penalties, bans, and (when sampling) the warpers."""
+        s, b, vocab = self.settings, self.backend, self._vocab
+        penalize = s.repetition_penalty != 1.0
+        temperature = s.temperature if s.sampling else 1.0
+        out = yield Run(kernel("process", self.dtype), {
+            "logits": logits,
+            "banned": _padded(banned, vocab, b),
+            "seen": _padded(seen if penalize else [[] for _ in seen], vocab, b),
+            "penalty": b.tensor([s.repetition_penalty], (1,), "float32"),
+            "temperature": b.tensor([temperature], (1,), "float32")}, ("scores",))
+        scores = out["scores"]
+        if not s.sampling:
+            return scores
+        k = min(s.top_k, vocab) if s.top_k else vocab
+        if s.top_k and k < vocab:
+            scores = (yield Run(kernel("top_k", "float32"),
+                                {"scores": scores, "k": b.tensor([k], (1,), "int64")}, ("kept",)))["kept"]
+        if s.top_p < 1.0:
+            scores = (yield Run(kernel("top_p", "float32"), {
+                "scores": scores, "p": b.tensor([s.top_p], (1,), "float32"),
+                "k": b.tensor([k], (1,), "int64")}, ("kept",)))["kept"]
+        if s.min_p > 0.0:
+            scores = (yield Run(kernel("min_p", "float32"),
+                                {"scores": scores, "min_p": b.tensor([s.min_p], (1,), "float32")}, ("kept",)))["kept"]
+        return scores
+
+
+def _padded(rows: list[list[int]], vocab: int, b: Backend) -> Handle:
+    """Id lists as one [rows, n] tensor padded with `vocab`, the kernel's discard column."""
+    width = max(1, max(len(r) for r in rows))
+    flat = [i for r in rows for i in r + [vocab] * (width - len(r))]
+    return b.tensor(flat, (len(rows), width), "int64")

@@ -1,0 +1,157 @@
+"""Sampling kernels and processors: tiny exact cases, and transformers' processors as the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ortpipe.errors import GenerationError
+from ortpipe.execute.work import Run
+from ortpipe.sampling.processors import banned_ids, ngram_bans
+from ortpipe.sampling.sampler import Sampler
+from ortpipe.sampling.settings import SearchSettings, check
+from ortpipe.targets.cpython import CpuBackend, Driver
+
+INF = float("inf")
+
+
+def select(logits: np.ndarray, tokens: list[int] | None = None, generated: int = 1, eos=frozenset(),
+           **settings) -> int:
+    sampler = Sampler(CpuBackend(), str(logits.dtype), SearchSettings(**settings), frozenset(eos))
+    return Driver({}).drive(sampler.select(logits[None, None], tokens or [], generated))
+
+
+def scores(logits: np.ndarray, tokens: list[int] | None = None, **settings) -> np.ndarray:
+    s = SearchSettings(**settings)
+    sampler = Sampler(CpuBackend(), "float32", s, frozenset())
+    sampler._vocab = logits.shape[-1]
+    tokens = tokens or []
+    work = sampler.scores(logits[None, None].astype(np.float32), [tokens], [banned_ids(s, tokens, 1, frozenset())])
+    return Driver({}).drive(work)[0]
+
+
+LOGITS = np.array([1.0, -2.0, 3.0, 0.5, 2.0], dtype=np.float32)
+
+
+def test_greedy_is_the_argmax() -> None:
+    assert select(LOGITS) == 2
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    out = scores(LOGITS, tokens=[2, 1, 2], repetition_penalty=2.0)
+    assert out.tolist() == [1.0, -4.0, 1.5, 0.5, 2.0]
+    assert select(LOGITS, tokens=[2], repetition_penalty=2.0) == 4
+
+
+def test_temperature_scales() -> None:
+    out = scores(LOGITS, do_sample=True, temperature=0.5)
+    assert np.allclose(out, LOGITS / 0.5)
+
+
+def test_top_k_keeps_the_k_best() -> None:
+    out = scores(LOGITS, do_sample=True, top_k=2)
+    assert out.tolist() == [-INF, -INF, 3.0, -INF, 2.0]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = np.exp(LOGITS) / np.exp(LOGITS).sum()  # 0.085, 0.004, 0.628, 0.052, 0.231
+    assert probs[2] < 0.8 < probs[2] + probs[4]
+    out = scores(LOGITS, do_sample=True, top_p=0.8)
+    assert out.tolist() == [-INF, -INF, 3.0, -INF, 2.0]
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    out = scores(LOGITS, do_sample=True, min_p=0.2)  # floor: 0.2 * p(3.0); p(2.0) / p(3.0) = e^-1 > 0.2
+    assert out.tolist() == [-INF, -INF, 3.0, -INF, 2.0]
+
+
+def test_no_repeat_ngram_bans_completions() -> None:
+    assert ngram_bans([1, 2, 3, 1, 2], 3) == [3]
+    assert ngram_bans([1, 2, 1, 2, 1], 2) == [2, 2]
+    assert select(LOGITS, tokens=[4, 2, 4], no_repeat_ngram_size=2) == 4  # (4, 2) was seen: 2 is banned
+
+
+def test_min_new_tokens_and_suppressed_tokens() -> None:
+    assert select(LOGITS, generated=0, eos={2}, min_new_tokens=1) == 4
+    assert select(LOGITS, generated=1, eos={2}, min_new_tokens=1) == 2
+    assert select(LOGITS, tokens=[7, 7], eos={2}, min_length=3) == 4
+    assert select(LOGITS, suppress_tokens=(2, 4)) == 0
+
+
+def test_top_k_one_sampling_equals_greedy() -> None:
+    rng = np.random.default_rng(0)
+    for seed in range(20):
+        logits = rng.standard_normal(50).astype(np.float32)
+        assert select(logits, do_sample=True, top_k=1, seed=seed) == int(logits.argmax())
+
+
+def test_seeded_sampling_repeats_and_follows_the_distribution() -> None:
+    logits = np.log(np.array([0.1, 0.6, 0.3], dtype=np.float32))
+    driver = Driver({})
+    sampler = Sampler(CpuBackend(), "float32", SearchSettings(do_sample=True, seed=3), frozenset())
+    draws = [driver.drive(sampler.select(logits[None, None], [], 1)) for _ in range(3000)]
+    again = Sampler(CpuBackend(), "float32", SearchSettings(do_sample=True, seed=3), frozenset())
+    assert draws[:50] == [driver.drive(again.select(logits[None, None], [], 1)) for _ in range(50)]
+    freq = np.bincount(draws, minlength=3) / len(draws)
+    assert np.allclose(freq, [0.1, 0.6, 0.3], atol=0.03)
+
+
+def test_the_sampler_asks_for_kernels_in_order() -> None:
+    sampler = Sampler(CpuBackend(), "float16", SearchSettings(do_sample=True, top_k=5, top_p=0.9, min_p=0.1),
+                      frozenset())
+    work = sampler.select(np.zeros((1, 1, 10), np.float16), [], 1)
+    names = []
+    request = next(work)
+    try:
+        while True:
+            assert isinstance(request, Run)
+            names.append(request.session)
+            reply = Driver({}).run(request)
+            request = work.send(reply)
+    except StopIteration:
+        pass
+    assert names == ["kernel:process_float16", "kernel:top_k_float32", "kernel:top_p_float32",
+                     "kernel:min_p_float32", "kernel:sample_float32"]
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"temperature": -1.0}, "temperature -1.0 is out of range"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"num_beams": 0}, "num_beams must be a positive integer"),
+    ({"stop": ("",)}, "stop strings must be non-empty"),
+    ({"top_k": -3}, "top_k must be a non-negative integer"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty 0.0 is out of range"),
+])
+def test_bad_settings_are_refused(settings: dict, message: str) -> None:
+    with pytest.raises(GenerationError) as info:
+        check(SearchSettings(**settings))
+    assert message in str(info.value)
+
+
+# transformers' processors on random inputs: the reference.
+
+torch = pytest.importorskip("torch")
+hf = pytest.importorskip("transformers.generation.logits_process")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_matches_transformers_processors(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    vocab = 64
+    logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    tokens = rng.integers(0, vocab, 12).tolist()
+    ids = torch.tensor([tokens])
+    ref = torch.tensor(logits[None])
+    ref = hf.RepetitionPenaltyLogitsProcessor(1.3)(ids, ref)
+    ref = hf.NoRepeatNGramLogitsProcessor(2)(ids, ref)
+    ref = hf.TemperatureLogitsWarper(0.7)(ids, ref)
+    ref = hf.TopKLogitsWarper(20)(ids, ref)
+    ref = hf.TopPLogitsWarper(0.8)(ids, ref)
+    ref = hf.MinPLogitsWarper(0.05)(ids, ref)
+    ours = scores(logits, tokens, do_sample=True, repetition_penalty=1.3, no_repeat_ngram_size=2,
+                  temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
+    expected = ref[0].numpy()
+    assert np.array_equal(np.isinf(ours), np.isinf(expected))
+    kept = ~np.isinf(expected)
+    assert np.allclose(ours[kept], expected[kept], atol=1e-5)
