@@ -39,18 +39,14 @@ def argmax_last(elem: int) -> onnx.GraphProto:
         [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
 
 
-def keep_last(elem: int) -> onnx.GraphProto:
-    """x, keep [1], axis [1] -> the last `keep` positions of x along `axis` (sliding-window caches)."""
-    nodes = [
-        _const("end", [INT64_MAX]),
-        helper.make_node("Neg", ["keep"], ["start"]),
-        helper.make_node("Slice", ["x", "start", "end", "axis"], ["y"]),
-    ]
+def narrow(elem: int) -> onnx.GraphProto:
+    """x, start [1], end [1], axis [1] -> x[start:end] along `axis` (cache windows and rewinds)."""
+    nodes = [helper.make_node("Slice", ["x", "start", "end", "axis"], ["y"])]
     # Any rank: a tensor type with no shape field at all.
     x = helper.make_value_info("x", helper.make_tensor_type_proto(elem, shape=None))
     y = helper.make_value_info("y", helper.make_tensor_type_proto(elem, shape=None))
-    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("keep", "axis")]
-    return helper.make_graph(nodes, "keep_last", [x, *ints], [y])
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("start", "end", "axis")]
+    return helper.make_graph(nodes, "narrow", [x, *ints], [y])
 
 
 # Sampling: logits processors and samplers over float32 scores [batch, vocab] (seed 000's sampling,
@@ -201,7 +197,7 @@ def argmax(_: int) -> onnx.GraphProto:
 # name -> (builder, element types it is built for); stages over float32 scores are built once.
 KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
-    "keep_last": (keep_last, tuple(FLOAT_TYPES)),
+    "narrow": (narrow, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),

@@ -69,10 +69,10 @@ def scripted(gen: TokenGenerator, picks: list[int], present_len=None) -> list[Ru
                 runs.append(request)
                 if request.session.startswith("kernel:argmax_last"):
                     reply = {"token": FakeTensor([pick], (1,), "int64")}
-                elif request.session.startswith("kernel:keep_last"):
-                    x, keep = request.feeds["x"], request.feeds["keep"].values[0]
+                elif request.session.startswith("kernel:narrow"):
+                    x, start = request.feeds["x"], request.feeds["start"].values[0]
                     shape = list(x.shape)
-                    shape[2] = keep
+                    shape[2] = -start
                     reply = {"y": FakeTensor([], tuple(shape), x.dtype)}
                 else:
                     total = request.feeds["attention_mask"].shape[1]
@@ -120,7 +120,7 @@ def test_sliding_window_layers_are_trimmed_by_the_kernel(tmp_path: Path) -> None
     gen = make_generator(tmp_path, {"sliding_window": {"window_size": 3, "layers": [1]}}, max_length=10)
     gen.append_tokens([5, 6, 7, 8])
     runs = scripted(gen, [1, 2])
-    trims = [r for r in runs if r.session.startswith("kernel:keep_last")]
+    trims = [r for r in runs if r.session.startswith("kernel:narrow")]
     assert {r.feeds["x"].shape for r in trims} == {(1, 2, 4, 4), (1, 2, 5, 4)}
     decode = [r for r in runs if r.session == "decoder"][1]
     assert decode.feeds["past_key_values.1.key"].shape == (1, 2, 3, 4)  # windowed layer

@@ -28,13 +28,14 @@ def test_argmax_last_picks_the_last_position() -> None:
     assert run("argmax_last_float16", logits=logits.astype(np.float16)).tolist() == [2, 3]
 
 
-def test_keep_last_trims_the_sequence_axis() -> None:
+def test_narrow_slices_one_axis() -> None:
     x = np.arange(2 * 3 * 6 * 4, dtype=np.float32).reshape(2, 3, 6, 4)
-    y = run("keep_last_float32", x=x, keep=np.array([4]), axis=np.array([2]))
+    big = np.array([2**62])
+    y = run("narrow_float32", x=x, start=np.array([-4]), end=big, axis=np.array([2]))
     assert np.array_equal(y, x[:, :, 2:])
     combined = np.arange(2 * 1 * 2 * 5 * 3, dtype=np.float16).reshape(2, 1, 2, 5, 3)
-    y = run("keep_last_float16", x=combined, keep=np.array([2]), axis=np.array([3]))
-    assert np.array_equal(y, combined[:, :, :, 3:])
+    y = run("narrow_float16", x=combined, start=np.array([0]), end=np.array([2]), axis=np.array([3]))
+    assert np.array_equal(y, combined[:, :, :, :2])
 
 
 def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
@@ -45,5 +46,6 @@ def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
     assert np.array_equal(NATIVE_KERNELS["argmax_last"](logits)[0], run("argmax_last_float32", logits=logits))
     for shape, axis in (((1, 2, 9, 4), 2), ((2, 1, 2, 7, 3), 3)):
         x = rng.standard_normal(shape).astype(np.float16)
-        feeds = {"x": x, "keep": np.array([5]), "axis": np.array([axis])}
-        assert np.array_equal(NATIVE_KERNELS["keep_last"](**feeds)[0], run("keep_last_float16", **feeds))
+        for start, end in ((-5, 2**62), (0, 3)):
+            feeds = {"x": x, "start": np.array([start]), "end": np.array([end]), "axis": np.array([axis])}
+            assert np.array_equal(NATIVE_KERNELS["narrow"](**feeds)[0], run("narrow_float16", **feeds))

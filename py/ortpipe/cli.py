@@ -47,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
     run.set_defaults(func=_run)
 
+    chat = sub.add_parser("chat", help="interactive chat that keeps the KV cache across turns")
+    chat.add_argument("model", metavar="MODEL_DIR")
+    chat.add_argument("--max-length", type=int, help="the whole conversation's length in tokens")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
+    _session_args(chat)
+    _generation_args(chat)
+    chat.set_defaults(func=_chat)
+
     inspect = sub.add_parser("inspect", help="show what was detected and the expanded v2 config")
     inspect.add_argument("model", metavar="MODEL_DIR")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -122,6 +130,43 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     names = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size",
              "min_length", "min_new_tokens", "seed", "num_beams", "length_penalty", "stop")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .targets.cpython import load
+
+    pipe = load(args.model, provider=args.provider, threads=args.threads)
+    chat = pipe.chat(max_length=args.max_length, **_settings(args))
+    print("ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        command = line.strip()
+        if command in ("/quit", "/exit"):
+            return 0
+        if command in ("/rewind", "rewind"):
+            try:
+                chat.rewind()
+                print(f"[rewound: {len(chat.tokens)} tokens in the conversation]", file=sys.stderr)
+            except GenerationError as e:
+                print(f"[{e}]", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        _reply(chat, line, args.max_new_tokens)
+
+
+def _reply(chat: Any, line: str, max_new_tokens: int) -> None:
+    for n, chunk in enumerate(chat.say(line), 1):
+        print(chunk.text, end="", flush=True)
+        if n >= max_new_tokens:
+            chat.last.interrupt()
+    t = chat.last.timings
+    print(f"\n[prefill {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms, {t.new_tokens} new, "
+          f"{t.decode_tokens_per_s:.1f} tokens/s, {chat.last.finish_reason}]", file=sys.stderr)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -6,9 +6,15 @@ from typing import Protocol
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ChatTemplate(Protocol):
+    """The folder's chat template (tokenizer_config.json `chat_template`), rendered to text."""
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
 
 class TextStream:

@@ -59,6 +59,19 @@ class TokenGenerator:
         """How many ids the next run will feed (the last prefill's length, once it ran)."""
         return len(self._pending)
 
+    def rewind(self, length: int) -> Work:
+        """Keep only the first `length` ids, and the cache positions among them (a chat rewind)."""
+        if not 0 <= length <= len(self.tokens):
+            raise GenerationError(f"cannot rewind {len(self.tokens)} tokens to {length}")
+        seen = min(self.flow.length, length)
+        for cache in self.flow.caches.values():
+            yield from cache.truncate(seen, self.backend)
+        self.flow.length = seen
+        self._pending = self.tokens[seen:length]
+        del self.tokens[length:]
+        self.generated = 0
+        self.interrupted = False
+
     def next_token(self) -> Work:
         if not self._pending:
             raise GenerationError("append tokens (a prompt) before asking for the next token")

@@ -10,6 +10,7 @@ Sliding-window entries keep only their last `window` positions (a kernel slices 
 
 from __future__ import annotations
 
+from ..errors import GenerationError
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..plan import CacheEntry, KVPlan
 
@@ -34,9 +35,28 @@ class KVCache:
             feeds[e.past] = outputs[e.present]
         for e in self._windowed:
             if backend.shape(feeds[e.past])[e.seq_axis] > e.window:
-                feeds[e.past] = (yield Run(kernel("keep_last", e.dtype), {
-                    "x": feeds[e.past], "keep": backend.tensor([e.window], (1,), "int64"),
-                    "axis": backend.tensor([e.seq_axis], (1,), "int64")}, ("y",)))["y"]
+                feeds[e.past] = yield from _narrow(backend, e, feeds[e.past], -e.window, END)
+
+    def truncate(self, length: int, backend: Backend) -> Work:
+        """Forget every position from `length` on (a chat rewind)."""
+        if length > self.length:
+            raise GenerationError(f"cannot truncate a {self.length}-position cache to {length}")
+        if self._windowed and self.length > min(e.window for e in self._windowed):
+            raise GenerationError("a sliding-window cache cannot be rewound once it has slid; start over instead")
+        if not self.plan.share_buffer:
+            for e in self.plan.entries:
+                self.feeds[e.past] = yield from _narrow(backend, e, self.feeds[e.past], 0, length)
+        self.length = length
+
+
+END = 2**62  # "to the end" for the narrow kernel
+
+
+def _narrow(backend: Backend, e: CacheEntry, x: Handle, start: int, end: int) -> Work:
+    out = yield Run(kernel("narrow", e.dtype), {
+        "x": x, "start": backend.tensor([start], (1,), "int64"), "end": backend.tensor([end], (1,), "int64"),
+        "axis": backend.tensor([e.seq_axis], (1,), "int64")}, ("y",))
+    return out["y"]
 
 
 def _shape(e: CacheEntry, batch: int, seq: int) -> tuple[int, ...]:

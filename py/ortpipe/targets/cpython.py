@@ -7,6 +7,7 @@ that changed are bound again.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from ..chat import Chat
 from ..config import load_config
 from ..config.schema import SessionSpec
 from ..errors import ConfigError, GenerationError, OrtpipeError
@@ -106,15 +108,15 @@ def _argmax_last(logits: np.ndarray) -> list[np.ndarray]:
     return [logits[:, -1].argmax(-1)]
 
 
-def _keep_last(x: np.ndarray, keep: np.ndarray, axis: np.ndarray) -> list[np.ndarray]:
+def _narrow(x: np.ndarray, start: np.ndarray, end: np.ndarray, axis: np.ndarray) -> list[np.ndarray]:
     index = [slice(None)] * x.ndim
-    index[int(axis[0])] = slice(x.shape[int(axis[0])] - int(keep[0]), None)
+    index[int(axis[0])] = slice(int(start[0]), int(end[0]))
     return [np.ascontiguousarray(x[tuple(index)])]
 
 
 # numpy twins of kernel graphs whose onnxruntime call costs more than the work (about 50 µs a run
 # here, against 3 µs for an argmax); tests/test_kernels.py checks each twin against its graph.
-NATIVE_KERNELS = {"argmax_last": _argmax_last, "keep_last": _keep_last}
+NATIVE_KERNELS = {"argmax_last": _argmax_last, "narrow": _narrow}
 
 
 class NativeKernel:
@@ -232,11 +234,40 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class JinjaChatTemplate:
+    """The chat template of tokenizer_config.json, rendered with jinja2 in a sandbox."""
+
+    def __init__(self, tokenizer_config: dict[str, Any]):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        source = tokenizer_config.get("chat_template")
+        if isinstance(source, list):  # named templates: take the default one
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            raise ConfigError("tokenizer_config.json has no chat_template; chat needs one")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _template_error
+        self._template = env.from_string(source)
+        self._tokens = {k: _token_text(tokenizer_config.get(k)) for k in ("bos_token", "eos_token")}
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._tokens)
+
+
+def _template_error(message: str) -> None:
+    raise GenerationError(f"the chat template refused the conversation: {message}")
+
+
+def _token_text(value: Any) -> str:
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
 
 
 class StepGenerator:
@@ -271,8 +302,8 @@ class CpuPipeline:
     the config's and can be given per call.
     """
 
-    def __init__(self, core: Pipeline, driver: Driver, load_ms: float):
-        self.core, self.driver, self.load_ms = core, driver, load_ms
+    def __init__(self, core: Pipeline, driver: Driver, load_ms: float, folder: Path):
+        self.core, self.driver, self.load_ms, self.folder = core, driver, load_ms, folder
         self.plan: Plan = core.plan
         self.config = core.config
         self.tokenizer = core.tokenizer
@@ -298,11 +329,39 @@ class CpuPipeline:
         while not request.done:
             yield self.driver.drive(request.step())
 
+    def chat(self, max_length: int | None = None, **settings: Any) -> CpuChat:
+        """A multi-turn chat over one KV cache, with the folder's chat template."""
+        config_path = Path(self.folder) / "tokenizer_config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{config_path} is missing: chat needs its chat_template")
+        template = JinjaChatTemplate(json.loads(config_path.read_text(encoding="utf-8")))
+        limit = max_length or self.config.generation.max_length or 2048
+        return CpuChat(Chat(self.core, template, limit, **settings), self)
+
     def generate(self, prompt: str | None = None, **options: Any) -> Result:
         request = self.request(prompt, **options)
         for _ in self.drive(request):
             pass
         return request.result()
+
+
+class CpuChat:
+    """`say` streams a reply; `rewind` drops the last turn."""
+
+    def __init__(self, core: Chat, pipe: CpuPipeline):
+        self.core, self.pipe = core, pipe
+        self.last: Request | None = None
+
+    def say(self, content: str) -> Iterator[Chunk]:
+        self.last = self.core.say(content)
+        yield from self.pipe.drive(self.last)
+
+    def rewind(self) -> None:
+        self.pipe.driver.drive(self.core.rewind())
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.core.gen.tokens
 
 
 def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, threads: int | None = None) -> CpuPipeline:
@@ -314,7 +373,7 @@ def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, thre
     plan, sessions = build_plan(path, provider, threads)
     tokenizer = HFTokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None
     core = Pipeline(plan, CpuBackend(), tokenizer)
-    return CpuPipeline(core, Driver(sessions, threads), (time.perf_counter() - start) * 1000)
+    return CpuPipeline(core, Driver(sessions, threads), (time.perf_counter() - start) * 1000, path)
 
 
 def build_plan(path: Path, provider: str | None = None, threads: int | None = None
