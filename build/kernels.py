@@ -194,6 +194,44 @@ def argmax(_: int) -> onnx.GraphProto:
                              [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
 
 
+def beam_topk(elem: int) -> onnx.GraphProto:
+    """logits [beams, s, v], running [beams] -> the k best (running + log_softmax) over all beams.
+
+    Indices run over the flattened [beams * vocab]: beam = index // vocab, token = index % vocab.
+    """
+    nodes = [
+        _const("start", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]), _const("flat", [1, -1]),
+        helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
+        helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
+        helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
+        helper.make_node("LogSoftmax", ["last"], ["logp"], axis=-1),
+        helper.make_node("Unsqueeze", ["running", "axis1"], ["running2"]),
+        helper.make_node("Add", ["logp", "running2"], ["total"]),
+        helper.make_node("Reshape", ["total", "flat"], ["flat_total"]),
+        helper.make_node("TopK", ["flat_total", "k"], ["values2", "indices2"], axis=-1),
+        _const("axis0", [0]),
+        helper.make_node("Squeeze", ["values2", "axis0"], ["values"]),
+        helper.make_node("Squeeze", ["indices2", "axis0"], ["indices"]),
+    ]
+    return helper.make_graph(
+        nodes, "beam_topk",
+        [helper.make_tensor_value_info("logits", elem, ["beams", "seq", "vocab"]),
+         helper.make_tensor_value_info("running", TensorProto.FLOAT, ["beams"]), _scalar("k", TensorProto.INT64)],
+        [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["k"]),
+         helper.make_tensor_value_info("indices", TensorProto.INT64, ["k"])])
+
+
+def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
+    def make(elem: int) -> onnx.GraphProto:
+        """x, rows [n] -> x's rows along the batch axis, in that order (beam search reorders caches)."""
+        x = helper.make_value_info("x", helper.make_tensor_type_proto(elem, shape=None))
+        y = helper.make_value_info("y", helper.make_tensor_type_proto(elem, shape=None))
+        rows = helper.make_tensor_value_info("rows", TensorProto.INT64, ["n"])
+        return helper.make_graph([helper.make_node("Gather", ["x", "rows"], ["y"], axis=axis)],
+                                 f"gather_rows{axis}", [x, rows], [y])
+    return make
+
+
 # name -> (builder, element types it is built for); stages over float32 scores are built once.
 KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
@@ -204,6 +242,9 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "min_p": (min_p, ("float32",)),
     "sample": (sample, ("float32",)),
     "argmax": (argmax, ("float32",)),
+    "beam_topk": (beam_topk, tuple(FLOAT_TYPES)),
+    "gather_rows0": (_gather_rows(0), tuple(FLOAT_TYPES)),
+    "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug in ortpipe: say so plainly, keep the traceback one variable away
+        if os.environ.get("ORTPIPE_DEBUG"):
+            raise
+        print(f"ortpipe: internal error: {type(e).__name__}: {e}\n"
+              "This is a bug in ortpipe; run again with ORTPIPE_DEBUG=1 for the traceback and report it.",
+              file=sys.stderr)
+        return 3
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from typing import Any
 from .errors import GenerationError
 from .execute.work import Backend, Handle, Work
 from .loops.autoregressive import Limits, TokenGenerator
+from .loops.beam import BeamSearch
 from .plan import Plan
 from .sampling.settings import SearchSettings, settings_for
 from .tokenizer import TextStream, Tokenizer
@@ -58,7 +59,7 @@ class Chunk:
 
 
 class Request:
-    """One generation, stepped by a target's driver: `while not r.done: chunk = drive(r.step())`."""
+    """One generation, stepped by a target's driver: `while not r.done: chunks = drive(r.step())`."""
 
     def __init__(self, gen: TokenGenerator, settings: SearchSettings, tokenizer: Tokenizer | None,
                  prompt_len: int):
@@ -89,7 +90,7 @@ class Request:
         if self.gen.done:
             self.finish_reason = "interrupt" if self.gen.interrupted else (
                 "eos" if token in self.gen.limits.eos else "length")
-        return Chunk(token, self._text(token))
+        return [Chunk(token, self._text(token))]
 
     def interrupt(self) -> None:
         self.gen.interrupted = True
@@ -111,6 +112,37 @@ class Request:
 
     def result(self) -> Result:
         return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length")
+
+
+class BeamRequest(Request):
+    """Beam search: one step runs the whole search; its chunks are the best hypothesis's tokens."""
+
+    def __init__(self, search: BeamSearch, prompt: list[int], settings: SearchSettings,
+                 tokenizer: Tokenizer | None):
+        self.search, self.prompt = search, prompt
+        self.settings = settings
+        self.stream = TextStream(tokenizer) if tokenizer else None
+        self.timings = Timings(prompt_tokens=len(prompt))
+        self.tokens, self.text, self._held = [], "", ""
+        self.finish_reason = None
+        self.sequences: list[list[int]] = []
+        self.tokenizer = tokenizer
+
+    def step(self) -> Work:
+        start = time.perf_counter()
+        best = yield from self.search.run(self.prompt)
+        self.timings.prefill_ms = (time.perf_counter() - start) * 1000
+        self.sequences = [h.tokens for h in best]
+        tokens = self.sequences[0]
+        self.timings.new_tokens = len(tokens)
+        self.finish_reason = "eos" if tokens and tokens[-1] in self.search.eos else "length"
+        self.tokens = list(tokens)
+        text = self.tokenizer.decode(tokens) if self.tokenizer else ""
+        self.text = text
+        return [Chunk(t, text if i == len(tokens) - 1 else "") for i, t in enumerate(tokens)]
+
+    def interrupt(self) -> None:
+        self.finish_reason = self.finish_reason or "interrupt"
 
 
 def _open_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
@@ -150,10 +182,23 @@ class Pipeline:
                 inputs: dict[str, Handle] | None = None, **settings: Any) -> Request:
         search = settings_for(self.config, settings)
         if search.num_beams > 1:
-            raise GenerationError("num_beams > 1 is not supported by this version yet; use num_beams 1")
+            return self._beam_request(prompt_ids, search, max_new_tokens, max_length, inputs)
         gen = self.generator(len(prompt_ids), max_new_tokens, max_length, inputs, **settings)
         gen.append_tokens(prompt_ids)
         return Request(gen, search, self.tokenizer, len(prompt_ids))
+
+    def _beam_request(self, prompt_ids: list[int], search: SearchSettings, max_new_tokens: int | None,
+                      max_length: int | None, inputs: dict[str, Handle] | None) -> BeamRequest:
+        unsupported = [name for name, on in (
+            ("repetition_penalty", search.repetition_penalty != 1.0), ("no_repeat_ngram_size", search.no_repeat_ngram_size),
+            ("min_length", search.min_length), ("min_new_tokens", search.min_new_tokens),
+            ("suppress_tokens", search.suppress_tokens), ("stop", search.stop)) if on]
+        if unsupported:
+            raise GenerationError(f"beam search does not apply {', '.join(unsupported)} yet; "
+                                  "drop them or use num_beams 1")
+        limit = self.max_length(len(prompt_ids), max_new_tokens, max_length)
+        beam = BeamSearch(self.plan, self.backend, search, limit, frozenset(self.config.tokens.eos), inputs)
+        return BeamRequest(beam, list(prompt_ids), search, self.tokenizer)
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         for name, value in (("max_new_tokens", max_new_tokens), ("max_length", max_length)):

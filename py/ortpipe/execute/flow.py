@@ -40,20 +40,22 @@ class FlowRun:
             for s, out in zip(ready, results):
                 self._kept(s, out)
 
-    def run_step(self, ids: list[int]) -> Work:
-        """Run the step phase on new token ids; returns the generator step's logits handle."""
+    def run_step(self, ids: list[int], rows: list[list[int]] | None = None) -> Work:
+        """Run the step phase on new token ids (the same for every row, or one list per row);
+        returns the generator step's logits handle."""
         logits = None
+        n = len(rows[0]) if rows else len(ids)
         for s in self.plan.step:
             for counter in range(s.step.repeat):
-                out = yield self._run(s, ids, counter)
+                out = yield self._run(s, ids, counter, rows)
                 cache = self.caches.get(s.session)
                 if cache is not None:
-                    yield from cache.update(out, len(ids), self.backend)
+                    yield from cache.update(out, n, self.backend)
                 if self._keep[s.session]:
                     self._kept(s, out)
                 if s.logits:
                     logits = out[s.logits]
-        self.length += len(ids)
+        self.length += n
         return logits
 
     def run_final(self) -> Work:
@@ -72,8 +74,12 @@ class FlowRun:
                               "which this request does not provide. Pass them (inputs={name: array}, "
                               "images=, audios=), or mark the flow step \"optional\": true")
 
-    def _run(self, s: StepPlan, ids: list[int], counter: int = 0) -> Run:
-        b, n = self.backend, len(ids)
+    def reorder(self, rows: list[int]) -> Work:
+        for cache in self.caches.values():
+            yield from cache.reorder(rows, self.backend)
+
+    def _run(self, s: StepPlan, ids: list[int], counter: int = 0, rows: list[list[int]] | None = None) -> Run:
+        b, n = self.backend, len(rows[0]) if rows else len(ids)
         past = self.caches[s.session].length if s.kv else self.length
         feeds: dict[str, Handle] = {}
         for f in s.feeds:
@@ -81,7 +87,8 @@ class FlowRun:
             if kind == PAST:
                 continue
             if kind == INPUT_IDS:
-                feeds[f.input] = b.tensor(ids * self.batch, (self.batch, n), f.dtype)
+                flat = [i for r in rows for i in r] if rows else ids * self.batch
+                feeds[f.input] = b.tensor(flat, (self.batch, n), f.dtype)
             elif kind == ATTENTION_MASK:
                 feeds[f.input] = b.full((self.batch, past + n), 1, f.dtype)
             elif kind == POSITION_IDS:

@@ -49,6 +49,17 @@ class KVCache:
         self.length = length
 
 
+    def reorder(self, rows: list[int], backend: Backend) -> Work:
+        """Rebuild the cache from the given batch rows, in order (beam search follows its beams)."""
+        index = backend.tensor(rows, (len(rows),), "int64")
+        for e in self.plan.entries:
+            out = yield Run(kernel(f"gather_rows{e.batch_axis}", e.dtype), {"x": self.feeds[e.past], "rows": index},
+                            ("y",))
+            self.feeds[e.past] = out["y"]
+        if self.plan.share_buffer:  # new buffers: bind the presents to them
+            self.inplace = {e.present: e.past for e in self.plan.entries}
+
+
 END = 2**62  # "to the end" for the narrow kernel
 
 

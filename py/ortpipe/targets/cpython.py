@@ -327,7 +327,7 @@ class CpuPipeline:
     def drive(self, request: Request) -> Iterator[Chunk]:
         """The chunks of a request, as its tokens are generated."""
         while not request.done:
-            yield self.driver.drive(request.step())
+            yield from self.driver.drive(request.step())
 
     def chat(self, max_length: int | None = None, **settings: Any) -> CpuChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""

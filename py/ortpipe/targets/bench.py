@@ -1,0 +1,397 @@
+"""`ortpipe bench`: ortpipe's decode speed beside onnxruntime-genai and a hand-written floor.
+
+Three engines run one genai_config.json v1 folder with the same prompt ids, greedy, and the same
+intra-op thread count; rounds are interleaved with the engine order rotated each round, so the
+machine's noise hits every engine alike. Each engine first runs one untimed warm-up generation.
+
+- ortpipe: `load()` and the step-wise generator, one `next_token()` timed per step.
+- genai: onnxruntime-genai's Generator (`append_tokens` runs the prefill and picks the first
+  token; `generate_next_token` is timed per step).
+- floor: the fastest loop we can write in Python over one InferenceSession: shared past/present
+  buffers bound once through IOBinding, only the input ids (written in place) and the attention
+  mask (a view of a preallocated row of ones) change per step, logits land in a preallocated
+  array, numpy argmax.
+
+Prefill is the time to the first token, request set-up included. A decode step is one later
+token. The token lists of all engines must be equal, or the bench warns and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+ENGINES = ("ortpipe", "genai", "floor")
+CONFIG = "genai_config.json"
+
+
+@dataclass
+class Trace:
+    """One generation: the generated ids (prompt excluded) and its timings."""
+
+    tokens: list[int]
+    prefill_ms: float
+    steps_us: list[float]
+
+
+@dataclass
+class Stats:
+    prefill_ms: float  # median over rounds
+    decode_tokens_per_s: float  # all decode steps of all rounds over their total time
+    step_mean_us: float
+    step_median_us: float
+    steps: int
+    round_tokens_per_s: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prefill_ms": round(self.prefill_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "step_mean_us": round(self.step_mean_us, 1), "step_median_us": round(self.step_median_us, 1),
+                "steps": self.steps, "round_tokens_per_s": [round(x, 2) for x in self.round_tokens_per_s]}
+
+
+Engine = Callable[[list[int], int], Trace]  # (prompt ids, new tokens) -> trace
+
+
+# --- the model folder -----------------------------------------------------------------------------
+
+def pinned_folder(src: Path, threads: int, dst: Path) -> Path:
+    """A copy of `src` whose genai_config.json pins the decoder's intra-op threads (genai defaults to
+    half the cores); every other file is a symlink."""
+    for item in src.iterdir():
+        if item.name != CONFIG:
+            os.symlink(item.resolve(), dst / item.name)
+    config = json.loads((src / CONFIG).read_text())
+    options = config["model"]["decoder"].setdefault("session_options", {})
+    options["intra_op_num_threads"] = threads
+    (dst / CONFIG).write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise SystemExit(f"ortpipe bench: {folder} has no {CONFIG} (the bench needs a model-builder v1 folder)")
+    config = json.loads(path.read_text())
+    if config.get("version") == 2 or "decoder" not in config.get("model", {}):
+        raise SystemExit(f"ortpipe bench: {path} is not a v1 (model builder) config with model.decoder")
+    return config
+
+
+def prompt_ids(config: dict[str, Any], count: int) -> list[int]:
+    """`count` ids drawn from the vocabulary with a fixed seed, never a special token."""
+    model = config["model"]
+    special = {model.get("bos_token_id"), model.get("pad_token_id")}
+    eos = model.get("eos_token_id", [])
+    special.update(eos if isinstance(eos, list) else [eos])
+    rng = random.Random(0)
+    ids: list[int] = []
+    while len(ids) < count:
+        i = rng.randrange(model["vocab_size"])
+        if i not in special:
+            ids.append(i)
+    return ids
+
+
+def eos_ids(config: dict[str, Any]) -> frozenset[int]:
+    eos = config["model"].get("eos_token_id", [])
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+# --- engines --------------------------------------------------------------------------------------
+
+def ortpipe_engine(folder: Path, threads: int) -> Engine:
+    from .cpython import load
+
+    pipe = load(folder, threads=threads)
+
+    def generate(prompt: list[int], new_tokens: int) -> Trace:
+        clock = time.perf_counter
+        start = clock()
+        gen = pipe.generator(len(prompt), max_new_tokens=new_tokens)
+        gen.append_tokens(prompt)
+        tokens = [gen.next_token()]
+        prefill_ms = (clock() - start) * 1e3
+        steps = []
+        while not gen.done:
+            t = clock()
+            tokens.append(gen.next_token())
+            steps.append((clock() - t) * 1e6)
+        return Trace(tokens, prefill_ms, steps)
+
+    return generate
+
+
+def genai_engine(folder: Path, threads: int) -> Engine:
+    import onnxruntime_genai as og  # lazily: only this engine needs it
+
+    model = og.Model(str(folder))  # threads come from the pinned genai_config.json
+
+    def generate(prompt: list[int], new_tokens: int) -> Trace:
+        clock = time.perf_counter
+        start = clock()
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.asarray([prompt], dtype=np.int32))  # prefill, and the first token is picked
+        tokens = [int(gen.get_next_tokens()[0])]
+        prefill_ms = (clock() - start) * 1e3
+        steps = []
+        while not gen.is_done():
+            t = clock()
+            gen.generate_next_token()
+            tokens.append(int(gen.get_next_tokens()[0]))
+            steps.append((clock() - t) * 1e6)
+        return Trace(tokens, prefill_ms, steps)
+
+    return generate
+
+
+class Floor:
+    """A hand-written greedy loop over one InferenceSession with a shared past/present buffer."""
+
+    def __init__(self, folder: Path, config: dict[str, Any], threads: int):
+        decoder = config["model"]["decoder"]
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / decoder["filename"]), options,
+                                            providers=["CPUExecutionProvider"])
+        self.eos = eos_ids(config)
+        names = decoder.get("inputs", {})
+        outs = decoder.get("outputs", {})
+        self.ids_name = names.get("input_ids", "input_ids")
+        self.mask_name = names.get("attention_mask", "attention_mask")
+        self.logits_name = outs.get("logits", "logits")
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.kv = self._kv_pairs(inputs, names, outs, decoder["num_hidden_layers"])
+        extra = set(inputs) - {self.ids_name, self.mask_name} - {p for p, _, _, _ in self.kv}
+        if extra:
+            raise SystemExit(f"ortpipe bench: the floor loop cannot feed decoder input(s) {sorted(extra)}")
+        self.ids_dtype = _np_type(inputs[self.ids_name].type)
+        logits = next(o for o in self.session.get_outputs() if o.name == self.logits_name)
+        self.vocab, self.logits_dtype = logits.shape[-1], _np_type(logits.type)
+        if not isinstance(self.vocab, int):
+            self.vocab = config["model"]["vocab_size"]
+
+    @staticmethod
+    def _kv_pairs(inputs: dict[str, Any], names: dict[str, str], outs: dict[str, str],
+                  layers: int) -> list[tuple[str, str, tuple[Any, ...], Any]]:
+        """(past name, present name, past shape, dtype) per cache entry; shapes from the signature."""
+        pairs = []
+        for layer in range(layers):
+            for kind in ("key", "value"):
+                past = names[f"past_{kind}_names"] % layer
+                present = outs[f"present_{kind}_names"] % layer
+                info = inputs[past]
+                pairs.append((past, present, tuple(info.shape), _np_type(info.type)))
+        return pairs
+
+    def __call__(self, prompt: list[int], new_tokens: int) -> Trace:
+        clock = time.perf_counter
+        start = clock()
+        total = len(prompt) + new_tokens
+        caches = [np.zeros((1, shape[1], total, shape[3]), dtype) for _, _, shape, dtype in self.kv]
+        ones = np.ones((1, total), np.int64)
+        masks = [ort.OrtValue.ortvalue_from_numpy(ones[:, :n]) for n in range(total + 1)]  # views, no copies
+        prefill = self._binding(caches, np.asarray([prompt], self.ids_dtype), len(prompt))
+        step_ids = np.zeros((1, 1), self.ids_dtype)
+        decode = self._binding(caches, step_ids, 1)
+        io, logits = prefill
+        io.bind_ortvalue_input(self.mask_name, masks[len(prompt)])
+        run = self.session._sess.run_with_iobinding  # the C++ call; the Python wrapper only forwards
+        run(io._iobinding, None)
+        token = int(logits[0, -1].argmax())
+        prefill_ms = (clock() - start) * 1e3
+        tokens, steps = [token], []
+        io, logits = decode
+        native, row = io._iobinding, logits[0, 0]
+        for length in range(len(prompt) + 1, total):
+            if token in self.eos:
+                break
+            t = clock()
+            step_ids[0, 0] = token  # the bound input reads this memory
+            io.bind_ortvalue_input(self.mask_name, masks[length])
+            run(native, None)
+            token = int(row.argmax())
+            steps.append((clock() - t) * 1e6)
+            tokens.append(token)
+        return Trace(tokens, prefill_ms, steps)
+
+    def _binding(self, caches: list[np.ndarray], ids: np.ndarray, n: int) -> tuple[Any, np.ndarray]:
+        """An IOBinding over the shared caches, `ids` and a preallocated logits array for n positions."""
+        io = self.session.io_binding()
+        keep = [ids]
+        io.bind_ortvalue_input(self.ids_name, _ortvalue(ids, keep))
+        for (past, present, _, _), cache in zip(self.kv, caches):
+            value = _ortvalue(cache, keep)
+            io.bind_ortvalue_input(past, value)
+            io.bind_ortvalue_output(present, value)  # written in place: past_present_share_buffer
+        logits = np.empty((1, n, self.vocab), self.logits_dtype)
+        io.bind_ortvalue_output(self.logits_name, _ortvalue(logits, keep))
+        io.keep_alive = keep  # the OrtValues borrow these arrays' memory
+        return io, logits
+
+
+def _ortvalue(array: np.ndarray, keep: list[Any]) -> Any:
+    value = ort.OrtValue.ortvalue_from_numpy(array)
+    keep.append(value)
+    return value
+
+
+def _np_type(ort_type: str) -> Any:
+    return {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+            "tensor(int32)": np.int32}[ort_type]
+
+
+def floor_engine(folder: Path, threads: int) -> Engine:
+    return Floor(folder, read_config(folder), threads)
+
+
+FACTORIES: dict[str, Callable[[Path, int], Engine]] = {
+    "ortpipe": ortpipe_engine, "genai": genai_engine, "floor": floor_engine}
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int, rounds: int) -> dict[str, list[Trace]]:
+    """One warm-up per engine, then `rounds` rounds, the engine order rotated each round."""
+    names = list(engines)
+    for name in names:
+        engines[name](prompt, new_tokens)
+    traces: dict[str, list[Trace]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()  # start each run with a clean heap, not with the last engine's garbage
+            traces[name].append(engines[name](prompt, new_tokens))
+    return traces
+
+
+def summarize(traces: list[Trace]) -> Stats:
+    steps = [s for t in traces for s in t.steps_us]
+    per_round = [len(t.steps_us) * 1e6 / sum(t.steps_us) if t.steps_us else 0.0 for t in traces]
+    total = sum(steps)
+    return Stats(prefill_ms=statistics.median(t.prefill_ms for t in traces),
+                 decode_tokens_per_s=len(steps) * 1e6 / total if total else 0.0,
+                 step_mean_us=statistics.fmean(steps) if steps else 0.0,
+                 step_median_us=statistics.median(steps) if steps else 0.0,
+                 steps=len(steps), round_tokens_per_s=per_round)
+
+
+def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
+    """The first run whose tokens differ from the reference (the first engine's first round)."""
+    ref_name = next(iter(traces))
+    ref = traces[ref_name][0].tokens
+    for name, runs in traces.items():
+        for r, trace in enumerate(runs):
+            if trace.tokens != ref:
+                at = next((i for i, (a, b) in enumerate(zip(ref, trace.tokens)) if a != b),
+                          min(len(ref), len(trace.tokens)))
+                return {"reference": ref_name, "engine": name, "round": r, "position": at,
+                        "expected": ref[at] if at < len(ref) else None,
+                        "found": trace.tokens[at] if at < len(trace.tokens) else None,
+                        "lengths": [len(ref), len(trace.tokens)]}
+    return None
+
+
+def ratios(stats: dict[str, Stats]) -> dict[str, float]:
+    out = {}
+    if "ortpipe" in stats and "genai" in stats and stats["genai"].decode_tokens_per_s:
+        out["ortpipe_vs_genai_decode"] = stats["ortpipe"].decode_tokens_per_s / stats["genai"].decode_tokens_per_s
+    if "ortpipe" in stats and "floor" in stats:
+        out["ortpipe_overhead_us"] = stats["ortpipe"].step_median_us - stats["floor"].step_median_us
+    if "genai" in stats and "floor" in stats:
+        out["genai_overhead_us"] = stats["genai"].step_median_us - stats["floor"].step_median_us
+    return out
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("ortpipe", "onnxruntime", "onnxruntime-genai", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "-"
+    return found
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+def table(report: dict[str, Any]) -> str:
+    head = (f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
+            f"{report['threads']} thread(s), {report['rounds']} round(s), greedy")
+    rows = [("engine", "prefill ms", "decode tok/s", "mean step µs", "median step µs", "steps")]
+    for name, s in report["engines"].items():
+        rows.append((name, f"{s['prefill_ms']:.2f}", f"{s['decode_tokens_per_s']:.1f}", f"{s['step_mean_us']:.1f}",
+                     f"{s['step_median_us']:.1f}", str(s["steps"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, ""] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                                    enumerate(zip(r, widths))) for r in rows]
+    r = report["ratios"]
+    if "ortpipe_vs_genai_decode" in r:
+        lines.append(f"\nortpipe decode ÷ genai decode: {r['ortpipe_vs_genai_decode']:.3f}×")
+    if "ortpipe_overhead_us" in r:
+        lines.append(f"ortpipe per-step overhead over the floor (median): {r['ortpipe_overhead_us']:+.1f} µs")
+    if "genai_overhead_us" in r:
+        lines.append(f"genai per-step overhead over the floor (median): {r['genai_overhead_us']:+.1f} µs")
+    lines.append("tokens: " + ("all engines equal" if report["tokens_match"] else "MISMATCH (see warning)"))
+    return "\n".join(lines)
+
+
+def warn_mismatch(m: dict[str, Any]) -> None:
+    bar = "!" * 78
+    print(f"{bar}\nWARNING: the engines generated different tokens: {m['engine']} (round {m['round']}) differs "
+          f"from {m['reference']} at generated position {m['position']}: expected {m['expected']}, found "
+          f"{m['found']} (lengths {m['lengths'][0]} and {m['lengths'][1]}). The timings do not compare like "
+          f"with like.\n{bar}", file=sys.stderr)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or not names:
+        raise SystemExit(f"ortpipe bench: unknown engine(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(ENGINES)}")
+    if min(args.prompt_tokens, args.new_tokens, args.rounds, args.threads) < 1:
+        raise SystemExit("ortpipe bench: --prompt-tokens, --new-tokens, --rounds and --threads must be >= 1")
+    if args.new_tokens < 2:
+        raise SystemExit("ortpipe bench: --new-tokens must be >= 2 (the first token comes from the prefill)")
+    src = Path(args.model)
+    config = read_config(src)
+    prompt = prompt_ids(config, args.prompt_tokens)
+    tmp = Path(tempfile.mkdtemp(prefix="ortpipe-bench-"))
+    try:
+        folder = pinned_folder(src, args.threads, tmp)
+        engines = {name: FACTORIES[name](folder, args.threads) for name in dict.fromkeys(names)}
+        traces = measure(engines, prompt, args.new_tokens, args.rounds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    stats = {name: summarize(runs) for name, runs in traces.items()}
+    mismatch = first_mismatch(traces)
+    report = {"model": str(src), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "rounds": args.rounds, "threads": args.threads, "versions": versions(),
+              "engines": {n: s.as_dict() for n, s in stats.items()},
+              "ratios": {k: round(v, 4) for k, v in ratios(stats).items()},
+              "tokens_match": mismatch is None, "mismatch": mismatch,
+              "generated": len(next(iter(traces.values()))[0].tokens)}
+    if mismatch:
+        warn_mismatch(mismatch)
+    print(json.dumps(report) if args.json else table(report))
+    return 1 if mismatch else 0
