@@ -1,0 +1,81 @@
+"""The `ortpipe` command: run --json, validate's exit codes, inspect, and errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from build import graphs
+from tests.handloop import hand_greedy
+
+PROMPT = [5, 17, 42, 8, 23, 61, 3, 77]
+
+
+def ortpipe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ortpipe.cli", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return graphs.build_separate(tmp_path_factory.mktemp("cli") / "model", seed=0, config=True)
+
+
+def test_run_json_prints_tokens_text_and_timings(model: Path) -> None:
+    out = ortpipe("run", str(model), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
+                  "--threads", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["tokens"] == hand_greedy(model, PROMPT, 12, layout="separate")
+    assert result["text"] == ""  # this folder has no tokenizer
+    assert result["timings"]["prefill_ms"] > 0 and result["timings"]["decode_tokens_per_s"] > 0
+
+
+def test_validate_accepts_a_good_folder(model: Path) -> None:
+    out = ortpipe("validate", str(model))
+    assert out.returncode == 0 and "ok (v2 config, 1 session(s), 1 flow step(s))" in out.stdout
+
+
+def test_validate_prints_every_problem_and_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "genai_config.json").write_text(json.dumps({"version": 2, "pipeline": {
+        "sessions": {"decoder": {"file": "../x.onnx"}},
+        "flow": [{"run": "decodr", "when": "never"}]}}))
+    out = ortpipe("validate", str(tmp_path))
+    assert out.returncode == 2
+    assert "3 problems" in out.stderr
+    assert "points outside the model folder" in out.stderr
+    assert 'Did you mean "decoder"?' in out.stderr
+    assert 'Unknown flow phase (when) "never"' in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_validate_reports_an_unfeedable_input(tmp_path: Path, model: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes((model / "model.onnx").read_bytes())
+    (tmp_path / "genai_config.json").write_text(json.dumps({"version": 2, "pipeline": {
+        "extends": "autoregressive-decoder", "sessions": {"decoder": {"file": "model.onnx",
+                                                                     "inputs": {"input_ids": "ids"}}}}}))
+    out = ortpipe("validate", str(tmp_path))
+    assert out.returncode == 2
+    assert 'Session "decoder" input "input_ids"' in out.stderr and "cannot be fed" in out.stderr
+
+
+def test_inspect_shows_the_detected_layout_and_expanded_config(model: Path) -> None:
+    out = ortpipe("inspect", str(model), "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    step = report["steps"][0]
+    assert step["kv_cache"]["format"] == "separate" and step["kv_cache"]["layers"] == [0, 1]
+    assert step["feeds"]["position_ids"] == "position_ids"
+    assert report["config"]["pipeline"]["flow"] == [{"run": "decoder", "when": "step"}]
+
+
+def test_missing_folder_and_bad_settings_are_clear_errors(model: Path) -> None:
+    out = ortpipe("run", "/nonexistent/model", "--prompt-ids", "1,2")
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+    out = ortpipe("run", str(model), "--prompt-ids", "1,2", "--do-sample", "--temperature", "-1")
+    assert out.returncode == 2 and "temperature -1.0 is out of range" in out.stderr
+    out = ortpipe("run", str(model), "--prompt", "hello")
+    assert out.returncode == 2 and "no tokenizer.json" in out.stderr
