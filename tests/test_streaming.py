@@ -1,0 +1,87 @@
+"""Streaming text: chunks never split a character or a merged word, and stop strings cut cleanly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ortpipe.pipeline import Request
+from ortpipe.sampling.settings import SearchSettings
+from ortpipe.targets.cpython import HFTokenizer
+
+TEXT = "Le café naïve — 日本語のテキスト 🙂🚀 and straße; ça va? Ünïcödé everywhere: 東京, Zürich."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    """A byte-level BPE too small to hold most characters whole: they are split over several tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the café and the straße and the naïve word " * 20], trainer=trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return HFTokenizer(path)
+
+
+class ScriptedGenerator:
+    """Stands in for TokenGenerator: yields nothing, returns the next scripted id."""
+
+    def __init__(self, ids: list[int], eos: frozenset[int] = frozenset()):
+        self.ids, self.i = ids, 0
+        self.limits = SimpleNamespace(eos=eos)
+        self.interrupted = False
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.ids)
+
+    def next_token(self):
+        self.i += 1
+        return self.ids[self.i - 1]
+        yield  # a generator, like the real one
+
+
+def run(request: Request) -> list[str]:
+    chunks = []
+    while not request.done:
+        work = request.step()
+        try:
+            next(work)
+        except StopIteration as stop:
+            chunks += [c.text for c in stop.value]
+    return chunks
+
+
+def test_joined_stream_equals_the_full_decode(tokenizer: HFTokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT.encode()) // 3  # many characters span several tokens
+    pieces = run(Request(ScriptedGenerator(ids), SearchSettings(), tokenizer, 0))
+    assert "".join(pieces) == tokenizer.decode(ids) == TEXT
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") > 0  # some tokens completed no character yet
+
+
+@pytest.mark.parametrize("stop,expected", [
+    ("日本語", "Le café naïve — "),
+    ("🚀", "Le café naïve — 日本語のテキスト 🙂"),
+    ("straße;", "Le café naïve — 日本語のテキスト 🙂🚀 and "),
+])
+def test_stop_strings_match_across_token_boundaries(tokenizer: HFTokenizer, stop: str, expected: str) -> None:
+    ids = tokenizer.encode(TEXT)
+    request = Request(ScriptedGenerator(ids), SearchSettings(stop=(stop,)), tokenizer, 0)
+    pieces = run(request)
+    assert request.finish_reason == "stop"
+    assert "".join(pieces) == request.text == expected
+    assert request.result().text == expected
+
+
+def test_a_stop_string_that_never_completes_is_released(tokenizer: HFTokenizer) -> None:
+    ids = tokenizer.encode("naïve caf")
+    request = Request(ScriptedGenerator(ids), SearchSettings(stop=("café!",)), tokenizer, 0)
+    assert "".join(run(request)) == "naïve caf"
+    assert request.finish_reason == "length"
