@@ -116,7 +116,7 @@ def _ids(text: str) -> list[int]:
 def _run(args: argparse.Namespace) -> int:
     from .targets.cpython import load
 
-    pipe = load(args.model, provider=args.provider, threads=args.threads)
+    pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
     request = pipe.request(args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
                            max_length=args.max_length, **_settings(args))
     if args.json:
@@ -124,14 +124,59 @@ def _run(args: argparse.Namespace) -> int:
             pass
         print(json.dumps(request.result().as_dict()))
         return 0
+    status = LiveStatus() if sys.stdout.isatty() else None
     if args.prompt is not None:
         print(args.prompt, end="", flush=True)
-    for chunk in pipe.drive(request):
-        print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
+    try:
+        for chunk in pipe.drive(request):
+            print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
+            if status:
+                status.show(request.timings)
+    finally:
+        if status:
+            status.close()
     t = request.timings
     print(f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
           f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def _progress() -> Any:
+    """Model-load progress lines on stderr, when a person is watching it."""
+    if not sys.stderr.isatty():
+        return None
+    return lambda line: print(f"[{line}]", file=sys.stderr, flush=True)
+
+
+class LiveStatus:
+    """A tokens/s line pinned to the terminal's last row while text streams above it.
+
+    A scroll region keeps the streamed text in the rows above; the status is redrawn in the last
+    row with the cursor saved and restored around it.
+    """
+
+    def __init__(self) -> None:
+        import shutil
+
+        self.rows = shutil.get_terminal_size().lines
+        self.last = 0.0
+        sys.stdout.write(f"\n\x1b[1;{self.rows - 1}r\x1b[{self.rows - 1};1H")
+
+    def show(self, t: Any) -> None:
+        import time
+
+        now = time.monotonic()
+        if now - self.last < 0.1:
+            return
+        self.last = now
+        line = f"{t.new_tokens} tokens · {t.decode_tokens_per_s:.1f} tokens/s · prefill {t.prefill_ms:.0f} ms"
+        sys.stdout.write(f"\x1b7\x1b[{self.rows};1H\x1b[2K\x1b[7m {line} \x1b[0m\x1b8")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        # resetting the scroll region homes the cursor: put it back after the text, on the freed row
+        sys.stdout.write(f"\x1b[{self.rows};1H\x1b[2K\x1b[r\x1b[{self.rows - 1};1H\x1b[999C")
+        sys.stdout.flush()
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,7 +188,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 def _chat(args: argparse.Namespace) -> int:
     from .targets.cpython import load
 
-    pipe = load(args.model, provider=args.provider, threads=args.threads)
+    pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
     chat = pipe.chat(max_length=args.max_length, **_settings(args))
     print("ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
           file=sys.stderr)

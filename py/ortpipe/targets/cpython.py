@@ -11,7 +11,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -364,28 +364,48 @@ class CpuChat:
         return self.core.gen.tokens
 
 
-def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, threads: int | None = None) -> CpuPipeline:
-    """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime."""
+Progress = Callable[[str], None]
+
+
+def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, threads: int | None = None,
+         on_progress: Progress | None = None) -> CpuPipeline:
+    """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime.
+
+    `on_progress` receives a line of text as each session starts and ends loading.
+    """
     start = time.perf_counter()
     path = Path(model_dir)
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist or is not a directory")
-    plan, sessions = build_plan(path, provider, threads)
+    plan, sessions = build_plan(path, provider, threads, on_progress)
     tokenizer = HFTokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None
     core = Pipeline(plan, CpuBackend(), tokenizer)
     return CpuPipeline(core, Driver(sessions, threads), (time.perf_counter() - start) * 1000, path)
 
 
-def build_plan(path: Path, provider: str | None = None, threads: int | None = None
-               ) -> tuple[Plan, dict[str, ort.InferenceSession]]:
+def build_plan(path: Path, provider: str | None = None, threads: int | None = None,
+               on_progress: Progress | None = None) -> tuple[Plan, dict[str, ort.InferenceSession]]:
     config = load_config(LocalFolder(path))
     used = {s.run for s in config.pipeline.flow}
+    wanted = [(n, s) for n, s in config.pipeline.sessions.items() if n in used and (path / s.file).is_file()]
     sessions = {}
-    for name, spec in config.pipeline.sessions.items():
-        if name in used and (path / spec.file).is_file():
-            sessions[name] = open_session(path, spec, provider, threads)
+    for i, (name, spec) in enumerate(wanted, 1):
+        start = time.perf_counter()
+        if on_progress:
+            size = _folder_bytes(path / spec.file) / 1e6
+            on_progress(f"loading session {i}/{len(wanted)} {name} ({spec.file}, {size:.1f} MB)")
+        sessions[name] = open_session(path, spec, provider, threads)
+        if on_progress:
+            on_progress(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     plan = make_plan(config, {n: signature_of(s) for n, s in sessions.items()})
     return plan, sessions
+
+
+def _folder_bytes(onnx_file: Path) -> int:
+    """The graph file plus external data files beside it (a rough size for progress messages)."""
+    data = [p for p in onnx_file.parent.glob(onnx_file.name + "*") if p.is_file()]
+    data += [p for p in onnx_file.parent.glob("*.data") if p.is_file() and p not in data]
+    return sum(p.stat().st_size for p in data)
 
 
 __all__ = ["CpuPipeline", "Driver", "GenerationError", "load", "build_plan"]
