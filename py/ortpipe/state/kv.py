@@ -5,7 +5,8 @@ Two ways to carry it (format and sizes come from the plan, detected from the gra
 - shared buffer: one buffer per entry, sized to the request's max length (never the model's
   context length), passed as past and written in place as present (onnxruntime-genai's
   GroupQueryAttention graphs with past_present_share_buffer).
-Sliding-window entries keep only their last `window` positions (a kernel slices them).
+Sliding-window entries keep only their last `window` positions: concat caches are sliced by a
+kernel; a shared buffer is sized to the window and the graph's attention keeps it as a ring.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ class KVCache:
     def __init__(self, plan: KVPlan, backend: Backend, batch: int, max_length: int):
         self.plan = plan
         self.length = 0  # positions the graph has seen
-        seq = max_length if plan.share_buffer else 0
         self.feeds: dict[str, Handle] = {
-            e.past: backend.full(_shape(e, batch, seq), 0, e.dtype) for e in plan.entries}
+            e.past: backend.full(_shape(e, batch, _capacity(e, plan.share_buffer, max_length)), 0, e.dtype)
+            for e in plan.entries}
         self.inplace = {e.present: e.past for e in plan.entries} if plan.share_buffer else None
         self._windowed = [e for e in plan.entries if e.window is not None and not plan.share_buffer]
 
@@ -68,6 +69,14 @@ def _narrow(backend: Backend, e: CacheEntry, x: Handle, start: int, end: int) ->
         "x": x, "start": backend.tensor([start], (1,), "int64"), "end": backend.tensor([end], (1,), "int64"),
         "axis": backend.tensor([e.seq_axis], (1,), "int64")}, ("y",))
     return out["y"]
+
+
+def _capacity(e: CacheEntry, share_buffer: bool, max_length: int) -> int:
+    """Positions a fresh past holds: none for concat caches; for a shared buffer, the request's max
+    length, or the window for a sliding-window layer (its attention keeps a ring of that size)."""
+    if not share_buffer:
+        return 0
+    return min(e.window, max_length) if e.window else max_length
 
 
 def _shape(e: CacheEntry, batch: int, seq: int) -> tuple[int, ...]:

@@ -80,6 +80,7 @@ def choose_provider(spec: SessionSpec, override: str | None) -> tuple[str, dict[
 
 def open_session(folder: Path, spec: SessionSpec, provider: str | None, threads: int | None) -> ort.InferenceSession:
     options = ort.SessionOptions()
+    options.log_severity_level = 3  # failures reach the user as ortpipe errors with context, once
     for key in _SESSION_OPTIONS:
         if isinstance(spec.session_options.get(key), int):
             setattr(options, key, spec.session_options[key])
@@ -138,6 +139,7 @@ class _Binding:
         self.inplace: dict[str, Any] = {}  # output name -> the array it is written into
         self.inplace_inputs: dict[str, Any] = {}  # input name -> the OrtValue over that array
         self.outputs: list[str] = []  # binding order, which is the order get_outputs() returns
+        self.fresh: list[str] = []  # outputs onnxruntime allocates anew on every run
 
 
 class Driver:
@@ -198,6 +200,8 @@ class Driver:
             if b.inplace.get(out) is not work.feeds[inp]:
                 self._rebind_outputs(b, work)
                 break
+        for name in b.fresh:  # a bound output keeps its first shape: ask for fresh memory each run
+            io.bind_output(name, "cpu")
         for name, value in work.feeds.items():
             if b.inputs.get(name) is not value:
                 if name in b.inplace_inputs:
@@ -224,6 +228,7 @@ class Driver:
         for out in rest:
             b.io.bind_output(out, "cpu")
         b.outputs = list(work.inplace) + rest
+        b.fresh = rest
 
 
 class HFTokenizer:
