@@ -31,4 +31,4 @@ kernels: $(VENV)/.base
 	$(PY) -m build.kernels
 
 clean:
-	rm -rf $(VENV) build/cache dist
+	rm -rf $(VENV) .venv-optimum build/cache dist

@@ -70,7 +70,8 @@ def test_beams_that_meet_eos_match_transformers(search: dict, llama_builder_fp32
     while len(reference) > len(ours.tokens) and reference[-1] == eos:  # transformers pads short rows with eos
         reference.pop()
     assert ours.tokens == reference
-    assert eos in ours.tokens
+    if search.get("length_penalty", 1.0) <= 1.0:  # a strong length penalty rightly prefers a longer beam
+        assert eos in ours.tokens
 
 
 def test_num_return_sequences(llama_builder_fp32: Path) -> None:

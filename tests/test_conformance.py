@@ -83,3 +83,10 @@ def test_text_prompt_round_trips_through_the_tokenizer(llama_builder_fp32: Path)
     ids = pipe.tokenizer.encode("def count_words(path):")
     assert result.tokens == pipe.generate(prompt_ids=ids, max_new_tokens=16).tokens
     assert result.text == pipe.tokenizer.decode(result.tokens)
+
+
+def test_short_request_below_the_sliding_window(gemma_builder: Path) -> None:
+    """The windowed layer's buffer is a ring of the window's size, even when the request is shorter."""
+    ids = prompt_ids(gemma_builder)[:5]
+    ours = ortpipe.load(gemma_builder, threads=1).generate(prompt_ids=ids, max_new_tokens=8).tokens
+    assert ours == genai_greedy(gemma_builder, ids, 8, threads=1)

@@ -76,7 +76,7 @@ def _capacity(e: CacheEntry, share_buffer: bool, max_length: int) -> int:
     length, or the window for a sliding-window layer (its attention keeps a ring of that size)."""
     if not share_buffer:
         return 0
-    return min(e.window, max_length) if e.window else max_length
+    return e.window or max_length
 
 
 def _shape(e: CacheEntry, batch: int, seq: int) -> tuple[int, ...]:

@@ -1,0 +1,44 @@
+"""Shared fixtures: the test models of build/hfmodels.py, built once into build/cache/ (or $ORTPIPE_CACHE).
+
+A cold cache takes about a minute to build all of them, plus a one-off virtualenv for Optimum;
+tests that use one of these fixtures are marked `slow` automatically (`-m "not slow"` skips them).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `import build.hfmodels`
+
+from build import hfmodels  # noqa: E402
+
+MODEL_FIXTURES = {
+    "llama_hf": "llama-hf", "qwen2_hf": "qwen2-hf", "phi3_hf": "phi3-hf", "gemma_hf": "gemma2-hf",
+    "gpt2_hf": "gpt2-hf",
+    "llama_builder_fp32": "llama-builder-fp32", "llama_builder_int4": "llama-builder-int4",
+    "qwen2_builder": "qwen2-builder-fp32", "phi3_builder": "phi3-builder-fp32",
+    "gemma_builder": "gemma2-builder-fp32",
+    "llama_concat": "llama-concat", "gpt2_optimum": "gpt2-optimum",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def _model_fixture(fixture_name: str, model: str):
+    def fixture() -> Path:
+        return hfmodels.get(model)
+
+    fixture.__doc__ = f"The folder of the {model!r} test model (build/hfmodels.py)."
+    return pytest.fixture(fixture, scope="session", name=fixture_name)
+
+
+for _fixture_name, _model in MODEL_FIXTURES.items():
+    globals()[_fixture_name] = _model_fixture(_fixture_name, _model)
