@@ -85,8 +85,9 @@ def test_text_prompt_round_trips_through_the_tokenizer(llama_builder_fp32: Path)
     assert result.text == pipe.tokenizer.decode(result.tokens)
 
 
-def test_short_request_below_the_sliding_window(gemma_builder: Path) -> None:
-    """The windowed layer's buffer is a ring of the window's size, even when the request is shorter."""
+def test_short_request_below_the_sliding_window(gemma_builder: Path, gemma_hf: Path) -> None:
+    """The windowed layer's buffer is a ring of the window's size, even when the request is shorter
+    (onnxruntime-genai 0.18 refuses this request: it sizes that buffer from max_length)."""
     ids = prompt_ids(gemma_builder)[:5]
     ours = ortpipe.load(gemma_builder, threads=1).generate(prompt_ids=ids, max_new_tokens=8).tokens
-    assert ours == genai_greedy(gemma_builder, ids, 8, threads=1)
+    assert ours == hf_greedy(gemma_hf, ids, 8)
