@@ -38,7 +38,7 @@ class Chat:
         self.text = ""  # what the ids in the conversation render to
         self._open: tuple[Request, str] | None = None  # the last turn's request and its rendered prompt
 
-    def say(self, content: str) -> Request:
+    def say(self, content: str, max_new_tokens: int | None = None) -> Request:
         """Queue a user turn; drive the returned Request to get the reply."""
         self._close_turn()
         rendered = self.template.render([*self.messages, {"role": "user", "content": content}], True)
@@ -51,7 +51,7 @@ class Chat:
             ids = tokenizer.encode(rendered)
         self.messages.append({"role": "user", "content": content})
         self.gen.append_tokens(ids)
-        request = Request(self.gen, self.settings, tokenizer, self.gen.prefill_length)
+        request = Request(self.gen, self.settings, tokenizer, self.gen.prefill_length, max_new_tokens)
         self._open = (request, rendered)
         return request
 

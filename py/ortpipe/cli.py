@@ -213,10 +213,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _reply(chat: Any, line: str, max_new_tokens: int) -> None:
-    for n, chunk in enumerate(chat.say(line), 1):
+    for chunk in chat.say(line, max_new_tokens):
         print(chunk.text, end="", flush=True)
-        if n >= max_new_tokens:
-            chat.last.interrupt()
     t = chat.last.timings
     print(f"\n[prefill {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms, {t.new_tokens} new, "
           f"{t.decode_tokens_per_s:.1f} tokens/s, {chat.last.finish_reason}]", file=sys.stderr)

@@ -62,7 +62,7 @@ class Request:
     """One generation, stepped by a target's driver: `while not r.done: chunks = drive(r.step())`."""
 
     def __init__(self, gen: TokenGenerator, settings: SearchSettings, tokenizer: Tokenizer | None,
-                 prompt_len: int):
+                 prompt_len: int, max_new_tokens: int | None = None):
         if settings.stop and tokenizer is None:
             raise GenerationError("stop strings need the folder's tokenizer.json to decode text")
         self.gen, self.settings = gen, settings
@@ -72,6 +72,7 @@ class Request:
         self.text = ""  # text sent so far
         self._held = ""  # decoded text not sent yet: it may start a stop string
         self.finish_reason: str | None = None
+        self.max_new_tokens = max_new_tokens  # a budget for this request alone (a chat turn)
 
     @property
     def done(self) -> bool:
@@ -90,6 +91,8 @@ class Request:
         if self.gen.done:
             self.finish_reason = "interrupt" if self.gen.interrupted else (
                 "eos" if token in self.gen.limits.eos else "length")
+        elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
         return [Chunk(token, self._text(token))]
 
     def interrupt(self) -> None:

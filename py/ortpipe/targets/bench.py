@@ -5,15 +5,17 @@ intra-op thread count; rounds are interleaved with the engine order rotated each
 machine's noise hits every engine alike. Each engine first runs one untimed warm-up generation.
 
 - ortpipe: `load()` and the step-wise generator, one `next_token()` timed per step.
-- genai: onnxruntime-genai's Generator (`append_tokens` runs the prefill and picks the first
-  token; `generate_next_token` is timed per step).
+- genai: onnxruntime-genai's Generator. `append_tokens` runs the prefill; the first
+  `generate_next_token` only picks from its logits, so it counts in the prefill; every later one
+  runs one decode and is timed as a step.
 - floor: the fastest loop we can write in Python over one InferenceSession: shared past/present
   buffers bound once through IOBinding, only the input ids (written in place) and the attention
   mask (a view of a preallocated row of ones) change per step, logits land in a preallocated
   array, numpy argmax.
 
 Prefill is the time to the first token, request set-up included. A decode step is one later
-token. The token lists of all engines must be equal, or the bench warns and exits 1.
+token. The token lists of all engines must be equal, or the bench warns and exits 1; an engine that
+fails is left out of the table (exit 1 too).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+
+from ..errors import ConfigError, GenerationError
 
 ENGINES = ("ortpipe", "genai", "floor")
 CONFIG = "genai_config.json"
@@ -86,10 +90,11 @@ def pinned_folder(src: Path, threads: int, dst: Path) -> Path:
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG
     if not path.is_file():
-        raise SystemExit(f"ortpipe bench: {folder} has no {CONFIG} (the bench needs a model-builder v1 folder)")
+        raise ConfigError(f"no {CONFIG}: the bench needs a folder written by the model builder (v1 config)")
     config = json.loads(path.read_text())
     if config.get("version") == 2 or "decoder" not in config.get("model", {}):
-        raise SystemExit(f"ortpipe bench: {path} is not a v1 (model builder) config with model.decoder")
+        raise ConfigError(f"{CONFIG} is not a v1 (model builder) config with model.decoder: the bench "
+                          "compares against onnxruntime-genai, which reads only those")
     return config
 
 
@@ -148,7 +153,8 @@ def genai_engine(folder: Path, threads: int) -> Engine:
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens)
         gen = og.Generator(model, params)
-        gen.append_tokens(np.asarray([prompt], dtype=np.int32))  # prefill, and the first token is picked
+        gen.append_tokens(np.asarray([prompt], dtype=np.int32))  # runs the prefill
+        gen.generate_next_token()  # picks from the prefill's logits, runs nothing
         tokens = [int(gen.get_next_tokens()[0])]
         prefill_ms = (clock() - start) * 1e3
         steps = []
@@ -178,10 +184,10 @@ class Floor:
         self.mask_name = names.get("attention_mask", "attention_mask")
         self.logits_name = outs.get("logits", "logits")
         inputs = {i.name: i for i in self.session.get_inputs()}
-        self.kv = self._kv_pairs(inputs, names, outs, decoder["num_hidden_layers"])
+        self.kv = self._kv_pairs(inputs, names, outs, decoder)
         extra = set(inputs) - {self.ids_name, self.mask_name} - {p for p, _, _, _ in self.kv}
         if extra:
-            raise SystemExit(f"ortpipe bench: the floor loop cannot feed decoder input(s) {sorted(extra)}")
+            raise ValueError(f"the floor loop cannot feed decoder input(s) {', '.join(sorted(extra))}")
         self.ids_dtype = _np_type(inputs[self.ids_name].type)
         logits = next(o for o in self.session.get_outputs() if o.name == self.logits_name)
         self.vocab, self.logits_dtype = logits.shape[-1], _np_type(logits.type)
@@ -190,67 +196,75 @@ class Floor:
 
     @staticmethod
     def _kv_pairs(inputs: dict[str, Any], names: dict[str, str], outs: dict[str, str],
-                  layers: int) -> list[tuple[str, str, tuple[Any, ...], Any]]:
-        """(past name, present name, past shape, dtype) per cache entry; shapes from the signature."""
+                  decoder: dict[str, Any]) -> list[tuple[str, str, tuple[int, int], Any]]:
+        """(past name, present name, (kv heads, head size), dtype) per cache entry.
+
+        Sizes come from the signature; the builder leaves the head size symbolic ("kv_cache_dim"),
+        and then the config's head_size / num_key_value_heads say it."""
+        fallback = (decoder.get("num_key_value_heads"), decoder.get("head_size"))
         pairs = []
-        for layer in range(layers):
+        for layer in range(decoder["num_hidden_layers"]):
             for kind in ("key", "value"):
                 past = names[f"past_{kind}_names"] % layer
                 present = outs[f"present_{kind}_names"] % layer
                 info = inputs[past]
-                pairs.append((past, present, tuple(info.shape), _np_type(info.type)))
+                heads, size = (d if isinstance(d, int) else f for d, f in zip(info.shape[1::2], fallback))
+                pairs.append((past, present, (heads, size), _np_type(info.type)))
         return pairs
 
     def __call__(self, prompt: list[int], new_tokens: int) -> Trace:
         clock = time.perf_counter
         start = clock()
         total = len(prompt) + new_tokens
-        caches = [np.zeros((1, shape[1], total, shape[3]), dtype) for _, _, shape, dtype in self.kv]
+        caches = [np.zeros((1, heads, total, size), dtype) for _, _, (heads, size), dtype in self.kv]
         ones = np.ones((1, total), np.int64)
         masks = [ort.OrtValue.ortvalue_from_numpy(ones[:, :n]) for n in range(total + 1)]  # views, no copies
+        native_masks = [m._ortvalue for m in masks]  # what the C++ binding takes; saves a wrapper call a step
         prefill = self._binding(caches, np.asarray([prompt], self.ids_dtype), len(prompt))
         step_ids = np.zeros((1, 1), self.ids_dtype)
         decode = self._binding(caches, step_ids, 1)
-        io, logits = prefill
-        io.bind_ortvalue_input(self.mask_name, masks[len(prompt)])
+        prefill.io.bind_ortvalue_input(self.mask_name, masks[len(prompt)])
         run = self.session._sess.run_with_iobinding  # the C++ call; the Python wrapper only forwards
-        run(io._iobinding, None)
-        token = int(logits[0, -1].argmax())
+        run(prefill.io._iobinding, None)
+        token = int(prefill.logits[0, -1].argmax())
         prefill_ms = (clock() - start) * 1e3
         tokens, steps = [token], []
-        io, logits = decode
-        native, row = io._iobinding, logits[0, 0]
+        native, row, mask = decode.io._iobinding, decode.logits[0, 0], self.mask_name
         for length in range(len(prompt) + 1, total):
             if token in self.eos:
                 break
             t = clock()
             step_ids[0, 0] = token  # the bound input reads this memory
-            io.bind_ortvalue_input(self.mask_name, masks[length])
+            native.bind_ortvalue_input(mask, native_masks[length])
             run(native, None)
             token = int(row.argmax())
             steps.append((clock() - t) * 1e6)
             tokens.append(token)
         return Trace(tokens, prefill_ms, steps)
 
-    def _binding(self, caches: list[np.ndarray], ids: np.ndarray, n: int) -> tuple[Any, np.ndarray]:
+    def _binding(self, caches: list[np.ndarray], ids: np.ndarray, n: int) -> _Bound:
         """An IOBinding over the shared caches, `ids` and a preallocated logits array for n positions."""
-        io = self.session.io_binding()
-        keep = [ids]
-        io.bind_ortvalue_input(self.ids_name, _ortvalue(ids, keep))
+        bound = _Bound(self.session.io_binding(), np.empty((1, n, self.vocab), self.logits_dtype))
+        bound.io.bind_ortvalue_input(self.ids_name, bound.value(ids))
         for (past, present, _, _), cache in zip(self.kv, caches):
-            value = _ortvalue(cache, keep)
-            io.bind_ortvalue_input(past, value)
-            io.bind_ortvalue_output(present, value)  # written in place: past_present_share_buffer
-        logits = np.empty((1, n, self.vocab), self.logits_dtype)
-        io.bind_ortvalue_output(self.logits_name, _ortvalue(logits, keep))
-        io.keep_alive = keep  # the OrtValues borrow these arrays' memory
-        return io, logits
+            value = bound.value(cache)
+            bound.io.bind_ortvalue_input(past, value)
+            bound.io.bind_ortvalue_output(present, value)  # written in place: past_present_share_buffer
+        bound.io.bind_ortvalue_output(self.logits_name, bound.value(bound.logits))
+        return bound
 
 
-def _ortvalue(array: np.ndarray, keep: list[Any]) -> Any:
-    value = ort.OrtValue.ortvalue_from_numpy(array)
-    keep.append(value)
-    return value
+@dataclass
+class _Bound:
+    """An IOBinding, its logits array, and the OrtValues it binds (they borrow numpy memory)."""
+
+    io: Any
+    logits: np.ndarray
+    values: list[Any] = field(default_factory=list)
+
+    def value(self, array: np.ndarray) -> Any:
+        self.values.append(ort.OrtValue.ortvalue_from_numpy(array))
+        return self.values[-1]
 
 
 def _np_type(ort_type: str) -> Any:
@@ -268,11 +282,26 @@ FACTORIES: dict[str, Callable[[Path, int], Engine]] = {
 
 # --- measuring ------------------------------------------------------------------------------------
 
-def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int, rounds: int) -> dict[str, list[Trace]]:
-    """One warm-up per engine, then `rounds` rounds, the engine order rotated each round."""
-    names = list(engines)
+def start(names: list[str], folder: Path, threads: int, prompt: list[int], new_tokens: int,
+          failed: dict[str, str]) -> dict[str, Engine]:
+    """Load each engine and run one untimed warm-up generation.
+
+    An engine that fails to load or to warm up is left out and its error put in `failed`: one
+    broken engine should not hide the others' numbers."""
+    engines = {}
     for name in names:
-        engines[name](prompt, new_tokens)
+        try:
+            engine = FACTORIES[name](folder, threads)
+            engine(prompt, new_tokens)
+            engines[name] = engine
+        except Exception as e:  # any engine's own error type
+            failed[name] = f"{type(e).__name__}: {e}".strip()
+    return engines
+
+
+def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int, rounds: int) -> dict[str, list[Trace]]:
+    """`rounds` rounds, the engine order rotated each round."""
+    names = list(engines)
     traces: dict[str, list[Trace]] = {name: [] for name in names}
     for r in range(rounds):
         shift = r % len(names)
@@ -320,6 +349,19 @@ def ratios(stats: dict[str, Stats]) -> dict[str, float]:
     return out
 
 
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2)
+            if hasattr(os, "getloadavg") else None}
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -337,10 +379,11 @@ def versions() -> dict[str, str]:
 def table(report: dict[str, Any]) -> str:
     head = (f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
             f"{report['threads']} thread(s), {report['rounds']} round(s), greedy")
-    rows = [("engine", "prefill ms", "decode tok/s", "mean step µs", "median step µs", "steps")]
+    rows = [("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs", "steps")]
     for name, s in report["engines"].items():
-        rows.append((name, f"{s['prefill_ms']:.2f}", f"{s['decode_tokens_per_s']:.1f}", f"{s['step_mean_us']:.1f}",
-                     f"{s['step_median_us']:.1f}", str(s["steps"])))
+        spread = f"{min(s['round_tokens_per_s']):.1f}-{max(s['round_tokens_per_s']):.1f}"
+        rows.append((name, f"{s['prefill_ms']:.2f}", f"{s['decode_tokens_per_s']:.1f}", spread,
+                     f"{s['step_mean_us']:.1f}", f"{s['step_median_us']:.1f}", str(s["steps"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head, ""] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                                     enumerate(zip(r, widths))) for r in rows]
@@ -351,6 +394,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"ortpipe per-step overhead over the floor (median): {r['ortpipe_overhead_us']:+.1f} µs")
     if "genai_overhead_us" in r:
         lines.append(f"genai per-step overhead over the floor (median): {r['genai_overhead_us']:+.1f} µs")
+    for name, error in report["failed"].items():
+        lines.append(f"{name}: FAILED ({error.splitlines()[0][:160]})")
     lines.append("tokens: " + ("all engines equal" if report["tokens_match"] else "MISMATCH (see warning)"))
     return "\n".join(lines)
 
@@ -367,31 +412,34 @@ def run_bench(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown or not names:
-        raise SystemExit(f"ortpipe bench: unknown engine(s) {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(ENGINES)}")
+        raise GenerationError(f"bench: unknown engine(s) {', '.join(unknown) or '(none)'}; "
+                              f"choose from {', '.join(ENGINES)}")
     if min(args.prompt_tokens, args.new_tokens, args.rounds, args.threads) < 1:
-        raise SystemExit("ortpipe bench: --prompt-tokens, --new-tokens, --rounds and --threads must be >= 1")
+        raise GenerationError("bench: --prompt-tokens, --new-tokens, --rounds and --threads must be >= 1")
     if args.new_tokens < 2:
-        raise SystemExit("ortpipe bench: --new-tokens must be >= 2 (the first token comes from the prefill)")
+        raise GenerationError("bench: --new-tokens must be >= 2 (the first token comes from the prefill)")
     src = Path(args.model)
     config = read_config(src)
     prompt = prompt_ids(config, args.prompt_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="ortpipe-bench-"))
     try:
         folder = pinned_folder(src, args.threads, tmp)
-        engines = {name: FACTORIES[name](folder, args.threads) for name in dict.fromkeys(names)}
+        failed: dict[str, str] = {}
+        engines = start(list(dict.fromkeys(names)), folder, args.threads, prompt, args.new_tokens, failed)
         traces = measure(engines, prompt, args.new_tokens, args.rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     stats = {name: summarize(runs) for name, runs in traces.items()}
-    mismatch = first_mismatch(traces)
+    mismatch = first_mismatch(traces) if traces else None
     report = {"model": str(src), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "rounds": args.rounds, "threads": args.threads, "versions": versions(),
-              "engines": {n: s.as_dict() for n, s in stats.items()},
+              "rounds": args.rounds, "threads": args.threads, "versions": versions(), "machine": machine(),
+              "engines": {n: s.as_dict() for n, s in stats.items()}, "failed": failed,
               "ratios": {k: round(v, 4) for k, v in ratios(stats).items()},
               "tokens_match": mismatch is None, "mismatch": mismatch,
-              "generated": len(next(iter(traces.values()))[0].tokens)}
+              "generated": {n: len(runs[0].tokens) for n, runs in traces.items()}}
+    for name, error in failed.items():
+        print(f"ortpipe bench: engine {name} failed and is left out: {error}", file=sys.stderr)
     if mismatch:
         warn_mismatch(mismatch)
     print(json.dumps(report) if args.json else table(report))
-    return 1 if mismatch else 0
+    return 1 if mismatch or failed else 0

@@ -357,8 +357,8 @@ class CpuChat:
         self.core, self.pipe = core, pipe
         self.last: Request | None = None
 
-    def say(self, content: str) -> Iterator[Chunk]:
-        self.last = self.core.say(content)
+    def say(self, content: str, max_new_tokens: int | None = None) -> Iterator[Chunk]:
+        self.last = self.core.say(content, max_new_tokens)
         yield from self.pipe.drive(self.last)
 
     def rewind(self) -> None:
