@@ -155,3 +155,26 @@ def test_matches_transformers_processors(seed: int) -> None:
     assert np.array_equal(np.isinf(ours), np.isinf(expected))
     kept = ~np.isinf(expected)
     assert np.allclose(ours[kept], expected[kept], atol=1e-5)
+
+
+def test_seeded_sampling_is_identical_across_processes(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from build import graphs
+
+    folder = graphs.build_separate(tmp_path / "model", seed=0, config=True)
+
+    def sample(seed: int, *extra: str) -> list[int]:
+        out = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "5,17,42,8",
+                              "--max-new-tokens", "24", "--do-sample", "--seed", str(seed), "--json", *extra],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)["tokens"]
+
+    first = sample(7, "--temperature", "1.5")
+    assert first == sample(7, "--temperature", "1.5")
+    assert first != sample(8, "--temperature", "1.5")
+    greedy = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "5,17,42,8",
+                             "--max-new-tokens", "24", "--json"], capture_output=True, text=True, check=True)
+    assert sample(3, "--top-k", "1") == json.loads(greedy.stdout)["tokens"]
