@@ -17,6 +17,7 @@ OPSET = 17
 IR_VERSION = 8
 OUT_DIR = Path(__file__).resolve().parent.parent / "py" / "ortpipe" / "kernels"
 FLOAT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+ELEMENT_TYPES = {**FLOAT_TYPES, "int64": TensorProto.INT64}
 INT64_MAX = 2**63 - 1
 
 
@@ -47,6 +48,12 @@ def narrow(elem: int) -> onnx.GraphProto:
     y = helper.make_value_info("y", helper.make_tensor_type_proto(elem, shape=None))
     ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("start", "end", "axis")]
     return helper.make_graph(nodes, "narrow", [x, *ints], [y])
+
+
+def concat0(elem: int) -> onnx.GraphProto:
+    """a, b -> a and b joined along dim 0 (per-image outputs gathered into one tensor)."""
+    a, b, y = (helper.make_value_info(n, helper.make_tensor_type_proto(elem, shape=None)) for n in "aby")
+    return helper.make_graph([helper.make_node("Concat", ["a", "b"], ["y"], axis=0)], "concat0", [a, b], [y])
 
 
 # Sampling: logits processors and samplers over float32 scores [batch, vocab] (seed 000's sampling,
@@ -235,7 +242,8 @@ def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
 # name -> (builder, element types it is built for); stages over float32 scores are built once.
 KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
-    "narrow": (narrow, tuple(FLOAT_TYPES)),
+    "narrow": (narrow, (*FLOAT_TYPES, "int64")),
+    "concat0": (concat0, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),
@@ -253,7 +261,7 @@ def build_all() -> dict[str, bytes]:
     files = {}
     for name, (make, types) in KERNELS.items():
         for type_name in types:
-            model = helper.make_model(make(FLOAT_TYPES[type_name]), producer_name="ortpipe",
+            model = helper.make_model(make(ELEMENT_TYPES[type_name]), producer_name="ortpipe",
                                       opset_imports=[helper.make_opsetid("", OPSET)])
             model.ir_version = IR_VERSION
             files[f"{name}_{type_name}.onnx"] = model.SerializeToString()

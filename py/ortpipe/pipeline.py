@@ -178,8 +178,8 @@ class Pipeline:
         """A step-wise generator sized for the request; its caches never exceed the requested length."""
         search = settings_for(self.config, settings)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
-        return TokenGenerator(self.plan, self.backend, Limits(limit, frozenset(self.config.tokens.eos)), search,
-                              inputs)
+        limits = Limits(limit, frozenset(self.config.tokens.eos), grows=max_length is None and max_new_tokens is not None)
+        return TokenGenerator(self.plan, self.backend, limits, search, inputs)
 
     def request(self, prompt_ids: list[int], max_new_tokens: int | None = None, max_length: int | None = None,
                 inputs: dict[str, Handle] | None = None, **settings: Any) -> Request:

@@ -7,6 +7,7 @@ graphs' signatures is validated here, at load time, and reported as one ConfigEr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -15,9 +16,9 @@ from .errors import Problems, did_you_mean, one_of
 from .signature import Signature, TensorInfo
 
 # Feed kinds: where a graph input's value comes from on each run.
-INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PAST, VALUE, STATE, REQUEST, CACHE_BRANCH, COUNTER = (
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PAST, VALUE, STATE, REQUEST, CACHE_BRANCH, COUNTER, EMPTY = (
     "input_ids", "attention_mask", "position_ids", "past", "value", "state", "request",
-    "use_cache_branch", "counter")
+    "use_cache_branch", "counter", "empty")
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
 SEPARATE_PATTERNS = (
@@ -72,6 +73,10 @@ class StepPlan:
     outputs: tuple[str, ...]
     kv: KVPlan | None = None
     logits: str | None = None
+    positions: str = "default"  # "default" or "mrope_3d", when the session takes position ids
+    after_prefill: bool = False  # an embedding stage re-run per step: the prompt's pass was in init
+    placeholder: str | None = None  # "image_token" / "audio_token": prompt ids this encoder's items expand
+    features: tuple[str, ...] = ()  # outputs whose rows belong to the items, in order
 
     @property
     def request_inputs(self) -> list[str]:
@@ -98,7 +103,9 @@ def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
     loaded = [s for s in config.pipeline.flow if s.run in signatures]
     plans = {id(s): _step_plan(config, s, loaded, signatures, problems) for s in loaded}
     by_phase = {w: [plans[id(s)] for s in loaded if s.when == w] for w in ("init", "step", "final")}
-    plan = Plan(config, signatures, _levels(by_phase["init"]), tuple(by_phase["step"]), tuple(by_phase["final"]))
+    init = [_with_placeholder(config, s, by_phase["init"]) for s in by_phase["init"]]
+    step = _embedding_stages(init, by_phase["step"]) + by_phase["step"]
+    plan = Plan(config, signatures, _levels(init), tuple(step), tuple(by_phase["final"]))
     if config.generation.loop == "autoregressive" and plan.generator is None:
         steps = [s.run for s in config.pipeline.flow if s.when == "step"]
         problems.add('generation.loop is "autoregressive" but no step-phase session has a logits output '
@@ -106,6 +113,33 @@ def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
                      '"when": "step", or name its logits output in sessions.NAME.outputs.logits')
     problems.raise_if_any()
     return plan
+
+
+def _embedding_stages(init: list[StepPlan], step: list[StepPlan]) -> list[StepPlan]:
+    """Init sessions that take input_ids and feed a step session run again at every later step,
+    on the new tokens, with what they got from other sessions or the request left empty."""
+    feeding = {f.source.split(".")[0] for s in step for f in s.feeds if f.kind == VALUE}
+    stages = []
+    for s in init:
+        if s.session in feeding and any(f.kind == INPUT_IDS for f in s.feeds):
+            feeds = tuple(Feed(f.input, EMPTY, f.source, f.dtype) if f.kind in (VALUE, REQUEST) else f
+                          for f in s.feeds)
+            stages.append(dataclasses.replace(s, feeds=feeds, after_prefill=True))
+    return stages
+
+
+def _with_placeholder(config: Config, s: StepPlan, init: list[StepPlan]) -> StepPlan:
+    """An encoder of request data whose outputs another init session reads: its items (images,
+    audio clips) stand in the prompt as placeholder tokens to expand."""
+    requests = [f.input for f in s.feeds if f.kind == REQUEST]
+    consumed = {f.source for other in init for f in other.feeds if f.kind == VALUE and other is not s}
+    features = tuple(o for o in s.outputs if f"{s.session}.{o}" in consumed)
+    if not requests or not features:
+        return s
+    kind = "image_token" if any("pixel" in n or "image" in n for n in requests) else "audio_token"
+    if getattr(config.tokens, kind) is None:
+        return s
+    return dataclasses.replace(s, placeholder=kind, features=features)
 
 
 def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
@@ -136,25 +170,26 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
         roles[COUNTER] = step.counter
     by_name = {name: role for role, name in roles.items()}
     feeds = []
+    positions = "default"
     for t in sig.inputs:
         if t.name in cache_inputs:
             feeds.append(Feed(t.name, PAST, dtype=t.dtype))
             continue
         feed = (_explicit_wire(config, step, t)
                 or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
-                or _same_name_output(step, flow, sigs, t))
+                or _same_name_output(config, step, flow, sigs, t))
         if feed is None and step.when == "init":
             feed = Feed(t.name, REQUEST, dtype=t.dtype)
         if feed is None:
             problems.add(_unfed_message(step.run, t))
             continue
         if feed.kind == POSITION_IDS:
-            _check_positions(config, step.run, t, problems)
+            positions = _position_strategy(config, step.run, t, problems)
         feeds.append(feed)
     logits = spec.outputs.get("logits", "logits")
     logits = logits if logits in sig.output_names else None
     outputs = tuple(t.name for t in sig.outputs)
-    return StepPlan(step, step.run, tuple(feeds), outputs, kv, logits)
+    return StepPlan(step, step.run, tuple(feeds), outputs, kv, logits, positions)
 
 
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
@@ -165,15 +200,26 @@ def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None
     return None
 
 
-def _same_name_output(step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
+def _same_name_output(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
                       t: TensorInfo) -> Feed | None:
     """Dataflow auto-matching: another session's output of the same name (its own: carried state)."""
     producers = [s.run for s in flow if t.name in sigs[s.run].output_names]
     if not producers:
-        return None
+        return _cross_cache(config, step, sigs, t)
     others = [p for p in producers if p != step.run]
     source = others[0] if others else step.run
     return Feed(t.name, STATE if source == step.run else VALUE, f"{source}.{t.name}", t.dtype)
+
+
+def _cross_cache(config: Config, step: FlowStep, sigs: dict[str, Signature], t: TensorInfo) -> Feed | None:
+    """A cross-attention cache input, fed from the source session's present of the same name."""
+    cross = config.pipeline.state.cross_cache
+    if cross is None or cross.source not in sigs or "past" not in t.name:
+        return None
+    name = t.name.replace("past", "present", 1)
+    if name not in sigs[cross.source].output_names:
+        return None
+    return Feed(t.name, VALUE, f"{cross.source}.{name}", t.dtype)
 
 
 def _unfed_message(session: str, t: TensorInfo) -> str:
@@ -183,13 +229,21 @@ def _unfed_message(session: str, t: TensorInfo) -> str:
             "to pipeline.dataflow, or rename the role in sessions.NAME.inputs")
 
 
-def _check_positions(config: Config, session: str, t: TensorInfo, problems: Problems) -> None:
-    strategy = config.pipeline.state.position_ids.strategy
+def _position_strategy(config: Config, session: str, t: TensorInfo, problems: Problems) -> str:
+    spec = config.pipeline.state.position_ids
+    strategy = spec.strategy
     if strategy == "auto":
         strategy = "mrope_3d" if t.rank == 3 else "default"
-    if strategy != "default":
-        problems.add(f'position_ids strategy "{strategy}" (session "{session}" input "{t.name}", shape '
-                     f"{list(t.shape)}) is not supported by this version yet; supported: default")
+    if strategy not in ("default", "mrope_3d"):
+        problems.add(f'position_ids strategy "{strategy}" (session "{session}" input "{t.name}") is not '
+                     "supported by this version yet; supported: auto, default, mrope_3d")
+    elif strategy == "mrope_3d" and t.rank != 3:
+        problems.add(f'position_ids strategy "mrope_3d" needs a rank-3 input [3, batch, sequence], but session '
+                     f'"{session}" input "{t.name}" has shape {list(t.shape)}. Use "default"')
+    elif strategy == "mrope_3d" and not spec.grid_source:
+        problems.add('position_ids strategy "mrope_3d" needs "grid_source": the "session.input" holding each '
+                     'image\'s (t, h, w) grid, e.g. "vision.image_grid_thw"')
+    return strategy
 
 
 def _kv_plan(config: Config, session: str, sig: Signature, problems: Problems) -> KVPlan | None:

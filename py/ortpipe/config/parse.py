@@ -322,7 +322,7 @@ def _state(sec: Section) -> StateSpec:
     kv.allow("format", "past_key_pattern", "present_key_pattern", "past_value_pattern",
              "present_value_pattern", "past_pattern", "present_pattern", "share_buffer", "sliding_window")
     pos = sec.sub("position_ids")
-    pos.allow("strategy", "input_name", "grid_source")
+    pos.allow("strategy", "input_name", "grid_source", "spatial_merge_size")
     cross = None
     if "cross_cache" in sec.raw:
         c = sec.sub("cross_cache")
@@ -340,6 +340,7 @@ def _state(sec: Section) -> StateSpec:
             strategy=pos.choice("strategy", POSITION_STRATEGIES, "auto", what="position_ids strategy"),
             input_name=pos.get("input_name", str, "position_ids"),
             grid_source=pos.get("grid_source", str),
+            spatial_merge_size=pos.get("spatial_merge_size", int, 2),
         ),
         cross_cache=cross,
     )
@@ -358,13 +359,14 @@ def _sliding(kv: Section) -> SlidingWindow | None:
 
 
 def _tokens(sec: Section) -> Tokens:
-    sec.allow("eos", "pad", "bos", "image_token", "decoder_start")
+    sec.allow("eos", "pad", "bos", "image_token", "audio_token", "decoder_start")
     eos = sec.raw.get("eos", [])
     eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
     if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
         sec.problems.add(f"{sec.path}.eos must be a token id or a list of token ids, found {eos!r}")
         eos = []
-    return Tokens(eos=tuple(eos), **{k: sec.get(k, int) for k in ("pad", "bos", "image_token", "decoder_start")})
+    names = ("pad", "bos", "image_token", "audio_token", "decoder_start")
+    return Tokens(eos=tuple(eos), **{k: sec.get(k, int) for k in names})
 
 
 def _generation(sec: Section) -> Generation:

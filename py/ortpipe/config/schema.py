@@ -83,7 +83,8 @@ class KVCacheSpec:
 class PositionIdsSpec:
     strategy: str = "auto"
     input_name: str = "position_ids"
-    grid_source: str | None = None
+    grid_source: str | None = None  # "session.input" holding each image's (t, h, w) grid, for mrope_3d
+    spatial_merge_size: int = 2  # mrope_3d: patches merged per side into one token
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Tokens:
     pad: int | None = None
     bos: int | None = None
     image_token: int | None = None
+    audio_token: int | None = None
     decoder_start: int | None = None
 
 

@@ -2,16 +2,18 @@
 
 Feeds come from the plan: generation roles (input_ids, attention_mask, position_ids), the KV
 cache, values produced by earlier steps (dataflow), and the request's own inputs. Values are kept
-only when a later step reads them.
+only when a later step reads them. Placeholder tokens of images or audio clips in the prompt are
+expanded to the rows their encoder produced (docs/pipelines.md).
 """
 
 from __future__ import annotations
 
 from ..errors import GenerationError
-from ..plan import (ATTENTION_MASK, CACHE_BRANCH, COUNTER, INPUT_IDS, PAST, POSITION_IDS, REQUEST, STATE,
-                    VALUE, Plan, StepPlan)
-from ..state.kv import KVCache
-from .work import Backend, Handle, Run, RunAll, Work
+from ..plan import (ATTENTION_MASK, CACHE_BRANCH, COUNTER, EMPTY, INPUT_IDS, PAST, POSITION_IDS, REQUEST,
+                    STATE, VALUE, Plan, StepPlan)
+from ..state.kv import END, KVCache
+from ..state.positions import mrope
+from .work import Backend, Handle, Run, RunAll, Work, kernel
 
 
 class FlowRun:
@@ -20,32 +22,125 @@ class FlowRun:
         self.plan, self.backend, self.batch = plan, backend, batch
         self.inputs = dict(inputs or {})
         self.length = 0  # positions the step phase has consumed
+        self.steps_run = 0
         steps = [s for level in plan.init for s in level] + list(plan.step) + list(plan.final)
         self.caches = {s.session: KVCache(s.kv, backend, batch, max_length) for s in steps if s.kv}
         needed = {f.source for s in steps for f in s.feeds if f.kind in (VALUE, STATE)}
         self._keep = {s.session: [o for o in s.outputs if f"{s.session}.{o}" in needed] for s in steps}
         self.values: dict[str, Handle] = {}
         self.skipped: list[str] = []
+        self.item_rows: dict[str, list[int]] = {}  # encoder -> rows of its output per item
+        self.rope_delta = 0
+        self.label = "init"  # what the target's trace calls the current runs
+
+    def resize(self, max_length: int) -> None:
+        """New, larger caches, before any step ran (the prompt grew when its placeholders expanded)."""
+        for name, cache in self.caches.items():
+            self.caches[name] = KVCache(cache.plan, self.backend, self.batch, max_length)
+
+    # init
 
     def run_init(self, ids: list[int]) -> Work:
+        """Run the init phase on the prompt; returns the prompt with placeholders expanded."""
+        self.label = "init"
         for level in self.plan.init:
             ready = [s for s in level if not self._skip(s)]
-            runs = [self._run(s, ids) for s in ready]
+            loops = [s for s in ready if s.step.loop == "per_image"]
+            for s in loops:
+                self._kept(s, (yield from self._per_item(s, ids)))
+            batched = [s for s in ready if s not in loops]
+            runs = [self._run(s, ids) for s in batched]
             if len(runs) == 1:
                 results = [(yield runs[0])]
-            elif runs:
-                results = yield RunAll(runs)
             else:
-                continue
-            for s, out in zip(ready, results):
+                results = (yield RunAll(runs)) if runs else []
+            for s, out in zip(batched, results):
                 self._kept(s, out)
+                self._count_rows(s, out, ids)
+            ids = self._expand(ready, ids)
+        self._prompt = ids
+        return ids
+
+    def _per_item(self, s: StepPlan, ids: list[int]) -> Work:
+        """Run once per item of the loop_over input: sliced (and cropped), outputs joined on dim 0."""
+        b, name = self.backend, s.step.loop_over
+        if name not in self.inputs:
+            raise GenerationError(f'flow step "{s.session}" loops over "{name}", which the request does not give')
+        count = b.shape(self.inputs[name])[0]
+        sizes = self._sizes(s, count)
+        joined: dict[str, Handle] = {}
+        rows: list[int] = []
+        for i in range(count):
+            run = self._run(s, ids)
+            for f in s.feeds:
+                if f.kind == REQUEST and b.shape(run.feeds[f.input])[0] == count:
+                    run.feeds[f.input] = yield from self._narrow(run.feeds[f.input], f.dtype, 0, i, i + 1)
+            if sizes:
+                crop = run.feeds[name]
+                for axis, size in zip(s.step.dynamic_shape.apply_to_dims, sizes[i]):
+                    crop = yield from self._narrow(crop, self._dtype(s, name), axis, 0, size)
+                run.feeds[name] = crop
+            out = yield run
+            for o in s.outputs:
+                joined[o] = out[o] if o not in joined else (yield from self._concat(joined[o], out[o], s, o))
+            if s.features:
+                rows.append(b.shape(out[s.features[0]])[0])
+        self.item_rows[s.session] = rows
+        return joined
+
+    def _sizes(self, s: StepPlan, count: int) -> list[list[int]]:
+        dyn = s.step.dynamic_shape
+        if dyn is None:
+            return []
+        if dyn.source not in self.inputs:
+            raise GenerationError(f'flow step "{s.session}" crops with dynamic_shape.source "{dyn.source}", which '
+                                  "the request does not give")
+        flat = self.backend.to_list(self.inputs[dyn.source])
+        width = len(flat) // count
+        return [flat[i * width:(i + 1) * width][:len(dyn.apply_to_dims)] for i in range(count)]
+
+    def _count_rows(self, s: StepPlan, out: dict[str, Handle], ids: list[int]) -> None:
+        """A batched encoder's rows, shared evenly by the items its placeholders stand for."""
+        if not s.placeholder:
+            return
+        items = ids.count(getattr(self.plan.config.tokens, s.placeholder))
+        rows = self.backend.shape(out[s.features[0]])[0]
+        if items and rows % items:
+            raise GenerationError(f'session "{s.session}" made {rows} feature rows for {items} placeholder tokens: '
+                                  "they cannot be shared evenly; use loop: per_image")
+        self.item_rows[s.session] = [rows // items] * items if items else []
+
+    def _expand(self, ran: list[StepPlan], ids: list[int]) -> list[int]:
+        for s in ran:
+            if s.session not in self.item_rows:
+                continue
+            token = getattr(self.plan.config.tokens, s.placeholder)
+            rows = self.item_rows[s.session]
+            if ids.count(token) != len(rows):
+                raise GenerationError(f"the prompt has {ids.count(token)} {s.placeholder} ids but session "
+                                      f'"{s.session}" encoded {len(rows)} items: put one {s.placeholder} '
+                                      f"({token}) in the prompt per item")
+            expanded, item = [], 0
+            for i in ids:
+                if i == token:
+                    expanded += [token] * rows[item]
+                    item += 1
+                else:
+                    expanded.append(i)
+            ids = expanded
+        return ids
+
+    # step and final
 
     def run_step(self, ids: list[int], rows: list[list[int]] | None = None) -> Work:
         """Run the step phase on new token ids (the same for every row, or one list per row);
         returns the generator step's logits handle."""
         logits = None
         n = len(rows[0]) if rows else len(ids)
+        self.label = f"step {self.steps_run}"
         for s in self.plan.step:
+            if s.after_prefill and self.steps_run == 0:
+                continue  # the init phase embedded the prompt
             for counter in range(s.step.repeat):
                 out = yield self._run(s, ids, counter, rows)
                 cache = self.caches.get(s.session)
@@ -56,12 +151,20 @@ class FlowRun:
                 if s.logits:
                     logits = out[s.logits]
         self.length += n
+        self.steps_run += 1
         return logits
 
     def run_final(self) -> Work:
+        self.label = "final"
         for s in self.plan.final:
             if not self._skip(s):
                 self._kept(s, (yield self._run(s, [])))
+
+    def reorder(self, rows: list[int]) -> Work:
+        for cache in self.caches.values():
+            yield from cache.reorder(rows, self.backend)
+
+    # feeds
 
     def _skip(self, s: StepPlan) -> bool:
         missing = [n for n in s.request_inputs if n not in self.inputs]
@@ -73,10 +176,6 @@ class FlowRun:
         raise GenerationError(f'Session "{s.session}" needs the request input(s) {", ".join(missing)}, '
                               "which this request does not provide. Pass them (inputs={name: array}, "
                               "images=, audios=), or mark the flow step \"optional\": true")
-
-    def reorder(self, rows: list[int]) -> Work:
-        for cache in self.caches.values():
-            yield from cache.reorder(rows, self.backend)
 
     def _run(self, s: StepPlan, ids: list[int], counter: int = 0, rows: list[list[int]] | None = None) -> Run:
         b, n = self.backend, len(rows[0]) if rows else len(ids)
@@ -92,13 +191,15 @@ class FlowRun:
             elif kind == ATTENTION_MASK:
                 feeds[f.input] = b.full((self.batch, past + n), 1, f.dtype)
             elif kind == POSITION_IDS:
-                feeds[f.input] = b.tensor(list(range(past, past + n)) * self.batch, (self.batch, n), f.dtype)
+                feeds[f.input] = self._positions(s, ids, past, n, f.dtype)
             elif kind == CACHE_BRANCH:
                 feeds[f.input] = b.tensor([int(past > 0)], (1,), f.dtype)
             elif kind == COUNTER:
                 feeds[f.input] = b.tensor([counter], (1,), f.dtype)
             elif kind == REQUEST:
                 feeds[f.input] = self.inputs[f.input]
+            elif kind == EMPTY:
+                feeds[f.input] = self._empty(s, f.input)
             else:
                 feeds[f.input] = self._value(s, f.input, f.source)
         inplace = None
@@ -106,12 +207,29 @@ class FlowRun:
             cache = self.caches[s.session]
             feeds.update(cache.feeds)
             inplace = cache.inplace
-        return Run(s.session, feeds, s.outputs, inplace)
+        return Run(s.session, feeds, s.outputs, inplace, self.label)
+
+    def _positions(self, s: StepPlan, ids: list[int], past: int, n: int, dtype: str) -> Handle:
+        b = self.backend
+        if s.positions != "mrope_3d":
+            return b.tensor(list(range(past, past + n)) * self.batch, (self.batch, n), dtype)
+        if past == 0:
+            spec = self.plan.config.pipeline.state.position_ids
+            source = spec.grid_source.split(".", 1)[-1]
+            flat = b.to_list(self.inputs[source]) if source in self.inputs else []
+            grids = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+            axes, self.rope_delta = mrope(ids, self.plan.config.tokens.image_token, grids, spec.spatial_merge_size)
+        else:
+            axes = [list(range(past + self.rope_delta, past + n + self.rope_delta))] * 3
+        return b.tensor([p for axis in axes for p in axis * self.batch], (3, self.batch, n), dtype)
 
     def _value(self, s: StepPlan, name: str, source: str) -> Handle:
         if source in self.values:
             return self.values[source]
-        if source.split(".")[0] == s.session:  # carried state, first iteration: zeros
+        producer = source.split(".")[0]
+        if producer in self.skipped:
+            return self._empty(s, name)
+        if producer == s.session:  # carried state, first iteration: zeros
             info = self.plan.signatures[s.session].input(name)
             shape = tuple(self.batch if i == 0 else (d if isinstance(d, int) else 0)
                           for i, d in enumerate(info.shape))
@@ -119,6 +237,33 @@ class FlowRun:
         raise GenerationError(f'Session "{s.session}" input "{name}" comes from {source}, which has not run '
                               "(it was skipped or runs later in the flow)")
 
+    def _empty(self, s: StepPlan, name: str) -> Handle:
+        """No items: dim 0 is 0, the other dims as the graph fixes them."""
+        info = self.plan.signatures[s.session].input(name)
+        shape = [0] + [d if isinstance(d, int) else -1 for d in info.shape[1:]]
+        if -1 in shape:
+            raise GenerationError(f'Session "{s.session}" input "{name}" would be empty here (its producer was '
+                                  f"skipped), but its shape {list(info.shape)} has symbolic dims ortpipe cannot "
+                                  "size. Export the graph with fixed feature sizes")
+        return self.backend.full(tuple(shape), 0, info.dtype)
+
     def _kept(self, s: StepPlan, out: dict[str, Handle]) -> None:
         for name in self._keep[s.session]:
             self.values[f"{s.session}.{name}"] = out[name]
+
+    # small tensor work
+
+    def _dtype(self, s: StepPlan, name: str) -> str:
+        return self.plan.signatures[s.session].input(name).dtype
+
+    def _narrow(self, x: Handle, dtype: str, axis: int, start: int, end: int) -> Work:
+        b = self.backend
+        out = yield Run(kernel("narrow", dtype), {"x": x, "start": b.tensor([start], (1,), "int64"),
+                                                  "end": b.tensor([min(end, END)], (1,), "int64"),
+                                                  "axis": b.tensor([axis], (1,), "int64")}, ("y",), None, self.label)
+        return out["y"]
+
+    def _concat(self, a: Handle, b: Handle, s: StepPlan, output: str) -> Work:
+        dtype = self.plan.signatures[s.session].output(output).dtype
+        out = yield Run(kernel("concat0", dtype), {"a": a, "b": b}, ("y",), None, self.label)
+        return out["y"]

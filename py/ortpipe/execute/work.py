@@ -25,6 +25,7 @@ class Run:
     feeds: dict[str, Handle]
     outputs: tuple[str, ...]
     inplace: dict[str, str] | None = None
+    label: str = ""  # the phase or step this run belongs to, for traces
 
 
 @dataclass(slots=True)

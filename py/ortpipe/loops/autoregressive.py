@@ -8,6 +8,7 @@ cache (continuous decoding).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import GenerationError
@@ -22,6 +23,7 @@ from ..sampling.settings import SearchSettings
 class Limits:
     max_length: int  # prompt + generated, never more
     eos: frozenset[int] = field(default_factory=frozenset)
+    grows: bool = False  # set by max_new_tokens: expanding the prompt's placeholders raises max_length
 
 
 class TokenGenerator:
@@ -78,8 +80,19 @@ class TokenGenerator:
         if self.done:
             raise GenerationError("generation is done (eos, max_length or interrupt); append tokens to go on")
         if not self._started:
-            yield from self.flow.run_init(self._pending)
+            expanded = yield from self.flow.run_init(self._pending)
             self._started = True
+            if expanded != self._pending:  # placeholders became one id per feature row
+                del self.tokens[len(self.tokens) - len(self._pending):]
+                self.tokens.extend(expanded)
+                if self.limits.grows:
+                    extra = len(expanded) - len(self._pending)
+                    self.limits = dataclasses.replace(self.limits, max_length=self.limits.max_length + extra)
+                    self.flow.resize(self.limits.max_length)
+                self._pending = expanded
+                if len(self.tokens) > self.limits.max_length:
+                    raise GenerationError(f"with its images or audio expanded the prompt is {len(self.tokens)} "
+                                          f"tokens, more than max_length {self.limits.max_length}")
         logits = yield from self.flow.run_step(self._pending)
         token = yield from self.sampler.select(logits, self.tokens, self.generated)
         self.tokens.append(token)
