@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     length.add_argument("--max-length", type=int, help="prompt + generated tokens at most")
     _session_args(run)
     _generation_args(run)
+    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                     help="feed a raw tensor to a named session input, bypassing preprocessing (repeatable)")
+    run.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    run.add_argument("--verbose", action="store_true", help="a one-line summary per phase on stderr")
     run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
     run.set_defaults(func=_run)
 
@@ -114,21 +118,33 @@ def _ids(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .targets.cpython import load
+    from .targets.cpython import load, read_inputs
+    from .trace import Trace
 
     pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
     request = pipe.request(args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
-                           max_length=args.max_length, **_settings(args))
+                           max_length=args.max_length, inputs=read_inputs(args.input) or None, **_settings(args))
+    trace = Trace() if args.trace or args.verbose else None
     if args.json:
-        for _ in pipe.drive(request):
+        for _ in pipe.drive(request, trace):
             pass
         print(json.dumps(request.result().as_dict()))
-        return 0
+    else:
+        _stream(pipe, request, trace, args.prompt)
+    if trace and args.trace:
+        trace.write(args.trace)
+    if trace and args.verbose:
+        for line in trace.summary():
+            print(f"[{line}]", file=sys.stderr)
+    return 0
+
+
+def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
     status = LiveStatus() if sys.stdout.isatty() else None
-    if args.prompt is not None:
-        print(args.prompt, end="", flush=True)
+    if prompt is not None:
+        print(prompt, end="", flush=True)
     try:
-        for chunk in pipe.drive(request):
+        for chunk in pipe.drive(request, trace):
             print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
             if status:
                 status.show(request.timings)
@@ -138,7 +154,6 @@ def _run(args: argparse.Namespace) -> int:
     t = request.timings
     print(f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
           f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
-    return 0
 
 
 def _progress() -> Any:

@@ -39,7 +39,7 @@ class BeamSearch:
     def run(self, prompt: list[int]) -> Work:
         """The finished hypotheses, best first (num_return_sequences of them)."""
         b, beams = self.backend, self.beams
-        yield from self.flow.run_init(prompt)
+        prompt = yield from self.flow.run_init(prompt)
         running = [Hypothesis([], 0.0)] + [Hypothesis([], PENALTY) for _ in range(beams - 1)]
         finished = [Hypothesis([], PENALTY) for _ in range(beams)]
         done_flags = [False] * beams

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from ..loops.autoregressive import TokenGenerator
 from ..pipeline import Chunk, Pipeline, Request, Result
 from ..plan import Plan, make_plan
 from ..signature import Signature, TensorInfo
+from ..trace import Span, Trace
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 PROVIDERS = {
@@ -150,6 +152,8 @@ class Driver:
         self.threads = threads
         self._bindings: dict[str, _Binding] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self.trace: Trace | None = None  # set while a traced request runs
+        self._label = ""
 
     def drive(self, gen: Work) -> Any:
         """Answer a core generator's requests until it returns; its return value is ours."""
@@ -168,6 +172,17 @@ class Driver:
         return list(self._pool.map(self.run, work.runs))  # onnxruntime releases the GIL in run()
 
     def run(self, work: Run) -> dict[str, Any]:
+        if self.trace is None:
+            return self._run(work)
+        start = time.perf_counter_ns()
+        out = self._run(work)
+        shapes = {k: list(getattr(v, "shape", ())) for k, v in work.feeds.items()}
+        self._label = work.label or self._label  # kernels run inside the step that asked for them
+        self.trace.add(Span(work.session, self._label, start / 1000, time.perf_counter_ns() / 1000,
+                            threading.get_ident(), shapes))
+        return out
+
+    def _run(self, work: Run) -> dict[str, Any]:
         session = self.sessions.get(work.session) or self._kernel(work.session)
         try:
             if work.inplace:
@@ -326,13 +341,21 @@ class CpuPipeline:
         request.timings.load_ms = self.load_ms
         return request
 
-    def stream(self, prompt: str | None = None, **options: Any) -> Iterator[Chunk]:
-        yield from self.drive(self.request(prompt, **options))
+    def stream(self, prompt: str | None = None, *, trace: str | None = None, **options: Any) -> Iterator[Chunk]:
+        """Chunks as they are generated; `trace` names a Chrome trace file to write at the end."""
+        collected = Trace() if trace else None
+        yield from self.drive(self.request(prompt, **options), collected)
+        if collected:
+            collected.write(trace)
 
-    def drive(self, request: Request) -> Iterator[Chunk]:
-        """The chunks of a request, as its tokens are generated."""
-        while not request.done:
-            yield from self.driver.drive(request.step())
+    def drive(self, request: Request, trace: Trace | None = None) -> Iterator[Chunk]:
+        """The chunks of a request, as its tokens are generated; `trace` collects its runs."""
+        self.driver.trace = trace
+        try:
+            while not request.done:
+                yield from self.driver.drive(request.step())
+        finally:
+            self.driver.trace = None
 
     def chat(self, max_length: int | None = None, **settings: Any) -> CpuChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""
@@ -343,10 +366,13 @@ class CpuPipeline:
         limit = max_length or self.config.generation.max_length or 2048
         return CpuChat(Chat(self.core, template, limit, **settings), self)
 
-    def generate(self, prompt: str | None = None, **options: Any) -> Result:
+    def generate(self, prompt: str | None = None, *, trace: str | None = None, **options: Any) -> Result:
         request = self.request(prompt, **options)
-        for _ in self.drive(request):
+        collected = Trace() if trace else None
+        for _ in self.drive(request, collected):
             pass
+        if collected:
+            collected.write(trace)
         return request.result()
 
 
@@ -367,6 +393,20 @@ class CpuChat:
     @property
     def tokens(self) -> list[int]:
         return self.core.gen.tokens
+
+
+def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:
+    """`NAME=FILE.npy` pairs (the CLI's --input) as arrays for named session inputs."""
+    inputs = {}
+    for spec in specs:
+        name, sep, file = spec.partition("=")
+        if not sep or not name or not file:
+            raise GenerationError(f"--input takes NAME=FILE.npy, found {spec!r}")
+        try:
+            inputs[name] = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise GenerationError(f"--input {name}: cannot read {file} as a .npy array: {e}") from None
+    return inputs
 
 
 Progress = Callable[[str], None]
