@@ -235,3 +235,44 @@ def test_detected_config_takes_tokens_from_generation_config(tmp_path: Path) -> 
     assert config.source == "detected"
     assert config.tokens.eos == (2, 5) and config.tokens.bos == 1
     assert config.generation.max_length == 512
+
+
+def test_v1_vision_embedding_decoder_translate_to_init_steps(tmp_path: Path) -> None:
+    v1 = {"model": {"type": "phi3v", "eos_token_id": 2, "image_token_id": 9,
+                    "vision": {"filename": "vision.onnx", "inputs": {"pixel_values": "pixel_values",
+                                                                     "image_sizes": "image_sizes"},
+                               "outputs": {"image_features": "image_features"}},
+                    "embedding": {"filename": "embedding.onnx",
+                                  "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
+                                  "outputs": {"inputs_embeds": "inputs_embeds"}},
+                    "decoder": {"filename": "decoder.onnx", "inputs": {"inputs_embeds": "inputs_embeds"}}},
+          "search": {"max_length": 64}}
+    config = load_config(folder_with(tmp_path, v1, VLM_FILES))
+    assert [(s.run, s.when, s.optional) for s in config.pipeline.flow] == [
+        ("vision", "init", True), ("embedding", "init", False), ("decoder", "step", False)]
+    assert config.tokens.image_token == 9 and config.pipeline.dataflow == ()
+
+
+def test_v1_encoder_decoder_translates_the_cross_cache_and_renamed_outputs(tmp_path: Path) -> None:
+    v1 = {"model": {"type": "whisper", "eos_token_id": 3, "decoder_start_token_id": 1,
+                    "encoder": {"filename": "encoder.onnx", "inputs": {"audio_features": "audio_features"},
+                                "outputs": {"encoder_hidden_states": "hidden_states",
+                                            "cross_present_key_names": "present_key_cross_%d"}},
+                    "decoder": {"filename": "decoder.onnx",
+                                "inputs": {"input_ids": "input_ids", "encoder_hidden_states": "enc",
+                                           "past_key_names": "past_key_self_%d",
+                                           "cross_past_key_names": "past_key_cross_%d"},
+                                "outputs": {"logits": "logits", "present_key_names": "present_key_self_%d"}}}}
+    config = load_config(folder_with(tmp_path, v1, ("encoder.onnx", "decoder.onnx")))
+    assert [(s.run, s.when) for s in config.pipeline.flow] == [("encoder", "init"), ("decoder", "step")]
+    assert config.pipeline.state.cross_cache.source == "encoder"
+    assert [str(w) for w in config.pipeline.dataflow] == ["encoder.hidden_states -> decoder.enc"]
+    assert config.pipeline.state.kv_cache.past_key_pattern == "past_key_self_{layer}"
+    assert config.tokens.decoder_start == 1
+
+
+def test_v1_split_decoder_pipeline_is_refused_clearly(tmp_path: Path) -> None:
+    v1 = {"model": {"type": "qnn", "eos_token_id": 2, "decoder": {"pipeline": [
+        {"context": {"filename": "ctx.onnx", "run_on_prompt": True, "run_on_token_gen": False}}]}}}
+    msg = errors_of(tmp_path, v1, ("ctx.onnx",))
+    assert "stage 'context' runs only on the prompt" in msg

@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate from a prompt")
     run.add_argument("model", metavar="MODEL_DIR")
-    prompt = run.add_mutually_exclusive_group(required=True)
+    prompt = run.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (uses the folder's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated: 1,2,3")
     length = run.add_mutually_exclusive_group()

@@ -165,6 +165,9 @@ class Pipeline:
         self.config = plan.config
 
     def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
+        start = self.config.tokens.decoder_start
+        if prompt is None and prompt_ids is None and start is not None:
+            return [start]  # an encoder-decoder model starts from its decoder_start token
         if (prompt is None) == (prompt_ids is None):
             raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
         if prompt_ids is not None:

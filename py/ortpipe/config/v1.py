@@ -18,7 +18,8 @@ _KV_KEYS = {
     "past_names": "past_pattern", "present_names": "present_pattern",
 }
 _SEARCH_TO_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-_UNSUPPORTED_SECTIONS = ("vision", "speech", "embedding", "encoder")
+# Sections that become init sessions, in the order they run, and whether a request may omit their input.
+_ENCODERS = (("vision", True), ("speech", True), ("encoder", False), ("embedding", False))
 
 
 def is_v1(raw: Any) -> bool:
@@ -30,23 +31,60 @@ def translate(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
         raise ConfigError('genai_config.json (v1) needs a "model.decoder" object with at least '
                           '"filename"; or write a v2 config ("version": 2)')
-    present = [k for k in _UNSUPPORTED_SECTIONS if k in model]
-    if present:
-        raise ConfigError(f"genai_config.json (v1) has model.{present[0]}: multi-session v1 configs are not "
-                          "translated yet. Write the pipeline as a v2 config (see the README's config reference)")
     decoder = model["decoder"]
     search = raw.get("search", {}) if isinstance(raw.get("search"), dict) else {}
+    sections = {name: model[name] for name, _ in _ENCODERS if isinstance(model.get(name), dict)}
+    if isinstance(decoder.get("pipeline"), list):
+        sessions, flow = _decoder_pipeline(decoder)
+    else:
+        sessions, flow = {"decoder": _session(decoder)}, [{"run": "decoder", "when": "step"}]
+    init = [{"run": name, "when": "init", **({"optional": True} if optional else {})}
+            for name, optional in _ENCODERS if name in sections]
+    state: dict[str, Any] = {"kv_cache": _kv_cache(decoder, search)}
+    if "encoder" in sections:
+        state["cross_cache"] = {"source": "encoder", "frozen": True}
     return {
         "version": 2,
         "pipeline": {
-            "sessions": {"decoder": _session(decoder)},
-            "flow": [{"run": "decoder", "when": "step"}],
-            "state": {"kv_cache": _kv_cache(decoder, search)},
+            "sessions": {**{name: _session(sec) for name, sec in sections.items()}, **sessions},
+            "flow": init + flow,
+            "dataflow": _renamed_wires({**sections, **{"decoder": decoder}}),
+            "state": state,
         },
         "tokens": _tokens(model),
         "generation": _generation(search),
         "metadata": _metadata(model),
     }
+
+
+def _decoder_pipeline(decoder: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """model.decoder.pipeline[]: stages that each run at every step, chained by forwarded names."""
+    sessions, flow = {}, []
+    for entry in decoder["pipeline"]:
+        for name, stage in (entry or {}).items():
+            if not (stage.get("run_on_prompt", True) and stage.get("run_on_token_gen", True)):
+                raise ConfigError(f"genai_config.json (v1) decoder pipeline stage {name!r} runs only on the prompt "
+                                  "or only on generated tokens; such split pipelines are not translated yet. "
+                                  "Write the pipeline as a v2 config")
+            sessions[name] = _session({**stage, "session_options": stage.get("session_options",
+                                                                              decoder.get("session_options"))})
+            flow.append({"run": name, "when": "step"})
+    return sessions, flow
+
+
+def _renamed_wires(sections: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
+    """v1 names a tensor by role ("encoder_hidden_states": "hidden_states"); where a producer's graph
+    name differs from the consumer's, auto-matching by name cannot join them: wire them."""
+    wires = []
+    for src, sec in sections.items():
+        for role, out_name in (sec.get("outputs") or {}).items():
+            if not isinstance(out_name, str) or "%d" in out_name:
+                continue
+            for dst, other in sections.items():
+                in_name = (other.get("inputs") or {}).get(role, role if dst != src else None)
+                if dst != src and isinstance(in_name, str) and in_name != out_name and role in (other.get("inputs") or {}):
+                    wires.append({"from": f"{src}.{out_name}", "to": f"{dst}.{in_name}"})
+    return wires
 
 
 def _session(decoder: dict[str, Any]) -> dict[str, Any]:
