@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 DEMO_DIR := build/cache/demo
 PROMPT ?= def main(
 
-.PHONY: demo test kernels clean
+.PHONY: demo test kernels clean web
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,18 @@ demo: $(VENV)/.base
 	$(PY) -m build.demo_model --out $(DEMO_DIR)
 	$(VENV)/bin/ortpipe run $(DEMO_DIR) --prompt "$(PROMPT)" --max-new-tokens 60
 
-test: $(VENV)/.test
+# the browser tests' tools: Debian's chromium, npm packages, playwright
+$(VENV)/.web: package-lock.json tests/web/setup.sh $(VENV)/.test
+	PYTHON=$(PY) sh tests/web/setup.sh
+	touch $@
+
+test: $(VENV)/.test $(VENV)/.web
 	$(PY) -m pytest -q -rs
+
+web: $(VENV)/.base
+	npm ci --no-audit --no-fund
+	$(PY) -m build.web $(MODELS)
+	$(VENV)/bin/ortpipe web --coop
 
 kernels: $(VENV)/.base
 	$(PY) -m build.kernels

@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("model", metavar="MODEL_DIR")
     validate.set_defaults(func=_validate)
 
+    from .targets import web_server  # standard library only
+
+    web = sub.add_parser("web", help="serve the browser bundle (dist/web; build it with python -m build.web)")
+    web_server.add_arguments(web)
+    web.set_defaults(func=web_server.run)
+
     bench = sub.add_parser("bench", help="decode speed of ortpipe beside onnxruntime-genai and a hand-written loop")
     bench.add_argument("model", metavar="MODEL_DIR")
     bench.add_argument("--prompt-tokens", type=int, default=64)

@@ -1,0 +1,202 @@
+"""ortpipe in Chromium (Pyodide + onnxruntime-web) gives the tokens of ortpipe under CPython.
+
+Each test opens the demo page of a freshly built bundle and drives the embed API (ortpipe.js) or
+the page itself; every request must stay on the page's origin.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from build import references
+
+import ortpipe
+from ortpipe.targets.cpython import JinjaChatTemplate
+
+PROMPT = [5, 17, 42, 8, 23, 61, 30, 12, 77, 40, 9, 55, 33]  # 13 ids: longer than the sliding window
+NEW_TOKENS = 24
+
+# Runs in the page: load a model, stream one generation, return what came back.
+GENERATE = """async ({model, device, options}) => {
+  const {load} = await import('./ortpipe.js');
+  const pipe = await load(model, {device});
+  try {
+    const chunks = [];
+    const stream = pipe.stream(options);
+    for (let step = await stream.next(); ; step = await stream.next()) {
+      if (step.done) return {info: pipe.info, chunks, result: step.value};
+      chunks.push(step.value);
+    }
+  } finally {
+    pipe.dispose();
+  }
+}"""
+
+
+def generate(page: Any, model: str, device: str = "wasm", **options: Any) -> dict[str, Any]:
+    page.goto("/")
+    return page.evaluate(GENERATE, {"model": f"models/{model}/", "device": device, "options": options})
+
+
+def assert_same_origin(urls: list[str], page: Any) -> None:
+    origin = urlsplit(page.url)[:2]
+    assert urls, "no request was recorded"
+    strays = [u for u in urls if urlsplit(u)[:2] != origin and not u.startswith(("data:", "blob:"))]
+    assert not strays, f"requests left {origin}: {strays}"
+
+
+@pytest.mark.parametrize("model", ["v2", "optimum", "v1-combined", "sliding"])
+def test_wasm_greedy_tokens_equal_cpython(page: Any, requests_seen: list[str], models: dict[str, Path],
+                                          model: str) -> None:
+    expected = ortpipe.load(models[model]).generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS)
+    got = generate(page, model, promptIds=PROMPT, maxNewTokens=NEW_TOKENS)
+    assert got["info"]["device"] == "wasm"
+    assert got["result"]["tokens"] == expected.tokens
+    assert [c["token"] for c in got["chunks"]] == expected.tokens
+    assert got["result"]["finishReason"] == expected.finish_reason
+    assert_same_origin(requests_seen, page)
+
+
+def test_webgpu_short_generation_equals_cpython(page: Any, requests_seen: list[str],
+                                                models: dict[str, Path]) -> None:
+    expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT, max_new_tokens=4).tokens
+    got = generate(page, "v2", "webgpu", promptIds=PROMPT, maxNewTokens=4)
+    assert got["info"]["device"] == "webgpu"
+    assert got["result"]["tokens"] == expected
+    assert_same_origin(requests_seen, page)
+
+
+def test_threaded_wasm_on_an_isolated_page_equals_cpython(page: Any, isolated_url: str,
+                                                         models: dict[str, Path]) -> None:
+    expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS).tokens
+    page.goto(isolated_url)
+    assert page.evaluate("crossOriginIsolated")
+    got = page.evaluate(GENERATE, {"model": "models/v2/", "device": "wasm",
+                                   "options": {"promptIds": PROMPT, "maxNewTokens": NEW_TOKENS}})
+    assert got["result"]["tokens"] == expected
+
+
+SETTINGS = [  # as the JS API names them
+    {"doSample": True, "seed": 7, "temperature": 0.8, "topK": 20, "topP": 0.9},
+    {"repetitionPenalty": 1.3, "noRepeatNgramSize": 2},
+    {"numBeams": 3},
+]
+
+
+def snake_case(settings: dict[str, Any]) -> dict[str, Any]:
+    return {re.sub(r"[A-Z]", lambda m: "_" + m.group().lower(), k): v for k, v in settings.items()}
+
+
+def test_sampling_penalties_and_beams_equal_cpython(page: Any, models: dict[str, Path]) -> None:
+    """Seeded sampling, logits processors and beam search: the kernel graphs in onnxruntime-web."""
+    pipe = ortpipe.load(models["v2"])
+    expected = [pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, **snake_case(s)).tokens for s in SETTINGS]
+    page.goto("/")
+    got = page.evaluate("""async (settings) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load('models/v2/', {device: 'wasm'});
+      const tokens = [];
+      for (const s of settings) tokens.push((await pipe.generate(s)).tokens);
+      pipe.dispose();
+      return tokens;
+    }""", [{"promptIds": PROMPT, "maxNewTokens": 12, **s} for s in SETTINGS])
+    assert got == expected
+
+
+def test_text_prompt_streams_the_text_of_cpython(page: Any, models: dict[str, Path]) -> None:
+    expected = ortpipe.load(models["v2"]).generate("x = 1", max_new_tokens=48)
+    assert " ," in expected.text  # what tokenizers.js's clean-up would rewrite, and Rust's never does
+    got = generate(page, "v2", prompt="x = 1", maxNewTokens=48)
+    assert got["result"]["tokens"] == expected.tokens
+    assert got["result"]["text"] == expected.text
+    assert "".join(c["text"] for c in got["chunks"]) == expected.text
+    assert got["result"]["timings"]["promptTokens"] == expected.timings.prompt_tokens
+
+
+def test_chat_messages_render_like_jinja2(page: Any, models: dict[str, Path]) -> None:
+    messages = [{"role": "user", "content": "Write def fib(n):"}]
+    template = JinjaChatTemplate(json.loads((models["v2"] / "tokenizer_config.json").read_text()))
+    expected = ortpipe.load(models["v2"]).generate(template.render(messages), max_new_tokens=8)
+    got = generate(page, "v2", messages=messages, maxNewTokens=8)
+    assert got["result"]["tokens"] == expected.tokens
+
+
+def test_interrupt_stops_a_stream_and_what_is_queued(page: Any) -> None:
+    page.goto("/")
+    result = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load('models/v2/', {device: 'wasm'});
+      const options = {promptIds: [5, 17, 42], maxNewTokens: 100};
+      const running = [];
+      for await (const chunk of pipe.stream(options)) {
+        running.push(chunk.token);
+        if (running.length === 3) pipe.interrupt();
+      }
+      const queued = pipe.generate(options);  // asked for before the interrupt: never runs
+      pipe.interrupt();
+      let left = 0;
+      for await (const chunk of pipe.stream(options)) if (++left === 2) break;  // interrupts it
+      const after = await pipe.generate({...options, maxNewTokens: 5});
+      const results = {running: running.length, queued: await queued, left, after};
+      pipe.dispose();
+      return results;
+    }""")
+    assert 3 <= result["running"] < 100
+    assert result["queued"]["finishReason"] == "interrupt" and result["queued"]["tokens"] == []
+    assert result["left"] == 2
+    assert result["after"]["finishReason"] == "length" and len(result["after"]["tokens"]) == 5
+
+
+def test_config_errors_reach_the_page_as_messages(page: Any) -> None:
+    page.goto("/")
+    error = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      try {
+        await load('models/broken/', {device: 'wasm'});
+      } catch (e) {
+        return {name: e.name, message: e.message};
+      }
+    }""")
+    assert error["name"] == "ConfigError"
+    assert 'Unknown key "sesions"' in error["message"] and 'Did you mean "sessions"?' in error["message"]
+    assert "Traceback" not in error["message"]
+
+
+def test_demo_page_streams_a_generation(page: Any, requests_seen: list[str], models: dict[str, Path]) -> None:
+    expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS).tokens
+    page.goto("/")
+    page.fill("#model-url", "models/v2/")
+    page.select_option("#device", "wasm")
+    page.check("#prompt-is-ids")
+    page.fill("#prompt", ", ".join(map(str, PROMPT)))
+    page.fill("#max-new-tokens", str(NEW_TOKENS))
+    page.click("#generate")
+    page.wait_for_selector("#output[data-tokens]", timeout=120_000)
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected))
+    assert page.text_content("#error") == ""
+    assert "tok/s" in page.text_content("#stat-speed")
+    assert_same_origin(requests_seen, page)
+
+
+@pytest.mark.parametrize("ort_device, new_tokens", [("wasm", 24), ("webgpu", 3)])
+def test_builder_export_with_shared_buffer_cache_equals_onnxruntime_genai(
+        page: Any, requests_seen: list[str], serve_model: Any, llama_builder_fp32: Path, ort_device: str,
+        new_tokens: int) -> None:
+    """onnxruntime-genai's model builder: v1 config, GroupQueryAttention over a shared past/present
+    buffer, weights in model.onnx.data, a byte-level BPE tokenizer (tokenizers.js against Rust)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(llama_builder_fp32 / "tokenizer.json"))
+    prompt = "def count_words(path):\n    counts = {}\n"
+    expected = references.genai_greedy(llama_builder_fp32, tokenizer.encode(prompt).ids, new_tokens)
+    serve_model("llama-builder", llama_builder_fp32)
+    got = generate(page, "llama-builder", ort_device, prompt=prompt, maxNewTokens=new_tokens)
+    assert got["info"]["device"] == ort_device
+    assert got["result"]["tokens"] == expected
+    assert got["result"]["text"] == tokenizer.decode(expected)
+    assert_same_origin(requests_seen, page)

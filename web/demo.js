@@ -1,0 +1,143 @@
+// The demo page (index.html): load a model folder, stream a generation, show its speed.
+
+import { load, webgpuAvailable } from './ortpipe.js';
+
+const $ = (id) => document.getElementById(id);
+let pipe = null;
+let loadedKey = null; // "url|device" of the loaded pipeline
+
+async function init() {
+  const gpu = await webgpuAvailable();
+  const option = $('device').querySelector('option[value=webgpu]');
+  option.disabled = !gpu;
+  option.textContent = gpu ? 'WebGPU' : 'WebGPU (not available in this browser)';
+  $('device').querySelector('option[value=auto]').textContent = `Auto (${gpu ? 'WebGPU' : 'WebAssembly'})`;
+  const [versions, models] = await Promise.all([json('versions.json'), json('models/index.json')]);
+  if (versions) {
+    $('versions').textContent = Object.entries(versions).map(([name, v]) => `${name} ${v}`).join(' · ');
+  }
+  for (const name of models ?? []) {
+    $('models').append(new Option(`models/${name}/`));
+  }
+  if (models?.length && !$('model-url').value) $('model-url').value = `models/${models[0]}/`;
+}
+
+async function json(url) {
+  const response = await fetch(url);
+  return response.ok ? response.json() : null;
+}
+
+/** The pipeline for the form's model and device, loading it when they changed. */
+async function ensureLoaded() {
+  const url = $('model-url').value.trim();
+  const device = $('device').value;
+  if (!url) throw new Error('Enter the URL of a model folder, for example models/NAME/');
+  if (pipe && loadedKey === `${url}|${device}`) return pipe;
+  pipe?.dispose();
+  pipe = null;
+  const started = performance.now();
+  showProgress(0, 'Starting…');
+  try {
+    pipe = await load(url, { device, onProgress });
+  } catch (error) {
+    $('status').textContent = '';
+    throw error;
+  } finally {
+    $('progress').hidden = true;
+  }
+  loadedKey = `${url}|${device}`;
+  const seconds = ((performance.now() - started) / 1000).toFixed(1);
+  $('stat-load').textContent = `${seconds} s`;
+  $('status').textContent = `Loaded ${url} on ${pipe.info.device === 'webgpu' ? 'WebGPU' : 'WebAssembly'}` +
+    (pipe.info.tokenizer ? '' : ' (no tokenizer.json: give the prompt as token ids)');
+  return pipe;
+}
+
+function onProgress({ phase, file, loaded, total, message }) {
+  if (phase === 'download') {
+    const mb = (n) => (n / 1e6).toFixed(1);
+    showProgress(total ? loaded / total : null, `Downloading ${file}: ${mb(loaded)}${total ? ` of ${mb(total)}` : ''} MB`);
+  } else if (phase === 'session') {
+    showProgress(null, `Preparing ${file}…`);
+  } else {
+    showProgress(null, message);
+  }
+}
+
+function showProgress(fraction, text) {
+  const bar = $('progress');
+  bar.hidden = false;
+  if (fraction === null) bar.removeAttribute('value');
+  else bar.value = fraction;
+  $('status').textContent = text;
+}
+
+function promptOptions() {
+  const text = $('prompt').value;
+  if (!$('prompt-is-ids').checked) return { prompt: text };
+  const ids = text.split(/[\s,]+/).filter(Boolean).map(Number);
+  if (!ids.length || ids.some((id) => !Number.isInteger(id) || id < 0)) {
+    throw new Error('Token ids must be non-negative integers separated by commas or spaces');
+  }
+  return { promptIds: ids };
+}
+
+async function generate(event) {
+  event.preventDefault();
+  $('error').textContent = '';
+  setRunning(true);
+  const output = $('output');
+  output.replaceChildren();
+  delete output.dataset.tokens;
+  for (const id of ['stat-ttft', 'stat-speed', 'stat-tokens']) $(id).textContent = '–';
+  try {
+    const options = { ...promptOptions(), maxNewTokens: Number($('max-new-tokens').value) };
+    const model = await ensureLoaded();
+    output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
+    const tokens = [];
+    const stream = model.stream(options);
+    let step = await stream.next();
+    while (!step.done) {
+      tokens.push(step.value.token);
+      output.append(step.value.text || (model.info.tokenizer ? '' : `${step.value.token} `));
+      $('stat-tokens').textContent = tokens.length;
+      step = await stream.next();
+    }
+    showResult(step.value);
+  } catch (error) {
+    $('error').textContent = `${error.name}: ${error.message}`;
+  } finally {
+    setRunning(false);
+  }
+}
+
+function showResult({ tokens, timings, finishReason }) {
+  $('output').dataset.tokens = tokens.join(',');
+  $('output').dataset.finishReason = finishReason;
+  $('stat-ttft').textContent = `${Math.round(timings.firstTokenMs)} ms`;
+  $('stat-speed').textContent = tokens.length > 1 ? `${timings.decodeTokensPerS.toFixed(1)} tok/s` : '–';
+  $('stat-tokens').textContent = `${tokens.length} (${finishReason})`;
+}
+
+function setRunning(running) {
+  $('generate').disabled = running;
+  $('load').disabled = running;
+  $('stop').disabled = !running;
+}
+
+$('load-form').addEventListener('submit', async (event) => {
+  event.preventDefault();
+  $('error').textContent = '';
+  setRunning(true);
+  try {
+    await ensureLoaded();
+  } catch (error) {
+    $('error').textContent = `${error.name}: ${error.message}`;
+  } finally {
+    setRunning(false);
+    $('stop').disabled = true;
+  }
+});
+$('generate-form').addEventListener('submit', generate);
+$('stop').addEventListener('click', () => pipe?.interrupt());
+init();

@@ -1,0 +1,106 @@
+// Types of ortpipe's embed API (ortpipe.js).
+
+/** Where a model runs: "auto" takes WebGPU when the browser has an adapter, else wasm. */
+export type Device = 'auto' | 'webgpu' | 'wasm';
+
+/** Loading progress: the runtime starting, a file downloading, a session being prepared. */
+export interface Progress {
+  phase: 'runtime' | 'download' | 'session' | 'ready';
+  /** The file being downloaded or prepared. */
+  file?: string;
+  /** Bytes downloaded so far, and in all (0 when the server does not say). */
+  loaded?: number;
+  total?: number;
+  message?: string;
+}
+
+export interface LoadOptions {
+  device?: Device;
+  onProgress?: (progress: Progress) => void;
+}
+
+export interface ChatMessage {
+  role: string;
+  content: string;
+}
+
+/** One of prompt, promptIds and messages; settings default to the model's genai_config.json. */
+export interface GenerateOptions {
+  /** Text, encoded with the folder's tokenizer.json. */
+  prompt?: string;
+  /** Token ids. */
+  promptIds?: number[];
+  /** A conversation, rendered with tokenizer_config.json's chat_template. */
+  messages?: ChatMessage[];
+  maxNewTokens?: number;
+  /** Prompt and generated tokens together, at most. */
+  maxLength?: number;
+  doSample?: boolean;
+  temperature?: number;
+  topK?: number;
+  topP?: number;
+  minP?: number;
+  repetitionPenalty?: number;
+  seed?: number;
+  /** Generation ends before any of these strings. */
+  stop?: string[];
+  numBeams?: number;
+}
+
+export interface Chunk {
+  token: number;
+  /** The text this token completes: "" while a character or a possible stop string is open. */
+  text: string;
+}
+
+export interface Timings {
+  loadMs: number;
+  /** The first token: prefill run and selection (measured in the worker). */
+  prefillMs: number;
+  /** Every later token (measured in the worker). */
+  decodeMs: number;
+  promptTokens: number;
+  newTokens: number;
+  decodeTokensPerS: number;
+  /** From the call to the first token, as the page saw it (null when no token came). */
+  firstTokenMs: number | null;
+  /** From the call to the result, as the page saw it. */
+  totalMs: number;
+}
+
+export interface GenerateResult {
+  /** Generated ids, prompt excluded. */
+  tokens: number[];
+  text: string;
+  finishReason: 'eos' | 'length' | 'stop' | 'interrupt';
+  timings: Timings;
+}
+
+export interface PipelineInfo {
+  device: 'webgpu' | 'wasm';
+  sessions: string[];
+  eos: number[];
+  tokenizer: boolean;
+  max_length: number | null;
+  model_type: string | null;
+  load_ms: number;
+}
+
+/** An error ortpipe reports; `name` is ConfigError (the model folder), GenerationError (the request), ... */
+export class OrtpipeError extends Error {
+  constructor(error: { name: string; message: string });
+}
+
+export class Pipeline {
+  readonly info: PipelineInfo;
+  generate(options: GenerateOptions): Promise<GenerateResult>;
+  stream(options: GenerateOptions): AsyncGenerator<Chunk, GenerateResult, void>;
+  interrupt(): void;
+  dispose(): void;
+}
+
+/** Load a model folder (genai_config.json v1 or v2, or an Optimum / transformers.js export). */
+export function load(modelUrl: string, options?: LoadOptions): Promise<Pipeline>;
+
+/** Whether this browser offers a WebGPU adapter. */
+export function webgpuAvailable(): Promise<boolean>;

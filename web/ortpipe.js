@@ -1,0 +1,195 @@
+// ortpipe's embed API: run a generative ONNX model folder in the browser.
+//
+//   import { load } from './ortpipe.js';
+//   const pipe = await load('models/tiny/', { device: 'auto', onProgress: console.log });
+//   const { tokens, text, timings } = await pipe.generate({ prompt: 'def add(a, b):', maxNewTokens: 32 });
+//   for await (const chunk of pipe.stream({ prompt: 'Hello' })) output.textContent += chunk.text;
+//   pipe.dispose();
+//
+// Each pipeline owns a Web Worker (worker.js) that runs Python (Pyodide) and onnxruntime-web; the
+// page's thread only passes messages. Every file is loaded from this module's origin.
+
+const WORKER_URL = new URL('./worker.js', import.meta.url);
+
+/** An error ortpipe reports: `name` is ConfigError (the model folder), GenerationError (the request), ... */
+export class OrtpipeError extends Error {
+  constructor({ name, message }) {
+    super(message);
+    this.name = name;
+  }
+}
+
+/**
+ * Load a model folder: a URL prefix holding genai_config.json (v1 or v2) and its ONNX files, or
+ * an Optimum / transformers.js export (model.onnx or onnx/model.onnx beside config.json).
+ * @param {string} modelUrl the folder's URL, relative to the page or absolute
+ * @param {{device?: 'auto'|'webgpu'|'wasm', onProgress?: (p: Progress) => void}} [options]
+ *   device: "auto" (the default) takes WebGPU when the browser has an adapter, else wasm.
+ * @returns {Promise<Pipeline>}
+ * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
+ */
+export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
+  const worker = new Worker(WORKER_URL, { type: 'module' });
+  const pipe = new Pipeline(worker, onProgress);
+  const url = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, globalThis.location?.href).href;
+  try {
+    pipe.info = await pipe._call('load', { modelUrl: url, device });
+  } catch (error) {
+    pipe.dispose();
+    throw error;
+  }
+  return pipe;
+}
+
+/** Whether this browser offers a WebGPU adapter (what device "auto" would pick). */
+export async function webgpuAvailable() {
+  return Boolean(await globalThis.navigator?.gpu?.requestAdapter().catch(() => null));
+}
+
+/** A loaded model. Create it with `load()`. Generations queue: one runs at a time. */
+export class Pipeline {
+  constructor(worker, onProgress) {
+    /** What was loaded: {device, sessions, eos, tokenizer, max_length, model_type, load_ms}. */
+    this.info = null;
+    this._worker = worker;
+    this._onProgress = onProgress;
+    this._calls = new Map(); // id -> {resolve, reject, onChunk}
+    this._nextId = 1;
+    this._idle = Promise.resolve(); // settles when the last generation queued has ended
+    this._queued = 0; // generations asked for so far, numbered from 1
+    this._running = 0; // the number of the generation the worker is running
+    this._interruptedUpTo = 0; // queued generations up to this number start interrupted
+    this._cancelled = new Set(); // queued generations whose stream was left before they started
+    worker.onmessage = ({ data }) => this._receive(data);
+    worker.onerror = (event) => this._failAll(new OrtpipeError({
+      name: 'WorkerError',
+      message: event.message || `the worker (${WORKER_URL}) failed to start: is it served as JavaScript?`,
+    }));
+  }
+
+  /**
+   * Generate until eos, the length limit or `interrupt()`.
+   * @param {GenerateOptions} options
+   * @returns {Promise<GenerateResult>}
+   */
+  async generate(options) {
+    const started = performance.now();
+    let firstToken = null;
+    const { call } = this._generate(options, () => { firstToken ??= performance.now(); });
+    return finish(await call, started, firstToken);
+  }
+
+  /**
+   * Generate, yielding each token as it comes: `{token, text}` (text is "" while a character or a
+   * possible stop string is incomplete).
+   * @param {GenerateOptions} options
+   * @returns {AsyncGenerator<Chunk, GenerateResult>} the generator's return value is the result;
+   *   leaving the loop early interrupts the generation
+   */
+  async *stream(options) {
+    const chunks = [];
+    let wake = null;
+    const started = performance.now();
+    let firstToken = null;
+    const { call, cancel } = this._generate(options, (chunk) => {
+      firstToken ??= performance.now();
+      chunks.push(chunk);
+      wake?.();
+    });
+    let settled = false;
+    call.then(() => { settled = true; wake?.(); }, () => { settled = true; wake?.(); });
+    try {
+      while (true) {
+        if (chunks.length) {
+          yield chunks.shift();
+        } else if (settled) {
+          return finish(await call, started, firstToken);
+        } else {
+          await new Promise((resolve) => { wake = resolve; });
+          wake = null;
+        }
+      }
+    } finally {
+      if (!settled) cancel();
+    }
+  }
+
+  /**
+   * Stop the running generation after the token being computed, and any generation queued behind
+   * it; their results say "interrupt".
+   */
+  interrupt() {
+    this._interruptedUpTo = this._queued;
+    this._worker.postMessage({ type: 'interrupt' });
+  }
+
+  /** Stop the worker and free the model's memory. The pipeline cannot be used afterwards. */
+  dispose() {
+    this._worker.terminate();
+    this._failAll(new OrtpipeError({ name: 'OrtpipeError', message: 'the pipeline was disposed' }));
+  }
+
+  /**
+   * Queue a generation: each waits for the one before to end. `cancel` interrupts this one only,
+   * whether it runs or waits.
+   */
+  _generate(options, onChunk) {
+    const number = ++this._queued;
+    const call = this._idle.then(() => {
+      this._running = number;
+      const interrupted = number <= this._interruptedUpTo || this._cancelled.delete(number);
+      return this._call('generate', { options: pythonOptions(options), interrupted }, onChunk);
+    });
+    this._idle = call.then(() => {}, () => {});
+    const cancel = () => {
+      if (this._running === number) this._worker.postMessage({ type: 'interrupt' });
+      else this._cancelled.add(number);
+    };
+    return { call, cancel };
+  }
+
+  _call(type, message, onChunk) {
+    const id = this._nextId++;
+    return new Promise((resolve, reject) => {
+      this._calls.set(id, { resolve, reject, onChunk });
+      this._worker.postMessage({ type, id, ...message });
+    });
+  }
+
+  _receive(data) {
+    if (data.type === 'progress') {
+      this._onProgress?.(data);
+      return;
+    }
+    const call = this._calls.get(data.id);
+    if (!call) return;
+    if (data.type === 'chunk') {
+      call.onChunk?.({ token: data.token, text: data.text });
+      return;
+    }
+    this._calls.delete(data.id);
+    if (data.type === 'result') call.resolve(data.value);
+    else call.reject(new OrtpipeError(data.error));
+  }
+
+  _failAll(error) {
+    for (const call of this._calls.values()) call.reject(error);
+    this._calls.clear();
+  }
+}
+
+const camelToSnake = (key) => key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
+const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
+
+/** The JS options with Python's names: maxNewTokens -> max_new_tokens. */
+function pythonOptions(options) {
+  return Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
+}
+
+/** Python's result with JS names, plus what the page measured. */
+function finish(result, started, firstToken) {
+  const timings = Object.fromEntries(Object.entries(result.timings).map(([k, v]) => [snakeToCamel(k), v]));
+  timings.totalMs = performance.now() - started;
+  timings.firstTokenMs = firstToken === null ? null : firstToken - started;
+  return { tokens: result.tokens, text: result.text, finishReason: result.finish_reason, timings };
+}

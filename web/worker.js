@@ -1,0 +1,118 @@
+// The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin,
+// loads a model with ortpipe's Pyodide target (py/ortpipe/targets/pyodide.py) and streams the
+// generated tokens back. Messages in: load, generate, interrupt. Messages out: progress, chunk,
+// result, error; each reply carries the id of the message it answers.
+
+import { Bridge } from './bridge.js';
+
+// One onnxruntime-web build per device (see build/web.py).
+const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.min.mjs' };
+// Errors ortpipe raises on purpose: their message is for the user, the traceback is not.
+const ORTPIPE_ERRORS = new Set(['ConfigError', 'GenerationError', 'OrtpipeError']);
+
+let pipe = null; // the Python WebPipeline, once loaded
+let active = null; // the Python Request being generated
+
+const here = (path) => new URL(path, import.meta.url).href;
+const progress = (event) => self.postMessage({ type: 'progress', ...event });
+
+self.onmessage = ({ data }) => {
+  if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device));
+  else if (data.type === 'generate') answer(data.id, () => generate(data.id, data.options, data.interrupted));
+  else if (data.type === 'interrupt') active?.interrupt();
+};
+
+async function answer(id, work) {
+  try {
+    self.postMessage({ type: 'result', id, value: await work() });
+  } catch (error) {
+    self.postMessage({ type: 'error', id, error: describeError(error) });
+  }
+}
+
+/** A plain {name, message} for the page; Python errors lose their traceback unless unexpected. */
+function describeError(error) {
+  if (error?.type && ORTPIPE_ERRORS.has(error.type)) {
+    // The traceback ends with "ortpipe.errors.ConfigError: <message, maybe several lines>".
+    const head = new RegExp(`(?:^|\\n)(?:[\\w.]+\\.)?${error.type}: `, 'g');
+    const last = [...error.message.matchAll(head)].at(-1);
+    const message = last ? error.message.slice(last.index + last[0].length) : error.message;
+    return { name: error.type, message: message.trim() };
+  }
+  console.error(error);
+  return { name: error?.type ?? error?.name ?? 'Error', message: String(error?.message ?? error) };
+}
+
+async function load(modelUrl, device) {
+  if (pipe) throw new Error('this worker already holds a model; load() another pipeline instead');
+  const resolved = await resolveDevice(device);
+  progress({ phase: 'runtime', message: `Starting Python and onnxruntime-web (${resolved})` });
+  const [python, ort, tokenizers, jinja] = await Promise.all([
+    startPython(), import(ORT_BUILDS[resolved]), import('./vendor/tokenizers.mjs'), import('./vendor/jinja.mjs'),
+  ]);
+  configureOrt(ort);
+  const bridge = new Bridge(ort, tokenizers, jinja, progress);
+  const target = python.pyimport('ortpipe.targets.pyodide');
+  try {
+    pipe = await target.load(bridge, modelUrl, resolved);
+  } finally {
+    target.destroy();
+  }
+  progress({ phase: 'ready', message: 'Ready' });
+  return JSON.parse(pipe.info_json());
+}
+
+/** "wasm" or "webgpu": "auto" takes WebGPU when the browser has an adapter. */
+async function resolveDevice(device) {
+  if (!['auto', 'wasm', 'webgpu'].includes(device)) {
+    throw new Error(`device must be "auto", "webgpu" or "wasm", not ${JSON.stringify(device)}`);
+  }
+  if (device === 'wasm') return 'wasm';
+  const adapter = await navigator.gpu?.requestAdapter().catch(() => null);
+  if (adapter) return 'webgpu';
+  if (device === 'webgpu') {
+    throw new Error('WebGPU is not available in this browser (no GPU adapter); use device "wasm" or "auto"');
+  }
+  return 'wasm';
+}
+
+async function startPython() {
+  const { loadPyodide } = await import('./pyodide/pyodide.mjs');
+  const [python, zip] = await Promise.all([
+    loadPyodide({ indexURL: here('./pyodide/') }),
+    fetch(here('./ortpipe.zip')).then((r) => {
+      if (!r.ok) throw new Error(`${r.url}: HTTP ${r.status}; rebuild the bundle (python -m build.web)`);
+      return r.arrayBuffer();
+    }),
+  ]);
+  const sitePackages = python.runPython("import sysconfig; sysconfig.get_path('purelib')");
+  python.unpackArchive(zip, 'zip', { extractDir: sitePackages });
+  return python;
+}
+
+function configureOrt(ort) {
+  ort.env.wasm.wasmPaths = here('./ort/');
+  // Threads need a cross-origin isolated page (COOP/COEP headers: `ortpipe web --coop`).
+  ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
+  ort.env.logLevel = 'error';
+}
+
+/** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */
+async function generate(id, options, interrupted) {
+  if (!pipe) throw new Error('no model is loaded');
+  if (active) throw new Error('a generation is already running: await it, or interrupt() it first');
+  const request = pipe.request_json(JSON.stringify(options));
+  if (interrupted) request.interrupt();
+  active = request;
+  try {
+    while (!request.done) {
+      for (const chunk of JSON.parse(await pipe.step_json(request))) {
+        self.postMessage({ type: 'chunk', id, token: chunk.token, text: chunk.text });
+      }
+    }
+    return JSON.parse(pipe.result_json(request));
+  } finally {
+    active = null;
+    request.destroy();
+  }
+}
