@@ -248,6 +248,85 @@ def make_hf_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+# --- Whisper (encoder-decoder) -------------------------------------------------------------------
+
+# Whisper's own 30 s window: the builder declares the encoder input as [batch, mels, 3000] (fixed),
+# and transformers refuses features of any other length than 2 * max_source_positions.
+WHISPER_SOURCE_POSITIONS = 1500
+WHISPER_MELS = 80
+# Not VOCAB_SIZE: the builder takes any Embedding with VOCAB_SIZE rows for the token table.
+WHISPER_TARGET_POSITIONS = 128
+WHISPER_START_ID = BOS_ID  # decoder_start_token_id
+WHISPER_QUERY_GAIN, WHISPER_EMBED_GAIN, WHISPER_LOGIT_GAIN = 8.0, 2.0, 8.0  # see _perturb_whisper
+
+
+def _whisper_config(vocab: int):
+    """Head size 16 (64 / 4) like the causal LMs. The builder never uses GroupQueryAttention for Whisper
+    (no attention mask): com.microsoft Attention in the encoder, MultiHeadAttention in the decoder."""
+    import transformers
+
+    return transformers.WhisperConfig(
+        vocab_size=vocab, num_mel_bins=WHISPER_MELS, d_model=HIDDEN,
+        encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_ffn_dim=INTERMEDIATE, decoder_ffn_dim=INTERMEDIATE,
+        max_source_positions=WHISPER_SOURCE_POSITIONS, max_target_positions=WHISPER_TARGET_POSITIONS,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        decoder_start_token_id=WHISPER_START_ID, suppress_tokens=[], begin_suppress_tokens=None,
+        # Untied, so zeroing the special tokens' output rows leaves their input embeddings alone.
+        tie_word_embeddings=False)
+
+
+def _perturb_whisper(model, seed: int) -> None:
+    """_perturb for Whisper: noisy norms and biases, wide matrices, zero output rows for the special
+    tokens (never eos: runs to length), and three gains.
+
+    - Queries x WHISPER_QUERY_GAIN: with plain random weights every attention is nearly uniform, so the
+      cross-attention averages 1500 frames into one constant vector and the model repeats a handful of
+      tokens whatever the audio; sharper attention makes each frame and each past token count.
+    - Token embeddings x WHISPER_EMBED_GAIN: the current token weighs more against that constant.
+    - The final decoder norm x WHISPER_LOGIT_GAIN: peaky logits, clear greedy margins.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+            if param.ndim == 1:
+                param.add_(0.1 * noise)
+            else:
+                param.copy_(noise * MATRIX_STD)
+        for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
+            for attention in (layer.self_attn, getattr(layer, "encoder_attn", None)):
+                if attention is not None:
+                    attention.q_proj.weight.mul_(WHISPER_QUERY_GAIN)
+                    attention.q_proj.bias.mul_(WHISPER_QUERY_GAIN)
+        model.model.decoder.embed_tokens.weight.mul_(WHISPER_EMBED_GAIN)
+        norm = model.model.decoder.layer_norm
+        norm.weight.mul_(WHISPER_LOGIT_GAIN)
+        norm.bias.mul_(WHISPER_LOGIT_GAIN)
+        model.proj_out.weight[[PAD_ID, BOS_ID, EOS_ID]] = 0.0
+
+
+def make_hf_whisper(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny random WhisperForConditionalGeneration (save_pretrained), the byte-level tokenizer and a
+    plain greedy generation_config (no forced or suppressed tokens)."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    torch.manual_seed(seed)
+    model = transformers.WhisperForConditionalGeneration(_whisper_config(len(vocab))).to(torch.float32)
+    _perturb_whisper(model, seed)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        decoder_start_token_id=WHISPER_START_ID, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 # --- onnxruntime-genai model builder -----------------------------------------------------------
 
 def _run(cmd: list[str], what: str) -> None:
@@ -360,6 +439,8 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "gemma2-builder-fp32": lambda out: export_builder(_hf("gemma2"), out, "fp32"),
     "llama-concat": lambda out: export_concat(_hf("llama"), out),
     "gpt2-optimum": lambda out: export_gpt2(_hf("gpt2"), out),
+    "whisper-hf": make_hf_whisper,
+    "whisper-builder-fp32": lambda out: export_builder(get("whisper-hf"), out, "fp32"),
 }
 
 

@@ -22,6 +22,7 @@ MODEL_FIXTURES = {
     "qwen2_builder": "qwen2-builder-fp32", "phi3_builder": "phi3-builder-fp32",
     "gemma_builder": "gemma2-builder-fp32",
     "llama_concat": "llama-concat", "gpt2_optimum": "gpt2-optimum",
+    "whisper_hf": "whisper-hf", "whisper_builder": "whisper-builder-fp32",
 }
 
 

@@ -34,6 +34,9 @@ class FakeBackend:
     def shape(self, h):
         return h.shape
 
+    def dtype(self, h):
+        return h.dtype
+
     def to_list(self, h):
         return h.values
 

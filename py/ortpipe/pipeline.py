@@ -159,6 +159,22 @@ def _open_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
+def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:
+    """Request inputs against the graphs that read them: known names, rank, element type, fixed dims."""
+    readers = {f.input: s for level in plan.init for s in level for f in s.feeds if f.kind == "request"}
+    for name, value in inputs.items():
+        s = readers.get(name)
+        if s is None:
+            known = ", ".join(sorted(readers)) or "none"
+            raise GenerationError(f'no session reads a request input named "{name}" (request inputs: {known})')
+        info = plan.signatures[s.session].input(name)
+        shape, dtype = tuple(backend.shape(value)), backend.dtype(value)
+        fixed_ok = len(shape) == info.rank and all(not isinstance(d, int) or d == n for d, n in zip(info.shape, shape))
+        if not fixed_ok or dtype != info.dtype:
+            raise GenerationError(f'input "{name}" of session "{s.session}": expected {info.dtype} {list(info.shape)}, '
+                                  f"got {dtype} {list(shape)}")
+
+
 class Pipeline:
     def __init__(self, plan: Plan, backend: Backend, tokenizer: Tokenizer | None):
         self.plan, self.backend, self.tokenizer = plan, backend, tokenizer
@@ -168,6 +184,9 @@ class Pipeline:
         start = self.config.tokens.decoder_start
         if prompt is None and prompt_ids is None and start is not None:
             return [start]  # an encoder-decoder model starts from its decoder_start token
+        if prompt is None and prompt_ids is None and self.config.pipeline.state.cross_cache:
+            raise GenerationError("this encoder-decoder folder sets no decoder start token (tokens.decoder_start, "
+                                  "or model.decoder_start_token_id in v1): pass prompt_ids")
         if (prompt is None) == (prompt_ids is None):
             raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
         if prompt_ids is not None:
@@ -180,6 +199,7 @@ class Pipeline:
                   inputs: dict[str, Handle] | None = None, **settings: Any) -> TokenGenerator:
         """A step-wise generator sized for the request; its caches never exceed the requested length."""
         search = settings_for(self.config, settings)
+        check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
         limits = Limits(limit, frozenset(self.config.tokens.eos), grows=max_length is None and max_new_tokens is not None)
         return TokenGenerator(self.plan, self.backend, limits, search, inputs)
@@ -202,6 +222,7 @@ class Pipeline:
         if unsupported:
             raise GenerationError(f"beam search does not apply {', '.join(unsupported)} yet; "
                                   "drop them or use num_beams 1")
+        check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(len(prompt_ids), max_new_tokens, max_length)
         beam = BeamSearch(self.plan, self.backend, search, limit, frozenset(self.config.tokens.eos), inputs)
         return BeamRequest(beam, list(prompt_ids), search, self.tokenizer)
@@ -216,6 +237,10 @@ class Pipeline:
                 max_length = prompt_len + max_new_tokens
             else:
                 max_length = configured or prompt_len + DEFAULT_MAX_NEW_TOKENS
+        context = self.config.metadata.get("context_length")
+        if isinstance(context, int) and max_length > context:
+            raise GenerationError(f"max_length {max_length} is more than the model's context_length {context}; "
+                                  "lower max_length or max_new_tokens")
         if max_length <= prompt_len:
             raise GenerationError(f"max_length {max_length} leaves no room to generate after a "
                                   f"{prompt_len}-token prompt; raise max_length or use max_new_tokens")

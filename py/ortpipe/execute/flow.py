@@ -58,8 +58,21 @@ class FlowRun:
                 self._kept(s, out)
                 self._count_rows(s, out, ids)
             ids = self._expand(ready, ids)
-        self._prompt = ids
+        if self.batch > 1:
+            yield from self._tile_values()
         return ids
+
+    def _tile_values(self) -> Work:
+        """Init outputs made for one row (an encoder's states, a cross cache) repeated for every row
+        of the step phase (beams)."""
+        rows = self.backend.tensor([0] * self.batch, (self.batch,), "int64")
+        for s in self.plan.step:
+            for f in s.feeds:
+                value = self.values.get(f.source) if f.kind == VALUE else None
+                if value is not None and self.backend.shape(value)[0] == 1:
+                    out = yield Run(kernel("gather_rows0", f.dtype), {"x": value, "rows": rows}, ("y",), None,
+                                    self.label)
+                    self.values[f.source] = out["y"]
 
     def _per_item(self, s: StepPlan, ids: list[int]) -> Work:
         """Run once per item of the loop_over input: sliced (and cropped), outputs joined on dim 0."""
@@ -174,8 +187,8 @@ class FlowRun:
             self.skipped.append(s.session)
             return True
         raise GenerationError(f'Session "{s.session}" needs the request input(s) {", ".join(missing)}, '
-                              "which this request does not provide. Pass them (inputs={name: array}, "
-                              "images=, audios=), or mark the flow step \"optional\": true")
+                              "which this request does not provide. Pass them (inputs={name: array}), "
+                              "or mark the flow step \"optional\": true")
 
     def _run(self, s: StepPlan, ids: list[int], counter: int = 0, rows: list[list[int]] | None = None) -> Run:
         b, n = self.backend, len(rows[0]) if rows else len(ids)

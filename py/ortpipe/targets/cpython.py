@@ -56,6 +56,9 @@ class CpuBackend:
     def shape(self, handle: np.ndarray) -> tuple[int, ...]:
         return handle.shape
 
+    def dtype(self, handle: np.ndarray) -> str:
+        return str(handle.dtype)
+
     def to_list(self, handle: np.ndarray) -> list[int]:
         return handle.ravel().tolist()
 

@@ -85,6 +85,9 @@ class WebBackend:
     def shape(self, handle: Tensor) -> tuple[int, ...]:
         return tuple(handle.js.dims)
 
+    def dtype(self, handle: Tensor) -> str:
+        return str(handle.js.type)  # onnxruntime-web's names are numpy's: float32, int64, ...
+
     def to_list(self, handle: Tensor) -> list[int]:
         return self.bridge.toList(handle.js).to_py()
 
