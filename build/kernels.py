@@ -13,11 +13,13 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from build.preprocess import PREPROCESS_KERNELS
+
 OPSET = 17
 IR_VERSION = 8
 OUT_DIR = Path(__file__).resolve().parent.parent / "py" / "ortpipe" / "kernels"
 FLOAT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
-ELEMENT_TYPES = {**FLOAT_TYPES, "int64": TensorProto.INT64}
+ELEMENT_TYPES = {**FLOAT_TYPES, "int64": TensorProto.INT64, "uint8": TensorProto.UINT8}
 INT64_MAX = 2**63 - 1
 
 
@@ -254,6 +256,7 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "gather_rows0": (_gather_rows(0), tuple(FLOAT_TYPES)),
     "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
 }
+KERNELS.update(PREPROCESS_KERNELS)  # image resize / normalize / patches, Whisper log-mel
 
 
 def build_all() -> dict[str, bytes]:

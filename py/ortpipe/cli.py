@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     length.add_argument("--max-length", type=int, help="prompt + generated tokens at most")
     _session_args(run)
     _generation_args(run)
+    run.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for the pipeline's vision session (repeatable; one image_token each in the prompt)")
+    run.add_argument("--audio", action="append", default=[], metavar="PATH.wav",
+                     help="a .wav clip for the pipeline's audio encoder (repeatable)")
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                      help="feed a raw tensor to a named session input, bypassing preprocessing (repeatable)")
     run.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
@@ -129,7 +133,8 @@ def _run(args: argparse.Namespace) -> int:
 
     pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
     request = pipe.request(args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
-                           max_length=args.max_length, inputs=read_inputs(args.input) or None, **_settings(args))
+                           max_length=args.max_length, inputs=read_inputs(args.input) or None,
+                           images=args.image, audios=args.audio, **_settings(args))
     trace = Trace() if args.trace or args.verbose else None
     if args.json:
         for _ in pipe.drive(request, trace):

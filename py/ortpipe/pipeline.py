@@ -162,8 +162,13 @@ def _open_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
 def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:
     """Request inputs against the graphs that read them: known names, rank, element type, fixed dims."""
     readers = {f.input: s for level in plan.init for s in level for f in s.feeds if f.kind == "request"}
+    controls = {s.step.dynamic_shape.source for level in plan.init for s in level if s.step.dynamic_shape}
+    grid = plan.config.pipeline.state.position_ids.grid_source
+    controls |= {grid.split(".", 1)[-1]} if grid else set()
     for name, value in inputs.items():
         s = readers.get(name)
+        if s is None and name in controls:
+            continue  # read by the executor itself (crop sizes, mRoPE grids)
         if s is None:
             known = ", ".join(sorted(readers)) or "none"
             raise GenerationError(f'no session reads a request input named "{name}" (request inputs: {known})')

@@ -29,8 +29,11 @@ from ..folder import LocalFolder
 from ..loops.autoregressive import TokenGenerator
 from ..pipeline import Chunk, Pipeline, Request, Result
 from ..plan import Plan, make_plan
+from ..preprocess import load_audio_config
+from ..preprocess.request import media_inputs
 from ..signature import Signature, TensorInfo
 from ..trace import Span, Trace
+from .media import decode_image, read_wav
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 PROVIDERS = {
@@ -338,8 +341,13 @@ class CpuPipeline:
 
     def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                 max_new_tokens: int | None = None, max_length: int | None = None,
-                inputs: dict[str, Any] | None = None, **settings: Any) -> Request:
+                inputs: dict[str, Any] | None = None, images: list[Any] | None = None,
+                audios: list[Any] | None = None, **settings: Any) -> Request:
+        """`images`: paths or uint8 [h, w, 3] arrays; `audios`: .wav paths or float32 mono arrays at the
+        feature extractor's rate. They are preprocessed into the inputs the pipeline's sessions read."""
         ids = self.core.prompt_ids(prompt, prompt_ids)
+        if images or audios:
+            inputs = {**self.media_inputs(images or [], audios or []), **(inputs or {})}
         request = self.core.request(ids, max_new_tokens, max_length, inputs, **settings)
         request.timings.load_ms = self.load_ms
         return request
@@ -359,6 +367,19 @@ class CpuPipeline:
                 yield from self.driver.drive(request.step())
         finally:
             self.driver.trace = None
+
+    def media_inputs(self, images: list[Any], audios: list[Any]) -> dict[str, np.ndarray]:
+        decoded = [decode_image(i) if isinstance(i, (str, os.PathLike)) else np.asarray(i, np.uint8) for i in images]
+        waves = [read_wav(a, self._sampling_rate()) if isinstance(a, (str, os.PathLike))
+                 else np.asarray(a, np.float32) for a in audios]
+        work = media_inputs(self.plan, LocalFolder(self.folder), self.core.backend,
+                            [(d, d.shape[0], d.shape[1]) for d in decoded], waves)
+        return self.driver.drive(work)
+
+    def _sampling_rate(self) -> int:
+        prep = self.config.pipeline.preprocessing.get("audio")
+        name = prep.get("config") if isinstance(prep, dict) else None
+        return load_audio_config(LocalFolder(self.folder), name).sampling_rate
 
     def chat(self, max_length: int | None = None, **settings: Any) -> CpuChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""

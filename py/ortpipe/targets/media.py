@@ -1,0 +1,96 @@
+"""Reading media files in CPython: images with Pillow, WAV audio with the standard library.
+
+The arrays these return are what the core's preprocessing takes: uint8 [h, w, 3] RGB images and
+float32 mono waveforms.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import wave
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GenerationError
+
+WHISPER_RATE = 16000
+
+
+def decode_image(path: str | os.PathLike[str]) -> np.ndarray:
+    """An image file as uint8 [h, w, 3] RGB, turned upright by its EXIF orientation.
+
+    Transparent pixels are laid over white, as transformers' convert_to_rgb does.
+    """
+    try:
+        from PIL import Image, ImageOps
+    except ImportError as e:
+        raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
+    file = _existing(path, "image")
+    try:
+        with Image.open(file) as opened:
+            image = ImageOps.exif_transpose(opened)
+            image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise GenerationError(f"{file} is not an image Pillow can decode: {e}") from e
+    if "A" in image.getbands() or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+
+def read_wav(path: str | os.PathLike[str], rate: int = WHISPER_RATE) -> np.ndarray:
+    """A PCM WAV file as float32 mono samples in [-1, 1] at `rate` Hz: channels averaged, resampled
+    when the file has another rate."""
+    file = _existing(path, "audio")
+    try:
+        with wave.open(str(file), "rb") as w:
+            width, channels, source_rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+            data = w.readframes(w.getnframes())
+    except (wave.Error, EOFError) as e:
+        raise GenerationError(f"{file} is not a PCM WAV file the wave module reads ({e}); convert it, e.g. "
+                              f"ffmpeg -i {file.name} -ac 1 -ar {rate} -c:a pcm_s16le out.wav") from e
+    samples = _pcm_to_float(data, width).reshape(-1, channels).mean(axis=1, dtype=np.float32)
+    return resample(samples, source_rate, rate) if source_rate != rate else samples
+
+
+def _existing(path: str | os.PathLike[str], what: str) -> Path:
+    file = Path(path)
+    if not file.is_file():
+        raise GenerationError(f"the {what} file {file} does not exist")
+    return file
+
+
+def _pcm_to_float(data: bytes, width: int) -> np.ndarray:
+    """Little-endian PCM (8-bit unsigned, 16/24/32-bit signed) as float32 in [-1, 1]."""
+    if width == 1:
+        return (np.frombuffer(data, np.uint8).astype(np.float32) - 128.0) / 128.0
+    if width == 3:  # no numpy type: widen each sample to 4 bytes, the sign byte on top
+        raw = np.frombuffer(data, np.uint8).reshape(-1, 3)
+        wide = np.zeros((len(raw), 4), np.uint8)
+        wide[:, 1:] = raw
+        return wide.view("<i4").ravel().astype(np.float32) / 2.0**31
+    if width in (2, 4):
+        return np.frombuffer(data, f"<i{width}").astype(np.float32) / float(2 ** (8 * width - 1))
+    raise GenerationError(f"{width * 8}-bit PCM WAV is not supported")
+
+
+def resample(samples: np.ndarray, source_rate: int, rate: int, zeros: int = 16) -> np.ndarray:
+    """Band-limited resampling: a Hann-windowed sinc low-pass at the lower Nyquist frequency, `zeros`
+    zero crossings on each side."""
+    cutoff = min(1.0, rate / source_rate)  # in units of the source's Nyquist frequency
+    count = math.floor(len(samples) * rate / source_rate)
+    reach = math.ceil(zeros / cutoff)
+    out = np.empty(count, np.float32)
+    step = 4096  # outputs per block: bounds the [outputs, taps] matrix
+    for begin in range(0, count, step):
+        centers = np.arange(begin, min(begin + step, count)) * (source_rate / rate)
+        taps = np.floor(centers)[:, None].astype(np.int64) + np.arange(-reach + 1, reach + 1)
+        offset = (taps - centers[:, None]) * cutoff
+        window = np.where(np.abs(offset) < zeros, 0.5 + 0.5 * np.cos(np.pi * offset / zeros), 0.0)
+        weights = cutoff * np.sinc(offset) * window
+        inside = (taps >= 0) & (taps < len(samples))
+        values = np.where(inside, samples[np.clip(taps, 0, len(samples) - 1)], 0.0)
+        out[begin:begin + len(centers)] = (values * weights).sum(axis=1)
+    return out
