@@ -276,3 +276,25 @@ def test_v1_split_decoder_pipeline_is_refused_clearly(tmp_path: Path) -> None:
         {"context": {"filename": "ctx.onnx", "run_on_prompt": True, "run_on_token_gen": False}}]}}}
     msg = errors_of(tmp_path, v1, ("ctx.onnx",))
     assert "stage 'context' runs only on the prompt" in msg
+
+
+def test_per_image_errors_fire_for_multi_session_configs(tmp_path: Path) -> None:
+    sessions = {"vision": {"file": "vision.onnx"}, "decoder": {"file": "decoder.onnx"}}
+    config = load_config(folder_with(tmp_path, v2({"sessions": sessions, "flow": [
+        {"run": "vision", "when": "init", "loop": "per_image", "loop_over": "pixel_value",
+         "dynamic_shape": {"source": "image_sizes", "apply_to_dims": [2, 3]}},
+        {"run": "decoder", "when": "step"}]}), ("vision.onnx", "decoder.onnx")))
+    vision = sig([("pixel_values", "float32", ("n", 3, "h", "w"))], [("image_features", "float32", ("t", 16))])
+    with pytest.raises(ConfigError) as info:
+        make_plan(config, {"vision": vision, "decoder": DECODER})
+    assert 'loops over "pixel_value", but session "vision" has no such input' in str(info.value)
+    assert 'Did you mean "pixel_values"?' in str(info.value)
+    msg = errors_of(tmp_path / "nosource", v2({"sessions": sessions, "flow": [
+        {"run": "vision", "when": "init", "loop": "per_image", "loop_over": "pixel_values",
+         "dynamic_shape": {"apply_to_dims": [2, 3]}}, {"run": "decoder", "when": "step"}]}),
+        ("vision.onnx", "decoder.onnx"))
+    assert 'dynamic_shape needs "source"' in msg
+    msg = errors_of(tmp_path / "noloop", v2({"sessions": sessions, "flow": [
+        {"run": "vision", "when": "init", "loop": "per_image"}, {"run": "decoder", "when": "step"}]}),
+        ("vision.onnx", "decoder.onnx"))
+    assert 'loop "per_image" but no "loop_over"' in msg

@@ -186,10 +186,23 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
         if feed.kind == POSITION_IDS:
             positions = _position_strategy(config, step.run, t, problems)
         feeds.append(feed)
+    _check_loop(step, sig, problems)
     logits = spec.outputs.get("logits", "logits")
     logits = logits if logits in sig.output_names else None
     outputs = tuple(t.name for t in sig.outputs)
     return StepPlan(step, step.run, tuple(feeds), outputs, kv, logits, positions)
+
+
+def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
+    if step.loop != "per_image" or not step.loop_over:
+        return
+    info = sig.input(step.loop_over)
+    if info is None:
+        problems.add(f'Flow step "{step.run}" loops over "{step.loop_over}", but session "{step.run}" has no such input '
+                     f"(inputs: {one_of(sig.input_names)}).{did_you_mean(step.loop_over, sig.input_names)}")
+    elif step.dynamic_shape and any(d >= info.rank for d in step.dynamic_shape.apply_to_dims):
+        problems.add(f'Flow step "{step.run}" crops dims {list(step.dynamic_shape.apply_to_dims)} of "{step.loop_over}", '
+                     f"which has only {info.rank} dims {list(info.shape)}")
 
 
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
