@@ -205,3 +205,33 @@ def test_ortpipe_two_encoders_run_side_by_side(folder: Folders, tmp_path: Path) 
     (vision,), (speech,) = spans(events, "vision"), spans(events, "speech")
     overlap = min(vision[1], speech[1]) - max(vision[0], speech[0])
     assert overlap > 0, f"no overlap: vision {vision}, speech {speech} (µs)"
+
+
+def test_qwen_flat_patches_are_split_by_the_grid(tmp_path: Path) -> None:
+    """Qwen2-VL preprocessing puts every image's patches in one [sum of t*h*w, dim] tensor: a vision
+    graph reading that layout, looped per image, gives the tokens of the [n, patches, dim] layout."""
+    import onnx
+    from onnx import compose, helper
+
+    folder = pg.qwen25vl_style(tmp_path / "qwen", seed=0)
+    request = pg.qwen25vl_inputs(0)
+    expected = ortpipe.load(folder, threads=1).generate(prompt_ids=request.prompt_ids, max_new_tokens=12,
+                                                        inputs=request.inputs).tokens
+    vision_path = folder / "vision_encoder" / "model.onnx"
+    vision = onnx.load(str(vision_path))
+    dim = request.inputs["pixel_values"].shape[-1]
+    unsqueeze = helper.make_model(helper.make_graph(
+        [helper.make_node("Constant", [], ["axis"], value=helper.make_tensor("axis", onnx.TensorProto.INT64, [1], [0])),
+         helper.make_node("Unsqueeze", ["flat", "axis"], ["batched"])], "flat",
+        [helper.make_tensor_value_info("flat", onnx.TensorProto.FLOAT, ["patches", dim])],
+        [helper.make_tensor_value_info("batched", onnx.TensorProto.FLOAT, [1, "patches", dim])]),
+        opset_imports=vision.opset_import, ir_version=vision.ir_version)
+    merged = compose.merge_models(unsqueeze, vision, io_map=[("batched", "pixel_values")])
+    merged.graph.input[0].name = "pixel_values"
+    for node in merged.graph.node:
+        node.input[:] = ["pixel_values" if i == "flat" else i for i in node.input]
+    onnx.save(merged, str(vision_path))
+    flat = request.inputs["pixel_values"].reshape(-1, dim)
+    ours = ortpipe.load(folder, threads=1).generate(prompt_ids=request.prompt_ids, max_new_tokens=12,
+                                                    inputs={**request.inputs, "pixel_values": flat}).tokens
+    assert ours == expected

@@ -79,15 +79,17 @@ class FlowRun:
         b, name = self.backend, s.step.loop_over
         if name not in self.inputs:
             raise GenerationError(f'flow step "{s.session}" loops over "{name}", which the request does not give')
-        count = b.shape(self.inputs[name])[0]
+        spans = self._spans(s, name)
+        count = len(spans)
         sizes = self._sizes(s, count)
         joined: dict[str, Handle] = {}
         rows: list[int] = []
-        for i in range(count):
+        for i, (start, end) in enumerate(spans):
             run = self._run(s, ids)
             for f in s.feeds:
-                if f.kind == REQUEST and b.shape(run.feeds[f.input])[0] == count:
+                if f.kind == REQUEST and f.input != name and b.shape(run.feeds[f.input])[0] == count:
                     run.feeds[f.input] = yield from self._narrow(run.feeds[f.input], f.dtype, 0, i, i + 1)
+            run.feeds[name] = yield from self._narrow(run.feeds[name], self._dtype(s, name), 0, start, end)
             if sizes:
                 crop = run.feeds[name]
                 for axis, size in zip(s.step.dynamic_shape.apply_to_dims, sizes[i]):
@@ -100,6 +102,23 @@ class FlowRun:
                 rows.append(b.shape(out[s.features[0]])[0])
         self.item_rows[s.session] = rows
         return joined
+
+    def _spans(self, s: StepPlan, name: str) -> list[tuple[int, int]]:
+        """Each item's rows of the loop_over input: one row each, or, when the session also reads a
+        grid of n items that the input's rows do not match (Qwen2-VL's patches of all images in one
+        [sum of t*h*w, dim] tensor), t*h*w rows each."""
+        total = self.backend.shape(self.inputs[name])[0]
+        grid = (self.plan.config.pipeline.state.position_ids.grid_source or "").split(".", 1)[-1]
+        if grid and grid in self.inputs and grid in s.request_inputs:
+            flat = self.backend.to_list(self.inputs[grid])
+            sizes = [flat[i] * flat[i + 1] * flat[i + 2] for i in range(0, len(flat), 3)]
+            if len(sizes) != total:
+                if sum(sizes) != total:
+                    raise GenerationError(f'"{name}" has {total} rows but the grids in "{grid}" account for '
+                                          f"{sum(sizes)}")
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                return [(a, a + n) for a, n in zip(starts, sizes)]
+        return [(i, i + 1) for i in range(total)]
 
     def _sizes(self, s: StepPlan, count: int) -> list[list[int]]:
         dyn = s.step.dynamic_shape
