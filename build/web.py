@@ -6,11 +6,17 @@ Takes from node_modules only what the worker loads (Pyodide's core files, one on
 build per device, tokenizers.js and jinja), our package as a zip (sources and kernel graphs;
 Pyodide unpacks it, so no wheel is needed), the files of web/, and any model folders named on
 the command line (copied to models/NAME/). Every asset is served from the page's origin.
+
+Last it writes asset-manifest.json, every file of the bundle with a truncated SHA-256, and stamps
+the manifest's version into sw.js: the service worker precaches exactly these files (checking
+their hashes) under a cache named after the version, so the page works offline after one visit
+and a rebuilt bundle replaces the cached one.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -38,6 +44,11 @@ VENDOR_FILES = {
     "jinja.mjs": "@huggingface/jinja/dist/index.js",
 }
 VERSIONED = ("pyodide", "onnxruntime-web", "@huggingface/tokenizers", "@huggingface/jinja")
+# The service worker (web/sw.js) and the manifest of what it precaches; neither is precached itself.
+SERVICE_WORKER = "sw.js"
+ASSET_MANIFEST = "asset-manifest.json"
+VERSION_PLACEHOLDER = 'const BUNDLE_VERSION = "unbuilt";'
+HASH_CHARS = 16  # hex digits kept of a SHA-256: enough to tell builds and files apart
 # Files of a model folder the browser never reads.
 MODEL_IGNORE = shutil.ignore_patterns("*.py", "__pycache__", ".*")
 
@@ -67,7 +78,40 @@ def build(out: Path, models: Sequence[tuple[str, Path]] = (), node_modules: Path
         shutil.copytree(folder, out / "models" / name, ignore=MODEL_IGNORE)
     # The demo page offers these folders.
     (out / "models" / "index.json").write_text(json.dumps([name for name, _ in models]) + "\n")
+    write_asset_manifest(out)
     return out
+
+
+def write_asset_manifest(out: Path) -> dict[str, object]:
+    """Write `out`/asset-manifest.json, {"version", "files": {path: hash}}, and stamp the version
+    into the service worker; returns the manifest. Run it again after changing files in `out`."""
+    files = {
+        path.relative_to(out).as_posix(): file_hash(path)
+        for path in sorted(out.rglob("*"))
+        if path.is_file() and path.relative_to(out).as_posix() not in (SERVICE_WORKER, ASSET_MANIFEST)
+    }
+    listing = json.dumps(files, sort_keys=True).encode()
+    manifest = {"version": hashlib.sha256(listing).hexdigest()[:HASH_CHARS], "files": files}
+    (out / ASSET_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    _stamp_service_worker(out / SERVICE_WORKER, manifest["version"])
+    return manifest
+
+
+def file_hash(path: Path) -> str:
+    """The file's SHA-256, truncated: what sw.js checks each download against."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:HASH_CHARS]
+
+
+def _stamp_service_worker(path: Path, version: str) -> None:
+    """The browser updates a service worker when its script changes: the version makes it change."""
+    source = (WEB / SERVICE_WORKER).read_text()
+    if VERSION_PLACEHOLDER not in source:
+        raise BuildError(f"{WEB / SERVICE_WORKER} lacks the line {VERSION_PLACEHOLDER!r} to stamp")
+    path.write_text(source.replace(VERSION_PLACEHOLDER, f'const BUNDLE_VERSION = "{version}";'))
 
 
 def versions(node_modules: Path) -> dict[str, str]:

@@ -1,10 +1,14 @@
-// The demo page (index.html): load a model folder, stream a generation, show its speed.
+// The demo page (index.html): load a model folder, stream a generation, show its speed. Once a
+// model has loaded it registers the service worker (sw.js) that keeps the whole bundle for offline
+// use: precaching tens of megabytes must not slow down the first load, which fills the browser's
+// HTTP cache with most of them anyway.
 
 import { load, webgpuAvailable } from './ortpipe.js';
 
 const $ = (id) => document.getElementById(id);
 let pipe = null;
 let loadedKey = null; // "url|device" of the loaded pipeline
+let offlineEnabled = false; // whether sw.js was registered
 
 async function init() {
   const gpu = await webgpuAvailable();
@@ -46,6 +50,7 @@ async function ensureLoaded() {
     $('progress').hidden = true;
   }
   loadedKey = `${url}|${device}`;
+  enableOffline();
   const seconds = ((performance.now() - started) / 1000).toFixed(1);
   $('stat-load').textContent = `${seconds} s`;
   $('status').textContent = `Loaded ${url} on ${pipe.info.device === 'webgpu' ? 'WebGPU' : 'WebAssembly'}` +
@@ -125,6 +130,23 @@ function setRunning(running) {
   $('stop').disabled = !running;
 }
 
+/** Register sw.js (once) and say in the footer when the page works offline. */
+async function enableOffline() {
+  if (offlineEnabled || !('serviceWorker' in navigator)) return;
+  offlineEnabled = true;
+  const updating = Boolean(navigator.serviceWorker.controller);
+  navigator.serviceWorker.addEventListener('controllerchange', () => {
+    if (updating) $('offline').textContent = 'A new version was installed: reload the page to use it.';
+  });
+  try {
+    await navigator.serviceWorker.register('sw.js');
+    await navigator.serviceWorker.ready;
+    if (!$('offline').textContent) $('offline').textContent = 'Works offline';
+  } catch (error) {
+    $('offline').textContent = `Not available offline: ${error.message}`;
+  }
+}
+
 $('load-form').addEventListener('submit', async (event) => {
   event.preventDefault();
   $('error').textContent = '';
@@ -138,6 +160,8 @@ $('load-form').addEventListener('submit', async (event) => {
     $('stop').disabled = true;
   }
 });
+
 $('generate-form').addEventListener('submit', generate);
 $('stop').addEventListener('click', () => pipe?.interrupt());
 init();
+if (navigator.serviceWorker?.controller) enableOffline(); // installed on an earlier visit: look for updates

@@ -7,9 +7,14 @@
 //   pipe.dispose();
 //
 // Each pipeline owns a Web Worker (worker.js) that runs Python (Pyodide) and onnxruntime-web; the
-// page's thread only passes messages. Every file is loaded from this module's origin.
+// page's thread only passes messages. Every file is loaded from this module's origin. A disposed
+// pipeline's worker is kept for a while, its model unloaded, so that the next load() need not start
+// Python again.
 
 const WORKER_URL = new URL('./worker.js', import.meta.url);
+const SPARE_WORKER_MS = 60_000; // how long a disposed pipeline's worker waits for the next load()
+
+let spare = null; // {worker, timer}: an idle worker whose Python and onnxruntime-web are running
 
 /** An error ortpipe reports: `name` is ConfigError (the model folder), GenerationError (the request), ... */
 export class OrtpipeError extends Error {
@@ -29,8 +34,7 @@ export class OrtpipeError extends Error {
  * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
  */
 export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
-  const worker = new Worker(WORKER_URL, { type: 'module' });
-  const pipe = new Pipeline(worker, onProgress);
+  const pipe = new Pipeline(takeWorker(), onProgress);
   const url = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, globalThis.location?.href).href;
   try {
     pipe.info = await pipe._call('load', { modelUrl: url, device });
@@ -39,6 +43,29 @@ export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
     throw error;
   }
   return pipe;
+}
+
+/** The spare worker if there is one, else a new worker. */
+function takeWorker() {
+  if (!spare) return new Worker(WORKER_URL, { type: 'module' });
+  const { worker, timer } = spare;
+  clearTimeout(timer);
+  spare = null;
+  return worker;
+}
+
+/** Keep an idle worker (its model unloaded) for the next load(), or stop it if one is kept already. */
+function keepWorker(worker) {
+  if (spare) {
+    worker.terminate();
+    return;
+  }
+  worker.postMessage({ type: 'unload' });
+  const timer = setTimeout(() => {
+    if (spare?.worker === worker) spare = null;
+    worker.terminate();
+  }, SPARE_WORKER_MS);
+  spare = { worker, timer };
 }
 
 /** Whether this browser offers a WebGPU adapter (what device "auto" would pick). */
@@ -60,11 +87,15 @@ export class Pipeline {
     this._running = 0; // the number of the generation the worker is running
     this._interruptedUpTo = 0; // queued generations up to this number start interrupted
     this._cancelled = new Set(); // queued generations whose stream was left before they started
+    this._workerFailed = false; // a failed worker is never kept for the next load()
     worker.onmessage = ({ data }) => this._receive(data);
-    worker.onerror = (event) => this._failAll(new OrtpipeError({
-      name: 'WorkerError',
-      message: event.message || `the worker (${WORKER_URL}) failed to start: is it served as JavaScript?`,
-    }));
+    worker.onerror = (event) => {
+      this._workerFailed = true;
+      this._failAll(new OrtpipeError({
+        name: 'WorkerError',
+        message: event.message || `the worker (${WORKER_URL}) failed to start: is it served as JavaScript?`,
+      }));
+    };
   }
 
   /**
@@ -120,13 +151,23 @@ export class Pipeline {
    */
   interrupt() {
     this._interruptedUpTo = this._queued;
-    this._worker.postMessage({ type: 'interrupt' });
+    this._worker?.postMessage({ type: 'interrupt' });
   }
 
-  /** Stop the worker and free the model's memory. The pipeline cannot be used afterwards. */
+  /**
+   * Free the model's memory. The pipeline cannot be used afterwards. Its worker is stopped, or,
+   * when no generation was running or queued, kept a while for the next `load()`.
+   */
   dispose() {
-    this._worker.terminate();
-    this._failAll(new OrtpipeError({ name: 'OrtpipeError', message: 'the pipeline was disposed' }));
+    const worker = this._worker;
+    if (!worker) return;
+    this._worker = null; // the worker may serve another pipeline now: never message it again
+    worker.onmessage = null;
+    worker.onerror = null;
+    const idle = this._calls.size === 0;
+    this._failAll(disposedError());
+    if (idle && !this._workerFailed) keepWorker(worker);
+    else worker.terminate();
   }
 
   /**
@@ -142,13 +183,14 @@ export class Pipeline {
     });
     this._idle = call.then(() => {}, () => {});
     const cancel = () => {
-      if (this._running === number) this._worker.postMessage({ type: 'interrupt' });
+      if (this._running === number) this._worker?.postMessage({ type: 'interrupt' });
       else this._cancelled.add(number);
     };
     return { call, cancel };
   }
 
   _call(type, message, onChunk) {
+    if (!this._worker) return Promise.reject(disposedError());
     const id = this._nextId++;
     return new Promise((resolve, reject) => {
       this._calls.set(id, { resolve, reject, onChunk });
@@ -178,6 +220,7 @@ export class Pipeline {
   }
 }
 
+const disposedError = () => new OrtpipeError({ name: 'OrtpipeError', message: 'the pipeline was disposed' });
 const camelToSnake = (key) => key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
 const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
 

@@ -1,7 +1,8 @@
 // The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin,
 // loads a model with ortpipe's Pyodide target (py/ortpipe/targets/pyodide.py) and streams the
-// generated tokens back. Messages in: load, generate, interrupt. Messages out: progress, chunk,
-// result, error; each reply carries the id of the message it answers.
+// generated tokens back. Messages in: load, generate, interrupt, unload. Messages out: progress,
+// chunk, result, error; each reply carries the id of the message it answers. After `unload` the
+// worker can load another model without starting Python and onnxruntime-web again.
 
 import { Bridge } from './bridge.js';
 
@@ -11,7 +12,11 @@ const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.m
 const ORTPIPE_ERRORS = new Set(['ConfigError', 'GenerationError', 'OrtpipeError']);
 
 let pipe = null; // the Python WebPipeline, once loaded
+let bridge = null; // the bridge the loaded model's sessions were made with
 let active = null; // the Python Request being generated
+// Started once and kept across models (promises; forgotten when they fail, to be tried again).
+let pythonStarted = null; // Pyodide with ortpipe unpacked
+const ortStarted = {}; // device -> the onnxruntime-web module
 
 const here = (path) => new URL(path, import.meta.url).href;
 const progress = (event) => self.postMessage({ type: 'progress', ...event });
@@ -20,7 +25,24 @@ self.onmessage = ({ data }) => {
   if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device));
   else if (data.type === 'generate') answer(data.id, () => generate(data.id, data.options, data.interrupted));
   else if (data.type === 'interrupt') active?.interrupt();
+  else if (data.type === 'unload') unload().catch((error) => console.error(error));
 };
+
+/** A Bridge that remembers its sessions, so that unloading a model can release them. */
+class ModelBridge extends Bridge {
+  sessions = [];
+
+  async createSession(source, options) {
+    const session = await super.createSession(source, options);
+    this.sessions.push(session);
+    return session;
+  }
+
+  async release() {
+    await Promise.all(this.sessions.map((session) => session.release()));
+    this.sessions = [];
+  }
+}
 
 async function answer(id, work) {
   try {
@@ -46,20 +68,49 @@ function describeError(error) {
 async function load(modelUrl, device) {
   if (pipe) throw new Error('this worker already holds a model; load() another pipeline instead');
   const resolved = await resolveDevice(device);
-  progress({ phase: 'runtime', message: `Starting Python and onnxruntime-web (${resolved})` });
-  const [python, ort, tokenizers, jinja] = await Promise.all([
-    startPython(), import(ORT_BUILDS[resolved]), import('./vendor/tokenizers.mjs'), import('./vendor/jinja.mjs'),
-  ]);
-  configureOrt(ort);
-  const bridge = new Bridge(ort, tokenizers, jinja, progress);
+  const [python, ort, tokenizers, jinja] = await runtime(resolved);
+  const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress);
   const target = python.pyimport('ortpipe.targets.pyodide');
   try {
-    pipe = await target.load(bridge, modelUrl, resolved);
+    pipe = await target.load(modelBridge, modelUrl, resolved);
+    bridge = modelBridge;
+  } catch (error) {
+    await modelBridge.release();
+    throw error;
   } finally {
     target.destroy();
   }
   progress({ phase: 'ready', message: 'Ready' });
   return JSON.parse(pipe.info_json());
+}
+
+/** Python, onnxruntime-web for `device`, tokenizers.js and jinja: started by the first load only. */
+function runtime(device) {
+  if (!pythonStarted || !ortStarted[device]) {
+    progress({ phase: 'runtime', message: `Starting Python and onnxruntime-web (${device})` });
+  }
+  pythonStarted ??= forgetOnFailure(startPython(), () => { pythonStarted = null; });
+  ortStarted[device] ??= forgetOnFailure(import(ORT_BUILDS[device]).then(configureOrt), () => {
+    delete ortStarted[device];
+  });
+  return Promise.all([
+    pythonStarted, ortStarted[device], import('./vendor/tokenizers.mjs'), import('./vendor/jinja.mjs'),
+  ]);
+}
+
+/** Drop the model and release its sessions; Python and onnxruntime-web stay for the next one. */
+async function unload() {
+  const [oldPipe, oldBridge] = [pipe, bridge];
+  pipe = null;
+  bridge = null;
+  oldPipe?.destroy();
+  await oldBridge?.release();
+}
+
+/** `promise`, after arranging for `forget()` to run if it rejects. */
+function forgetOnFailure(promise, forget) {
+  promise.catch(forget);
+  return promise;
 }
 
 /** "wasm" or "webgpu": "auto" takes WebGPU when the browser has an adapter. */
@@ -76,6 +127,7 @@ async function resolveDevice(device) {
   return 'wasm';
 }
 
+/** Pyodide with ortpipe's package unpacked into its site-packages. */
 async function startPython() {
   const { loadPyodide } = await import('./pyodide/pyodide.mjs');
   const [python, zip] = await Promise.all([
@@ -90,11 +142,13 @@ async function startPython() {
   return python;
 }
 
+/** The onnxruntime-web module, set to load its wasm files from this origin. */
 function configureOrt(ort) {
   ort.env.wasm.wasmPaths = here('./ort/');
   // Threads need a cross-origin isolated page (COOP/COEP headers: `ortpipe web --coop`).
   ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
   ort.env.logLevel = 'error';
+  return ort;
 }
 
 /** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */

@@ -1,0 +1,115 @@
+"""The embed API from a page of its own (web/embed.html), the demo page driven as a user would, and
+one worker serving model after model. Every request must stay on the page's origin.
+
+The demo page test saves a screenshot to build/cache/screenshots/demo.png.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import ortpipe
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "build" / "cache" / "screenshots" / "demo.png"
+PROMPT_IDS = [5, 17, 42, 8, 23, 61, 30, 12]
+PROMPT = "def fib(n):"
+NEW_TOKENS = 24
+
+# Runs in the page: load each model in turn on one page, generate, dispose; what each load saw.
+ONE_AFTER_ANOTHER = """async ({models, options}) => {
+  const {load} = await import('./ortpipe.js');
+  const runs = [];
+  for (const model of models) {
+    const phases = [];
+    const started = performance.now();
+    const pipe = await load(model, {device: 'wasm', onProgress: (p) => phases.push(p.phase)});
+    const loadMs = performance.now() - started;
+    const {tokens} = await pipe.generate(options);
+    pipe.dispose();
+    runs.push({phases, loadMs, tokens});
+  }
+  return runs;
+}"""
+
+# Runs in the page: whether the demo page offers this model folder.
+OFFERED = "(model) => [...document.querySelectorAll('#models option')].some((o) => o.value === model)"
+
+# Runs in the page: record the length of #output's text at each change.
+WATCH_OUTPUT = """() => {
+  const output = document.getElementById('output');
+  window.outputLengths = [];
+  new MutationObserver(() => window.outputLengths.push(output.textContent.length))
+    .observe(output, {childList: true, characterData: true, subtree: true});
+}"""
+
+
+def assert_same_origin(urls: list[str], page: Any) -> None:
+    origin = urlsplit(page.url)[:2]
+    assert urls, "no request was recorded"
+    strays = [u for u in urls if urlsplit(u)[:2] != origin and not u.startswith(("data:", "blob:"))]
+    assert not strays, f"requests left {origin}: {strays}"
+
+
+def test_embed_page_generates_the_tokens_of_cpython(page: Any, requests_seen: list[str],
+                                                    models: dict[str, Path]) -> None:
+    expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT_IDS, max_new_tokens=NEW_TOKENS)
+    ids = ",".join(map(str, PROMPT_IDS))
+    page.goto(f"embed.html?model=models/v2/&device=wasm&prompt_ids={ids}&max_new_tokens={NEW_TOKENS}")
+    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+    assert page.text_content("#error") == ""
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected.tokens))
+    assert page.get_attribute("#output", "data-finish-reason") == expected.finish_reason
+    assert page.text_content("#output") == expected.text
+    assert_same_origin(requests_seen, page)
+
+
+def test_demo_page_streams_text_and_its_speed(page: Any, requests_seen: list[str],
+                                               models: dict[str, Path]) -> None:
+    expected = ortpipe.load(models["v2"]).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    page.set_viewport_size({"width": 1100, "height": 900})
+    page.goto("/")
+    page.wait_for_function(OFFERED, arg="models/v2/")
+    page.fill("#model-url", "")
+    page.type("#model-url", "models/v2/")
+    page.select_option("#device", "wasm")
+    page.fill("#prompt", "")
+    page.type("#prompt", PROMPT)
+    page.fill("#max-new-tokens", str(NEW_TOKENS))
+    page.evaluate(WATCH_OUTPUT)
+    page.click("#generate")
+    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+
+    assert page.text_content("#error") == ""
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected.tokens))
+    assert page.text_content("#output") == PROMPT + expected.text
+    growing = sorted(set(page.evaluate("window.outputLengths")))
+    assert len(growing) > NEW_TOKENS // 2, f"the output did not stream: its lengths were {growing}"
+    speed = re.fullmatch(r"([\d.]+) tok/s", page.text_content("#stat-speed"))
+    assert speed and float(speed.group(1)) > 0, page.text_content("#stat-speed")
+    assert page.text_content("#stat-tokens") == f"{NEW_TOKENS} (length)"
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert_same_origin(requests_seen, page)
+
+
+def test_later_models_reuse_the_running_python(page: Any, context: Any, models: dict[str, Path]) -> None:
+    """A disposed pipeline leaves its worker (Python and onnxruntime-web started) to the next load()."""
+    options = {"prompt_ids": PROMPT_IDS, "max_new_tokens": 8}
+    expected = {name: ortpipe.load(models[name]).generate(**options).tokens for name in ("v2", "optimum")}
+    booted: list[str] = []  # the page's and its workers' requests for Pyodide's wasm
+    context.on("request", lambda r: r.service_worker is None and r.url.endswith("pyodide.asm.wasm")
+               and booted.append(r.url))
+    page.goto("/")
+    runs = page.evaluate(ONE_AFTER_ANOTHER, {
+        "models": ["models/v2/", "models/optimum/", "models/v2/"],
+        "options": {"promptIds": PROMPT_IDS, "maxNewTokens": 8},
+    })
+    assert [run["tokens"] for run in runs] == [expected["v2"], expected["optimum"], expected["v2"]]
+    assert "runtime" in runs[0]["phases"]
+    assert ["runtime" in run["phases"] for run in runs[1:]] == [False, False]
+    assert len(booted) == 1
+    assert max(run["loadMs"] for run in runs[1:]) < runs[0]["loadMs"] / 2
