@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=128)
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine")
     bench.add_argument("--threads", type=int, default=1, help="intra-op threads, the same for every engine")
-    bench.add_argument("--engines", default="ortpipe,genai,floor", help="comma-separated: ortpipe,genai,floor")
+    bench.add_argument("--engines", default="ortpipe,genai,floor",
+                       help="comma-separated: ortpipe, genai, floor, sampled (ortpipe with top-k 50 / top-p 0.9)")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_bench)
     return parser

@@ -41,7 +41,8 @@ import onnxruntime as ort
 
 from ..errors import ConfigError, GenerationError
 
-ENGINES = ("ortpipe", "genai", "floor")
+ENGINES = ("ortpipe", "genai", "floor", "sampled")
+SAMPLING = {"do_sample": True, "top_k": 50, "top_p": 0.9, "seed": 0}  # the "sampled" engine's settings
 CONFIG = "genai_config.json"
 
 
@@ -120,7 +121,7 @@ def eos_ids(config: dict[str, Any]) -> frozenset[int]:
 
 # --- engines --------------------------------------------------------------------------------------
 
-def ortpipe_engine(folder: Path, threads: int) -> Engine:
+def ortpipe_engine(folder: Path, threads: int, **settings: Any) -> Engine:
     from .cpython import load
 
     pipe = load(folder, threads=threads)
@@ -128,7 +129,7 @@ def ortpipe_engine(folder: Path, threads: int) -> Engine:
     def generate(prompt: list[int], new_tokens: int) -> Trace:
         clock = time.perf_counter
         start = clock()
-        gen = pipe.generator(len(prompt), max_new_tokens=new_tokens)
+        gen = pipe.generator(len(prompt), max_new_tokens=new_tokens, **settings)
         gen.append_tokens(prompt)
         tokens = [gen.next_token()]
         prefill_ms = (clock() - start) * 1e3
@@ -276,8 +277,13 @@ def floor_engine(folder: Path, threads: int) -> Engine:
     return Floor(folder, read_config(folder), threads)
 
 
+def sampled_engine(folder: Path, threads: int) -> Engine:
+    """ortpipe sampling with top-k 50 / top-p 0.9: what the sampling kernels add to a step."""
+    return ortpipe_engine(folder, threads, **SAMPLING)
+
+
 FACTORIES: dict[str, Callable[[Path, int], Engine]] = {
-    "ortpipe": ortpipe_engine, "genai": genai_engine, "floor": floor_engine}
+    "ortpipe": ortpipe_engine, "genai": genai_engine, "floor": floor_engine, "sampled": sampled_engine}
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -324,9 +330,12 @@ def summarize(traces: list[Trace]) -> Stats:
 
 def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
     """The first run whose tokens differ from the reference (the first engine's first round)."""
-    ref_name = next(iter(traces))
-    ref = traces[ref_name][0].tokens
-    for name, runs in traces.items():
+    greedy = {n: runs for n, runs in traces.items() if n != "sampled"}  # sampling picks other tokens
+    if not greedy:
+        return None
+    ref_name = next(iter(greedy))
+    ref = greedy[ref_name][0].tokens
+    for name, runs in greedy.items():
         for r, trace in enumerate(runs):
             if trace.tokens != ref:
                 at = next((i for i, (a, b) in enumerate(zip(ref, trace.tokens)) if a != b),
@@ -346,6 +355,8 @@ def ratios(stats: dict[str, Stats]) -> dict[str, float]:
         out["ortpipe_overhead_us"] = stats["ortpipe"].step_median_us - stats["floor"].step_median_us
     if "genai" in stats and "floor" in stats:
         out["genai_overhead_us"] = stats["genai"].step_median_us - stats["floor"].step_median_us
+    if "sampled" in stats and "ortpipe" in stats and stats["ortpipe"].step_median_us:
+        out["sampled_step_vs_greedy"] = stats["sampled"].step_median_us / stats["ortpipe"].step_median_us
     return out
 
 
@@ -377,8 +388,10 @@ def versions() -> dict[str, str]:
 # --- reporting ------------------------------------------------------------------------------------
 
 def table(report: dict[str, Any]) -> str:
+    m = report["machine"]
     head = (f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
-            f"{report['threads']} thread(s), {report['rounds']} round(s), greedy")
+            f"{report['threads']} thread(s), {report['rounds']} round(s), greedy\n"
+            f"{m['cpu']}, {m['cores']} cores, load {m['load_1min']} at the start")
     rows = [("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs", "steps")]
     for name, s in report["engines"].items():
         spread = f"{min(s['round_tokens_per_s']):.1f}-{max(s['round_tokens_per_s']):.1f}"
@@ -394,9 +407,11 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"ortpipe per-step overhead over the floor (median): {r['ortpipe_overhead_us']:+.1f} µs")
     if "genai_overhead_us" in r:
         lines.append(f"genai per-step overhead over the floor (median): {r['genai_overhead_us']:+.1f} µs")
+    if "sampled_step_vs_greedy" in r:
+        lines.append(f"sampled (top-k 50, top-p 0.9) step ÷ greedy step (median): {r['sampled_step_vs_greedy']:.3f}×")
     for name, error in report["failed"].items():
         lines.append(f"{name}: FAILED ({error.splitlines()[0][:160]})")
-    lines.append("tokens: " + ("all engines equal" if report["tokens_match"] else "MISMATCH (see warning)"))
+    lines.append("tokens: " + ("all greedy engines equal" if report["tokens_match"] else "MISMATCH (see warning)"))
     return "\n".join(lines)
 
 
@@ -421,6 +436,7 @@ def run_bench(args: argparse.Namespace) -> int:
     src = Path(args.model)
     config = read_config(src)
     prompt = prompt_ids(config, args.prompt_tokens)
+    host = machine()  # before the engines load: the load average says how quiet the machine was
     tmp = Path(tempfile.mkdtemp(prefix="ortpipe-bench-"))
     try:
         folder = pinned_folder(src, args.threads, tmp)
@@ -432,7 +448,7 @@ def run_bench(args: argparse.Namespace) -> int:
     stats = {name: summarize(runs) for name, runs in traces.items()}
     mismatch = first_mismatch(traces) if traces else None
     report = {"model": str(src), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "rounds": args.rounds, "threads": args.threads, "versions": versions(), "machine": machine(),
+              "rounds": args.rounds, "threads": args.threads, "versions": versions(), "machine": host,
               "engines": {n: s.as_dict() for n, s in stats.items()}, "failed": failed,
               "ratios": {k: round(v, 4) for k, v in ratios(stats).items()},
               "tokens_match": mismatch is None, "mismatch": mismatch,
