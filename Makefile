@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
-DEMO_DIR := build/cache/demo
+DEMO_DIR := models/demo
 PROMPT ?= def main(
 
 .PHONY: demo test kernels clean web
@@ -20,8 +20,8 @@ $(VENV)/.test: requirements/test.txt $(VENV)/.base
 	$(PIP) install -r requirements/test.txt
 	touch $@
 
+# the committed demo model (build/train_demo.py trains and exports it; see models/demo/TRAINING.md)
 demo: $(VENV)/.base
-	$(PY) -m build.demo_model --out $(DEMO_DIR)
 	$(VENV)/bin/ortpipe run $(DEMO_DIR) --prompt "$(PROMPT)" --max-new-tokens 60
 
 # the browser tests' tools: Debian's chromium, npm packages, playwright

@@ -1,0 +1,530 @@
+"""Train the built-in demo model: a small Llama over the Python standard library, exported for ortpipe.
+
+    python -m build.train_demo --minutes 45            # train from scratch, evaluate, export to models/demo
+    python -m build.train_demo --minutes 90 --resume   # continue the last run up to 90 minutes in all
+    python -m build.train_demo --export-only           # evaluate and export the last checkpoint
+
+The corpus is the standard library's own .py files (test suites, codec tables and site-packages
+left out), a fixed sorted list with a fixed ~2% of the files held out for validation. A byte-level
+BPE tokenizer is trained on the training files, then a LlamaForCausalLM with AdamW, linear warmup
+and a cosine decay over the time budget. Checkpoints go to build/cache/demo-train/ every few
+minutes. The end of a run measures the validation loss beside a unigram baseline, exports with
+onnxruntime-genai's model builder (int4) and writes TRAINING.md into the model folder.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers: leave the other core to other jobs
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "build" / "cache" / "demo-train"
+OUT = REPO / "models" / "demo"
+
+SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: the trainer numbers special tokens first
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "__pycache__"}
+VALIDATION_BUCKETS = 50  # a file is held out when the hash of its path is 0 modulo this: ~2%
+CHECKPOINT_SECONDS = 300
+MAX_OUTPUT_MB = 25.0
+
+log = logging.getLogger("train_demo")
+
+
+@dataclass(frozen=True)
+class Settings:
+    vocab_size: int = 8192
+    hidden_size: int = 384
+    layers: int = 6
+    heads: int = 6
+    kv_heads: int = 2
+    head_dim: int = 64  # GroupQueryAttention on the CPU EP needs a multiple of 16
+    intermediate_size: int = 1024
+    context_length: int = 512
+    seq_len: int = 256
+    batch_size: int = 8
+    peak_lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    threads: int = 1
+
+
+# --- corpus and tokenizer ----------------------------------------------------------------------
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(training files, validation files): the standard library's sources in sorted order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    train, val = [], []
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib)
+        if EXCLUDED_DIRS & set(rel.parts[:-1]):
+            continue
+        digest = hashlib.sha256(rel.as_posix().encode()).digest()
+        (val if int.from_bytes(digest[:8], "big") % VALIDATION_BUCKETS == 0 else train).append(path)
+    if not train or not val:
+        raise FileNotFoundError(f"no standard-library sources found under {stdlib}")
+    return train, val
+
+
+def read_texts(paths: list[Path]) -> list[str]:
+    """The files' text; the few that are not UTF-8 are skipped."""
+    texts = []
+    for path in paths:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            continue
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    if [tok.token_to_id(t) for t in SPECIALS] != [PAD_ID, BOS_ID, EOS_ID]:
+        raise RuntimeError("special tokens did not get ids 0, 1, 2")
+    return tok
+
+
+def tokenizer_config(context_length: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context_length,
+    }
+
+
+def encode(tok, texts: list[str]) -> np.ndarray:
+    """One stream of documents, each as <s> tokens </s>."""
+    parts = [np.asarray([BOS_ID, *enc.ids, EOS_ID], dtype=np.int32) for enc in tok.encode_batch(texts)]
+    return np.concatenate(parts)
+
+
+def prepare_data(settings: Settings) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenizer and token streams, made once and cached in WORK."""
+    data = WORK / "tokens.npz"
+    if data.is_file() and (WORK / "tokenizer.json").is_file():
+        arrays = np.load(data)
+        return arrays["train"], arrays["val"]
+    train_paths, val_paths = corpus_files()
+    train_texts, val_texts = read_texts(train_paths), read_texts(val_paths)
+    log.info("corpus: %d training files, %d validation files", len(train_texts), len(val_texts))
+    tok = train_tokenizer(train_texts, settings.vocab_size)
+    train, val = encode(tok, train_texts), encode(tok, val_texts)
+    WORK.mkdir(parents=True, exist_ok=True)
+    tok.save(str(WORK / "tokenizer.json"))
+    config = tokenizer_config(settings.context_length)
+    (WORK / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (WORK / "files.json").write_text(json.dumps({
+        "train": [p.relative_to(stdlib).as_posix() for p in train_paths],
+        "val": [p.relative_to(stdlib).as_posix() for p in val_paths]}, indent=1) + "\n")
+    np.savez(data, train=train, val=val)
+    return train, val
+
+
+# --- model and training ------------------------------------------------------------------------
+
+def hf_config(settings: Settings):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
+        num_hidden_layers=settings.layers, num_attention_heads=settings.heads,
+        num_key_value_heads=settings.kv_heads, head_dim=settings.head_dim,
+        intermediate_size=settings.intermediate_size, max_position_embeddings=settings.context_length,
+        tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
+def make_optimizer(model, settings: Settings):
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": settings.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=settings.peak_lr, betas=settings.betas)
+
+
+def learning_rate(settings: Settings, step: int, elapsed: float, budget: float) -> float:
+    """Linear warmup over the first steps, then a cosine from the peak down to min_lr_ratio x the peak
+    over the time budget."""
+    warmup = min(1.0, (step + 1) / settings.warmup_steps)
+    progress = min(1.0, elapsed / budget)
+    floor = settings.min_lr_ratio
+    return settings.peak_lr * warmup * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def sample_batch(stream, settings: Settings, generator):
+    """batch_size random windows of seq_len + 1 tokens from the training stream."""
+    import torch
+
+    starts = torch.randint(0, len(stream) - settings.seq_len - 1, (settings.batch_size,), generator=generator)
+    offsets = torch.arange(settings.seq_len + 1)
+    return stream[starts[:, None] + offsets[None, :]]
+
+
+def lm_loss(model, window):
+    """Mean next-token cross-entropy (nats) over a [batch, seq + 1] window."""
+    import torch
+
+    logits = model(input_ids=window[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             window[:, 1:].reshape(-1))
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0  # seconds spent in the training loop, over every resumed run
+    wall: float = 0.0  # seconds of wall time, data preparation and checkpoints included
+
+
+def save_checkpoint(model, optimizer, generator, progress: Progress, settings: Settings) -> None:
+    import torch
+
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "generator": generator.get_state(), "progress": asdict(progress), "settings": asdict(settings)}
+    scratch = WORK / "checkpoint.pt.partial"
+    torch.save(state, scratch)
+    os.replace(scratch, WORK / "checkpoint.pt")
+
+
+def read_checkpoint(settings: Settings) -> dict:
+    import torch
+
+    state = torch.load(WORK / "checkpoint.pt", weights_only=False)
+    if state["settings"] != asdict(settings):
+        raise ValueError(f"{WORK / 'checkpoint.pt'} was trained with other settings: {state['settings']}")
+    return state
+
+
+def load_model(settings: Settings):
+    import torch
+    import transformers
+
+    torch.manual_seed(settings.seed)
+    return transformers.LlamaForCausalLM(hf_config(settings)).to(torch.float32)
+
+
+def train(settings: Settings, minutes: float, resume: bool) -> Progress:
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    run_start = time.perf_counter()
+    train_ids, _ = prepare_data(settings)
+    stream = torch.from_numpy(train_ids.astype(np.int64))
+    model = load_model(settings)
+    optimizer = make_optimizer(model, settings)
+    generator = torch.Generator().manual_seed(settings.seed)
+    progress = Progress()
+    if resume:
+        state = read_checkpoint(settings)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        progress = Progress(**state["progress"])
+    log.info("model: %.2fM parameters; %d training tokens; starting at step %d (%.1f min)",
+             parameter_count(model) / 1e6, len(stream), progress.step, progress.elapsed / 60)
+    budget = minutes * 60.0
+    wall_before = progress.wall
+    model.train()
+    last_save = progress.elapsed
+    smoothed = None
+    while progress.elapsed < budget:
+        start = time.perf_counter()
+        lr = learning_rate(settings, progress.step, progress.elapsed, budget)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = lm_loss(model, sample_batch(stream, settings, generator))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step += 1
+        progress.tokens += settings.batch_size * settings.seq_len
+        progress.elapsed += time.perf_counter() - start
+        smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+        if progress.step % 10 == 0:
+            log.info("step %d  loss %.3f  lr %.2e  tokens %d  %.1f min", progress.step, smoothed, lr,
+                     progress.tokens, progress.elapsed / 60)
+        if progress.elapsed - last_save >= CHECKPOINT_SECONDS:
+            progress.wall = wall_before + time.perf_counter() - run_start
+            save_checkpoint(model, optimizer, generator, progress, settings)
+            last_save = progress.elapsed
+    progress.wall = wall_before + time.perf_counter() - run_start
+    save_checkpoint(model, optimizer, generator, progress, settings)
+    return progress
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+
+def validation_windows(val_ids: np.ndarray, seq_len: int) -> list[np.ndarray]:
+    """Windows of seq_len + 1 tokens overlapping by one: every token but the first is a target once."""
+    return [val_ids[start:start + seq_len + 1] for start in range(0, len(val_ids) - 1, seq_len)]
+
+
+def validation_loss(model, val_ids: np.ndarray, settings: Settings) -> float:
+    """Mean next-token cross-entropy (nats/token) of the torch model over the held-out files."""
+    import torch
+
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for window in validation_windows(val_ids, settings.seq_len):
+            ids = torch.from_numpy(window.astype(np.int64))[None]
+            logits = model(input_ids=ids[:, :-1]).logits[0].float()
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    return total / count
+
+
+def onnx_validation_loss(folder: Path, val_ids: np.ndarray, settings: Settings) -> float:
+    """The same loss through the exported graph (plain onnxruntime, an empty KV cache per window)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = settings.threads
+    session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    empty_past = np.zeros((1, settings.kv_heads, 0, settings.head_dim), dtype=np.float32)
+    pasts = {i.name: empty_past for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+    total, count = 0.0, 0
+    for window in validation_windows(val_ids, settings.seq_len):
+        ids = window[None, :-1].astype(np.int64)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **pasts}
+        logits = session.run(["logits"], feeds)[0][0].astype(np.float64)
+        top = logits.max(axis=-1, keepdims=True)
+        log_norm = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[:, 0]
+        total += float((log_norm - logits[np.arange(len(window) - 1), window[1:]]).sum())
+        count += len(window) - 1
+    return total / count
+
+
+def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of the held-out targets under the training set's token frequencies,
+    add-one smoothed."""
+    counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64) + 1.0
+    log_probs = np.log(counts / counts.sum())
+    targets = np.concatenate([w[1:] for w in validation_windows(val_ids, 1 << 30)])
+    return float(-log_probs[targets].mean())
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+def load_checkpoint(settings: Settings):
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    state = read_checkpoint(settings)
+    model = load_model(settings)
+    model.load_state_dict(state["model"])
+    return model.eval(), Progress(**state["progress"])
+
+
+def save_hf(model, settings: Settings) -> Path:
+    """The checkpoint as a Hugging Face folder (safetensors, tokenizer, greedy generation_config)."""
+    import transformers
+
+    hf_dir = WORK / "hf"
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(WORK / name, hf_dir / name)
+    return hf_dir
+
+
+# Sampling by default reads better than greedy decoding, which loops on a model this small; greedy
+# stays one flag away (do_sample false, or --no-do-sample on the CLI).
+SEARCH_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.95,
+                   "repetition_penalty": 1.0}
+
+
+def set_search_defaults(folder: Path) -> None:
+    path = folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["search"].update(SEARCH_DEFAULTS)
+    path.write_text(json.dumps(config, indent=4) + "\n")
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def export(hf_dir: Path, out: Path) -> Path:
+    """int4 builder export into a scratch folder beside out, with the demo's search defaults."""
+    from build.hfmodels import export_builder
+
+    scratch = out.parent / f".{out.name}.partial"
+    shutil.rmtree(scratch, ignore_errors=True)
+    export_builder(hf_dir, scratch, "int4")
+    set_search_defaults(scratch)
+    size = folder_bytes(scratch)
+    if size > MAX_OUTPUT_MB * 1e6:
+        raise RuntimeError(f"the exported folder is {size / 1e6:.1f} MB, over {MAX_OUTPUT_MB} MB")
+    return scratch
+
+
+def samples(folder: Path, prompts: tuple[str, ...], tokens: int, **settings) -> list[str]:
+    """Continuations by ortpipe: greedy with do_sample=False, else the folder's search defaults."""
+    import ortpipe
+
+    pipe = ortpipe.load(folder, threads=1)
+    return [pipe.generate(prompt, max_new_tokens=tokens, **settings).text for prompt in prompts]
+
+
+SAMPLE_PROMPTS = ("def ", "import os\n", "class Stack:\n    def push(self, item):")
+
+
+def shown(texts: list[str]) -> str:
+    pairs = zip(SAMPLE_PROMPTS, texts, strict=True)
+    return "\n\n".join(f"```python\n{prompt}{text}\n```" for prompt, text in pairs)
+
+
+def loss_rows(metrics: dict) -> str:
+    rows = (("unigram baseline (training frequencies, add-one)", metrics["unigram_loss"]),
+            ("this model, torch fp32", metrics["val_loss"]),
+            ("this model, exported int4 (onnxruntime)", metrics["onnx_val_loss"]))
+    return "\n".join(f"| {name} | {loss:.3f} | {math.exp(loss):.1f} |" for name, loss in rows)
+
+
+def training_report(settings: Settings, progress: Progress, metrics: dict, examples: dict,
+                    params: int) -> str:
+    files = json.loads((WORK / "files.json").read_text())
+    settings_rows = "\n".join(f"| {key} | {value} |" for key, value in asdict(settings).items())
+    epochs = progress.tokens / metrics["train_tokens"]
+    defaults = ", ".join(f"{key} {json.dumps(value)}" for key, value in SEARCH_DEFAULTS.items())
+    return f"""# The demo model
+
+A {params / 1e6:.1f}M-parameter LlamaForCausalLM trained from scratch on the Python standard
+library's sources by `build/train_demo.py`, exported with onnxruntime-genai's model builder for
+the CPU EP: int4 weights (block size 32), the embedding table shared with the output layer. Its
+byte-level BPE tokenizer was trained on the same files.
+
+## Data
+
+Python {sys.version.split()[0]}'s standard library, `*.py` files in sorted order without test
+suites, codec tables and site-packages: {len(files["train"])} training files
+({metrics["train_tokens"]:,} tokens) and {len(files["val"])} held-out files
+({metrics["val_tokens"]:,} tokens), each file `<s> ... </s>`. Held out: {", ".join(files["val"])}.
+
+## Training
+
+{progress.step:,} steps, {progress.tokens:,} tokens seen ({epochs:.2f} epochs),
+{progress.elapsed / 60:.1f} minutes in the training loop, {progress.wall / 60:.1f} minutes of wall time,
+one CPU thread. AdamW, linear warmup, cosine decay to {settings.min_lr_ratio:g} x the peak over the
+time budget, random windows of the token stream.
+
+| setting | value |
+|---|---|
+{settings_rows}
+
+## Validation (held-out files, nats/token)
+
+| model | loss | perplexity |
+|---|---|---|
+{loss_rows(metrics)}
+
+Folder size: {metrics["folder_mb"]:.1f} MB.
+
+## Samples (ortpipe, 60 new tokens)
+
+Greedy:
+
+{shown(examples["greedy"])}
+
+Sampled with the folder's defaults ({defaults}), seed 1:
+
+{shown(examples["sampled"])}
+
+## Reproduce or train longer
+
+    python -m build.train_demo --minutes 45              # from scratch
+    python -m build.train_demo --minutes 180 --resume    # continue build/cache/demo-train/checkpoint.pt
+
+`--minutes` is the budget in all, resumed time included; the cosine schedule stretches over the
+new budget (the learning rate rises again to the value the longer schedule has at the time already
+spent). Time-based schedules make runs repeat only approximately.
+"""
+
+
+def finish(settings: Settings, out: Path) -> dict:
+    """Evaluate the last checkpoint, export it to out and write out/TRAINING.md."""
+    model, progress = load_checkpoint(settings)
+    train_ids, val_ids = prepare_data(settings)
+    metrics = {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)),
+               "unigram_loss": unigram_loss(train_ids, val_ids, settings.vocab_size),
+               "val_loss": validation_loss(model, val_ids, settings)}
+    log.info("validation: %.3f nats/token (unigram baseline %.3f)",
+             metrics["val_loss"], metrics["unigram_loss"])
+    scratch = export(save_hf(model, settings), out)
+    metrics["onnx_val_loss"] = onnx_validation_loss(scratch, val_ids, settings)
+    examples = {"greedy": samples(scratch, SAMPLE_PROMPTS, 60, do_sample=False),
+                "sampled": samples(scratch, SAMPLE_PROMPTS, 60, seed=1)}
+    metrics["folder_mb"] = folder_bytes(scratch) / 1e6  # before TRAINING.md, which adds a few kB
+    report = training_report(settings, progress, metrics, examples, parameter_count(model))
+    (scratch / "TRAINING.md").write_text(report)
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(scratch, out)
+    log.info("exported %s: %.1f MB, int4 validation %.3f nats/token",
+             out, metrics["folder_mb"], metrics["onnx_val_loss"])
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m build.train_demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=45.0,
+                        help="training-loop time budget in all, resumed runs included (default 45)")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the exported model folder (default {OUT})")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    stage = parser.add_mutually_exclusive_group()
+    stage.add_argument("--train-only", action="store_true",
+                       help="train and checkpoint; no evaluation or export")
+    stage.add_argument("--export-only", action="store_true", help="evaluate and export the last checkpoint")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    settings = Settings()
+    if not args.export_only:
+        wall = time.perf_counter()
+        train(settings, args.minutes, args.resume)
+        log.info("training done in %.1f min of wall time", (time.perf_counter() - wall) / 60)
+    if not args.train_only:
+        finish(settings, args.out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
