@@ -192,6 +192,20 @@ def _hf_config(arch: str, vocab: int):
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
+def _redraw(model, seed: int) -> None:
+    """Noise on every 1-D parameter, every matrix redrawn with MATRIX_STD (seeded)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+            if param.ndim == 1:
+                param.add_(0.1 * noise)
+            else:
+                param.copy_(noise * MATRIX_STD)
+
+
 def _perturb(model, seed: int) -> None:
     """Make the random model informative for tests.
 
@@ -207,14 +221,8 @@ def _perturb(model, seed: int) -> None:
     """
     import torch
 
-    gen = torch.Generator().manual_seed(seed + 1)
+    _redraw(model, seed)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
-            if param.ndim == 1:
-                param.add_(0.1 * noise)
-            else:
-                param.copy_(noise * MATRIX_STD)
         _scale_final_norm(model, LOGIT_GAIN)
         model.get_output_embeddings().weight[[PAD_ID, BOS_ID, EOS_ID]] = 0.0
 
@@ -288,14 +296,8 @@ def _perturb_whisper(model, seed: int) -> None:
     """
     import torch
 
-    gen = torch.Generator().manual_seed(seed + 1)
+    _redraw(model, seed)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
-            if param.ndim == 1:
-                param.add_(0.1 * noise)
-            else:
-                param.copy_(noise * MATRIX_STD)
         for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
             for attention in (layer.self_attn, getattr(layer, "encoder_attn", None)):
                 if attention is not None:
