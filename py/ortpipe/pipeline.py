@@ -61,7 +61,7 @@ class Chunk:
 class Request:
     """One generation, stepped by a target's driver: `while not r.done: chunks = drive(r.step())`."""
 
-    def __init__(self, gen: TokenGenerator, settings: SearchSettings, tokenizer: Tokenizer | None,
+    def __init__(self, gen: TokenGenerator | None, settings: SearchSettings, tokenizer: Tokenizer | None,
                  prompt_len: int, max_new_tokens: int | None = None):
         if settings.stop and tokenizer is None:
             raise GenerationError("stop strings need the folder's tokenizer.json to decode text")
@@ -122,12 +122,8 @@ class BeamRequest(Request):
 
     def __init__(self, search: BeamSearch, prompt: list[int], settings: SearchSettings,
                  tokenizer: Tokenizer | None):
+        super().__init__(None, settings, tokenizer, len(prompt))
         self.search, self.prompt = search, prompt
-        self.settings = settings
-        self.stream = TextStream(tokenizer) if tokenizer else None
-        self.timings = Timings(prompt_tokens=len(prompt))
-        self.tokens, self.text, self._held = [], "", ""
-        self.finish_reason = None
         self.sequences: list[list[int]] = []
         self.tokenizer = tokenizer
 

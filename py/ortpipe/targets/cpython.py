@@ -154,9 +154,8 @@ class _Binding:
 class Driver:
     """Carries out the core's Run / RunAll requests on onnxruntime sessions."""
 
-    def __init__(self, sessions: dict[str, ort.InferenceSession], threads: int | None = None):
+    def __init__(self, sessions: dict[str, ort.InferenceSession]):
         self.sessions = dict(sessions)
-        self.threads = threads
         self._bindings: dict[str, _Binding] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.trace: Trace | None = None  # set while a traced request runs
@@ -463,7 +462,7 @@ def load(model_dir: str | os.PathLike[str], *, provider: str | None = None, thre
     plan, sessions = build_plan(path, provider, threads, on_progress)
     tokenizer = HFTokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None
     core = Pipeline(plan, CpuBackend(), tokenizer)
-    return CpuPipeline(core, Driver(sessions, threads), (time.perf_counter() - start) * 1000, path)
+    return CpuPipeline(core, Driver(sessions), (time.perf_counter() - start) * 1000, path)
 
 
 def build_plan(path: Path, provider: str | None = None, threads: int | None = None,
