@@ -37,7 +37,8 @@ class Size:
 
 # head_size = hidden / heads must be a multiple of 16: GroupQueryAttention on the CPU EP needs it.
 SIZES = (
-    Size("tiny", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=768, vocab=1024, precisions=("fp32",)),
+    Size("tiny", hidden=128, layers=2, heads=4, kv_heads=2, intermediate=768, vocab=1024,
+         precisions=("fp32",)),
     Size("200m", hidden=1024, layers=12, heads=16, kv_heads=4, intermediate=2816, vocab=32000,
          precisions=("fp32", "int4")),
 )

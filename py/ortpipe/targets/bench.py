@@ -1,8 +1,9 @@
 """`ortpipe bench`: ortpipe's decode speed beside onnxruntime-genai and a hand-written floor.
 
-Three engines run one genai_config.json v1 folder with the same prompt ids, greedy, and the same
-intra-op thread count; rounds are interleaved with the engine order rotated each round, so the
-machine's noise hits every engine alike. Each engine first runs one untimed warm-up generation.
+The engines run one genai_config.json v1 folder with the same prompt ids, greedy (but `sampled`),
+and the same intra-op thread count; rounds are interleaved with the engine order rotated each
+round, so the machine's noise hits every engine alike. Each engine first runs one untimed warm-up
+generation.
 
 - ortpipe: `load()` and the step-wise generator, one `next_token()` timed per step.
 - genai: onnxruntime-genai's Generator. `append_tokens` runs the prefill; the first
@@ -12,10 +13,11 @@ machine's noise hits every engine alike. Each engine first runs one untimed warm
   buffers bound once through IOBinding, only the input ids (written in place) and the attention
   mask (a view of a preallocated row of ones) change per step, logits land in a preallocated
   array, numpy argmax.
+- sampled (optional): ortpipe with top-k 50 / top-p 0.9, for what the sampling kernels cost.
 
 Prefill is the time to the first token, request set-up included. A decode step is one later
-token. The token lists of all engines must be equal, or the bench warns and exits 1; an engine that
-fails is left out of the table (exit 1 too).
+token. The token lists of the greedy engines must be equal, or the bench warns and exits 1; an
+engine that fails is left out of the table (exit 1 too).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class Stats:
     round_tokens_per_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prefill_ms": round(self.prefill_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+        return {"prefill_ms": round(self.prefill_ms, 3),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                 "step_mean_us": round(self.step_mean_us, 1), "step_median_us": round(self.step_median_us, 1),
                 "steps": self.steps, "round_tokens_per_s": [round(x, 2) for x in self.round_tokens_per_s]}
 
@@ -209,7 +212,8 @@ class Floor:
                 past = names[f"past_{kind}_names"] % layer
                 present = outs[f"present_{kind}_names"] % layer
                 info = inputs[past]
-                heads, size = (d if isinstance(d, int) else f for d, f in zip(info.shape[1::2], fallback))
+                dims = zip(info.shape[1::2], fallback, strict=True)  # axes 1 and 3: heads, head size
+                heads, size = (d if isinstance(d, int) else f for d, f in dims)
                 pairs.append((past, present, (heads, size), _np_type(info.type)))
         return pairs
 
@@ -247,7 +251,7 @@ class Floor:
         """An IOBinding over the shared caches, `ids` and a preallocated logits array for n positions."""
         bound = _Bound(self.session.io_binding(), np.empty((1, n, self.vocab), self.logits_dtype))
         bound.io.bind_ortvalue_input(self.ids_name, bound.value(ids))
-        for (past, present, _, _), cache in zip(self.kv, caches):
+        for (past, present, _, _), cache in zip(self.kv, caches, strict=True):
             value = bound.value(cache)
             bound.io.bind_ortvalue_input(past, value)
             bound.io.bind_ortvalue_output(present, value)  # written in place: past_present_share_buffer
@@ -305,7 +309,8 @@ def start(names: list[str], folder: Path, threads: int, prompt: list[int], new_t
     return engines
 
 
-def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int, rounds: int) -> dict[str, list[Trace]]:
+def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int,
+            rounds: int) -> dict[str, list[Trace]]:
     """`rounds` rounds, the engine order rotated each round."""
     names = list(engines)
     traces: dict[str, list[Trace]] = {name: [] for name in names}
@@ -338,7 +343,7 @@ def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
     for name, runs in greedy.items():
         for r, trace in enumerate(runs):
             if trace.tokens != ref:
-                at = next((i for i, (a, b) in enumerate(zip(ref, trace.tokens)) if a != b),
+                at = next((i for i, (a, b) in enumerate(zip(ref, trace.tokens, strict=False)) if a != b),
                           min(len(ref), len(trace.tokens)))
                 return {"reference": ref_name, "engine": name, "round": r, "position": at,
                         "expected": ref[at] if at < len(ref) else None,
@@ -350,7 +355,8 @@ def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
 def ratios(stats: dict[str, Stats]) -> dict[str, float]:
     out = {}
     if "ortpipe" in stats and "genai" in stats and stats["genai"].decode_tokens_per_s:
-        out["ortpipe_vs_genai_decode"] = stats["ortpipe"].decode_tokens_per_s / stats["genai"].decode_tokens_per_s
+        out["ortpipe_vs_genai_decode"] = (stats["ortpipe"].decode_tokens_per_s
+                                          / stats["genai"].decode_tokens_per_s)
     if "ortpipe" in stats and "floor" in stats:
         out["ortpipe_overhead_us"] = stats["ortpipe"].step_median_us - stats["floor"].step_median_us
     if "genai" in stats and "floor" in stats:
@@ -392,14 +398,15 @@ def table(report: dict[str, Any]) -> str:
     head = (f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
             f"{report['threads']} thread(s), {report['rounds']} round(s), greedy\n"
             f"{m['cpu']}, {m['cores']} cores, load {m['load_1min']} at the start")
-    rows = [("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs", "steps")]
+    rows = [("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs",
+             "steps")]
     for name, s in report["engines"].items():
         spread = f"{min(s['round_tokens_per_s']):.1f}-{max(s['round_tokens_per_s']):.1f}"
         rows.append((name, f"{s['prefill_ms']:.2f}", f"{s['decode_tokens_per_s']:.1f}", spread,
                      f"{s['step_mean_us']:.1f}", f"{s['step_median_us']:.1f}", str(s["steps"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head, ""] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                                    enumerate(zip(r, widths))) for r in rows]
+                                    enumerate(zip(r, widths, strict=True))) for r in rows]
     r = report["ratios"]
     if "ortpipe_vs_genai_decode" in r:
         lines.append(f"\nortpipe decode ÷ genai decode: {r['ortpipe_vs_genai_decode']:.3f}×")
@@ -408,19 +415,21 @@ def table(report: dict[str, Any]) -> str:
     if "genai_overhead_us" in r:
         lines.append(f"genai per-step overhead over the floor (median): {r['genai_overhead_us']:+.1f} µs")
     if "sampled_step_vs_greedy" in r:
-        lines.append(f"sampled (top-k 50, top-p 0.9) step ÷ greedy step (median): {r['sampled_step_vs_greedy']:.3f}×")
+        lines.append("sampled (top-k 50, top-p 0.9) step ÷ greedy step (median): "
+                     f"{r['sampled_step_vs_greedy']:.3f}×")
     for name, error in report["failed"].items():
         lines.append(f"{name}: FAILED ({error.splitlines()[0][:160]})")
-    lines.append("tokens: " + ("all greedy engines equal" if report["tokens_match"] else "MISMATCH (see warning)"))
+    match = "all greedy engines equal" if report["tokens_match"] else "MISMATCH (see warning)"
+    lines.append(f"tokens: {match}")
     return "\n".join(lines)
 
 
 def warn_mismatch(m: dict[str, Any]) -> None:
     bar = "!" * 78
-    print(f"{bar}\nWARNING: the engines generated different tokens: {m['engine']} (round {m['round']}) differs "
-          f"from {m['reference']} at generated position {m['position']}: expected {m['expected']}, found "
-          f"{m['found']} (lengths {m['lengths'][0]} and {m['lengths'][1]}). The timings do not compare like "
-          f"with like.\n{bar}", file=sys.stderr)
+    print(f"{bar}\nWARNING: the engines generated different tokens: {m['engine']} (round {m['round']}) "
+          f"differs from {m['reference']} at generated position {m['position']}: expected {m['expected']}, "
+          f"found {m['found']} (lengths {m['lengths'][0]} and {m['lengths'][1]}). The timings do not compare "
+          f"like with like.\n{bar}", file=sys.stderr)
 
 
 def run_bench(args: argparse.Namespace) -> int:
