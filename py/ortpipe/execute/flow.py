@@ -13,7 +13,7 @@ from ..plan import (ATTENTION_MASK, CACHE_BRANCH, COUNTER, EMPTY, INPUT_IDS, PAS
                     STATE, VALUE, Plan, StepPlan)
 from ..state.kv import END, KVCache
 from ..state.positions import mrope
-from .work import Backend, Handle, Run, RunAll, Work, kernel
+from .work import Backend, Decode, Handle, Run, RunAll, Work, kernel
 
 
 class FlowRun:
@@ -22,6 +22,7 @@ class FlowRun:
         self.plan, self.backend, self.batch = plan, backend, batch
         self.inputs = dict(inputs or {})
         self.length = 0  # positions the step phase has consumed
+        self.max_length = max_length
         self.steps_run = 0
         steps = [s for level in plan.init for s in level] + list(plan.step) + list(plan.final)
         self.caches = {s.session: KVCache(s.kv, backend, batch, max_length) for s in steps if s.kv}
@@ -37,6 +38,7 @@ class FlowRun:
         """New, larger caches, before any step ran (the prompt grew when its placeholders expanded)."""
         for name, cache in self.caches.items():
             self.caches[name] = KVCache(cache.plan, self.backend, self.batch, max_length)
+        self.max_length = max_length
 
     # init
 
@@ -185,6 +187,43 @@ class FlowRun:
         self.length += n
         self.steps_run += 1
         return logits
+
+    def decode_step(self) -> Decode | None:
+        """The step phase as one `Decode`, when its shape allows: one decoder session run once per
+        token, fed only input ids, an attention mask, 1D position ids and a shared-buffer cache,
+        giving logits of a fixed vocabulary and nothing a later step reads. Else None. Call it
+        after the first step ran (the cache buffers are the request's from then on)."""
+        if self.batch != 1 or len(self.plan.step) != 1:
+            return None
+        s = self.plan.step[0]
+        if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.kv.share_buffer or not s.logits:
+            return None
+        if self._keep[s.session] or s.positions != "default":
+            return None
+        roles: dict[str, tuple[str, str]] = {}
+        for f in s.feeds:
+            if f.kind == PAST:
+                continue
+            if f.kind not in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) or f.kind in roles:
+                return None
+            roles[f.kind] = (f.input, f.dtype)
+        info = self.plan.signatures[s.session].output(s.logits)
+        vocab = info.shape[-1] if info.shape else None
+        if INPUT_IDS not in roles or not isinstance(vocab, int) or info.rank not in (2, 3):
+            return None
+        if POSITION_IDS in roles and self.plan.signatures[s.session].input(roles[POSITION_IDS][0]).rank != 2:
+            return None
+        cache = self.caches[s.session]
+        return Decode(s.session, roles[INPUT_IDS], roles.get(ATTENTION_MASK), roles.get(POSITION_IDS),
+                      cache.feeds, dict(cache.inplace or {}), s.outputs, s.logits,
+                      (1, 1, vocab) if info.rank == 3 else (1, vocab), self.max_length)
+
+    def advance(self, n: int) -> None:
+        """Account for a step the target ran as a `Decode`: n more positions in the flow and cache."""
+        for cache in self.caches.values():
+            cache.length += n
+        self.length += n
+        self.steps_run += 1
 
     def run_final(self) -> Work:
         self.label = "final"

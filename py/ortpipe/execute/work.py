@@ -35,7 +35,32 @@ class RunAll:
     runs: list[Run]
 
 
-Work = Generator[Run | RunAll, Any, Any]
+@dataclass(slots=True)
+class Decode:
+    """One greedy decode step that a target may run fused (when its backend sets `fused_decode`).
+
+    It stands for: feed `token` to `ids` at position `past` (the attention mask all ones over
+    `past + 1` positions, 1D position ids `past`), run `session` with the shared cache buffers
+    `cache` written in place (`inplace`: present -> past), and answer the argmax of the last row of
+    `logits` as an int. The flow yields one object per request and updates `token` and `past`.
+    """
+
+    session: str
+    ids: tuple[str, str]  # (input name, dtype)
+    mask: tuple[str, str] | None
+    positions: tuple[str, str] | None
+    cache: dict[str, Handle]
+    inplace: dict[str, str]
+    outputs: tuple[str, ...]
+    logits: str
+    logits_shape: tuple[int, ...]  # of one decode run: (1, 1, vocab) or (1, vocab)
+    capacity: int  # the most positions a request's mask can cover
+    token: int = 0
+    past: int = 0
+    label: str = ""
+
+
+Work = Generator[Run | RunAll | Decode, Any, Any]
 
 
 class Backend(Protocol):
@@ -50,6 +75,9 @@ class Backend(Protocol):
     def dtype(self, handle: Handle) -> str: ...
 
     def to_list(self, handle: Handle) -> list[int]: ...
+
+    # A backend whose driver carries out `Decode` sets `fused_decode = True`; without it the core
+    # never yields one.
 
 
 def kernel(name: str, dtype: str) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
-from ..execute.work import Backend, Handle, Work
+from ..execute.work import Backend, Decode, Handle, Work
 from ..plan import Plan
 from ..sampling.sampler import Sampler
 from ..sampling.settings import SearchSettings
@@ -39,6 +39,10 @@ class TokenGenerator:
         self._pending: list[int] = []
         self._started = False
         self.interrupted = False
+        # Plain greedy decoding on a target that fuses decode steps: once the first step ran, each
+        # later one is a single `Decode` (None: not yet decided; False: this request cannot).
+        self._fuse = bool(getattr(backend, "fused_decode", False)) and self.sampler.settings.plain_greedy
+        self._decode: Decode | bool | None = None if self._fuse else False
 
     def append_tokens(self, ids: list[int]) -> None:
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -93,8 +97,17 @@ class TokenGenerator:
                 if len(self.tokens) > self.limits.max_length:
                     raise GenerationError(f"with its images or audio expanded the prompt is {len(self.tokens)} "
                                           f"tokens, more than max_length {self.limits.max_length}")
-        logits = yield from self.flow.run_step(self._pending)
-        token = yield from self.sampler.select(logits, self.tokens, self.generated)
+        decode = self._decode
+        if decode is None and self.flow.steps_run:
+            decode = self._decode = self.flow.decode_step() or False
+        if decode and len(self._pending) == 1:
+            decode.token, decode.past = self._pending[0], self.flow.length
+            decode.label = f"step {self.flow.steps_run}"
+            token = yield decode
+            self.flow.advance(1)
+        else:
+            logits = yield from self.flow.run_step(self._pending)
+            token = yield from self.sampler.select(logits, self.tokens, self.generated)
         self.tokens.append(token)
         self._pending = [token]
         self.generated += 1

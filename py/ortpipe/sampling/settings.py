@@ -34,6 +34,12 @@ class SearchSettings:
     def sampling(self) -> bool:
         return self.do_sample and self.temperature > 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits, with no processor that could change it."""
+        return (not self.sampling and self.repetition_penalty == 1.0 and not self.suppress_tokens
+                and not self.no_repeat_ngram_size and not self.min_length and not self.min_new_tokens)
+
 
 def settings_for(config: Config, overrides: dict[str, Any]) -> SearchSettings:
     """The config's generation settings with non-None overrides laid over them, checked."""

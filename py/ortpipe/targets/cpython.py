@@ -24,7 +24,7 @@ from ..chat import Chat
 from ..config import load_config
 from ..config.schema import SessionSpec
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Run, RunAll, Work
+from ..execute.work import KERNEL, Decode, Run, RunAll, Work
 from ..folder import LocalFolder
 from ..loops.autoregressive import TokenGenerator
 from ..pipeline import Chunk, Pipeline, Request, Result
@@ -49,6 +49,8 @@ _SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads")
 
 class CpuBackend:
     """Tensors as numpy arrays."""
+
+    fused_decode = True  # the driver carries out Decode
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)
@@ -149,6 +151,29 @@ class _Binding:
         self.inplace_inputs: dict[str, Any] = {}  # input name -> the OrtValue over that array
         self.outputs: list[str] = []  # binding order, which is the order get_outputs() returns
         self.fresh: list[str] = []  # outputs onnxruntime allocates anew on every run
+        self.runs = 0  # generic runs so far: a fused decode set up before one must bind again
+
+
+class _Fused:
+    """What fused decode steps of one session bind besides the cache: the input id (and position)
+    written in place, attention masks as views of one row of ones, logits into a preallocated array."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, Any] | None = None  # the Decode.cache it is bound for
+        self.runs = -1  # the binding's generic run count when it was bound
+        self.ids = self.positions = self.logits = self.flat = self.ones = np.empty(0)
+        self.keep: list[Any] = []  # OrtValues the binding refers to
+        self.masks: list[Any] = []  # [n]: a C++ OrtValue over ones[:, :n], made when first needed
+        self.mask_name: str | None = None
+        self.binding: _Binding | None = None
+        self.raw: Any = None
+        self.run: Any = None
+
+    def mask(self, n: int) -> Any:
+        value = self.masks[n]
+        if value is None:
+            value = self.masks[n] = ort.OrtValue.ortvalue_from_numpy(self.ones[:, :n])._ortvalue
+        return value
 
 
 class Driver:
@@ -157,6 +182,7 @@ class Driver:
     def __init__(self, sessions: dict[str, ort.InferenceSession]):
         self.sessions = dict(sessions)
         self._bindings: dict[str, _Binding] = {}
+        self._fused: dict[str, _Fused] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.trace: Trace | None = None  # set while a traced request runs
         self._label = ""
@@ -170,7 +196,9 @@ class Driver:
         except StopIteration as stop:
             return stop.value
 
-    def execute(self, work: Run | RunAll) -> Any:
+    def execute(self, work: Run | RunAll | Decode) -> Any:
+        if type(work) is Decode:
+            return self.decode(work)
         if isinstance(work, Run):
             return self.run(work)
         if self._pool is None:
@@ -187,6 +215,69 @@ class Driver:
         self.trace.add(Span(work.session, self._label, start / 1000, time.perf_counter_ns() / 1000,
                             threading.get_ident(), shapes))
         return out
+
+    def decode(self, d: Decode) -> int:
+        """A greedy decode step in one run: the id written into the bound input array, a ready mask
+        bound, and the argmax of logits that onnxruntime wrote into a preallocated array."""
+        f = self._fused.get(d.session)
+        if f is None or f.cache is not d.cache or f.runs != f.binding.runs:
+            f = self._bind_fused(d)
+        f.ids[0, 0] = d.token
+        if f.positions.size:
+            f.positions[0, 0] = d.past
+        if f.mask_name is not None:
+            f.raw.bind_ortvalue_input(f.mask_name, f.mask(d.past + 1))
+        start = time.perf_counter_ns() if self.trace is not None else 0
+        try:
+            f.run(f.raw, None)
+        except Exception as e:
+            raise OrtpipeError(f'session "{d.session}" failed on a decode step at position {d.past}: {e}') from e
+        if start:
+            self._label = d.label
+            self.trace.add(Span(d.session, self._label, start / 1000, time.perf_counter_ns() / 1000,
+                                threading.get_ident(), {d.ids[0]: [1, 1]}))
+        return int(f.flat.argmax())
+
+    def _bind_fused(self, d: Decode) -> _Fused:
+        """Bind a session for fused decode steps of one request (after any generic run on it)."""
+        session = self.sessions[d.session]
+        b = self._bindings.get(d.session)
+        if b is None:
+            b = self._bindings[d.session] = _Binding(session)
+        if any(b.inplace.get(out) is not d.cache[inp] for out, inp in d.inplace.items()):
+            self._rebind_outputs(b, Run(d.session, dict(d.cache), d.outputs, d.inplace))
+        for inp in d.inplace.values():
+            if b.inputs.get(inp) is not d.cache[inp]:
+                b.io.bind_ortvalue_input(inp, b.inplace_inputs[inp])
+                b.inputs[inp] = d.cache[inp]
+        f = self._fused.get(d.session) or _Fused()
+        f.keep = []
+
+        def bind_array(name: str, array: np.ndarray) -> np.ndarray:
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            f.keep.append(value)
+            b.io.bind_ortvalue_input(name, value)
+            b.inputs[name] = array  # a generic run of the same shape copies into it
+            return array
+
+        f.ids = bind_array(d.ids[0], np.zeros((1, 1), d.ids[1]))
+        f.positions = bind_array(d.positions[0], np.zeros((1, 1), d.positions[1])) if d.positions else np.empty(0)
+        f.mask_name = d.mask[0] if d.mask else None
+        if d.mask:
+            b.inputs.pop(d.mask[0], None)
+            if f.ones.shape != (1, d.capacity) or f.ones.dtype != np.dtype(d.mask[1]):
+                f.ones = np.ones((1, d.capacity), d.mask[1])
+                f.masks = [None] * (d.capacity + 1)
+        types = {o.name: o.type for o in session.get_outputs()}
+        f.logits = np.empty(d.logits_shape, _ORT_TYPES[types[d.logits]])
+        f.flat = f.logits.reshape(-1)
+        logits = ort.OrtValue.ortvalue_from_numpy(f.logits)
+        f.keep.append(logits)
+        b.io.bind_ortvalue_output(d.logits, logits)
+        f.cache, f.runs, f.binding, f.raw = d.cache, b.runs, b, b.raw
+        f.run = session._sess.run_with_iobinding  # the C++ call under the Python wrapper
+        self._fused[d.session] = f
+        return f
 
     def _run(self, work: Run) -> dict[str, Any]:
         session = self.sessions.get(work.session) or self._kernel(work.session)
@@ -224,6 +315,7 @@ class Driver:
                 self._rebind_outputs(b, work)
                 break
         raw = b.raw
+        b.runs += 1
         for name in b.fresh:  # a bound output keeps its first shape: ask for fresh memory each run
             raw.bind_output(name, _CPU)
         for name, value in work.feeds.items():

@@ -1,0 +1,104 @@
+"""Fused greedy decode steps (execute/work.py `Decode`, the CPython driver's `decode`).
+
+Plain greedy decoding on a single shared-buffer decoder session skips the generic step (feeds
+dict, Run, argmax kernel) after the prefill. Its tokens must equal the generic path's (forced
+here with `min_length=1`, a processor that cannot change anything after a non-empty prompt) and
+onnxruntime-genai's, across everything that re-binds a session between steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ortpipe
+from build.references import genai_greedy, prompt_ids
+
+NEW = 40
+
+
+def counting(pipe: Any) -> list[int]:
+    """Record the position of every fused decode step the pipeline's driver runs."""
+    seen: list[int] = []
+    decode = pipe.driver.decode
+
+    def counted(d: Any) -> int:
+        seen.append(d.past)
+        return decode(d)
+
+    pipe.driver.decode = counted
+    return seen
+
+
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_builder_int4", "gemma_builder"])
+def test_greedy_decode_steps_are_fused_and_equal_the_generic_path(model: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(model)  # gemma: sliding-window layers kept as a ring in the buffer
+    ids = prompt_ids(folder)
+    pipe = ortpipe.load(folder, threads=1)
+    fused = counting(pipe)
+    ours = pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    assert fused == list(range(len(ids), len(ids) + NEW - 1)), "every decode step after the prefill is fused"
+    generic = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, min_length=1).tokens
+    assert len(fused) == NEW - 1, "min_length turns fusing off"
+    assert ours == generic
+    assert ours == genai_greedy(folder, ids, NEW, threads=1)
+    # the next request rebinds the session (new cache buffers, a generic prefill) and fuses again
+    assert pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW).tokens == \
+        pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW, min_length=1).tokens
+    assert len(fused) == 2 * (NEW - 1)
+
+
+def test_interleaved_generators_and_continued_decoding(llama_builder_fp32: Path) -> None:
+    ids = prompt_ids(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+
+    def solo(prompt: list[int], more: list[int], **settings: Any) -> list[int]:
+        gen = pipe.generator(len(prompt), max_length=len(prompt) + 24 + len(more), **settings)
+        gen.append_tokens(prompt)
+        out = [gen.next_token() for _ in range(12)]
+        gen.append_tokens(more)  # continuous decoding: a generic prefill of two ids, then fused again
+        return out + [gen.next_token() for _ in range(12)]
+
+    first, second = (ids, [3, 4]), (ids[10:40], [5])
+    expected = [solo(*first, min_length=1), solo(*second, min_length=1)]
+    fused = counting(pipe)
+    gens = []
+    for prompt, more in (first, second):
+        gen = pipe.generator(len(prompt), max_length=len(prompt) + 24 + len(more))
+        gen.append_tokens(prompt)
+        gens.append(gen)
+    got: list[list[int]] = [[], []]
+    for phase in range(2):
+        for _ in range(12):  # step by step, alternating: each step finds the other's cache bound
+            for i, gen in enumerate(gens):
+                got[i].append(gen.next_token())
+        if phase == 0:
+            for gen, (_, more) in zip(gens, (first, second)):
+                gen.append_tokens(more)
+    assert got == expected
+    assert len(fused) == 2 * 2 * 11
+
+
+def test_traces_record_fused_steps(llama_builder_fp32: Path, tmp_path: Path) -> None:
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    path = tmp_path / "trace.json"
+    pipe.generate(prompt_ids=prompt_ids(llama_builder_fp32), max_new_tokens=6, trace=str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    decoder = [e for e in events if e["name"] == pipe.plan.step[0].session]
+    assert len(decoder) == 6  # the prefill and five fused steps
+
+
+def test_what_cannot_be_fused_runs_the_generic_path(llama_concat: Path, llama_builder_fp32: Path) -> None:
+    concat = ortpipe.load(llama_concat, threads=1)  # presents replace pasts: no shared buffer
+    fused = counting(concat)
+    concat.generate(prompt_ids=prompt_ids(llama_concat), max_new_tokens=8)
+    assert fused == []
+    shared = ortpipe.load(llama_builder_fp32, threads=1)
+    fused = counting(shared)
+    for settings in ({"do_sample": True, "seed": 1}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2},
+                     {"suppress_tokens": [5]}, {"min_new_tokens": 2}, {"num_beams": 2}):
+        shared.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, **settings)
+        assert fused == [], settings
