@@ -21,6 +21,9 @@ Pipelines (session: inputs -> outputs; B = batch, S = new tokens, P = past, T = 
 - `qwen25vl_style`: vision [per_image] `pixel_values` f32 [1, 16, 12], `image_grid_thw` i64 [1, 3]
   -> `image_features` [4, 32] (2x2 merge: 4 consecutive patches -> 1 row); the same embedding; a decoder
   whose `position_ids` is i64 [3, B, S] (three position tables summed: t, h and w all matter).
+- `qwen25vl_image_style`, `phi3v_image_style`: the same pipelines for requests with decoded images:
+  a preprocessing config beside the graphs (Qwen2-VL patches of 2x2 pixels, CLIP 8x8 crops), and
+  for qwen the vision graph reads Qwen2-VL's flat patches `pixel_values` f32 [P, 12].
 - `pixtral_style`: vision [per_image, cropped] `pixel_values` f32 [1, 3, H, W] (H, W multiples of 4)
   -> `image_features` [(H/4)*(W/4), 32] (row and column embeddings per patch); embedding and
   decoder as phi3v. The request's `pixel_values` [n, 3, 12, 12] hold garbage outside each image.
@@ -208,10 +211,11 @@ def patch_vision(seed: int, heavy: bool = False) -> onnx.ModelProto:
                   [_tensor("image_features", FLOAT, [NUM_ROWS, HIDDEN])])
 
 
-def merge_vision(seed: int) -> onnx.ModelProto:
+def merge_vision(seed: int, flat: bool = False) -> onnx.ModelProto:
     """qwen2.5-vl: one image per run, `pixel_values` [1, P, 12] + `image_grid_thw` [1, 3] ->
     `image_features` [P/4, H]. The grid adds one row to every feature row; an unsliced [n, 3]
-    grid does not broadcast against the rows (n != P/4 in the tests) and fails the run."""
+    grid does not broadcast against the rows (n != P/4 in the tests) and fails the run. With
+    `flat`, `pixel_values` is Qwen2-VL's own layout, [P, 12] per run out of every image's patches."""
     g = _Graph(np.random.RandomState(seed))
     merged = g.op("Reshape", "pixel_values", g.const([-1, MERGE * MERGE * QWEN_PATCH_DIM]))
     hidden = g.op("Tanh", g.linear(merged, "vision.merge", MERGE * MERGE * QWEN_PATCH_DIM, HIDDEN, 2.0))
@@ -220,7 +224,8 @@ def merge_vision(seed: int) -> onnx.ModelProto:
                     g.linear(grid, "vision.grid", 3, HIDDEN, 2.0))
     g.op("Identity", features, out="image_features")
     return _model(g, "tiny_merge_vision",
-                  [_tensor("pixel_values", FLOAT, [NUM_IMAGES, NUM_PATCHES, QWEN_PATCH_DIM]),
+                  [_tensor("pixel_values", FLOAT, [NUM_PATCHES, QWEN_PATCH_DIM] if flat
+                           else [NUM_IMAGES, NUM_PATCHES, QWEN_PATCH_DIM]),
                    _tensor("image_grid_thw", INT64, [NUM_IMAGES, 3])],
                   [_tensor("image_features", FLOAT, [NUM_ROWS, HIDDEN])])
 
@@ -441,6 +446,33 @@ def qwen25vl_style(out: Path | str, seed: int = 0) -> Path:
                   "position_ids": {"strategy": "mrope_3d", "grid_source": "vision.image_grid_thw"}},
     }
     return _write(out, models, _config(pipeline, "tiny-qwen25vl-style", image_token=IMAGE_TOKEN))
+
+
+# CLIP preprocessing for patch_vision: shortest edge to 8 (bicubic), centre crop 8x8.
+PHI3V_IMAGE_PROCESSOR = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": PHI3V_SIDE},
+                         "crop_size": {"height": PHI3V_SIDE, "width": PHI3V_SIDE}}
+
+
+def phi3v_image_style(out: Path | str, seed: int = 0) -> Path:
+    """phi3v_style with an image_processor.json, for requests with images (`images=`)."""
+    folder = phi3v_style(out, seed)
+    (folder / "image_processor.json").write_text(json.dumps(PHI3V_IMAGE_PROCESSOR, indent=2) + "\n")
+    return folder
+
+
+# Qwen2-VL preprocessing for merge_vision: patches of 3 channels x 1 frame x 2x2 pixels (12 values),
+# sides rounded to multiples of 4, 64 to 1024 pixels: an image becomes 4 to 64 feature rows.
+QWEN_IMAGE_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 2,
+                        "temporal_patch_size": 1, "merge_size": MERGE, "min_pixels": 64, "max_pixels": 1024}
+
+
+def qwen25vl_image_style(out: Path | str, seed: int = 0) -> Path:
+    """qwen25vl_style for requests with images (`images=`): the vision graph reads Qwen2-VL's flat
+    patches [sum of patches, 12], which the folder's preprocessor_config.json makes from pixels."""
+    folder = qwen25vl_style(out, seed)
+    onnx.save(merge_vision(seed + 1, flat=True), str(folder / VL_FILES["vision"]))
+    (folder / "preprocessor_config.json").write_text(json.dumps(QWEN_IMAGE_PROCESSOR, indent=2) + "\n")
+    return folder
 
 
 def pixtral_style(out: Path | str, seed: int = 0) -> Path:

@@ -22,9 +22,12 @@ export class Bridge {
    * @param {object} tokenizers the @huggingface/tokenizers module
    * @param {object} jinja the @huggingface/jinja module
    * @param {(progress: object) => void} onProgress
+   * @param {() => Promise<object>} [wasmOrt] the wasm build of onnxruntime-web, for sessions on
+   *   "wasm" when `ort` is the WebGPU build: that build's CPU kernels lack some types (float64 Cast)
    */
-  constructor(ort, tokenizers, jinja, onProgress) {
+  constructor(ort, tokenizers, jinja, onProgress, wasmOrt = async () => ort) {
     this.ort = ort;
+    this.wasmOrt = wasmOrt;
     this.tokenizers = tokenizers;
     this.jinja = jinja;
     this.onProgress = onProgress;
@@ -88,6 +91,7 @@ export class Bridge {
    *   weight files beside the graph.
    */
   async createSession(source, options) {
+    const ort = options.device === 'wasm' ? await this.wasmOrt() : this.ort;
     const bytes = typeof source === 'string' ? await this.fetchBytes(source, options.name) : source;
     this.onProgress({ phase: 'session', file: options.name });
     const sessionOptions = {
@@ -97,7 +101,7 @@ export class Bridge {
       externalData: options.externalData.map((url) => ({ path: url.slice(url.lastIndexOf('/') + 1), data: url })),
     };
     if (options.gpuOutputs) sessionOptions.preferredOutputLocation = 'gpu-buffer';
-    return this.ort.InferenceSession.create(bytes, sessionOptions);
+    return ort.InferenceSession.create(bytes, sessionOptions);
   }
 
   /** The session's inputs and outputs as JSON: [{name, type, shape}], shape null when unknown. */

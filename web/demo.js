@@ -97,6 +97,7 @@ async function generate(event) {
   for (const id of ['stat-ttft', 'stat-speed', 'stat-tokens']) $(id).textContent = '–';
   try {
     const options = { ...promptOptions(), maxNewTokens: Number($('max-new-tokens').value) };
+    if ($('images').files.length) options.images = [...$('images').files];
     const model = await ensureLoaded();
     output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
     const tokens = [];

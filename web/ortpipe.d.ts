@@ -24,6 +24,15 @@ export interface ChatMessage {
   content: string;
 }
 
+/**
+ * An image for a vision-language model: a URL (relative to the page, or absolute on this origin),
+ * a Blob or File (PNG, JPEG, WebP, ... whatever the browser decodes), an ImageBitmap or an ImageData.
+ * Files are decoded without colour-space conversion and turned upright by their EXIF orientation;
+ * transparent pixels are laid over white. The model folder's image processor config
+ * (preprocessor_config.json, ...) says how the pixels become the vision session's inputs.
+ */
+export type ImageSource = string | URL | Blob | ImageBitmap | ImageData;
+
 /** One of prompt, promptIds and messages; settings default to the model's genai_config.json. */
 export interface GenerateOptions {
   /** Text, encoded with the folder's tokenizer.json. */
@@ -32,6 +41,12 @@ export interface GenerateOptions {
   promptIds?: number[];
   /** A conversation, rendered with tokenizer_config.json's chat_template. */
   messages?: ChatMessage[];
+  /**
+   * Images, in the order of the image tokens in the prompt (one `tokens.image_token` id each; the
+   * pipeline expands it to the image's feature rows). A GenerationError names an image that cannot
+   * be fetched or decoded.
+   */
+  images?: ImageSource[];
   maxNewTokens?: number;
   /** Prompt and generated tokens together, at most. */
   maxLength?: number;

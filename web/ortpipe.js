@@ -224,9 +224,19 @@ const disposedError = () => new OrtpipeError({ name: 'OrtpipeError', message: 't
 const camelToSnake = (key) => key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
 const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
 
-/** The JS options with Python's names: maxNewTokens -> max_new_tokens. */
+/** The JS options with Python's names (maxNewTokens -> max_new_tokens), image URLs made absolute. */
 function pythonOptions(options) {
-  return Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
+  const named = Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
+  if (Array.isArray(named.images)) named.images = named.images.map(absoluteImageUrl);
+  return named;
+}
+
+/** A URL relative to the page, resolved here: the worker's base URL is its script's. A URL that does
+ * not parse is left for the worker to report, naming the image. */
+function absoluteImageUrl(source) {
+  if (source instanceof URL) return source.href;
+  if (typeof source !== 'string' || !URL.canParse(source, globalThis.location?.href)) return source;
+  return new URL(source, globalThis.location?.href).href;
 }
 
 /** Python's result with JS names, plus what the page measured. */

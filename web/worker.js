@@ -5,6 +5,7 @@
 // worker can load another model without starting Python and onnxruntime-web again.
 
 import { Bridge } from './bridge.js';
+import { decodeImages } from './images.js';
 
 // One onnxruntime-web build per device (see build/web.py).
 const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.min.mjs' };
@@ -13,7 +14,7 @@ const ORTPIPE_ERRORS = new Set(['ConfigError', 'GenerationError', 'OrtpipeError'
 
 let pipe = null; // the Python WebPipeline, once loaded
 let bridge = null; // the bridge the loaded model's sessions were made with
-let active = null; // the Python Request being generated
+let active = null; // the Python Request being generated (or made: its images being preprocessed)
 // Started once and kept across models (promises; forgotten when they fail, to be tried again).
 let pythonStarted = null; // Pyodide with ortpipe unpacked
 const ortStarted = {}; // device -> the onnxruntime-web module
@@ -69,7 +70,7 @@ async function load(modelUrl, device) {
   if (pipe) throw new Error('this worker already holds a model; load() another pipeline instead');
   const resolved = await resolveDevice(device);
   const [python, ort, tokenizers, jinja] = await runtime(resolved);
-  const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress);
+  const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress, () => ortBuild('wasm'));
   const target = python.pyimport('ortpipe.targets.pyodide');
   try {
     pipe = await target.load(modelBridge, modelUrl, resolved);
@@ -90,12 +91,17 @@ function runtime(device) {
     progress({ phase: 'runtime', message: `Starting Python and onnxruntime-web (${device})` });
   }
   pythonStarted ??= forgetOnFailure(startPython(), () => { pythonStarted = null; });
+  return Promise.all([
+    pythonStarted, ortBuild(device), import('./vendor/tokenizers.mjs'), import('./vendor/jinja.mjs'),
+  ]);
+}
+
+/** The onnxruntime-web build for `device`, imported once. */
+function ortBuild(device) {
   ortStarted[device] ??= forgetOnFailure(import(ORT_BUILDS[device]).then(configureOrt), () => {
     delete ortStarted[device];
   });
-  return Promise.all([
-    pythonStarted, ortStarted[device], import('./vendor/tokenizers.mjs'), import('./vendor/jinja.mjs'),
-  ]);
+  return ortStarted[device];
 }
 
 /** Drop the model and release its sessions; Python and onnxruntime-web stay for the next one. */
@@ -151,14 +157,25 @@ function configureOrt(ort) {
   return ort;
 }
 
+/** The images as uint8 RGB tensors [height, width, 3], made with the loaded model's onnxruntime-web. */
+async function imageTensors(sources) {
+  const decoded = await decodeImages(sources);
+  return decoded.map(({ rgb, width, height }) => new bridge.ort.Tensor('uint8', rgb, [height, width, 3]));
+}
+
 /** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */
 async function generate(id, options, interrupted) {
   if (!pipe) throw new Error('no model is loaded');
   if (active) throw new Error('a generation is already running: await it, or interrupt() it first');
-  const request = pipe.request_json(JSON.stringify(options));
-  if (interrupted) request.interrupt();
-  active = request;
+  // Until the request exists (its images are being preprocessed), an interrupt is only noted.
+  const starting = { interrupted, interrupt() { this.interrupted = true; } };
+  active = starting;
+  let request = null;
   try {
+    const { images, ...settings } = options;
+    request = await pipe.request_json(JSON.stringify(settings), images && await imageTensors(images));
+    if (starting.interrupted) request.interrupt();
+    active = request;
     while (!request.done) {
       for (const chunk of JSON.parse(await pipe.step_json(request))) {
         self.postMessage({ type: 'chunk', id, token: chunk.token, text: chunk.text });
@@ -167,6 +184,6 @@ async function generate(id, options, interrupted) {
     return JSON.parse(pipe.result_json(request));
   } finally {
     active = null;
-    request.destroy();
+    request?.destroy();
   }
 }

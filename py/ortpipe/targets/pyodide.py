@@ -4,6 +4,9 @@ The Web Worker (web/worker.js) boots Pyodide and hands `load` a bridge (web/brid
 onnxruntime-web, fetch, tokenizers.js and jinja. Tensors are ort.Tensor proxies wrapped in
 `Tensor`; only small integer results (the selected token) are copied into Python.
 
+Images arrive decoded by the worker (web/images.js): uint8 [h, w, 3] RGB ort.Tensors, which the
+core's preprocessing kernels turn into the vision session's inputs, as under CPython.
+
 onnxruntime-web has no IOBinding, so a shared-buffer KV cache (Run.inplace) is not updated in
 place: the buffer is fed as past and the present output, the same size, becomes the buffer for
 the next run. The tokens are the same; the cost is one buffer allocation per layer and step.
@@ -27,6 +30,7 @@ from ..errors import ConfigError, GenerationError, OrtpipeError
 from ..execute.work import KERNEL, Run, RunAll, Work
 from ..pipeline import Chunk, Pipeline, Request
 from ..plan import make_plan
+from ..preprocess.request import media_inputs
 from ..signature import Signature, TensorInfo
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -37,6 +41,10 @@ EXTERNAL_DATA = ("{file}.data", "{file}_data")
 # JS twins (web/bridge.js) of kernel graphs that run on every token, for CPU tensors: a session run
 # costs more than the work. The browser tests compare their tokens with the CPython target's.
 NATIVE_KERNELS = {f"{KERNEL}argmax_last_float32": "argmaxLast"}
+# Preprocessing kernels run on wasm whatever the device: their inputs (decoded pixels, samples) are
+# on the CPU, and they compute in float64, which neither WebGPU nor the CPU kernels of the WebGPU
+# build have (the bridge makes them with the wasm build); on wasm they equal CPython's bit for bit.
+CPU_KERNELS = tuple(f"{KERNEL}{name}" for name in ("resize_", "normalize_", "patchify_", "log_mel_"))
 
 
 class Tensor:
@@ -189,15 +197,14 @@ def _js_object(mapping: dict[str, Any]) -> JsProxy:
 class Driver:
     """Carries out the core's Run / RunAll requests on onnxruntime-web sessions.
 
-    One run at a time per session (onnxruntime-web refuses overlapping runs of a session);
-    independent runs of different sessions (RunAll) overlap.
+    One run at a time: onnxruntime-web refuses overlapping runs of a session, and its WebGPU build
+    suspends wasm calls (asyncify), which must not interleave; so a RunAll's runs go one after another.
     """
 
     def __init__(self, bridge: JsProxy, sessions: dict[str, JsProxy], device: str):
         self.bridge, self.device = bridge, device
         self.sessions = dict(sessions)
         self._gpu = device == "webgpu"
-        self._locks: dict[str, asyncio.Lock] = {}
 
     async def drive(self, gen: Work) -> Any:
         """Answer a core generator's requests until it returns; its return value is ours."""
@@ -211,15 +218,14 @@ class Driver:
     async def execute(self, work: Run | RunAll) -> Any:
         if isinstance(work, Run):
             return await self.run(work)
-        return list(await asyncio.gather(*(self.run(r) for r in work.runs)))
+        return [await self.run(r) for r in work.runs]
 
     async def run(self, work: Run) -> dict[str, Tensor]:
         twin = None if self._gpu else NATIVE_KERNELS.get(work.session)
         if twin is not None:
             return {work.outputs[0]: Tensor(getattr(self.bridge, twin)(*(t.js for t in work.feeds.values())))}
-        async with self._locks.setdefault(work.session, asyncio.Lock()):
-            session = self.sessions.get(work.session) or await self._kernel(work.session)
-            values = await self._run_session(session, work)
+        session = self.sessions.get(work.session) or await self._kernel(work.session)
+        values = await self._run_session(session, work)
         gpu = self._gpu and not work.session.startswith(KERNEL)
         outputs = {name: Tensor(value, gpu) for name, value in zip(work.outputs, values, strict=True)}
         for present, past in (work.inplace or {}).items():
@@ -238,7 +244,8 @@ class Driver:
         if not name.startswith(KERNEL):
             raise OrtpipeError(f'no session "{name}" is loaded')
         path = KERNEL_DIR / f"{name[len(KERNEL):]}.onnx"
-        options = {"name": name, "device": self.device, "gpuOutputs": False, "externalData": []}
+        device = "wasm" if name.startswith(CPU_KERNELS) else self.device
+        options = {"name": name, "device": device, "gpuOutputs": False, "externalData": []}
         session = await self.bridge.createSession(to_js(path.read_bytes()), _js_object(options))
         self.sessions[name] = session
         return session
@@ -279,15 +286,23 @@ class WebPipeline:
         self.core, self.driver, self.folder, self.load_ms = core, driver, folder, load_ms
         self.plan, self.config, self.tokenizer = core.plan, core.config, core.tokenizer
 
-    def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                messages: list[dict[str, str]] | None = None, max_new_tokens: int | None = None,
-                max_length: int | None = None, **settings: Any) -> Request:
+    async def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                      messages: list[dict[str, str]] | None = None, max_new_tokens: int | None = None,
+                      max_length: int | None = None, images: list[Tensor] | None = None,
+                      **settings: Any) -> Request:
+        """`images`: decoded images, uint8 [h, w, 3] RGB tensors, preprocessed into the inputs the
+        pipeline's sessions read."""
         if messages is not None:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
             prompt = self.chat_template().render(messages)
         ids = self.core.prompt_ids(prompt, prompt_ids)
-        request = self.core.request(ids, max_new_tokens, max_length, **settings)
+        inputs = None
+        if images:
+            backend = self.core.backend
+            decoded = [(image, *backend.shape(image)[:2]) for image in images]
+            inputs = await self.driver.drive(media_inputs(self.plan, self.folder, backend, decoded, []))
+        request = self.core.request(ids, max_new_tokens, max_length, inputs, **settings)
         request.timings.load_ms = self.load_ms
         return request
 
@@ -313,8 +328,10 @@ class WebPipeline:
             "tokenizer": self.tokenizer is not None, "max_length": self.config.generation.max_length,
             "model_type": self.config.metadata.get("model_type"), "load_ms": round(self.load_ms, 1)})
 
-    def request_json(self, options: str) -> Request:
-        return self.request(**json.loads(options))
+    async def request_json(self, options: str, images: JsProxy | None = None) -> Request:
+        """`images`: the worker's decoded images (uint8 [h, w, 3] ort.Tensors), in prompt order."""
+        tensors = [Tensor(image) for image in images] if images else None
+        return await self.request(**json.loads(options), images=tensors)
 
     async def step_json(self, request: Request) -> str:
         chunks = await self.step(request)
