@@ -49,6 +49,8 @@ SERVICE_WORKER = "sw.js"
 ASSET_MANIFEST = "asset-manifest.json"
 VERSION_PLACEHOLDER = 'const BUNDLE_VERSION = "unbuilt";'
 HASH_CHARS = 16  # hex digits kept of a SHA-256: enough to tell builds and files apart
+# Files of web/ the bundle leaves out: build/bench_web.py's page, which needs transformers.js.
+BENCH_FILES = ("bench.html", "bench.js")
 # Files of a model folder the browser never reads.
 MODEL_IGNORE = shutil.ignore_patterns("*.py", "__pycache__", ".*")
 
@@ -69,7 +71,7 @@ def build(out: Path, models: Sequence[tuple[str, Path]] = (), node_modules: Path
     for name, source in VENDOR_FILES.items():
         shutil.copy2(node_modules / source, out / "vendor" / name)
     for item in sorted(WEB.iterdir()):
-        if item.is_file():
+        if item.is_file() and item.name not in BENCH_FILES:
             shutil.copy2(item, out / item.name)
     _package_zip(out / "ortpipe.zip")
     (out / "versions.json").write_text(json.dumps(versions(node_modules), indent=2) + "\n")

@@ -1,0 +1,707 @@
+"""Browser benchmark: ortpipe against transformers.js in headless Chromium, on wasm. Not a test.
+
+    python -m build.bench_web [--models 20m,100m] [--threads 1] [--rounds 3] [--warmup-runs 1]
+                              [--warm-runs 3] [--prompt-tokens 64] [--new-tokens 128]
+                              [--engines ortpipe,transformers.js,transformers.js-own-ort,ort]
+                              [--profile] [--quiet 1] [--json results.json]
+
+Every engine loads the same Optimum (concat-layout) export of a random-weight Llama from the same
+origin and generates greedily from the same prompt ids: ortpipe; transformers.js over the
+onnxruntime-web build ortpipe bundles (the same kernels); transformers.js over the onnxruntime-web
+it bundles itself (as shipped); and the floor, a hand-written greedy loop over ortpipe's
+onnxruntime-web build: the kernels' time with no framework. For each engine and round, a fresh
+browser context opens web/bench.html, which measures the cold start (navigation start to the first
+generated token, nothing cached), then warm generations: time to first token and decode tokens/s,
+taken where the tokens arrive (the page's thread). The engines take turns page by page, in an order
+rotated every round, so that load from other processes hits them all. Every generation's tokens are
+compared with transformers.js's; a difference is a warning (and exit status 1). A request that
+leaves the page's origin is an error. --profile traces one more page load per model and engine with
+V8's sampling profiler and splits each engine's per-token time by kind of code (kernels, Python,
+JS glue, ...).
+
+Models are built once into build/cache/bench-web/ (a torch model, exported by Optimum in its own
+virtualenv, see build/hfmodels.py); the bundle goes to dist/bench-web/ (build/web.py, plus
+transformers.js and the onnxruntime-web files it needs). Results: tables with ortpipe /
+transformers.js ratios on stdout and, with --json, every measurement. The "Browser" section of
+docs/benchmarks.md reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from build import hfmodels, web
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = hfmodels.cache_root() / "bench-web"
+OUT = ROOT / "dist" / "bench-web"
+SEED = 0
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+ENGINES = ("ortpipe", "transformers.js", "transformers.js-own-ort", "ort")
+# One page (load + cold generation + warm generations) may take this long on the larger model.
+PAGE_TIMEOUT_MS = 15 * 60 * 1000
+
+
+# --- models --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+# Head size 64 in both.
+SIZES = {
+    "20m": Size("20m", hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024, vocab=8000),
+    "100m": Size("100m", hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=16000),
+}
+
+
+def model_folder(size: Size) -> Path:
+    """The transformers.js layout of `size`, built into the cache once."""
+    out = CACHE / size.name
+    marker = CACHE / f"{size.name}.done"
+    fingerprint = _fingerprint(size)
+    if out.is_dir() and marker.is_file() and marker.read_text() == fingerprint:
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"bench-web-{size.name}-", dir=CACHE) as scratch:
+        hf_dir = make_hf_model(size, Path(scratch) / "hf")
+        export = hfmodels.export_concat(hf_dir, Path(scratch) / "export")
+        transformers_js_layout(export, out)
+    marker.write_text(fingerprint)
+    return out
+
+
+def _fingerprint(size: Size) -> str:
+    """Changes with the size, the recipe's code and Optimum's environment: never a stale build."""
+    import inspect
+
+    recipe = (make_hf_model, write_tokenizer, transformers_js_layout, hfmodels._perturb)
+    parts = [json.dumps(asdict(size)), str(SEED), *map(inspect.getsource, recipe),
+             *hfmodels.OPTIMUM_REQUIREMENTS]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def make_hf_model(size: Size, out: Path) -> Path:
+    """A seeded random Llama saved with save_pretrained, with a WordLevel tokenizer over its vocab.
+
+    hfmodels._perturb makes the logits peaky (clear greedy margins, so both engines pick the same
+    tokens) and zeroes the output rows of pad, bos and eos: greedy decoding never stops early.
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(
+        vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
+        head_dim=size.hidden // size.heads, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=hfmodels.BOS_ID, eos_token_id=hfmodels.EOS_ID, pad_token_id=hfmodels.PAD_ID)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hfmodels._perturb(model, SEED)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=hfmodels.BOS_ID, eos_token_id=hfmodels.EOS_ID, pad_token_id=hfmodels.PAD_ID,
+        do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(size.vocab, out)
+    return out
+
+
+def parameter_count(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    head = config["head_dim"]
+    attention = hidden * head * (2 * config["num_attention_heads"] + 2 * config["num_key_value_heads"])
+    layer = attention + 3 * hidden * config["intermediate_size"] + 2 * hidden
+    return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
+
+
+def write_tokenizer(vocab: int, folder: Path) -> None:
+    """tokenizer.json (WordLevel: "<pad>", "<s>", "</s>", then "t3", "t4", ...) + tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {token: i for i, token in enumerate(hfmodels.SPECIALS)}
+    words.update({f"t{i}": i for i in range(len(words), vocab)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token=hfmodels.SPECIALS[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(list(hfmodels.SPECIALS))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    pad, bos, eos = hfmodels.SPECIALS
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos,
+              "eos_token": eos, "unk_token": pad, "clean_up_tokenization_spaces": False,
+              "model_max_length": 2048}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def transformers_js_layout(export: Path, out: Path) -> None:
+    """Optimum's folder as transformers.js reads it: the graph (and any external data) under onnx/."""
+    (out / "onnx").mkdir(parents=True)
+    for item in sorted(export.iterdir()):
+        if item.name.startswith("model.onnx"):
+            shutil.copy2(item, out / "onnx" / item.name)
+        elif item.suffix == ".json":
+            shutil.copy2(item, out / item.name)
+
+
+# --- the bundle ----------------------------------------------------------------------------------
+
+TRANSFORMERS_JS = web.NODE_MODULES / "@huggingface" / "transformers"
+# transformers.js bundles onnxruntime-web's JavaScript; the wasm build it picks (asyncify) comes
+# from the onnxruntime-web package of the exact version it depends on.
+TRANSFORMERS_JS_ORT_FILES = ("ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
+
+
+def build_bundle(out: Path, models: dict[str, Path]) -> Path:
+    """build/web.py's bundle with the model folders, plus the benchmark page and transformers.js
+    under tjs/."""
+    web.build(out, list(models.items()))
+    for name in web.BENCH_FILES:
+        shutil.copy2(web.WEB / name, out / name)
+    tjs = out / "tjs"
+    tjs.mkdir()
+    shutil.copy2(TRANSFORMERS_JS / "dist" / "transformers.min.js", tjs)
+    ort = _transformers_js_ort()
+    for name in TRANSFORMERS_JS_ORT_FILES:
+        shutil.copy2(ort / "dist" / name, tjs)
+    return out
+
+
+def _transformers_js_ort() -> Path:
+    """The onnxruntime-web package transformers.js depends on (nested, or hoisted when it matches)."""
+    if not TRANSFORMERS_JS.is_dir():
+        raise web.BuildError(f"{TRANSFORMERS_JS} is missing: run `npm ci` in {ROOT}")
+    wanted = _package(TRANSFORMERS_JS)["dependencies"]["onnxruntime-web"]
+    candidates = (TRANSFORMERS_JS / "node_modules" / "onnxruntime-web", web.NODE_MODULES / "onnxruntime-web")
+    for folder in candidates:
+        if folder.is_dir() and _package(folder)["version"] == wanted:
+            return folder
+    raise web.BuildError(f"onnxruntime-web {wanted} (for transformers.js) is not installed: run `npm ci`")
+
+
+def _package(folder: Path) -> dict:
+    return json.loads((folder / "package.json").read_text())
+
+
+# --- the browser ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...]
+    threads: tuple[int, ...]
+    rounds: int
+    warmup_runs: int
+    warm_runs: int
+    prompt_tokens: int
+    new_tokens: int
+    engines: tuple[str, ...] = ENGINES
+    quiet: float = 1.0  # wait before each page load until the CPUs are at most this busy (0 to 1)
+
+
+def prompt_ids(vocab: int, count: int) -> list[int]:
+    """The same seeded prompt for every engine: ids past the special tokens."""
+    rng = random.Random(SEED)
+    return [rng.randrange(len(hfmodels.SPECIALS), vocab) for _ in range(count)]
+
+
+def page_queries(models: dict[str, Path], settings: Settings, threads: int) -> Iterator[dict]:
+    """bench.html's query for each model and engine."""
+    for name, folder in models.items():
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompt = ",".join(map(str, prompt_ids(vocab, settings.prompt_tokens)))
+        for engine in settings.engines:
+            yield {"engine": engine, "model": name, "threads": threads, "newTokens": settings.new_tokens,
+                   "warmupRuns": settings.warmup_runs, "warmRuns": settings.warm_runs, "prompt": prompt}
+
+
+def measure(browser, bundle: Path, models: dict[str, Path], settings: Settings) -> list[dict]:  # noqa: ANN001
+    """Every timed page load: per thread count, model and round, each engine once, in rotated order
+    (each engine goes first in some round)."""
+    runs = []
+    for threads in settings.threads:
+        with serving(bundle, threads) as url:
+            queries = list(page_queries(models, settings, threads))
+            for round_ in range(settings.rounds):
+                for model in models:
+                    engines = [q for q in queries if q["model"] == model]
+                    for query in _rotated(engines, round_):
+                        _progress(query, f"round {round_ + 1}")
+                        busy = wait_for_quiet(settings.quiet)
+                        runs.append({**open_page(browser, url, query), "round": round_, "busy_before": busy})
+    return runs
+
+
+def profile(browser, bundle: Path, models: dict[str, Path], settings: Settings) -> list[dict]:  # noqa: ANN001
+    """One traced page load per model and engine at the first thread count: where the engine's worker
+    spends its time during the measured runs, in ms per generated token."""
+    threads = settings.threads[0]
+    rows = []
+    with serving(bundle, threads) as url:
+        for query in page_queries(models, settings, threads):
+            _progress(query, "profile")
+            wait_for_quiet(settings.quiet)
+            result, trace = open_page(browser, url, {**query, "profile": 1}, trace=True)
+            tokens = sum(len(w["tokens"]) for w in result["warm"])
+            functions = worker_functions(trace)
+            rows.append({
+                "model": query["model"], "threads": threads, "engine": query["engine"],
+                "ms_per_token": {kind: ms / tokens for kind, ms in by_kind(functions).items()},
+                "top_functions_ms_per_token": [(f, file, ms / tokens)
+                                               for f, file, ms in top_functions(functions)],
+                "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in result["warm"]),
+            })
+    return rows
+
+
+def wait_for_quiet(limit: float, patience_s: float = 900) -> float:
+    """Wait (at most `patience_s`) until other processes leave the CPUs idle enough to time a page
+    load; returns how busy the CPUs were when we stopped waiting."""
+    deadline = time.monotonic() + patience_s
+    busy = cpu_busy()
+    while busy > limit and time.monotonic() < deadline:
+        time.sleep(5)
+        busy = cpu_busy()
+    if busy > limit:
+        print(f"  the CPUs are {busy:.0%} busy: measuring anyway", file=sys.stderr)
+    return round(busy, 3)
+
+
+def cpu_busy(seconds: float = 2.0) -> float:
+    """The fraction of all CPUs' time spent busy over `seconds` (/proc/stat)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # all time (no guest), idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def _rotated(items: Sequence, by: int) -> list:
+    by %= len(items)
+    return [*items[by:], *items[:by]]
+
+
+def _progress(query: dict, what: str) -> None:
+    print(f"  {query['model']} threads={query['threads']} {what}: {query['engine']}", file=sys.stderr)
+
+
+@contextmanager
+def chromium() -> Iterator:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextmanager
+def serving(bundle: Path, threads: int) -> Iterator[str]:
+    """The bundle on a free port. More than one thread needs a cross-origin isolated page (COOP/COEP
+    headers); one thread is served without them, where ortpipe's worker takes a single thread."""
+    from ortpipe.targets.web_server import serve_in_thread
+
+    server, url = serve_in_thread(bundle, coop=threads > 1)
+    try:
+        yield url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def open_page(browser, url: str, query: dict, trace: bool = False):  # noqa: ANN001, ANN201 (Playwright)
+    """One engine in a fresh context (no cache of any kind): bench.html's measurements, and with
+    `trace` the Chrome trace (with V8's sampling profiler) of the page load as well."""
+    from urllib.parse import urlencode
+
+    context = browser.new_context()
+    errors: list[str] = []
+    requests: list[str] = []  # every URL the page and its workers asked for
+    context.on("request", lambda r: requests.append(r.url))
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_default_timeout(PAGE_TIMEOUT_MS)
+        if trace:
+            browser.start_tracing(page=page, categories=TRACE_CATEGORIES)
+        page.goto(f"{url}bench.html?{urlencode(query)}")
+        result = page.evaluate("window.benchResult")
+        traced = json.loads(browser.stop_tracing()) if trace else None
+    finally:
+        context.close()
+    if "error" in result:
+        details = "\n".join(errors[-5:])
+        raise RuntimeError(f"{query['engine']} on {query['model']}: {result['error']}\n{details}")
+    outside = [u for u in requests if not u.startswith((url, "blob:", "data:"))]
+    if outside:
+        raise RuntimeError(f"{query['engine']} on {query['model']} left the origin {url}: {outside[:5]}")
+    result["requests"] = len(requests)
+    return (result, traced) if trace else result
+
+
+# --- profiles ------------------------------------------------------------------------------------
+
+TRACE_CATEGORIES = ["disabled-by-default-v8.cpu_profiler", "blink.user_timing", "__metadata"]
+# Where a sampled function's code comes from (the end of its script's URL) -> what it is.
+SOURCES = (
+    ("ort-wasm-simd-threaded", ".wasm", "onnxruntime kernels (wasm)"),
+    ("ort", ".mjs", "onnxruntime-web JS (tensors in and out of the wasm heap)"),
+    ("pyodide", "", "Python (Pyodide: interpreter, FFI)"),
+    ("transformers", ".js", "transformers.js JS (with its bundled onnxruntime-web JS)"),
+    ("tokenizers", ".mjs", "tokenizers.js (ortpipe's streamed text)"),
+    ("", "bridge.js", "worker glue (bridge.js, worker.js, bench.js)"),
+    ("", "worker.js", "worker glue (bridge.js, worker.js, bench.js)"),
+    ("", "bench.js", "worker glue (bridge.js, worker.js, bench.js)"),
+)
+SPECIAL_FRAMES = {"(garbage collector)": "garbage collector", "(idle)": "idle (waiting)",
+                  "postMessage": "postMessage"}
+OTHER = "other (V8 and Blink internals, wasm <-> JS calls)"
+
+
+def worker_functions(trace: dict) -> dict[tuple[str, str], float]:
+    """Milliseconds per (function, script file) on the busiest worker thread between bench.html's
+    bench-warm-start and bench-warm-end marks."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    marks = {e["name"]: e["ts"] for e in events if e.get("name") in ("bench-warm-start", "bench-warm-end")}
+    start, end = marks["bench-warm-start"], marks["bench-warm-end"]
+    workers = {(e["pid"], e["tid"]) for e in events
+               if e.get("name") == "thread_name" and e["args"]["name"] == "DedicatedWorker thread"}
+    totals = []
+    for thread, nodes, samples in _profiles(events):
+        if thread not in workers:
+            continue
+        window = [(t, node) for t, node in samples if start <= t <= end]
+        spent: dict[tuple[str, str], float] = {}
+        for (t, node), (t_next, _) in zip(window, window[1:], strict=False):
+            frame = nodes[node]["callFrame"]
+            key = (frame["functionName"], frame.get("url", "").rsplit("/", 1)[-1])
+            spent[key] = spent.get(key, 0.0) + (t_next - t) / 1000
+        totals.append(spent)
+    return max(totals, key=lambda s: sum(ms for (name, _), ms in s.items() if name != "(idle)"))
+
+
+def by_kind(functions: dict[tuple[str, str], float]) -> dict[str, float]:
+    kinds: dict[str, float] = {}
+    for (name, script), ms in functions.items():
+        kind = _kind(name, script)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def top_functions(functions: dict[tuple[str, str], float], count: int = 15) -> list[tuple[str, str, float]]:
+    ranked = sorted(functions.items(), key=lambda kv: -kv[1])[:count]
+    return [(name, script, ms) for (name, script), ms in ranked]
+
+
+def _profiles(events: list[dict]) -> Iterator[tuple[tuple, dict, list]]:
+    """Each sampled thread: its (pid, tid), its call tree's nodes by id and its (time, node) samples."""
+    profiles: dict[tuple, dict] = {}
+    for e in events:
+        if e.get("name") == "Profile":
+            profiles[(e["pid"], e["id"])] = {"thread": (e["pid"], e["tid"]), "nodes": {}, "samples": [],
+                                             "time": e["args"]["data"]["startTime"]}
+        elif e.get("name") == "ProfileChunk" and (e["pid"], e["id"]) in profiles:
+            profile = profiles[(e["pid"], e["id"])]
+            data = e["args"]["data"]
+            tree = data.get("cpuProfile", {})
+            profile["nodes"].update({n["id"]: n for n in tree.get("nodes", [])})
+            for node, delta in zip(tree.get("samples", []), data.get("timeDeltas", []), strict=True):
+                profile["time"] += delta
+                profile["samples"].append((profile["time"], node))
+    for profile in profiles.values():
+        yield profile["thread"], profile["nodes"], profile["samples"]
+
+
+def _kind(function: str, script: str) -> str:
+    for prefix, suffix, kind in SOURCES:
+        if script and script.startswith(prefix) and script.endswith(suffix):
+            return kind
+    return SPECIAL_FRAMES.get(function, OTHER)
+
+
+# --- results -------------------------------------------------------------------------------------
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Medians per (model, threads, engine): cold start over rounds, the rest over all warm runs."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["model"], run["threads"], run["engine"]), []).append(run)
+    rows = []
+    for (model, threads, engine), group in groups.items():
+        warm = [w for run in group for w in run["warm"]]
+        rows.append({
+            "model": model, "threads": threads, "engine": engine, "versions": group[0]["versions"],
+            "cold_start_ms": statistics.median(run["coldStartMs"] for run in group),
+            "load_ms": statistics.median(run["loadedMs"] for run in group),
+            "first_token_ms": statistics.median(w["firstTokenMs"] for w in warm),
+            "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in warm),
+            "token_ms": statistics.median(w["medianTokenMs"] for w in warm),
+            # ortpipe's own count (its Python side: no worker-to-page message in it)
+            "reported_decode_tokens_per_s": _median_or_none(
+                w["reported"]["decodeTokensPerS"] for w in warm if w.get("reported")),
+        })
+    return rows
+
+
+def _median_or_none(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def token_mismatches(runs: list[dict], new_tokens: int) -> list[str]:
+    """Every generation of a (model, threads) set against the first transformers.js one."""
+    problems = []
+    for key in dict.fromkeys((run["model"], run["threads"]) for run in runs):
+        group = [run for run in runs if (run["model"], run["threads"]) == key]
+        reference = next((r for r in group if r["engine"] == "transformers.js"), group[0])
+        expected = reference["cold"]["tokens"]
+        for run in group:
+            generations = {"cold": run["cold"], **{f"warm {i + 1}": w for i, w in enumerate(run["warm"])}}
+            for label, generation in generations.items():
+                where = f"{key[0]} threads={key[1]} {run['engine']} round {run['round'] + 1} {label}"
+                problems += _compare(generation["tokens"], expected, new_tokens, where, reference["engine"])
+    return problems
+
+
+def token_report(runs: list[dict]) -> str:
+    """Each model's reference tokens (transformers.js's first generation) and how many generations of
+    which engines were compared with them."""
+    lines = []
+    for key in dict.fromkeys((run["model"], run["threads"]) for run in runs):
+        group = [run for run in runs if (run["model"], run["threads"]) == key]
+        reference = next((r for r in group if r["engine"] == "transformers.js"), group[0])
+        count = sum(1 + len(run["warm"]) for run in group)
+        engines = ", ".join(dict.fromkeys(run["engine"] for run in group))
+        lines.append(f"{key[0]} threads={key[1]}: {count} generations ({engines}) compared with "
+                     f"{reference['engine']}'s tokens {reference['cold']['tokens']}")
+    return "\n".join(lines)
+
+
+def _compare(tokens: list[int], expected: list[int], new_tokens: int, where: str, against: str) -> list[str]:
+    problems = []
+    if len(tokens) != new_tokens:
+        problems.append(f"{where}: {len(tokens)} tokens, not {new_tokens}")
+    first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
+    if first is not None:
+        problems.append(f"{where}: differs from {against} from token {first} "
+                        f"({tokens[first]} != {expected[first]})")
+    return problems
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per model, thread count and engine, with its medians."""
+    lines = [
+        "| model | threads | engine | onnxruntime-web | decode tok/s | ms/token | first token ms "
+        "| cold start ms | load ms |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        ort = r["versions"].get("onnxruntime-web")
+        lines.append(f"| {r['model']} | {r['threads']} | {r['engine']} | {ort} "
+                     f"| {r['decode_tokens_per_s']:.1f} | {r['token_ms']:.2f} | {r['first_token_ms']:.0f} "
+                     f"| {r['cold_start_ms']:.0f} | {r['load_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+# What each ratio compares: (field of a page's result, higher is better for the engine).
+# The median token interval shrugs off the stalls other processes cause better than tokens/s.
+RATIO_FIELDS = {"decode tok/s": ("decodeTokensPerS", True), "median token interval": ("medianTokenMs", False),
+                "first token": ("firstTokenMs", False), "cold start": ("coldStartMs", False)}
+
+
+def page_value(run: dict, field: str) -> float:
+    """One page's number: the median over its warm generations, or its cold start."""
+    if field == "coldStartMs":
+        return run[field]
+    return statistics.median(w[field] for w in run["warm"])
+
+
+def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[float]]:
+    """ortpipe's speed over `other`'s (above 1: ortpipe is faster) for `what`, one ratio per round
+    from the two pages of that round (loaded minutes apart at most, under the same load)."""
+    field, higher_is_better = RATIO_FIELDS[what]
+    pages = {(r["model"], r["threads"], r["round"], r["engine"]): page_value(r, field) for r in runs}
+    ratios: dict[tuple, list[float]] = {}
+    for (model, threads, round_, engine), ours in pages.items():
+        theirs = pages.get((model, threads, round_, other))
+        if engine == "ortpipe" and theirs is not None:
+            ratio = ours / theirs if higher_is_better else theirs / ours
+            ratios.setdefault((model, threads), []).append(ratio)
+    return ratios
+
+
+def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
+    """Markdown: ortpipe's speed over each other engine, median of the per-round ratios (min-max)."""
+    cells = [(other, what) for other in others for what in RATIO_FIELDS
+             if other != "ort" or what not in ("first token", "cold start")]  # the floor loads no framework
+    lines = ["| model | threads | " + " | ".join(f"vs {o}: {w}" for o, w in cells) + " |",
+             "| --- | ---: |" + " ---: |" * len(cells)]
+    found = {cell: round_ratios(runs, *cell) for cell in cells}
+    for key in dict.fromkeys((r["model"], r["threads"]) for r in runs):
+        values = []
+        for cell in cells:
+            ratios = found[cell].get(key)
+            values.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                          if ratios else "")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def rounds_table(runs: list[dict], engines: Sequence[str]) -> str:
+    """Markdown: each round's decode tok/s per engine (median of the page's warm runs)."""
+    pages = {(r["model"], r["threads"], r["round"], r["engine"]): page_value(r, "decodeTokensPerS")
+             for r in runs}
+    busy: dict[tuple, float] = {}  # the busiest the CPUs were before any page of the round
+    for r in runs:
+        key = (r["model"], r["threads"], r["round"])
+        busy[key] = max(busy.get(key, 0.0), r["busy_before"])
+    lines = ["| model | threads | round | CPUs busy before | " + " | ".join(engines)
+             + " | ortpipe / transformers.js |",
+             "| --- | ---: | ---: | ---: |" + " ---: |" * (len(engines) + 1)]
+    for model, threads, round_ in busy:
+        values = [pages.get((model, threads, round_, e)) for e in engines]
+        ours, theirs = (pages.get((model, threads, round_, e)) for e in ("ortpipe", "transformers.js"))
+        ratio = f"{ours / theirs:.2f}x" if ours and theirs else ""
+        lines.append(f"| {model} | {threads} | {round_ + 1} | {busy[model, threads, round_]:.0%} | "
+                     + " | ".join(f"{v:.1f}" if v else "" for v in values) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Markdown: ms per generated token by kind of code, one column per model and engine."""
+    kinds = list(dict.fromkeys(kind for row in rows for kind in row["ms_per_token"]))
+    header = [f"{row['model']} {row['engine']}" for row in rows]
+    lines = ["| ms per token | " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(rows)]
+    for kind in kinds:
+        lines.append(_row(kind, (row["ms_per_token"].get(kind, 0.0) for row in rows), 2))
+    lines.append(_row("**total**", (sum(row["ms_per_token"].values()) for row in rows), 2))
+    lines.append(_row("decode tok/s while profiled", (row["decode_tokens_per_s"] for row in rows), 1))
+    return "\n".join(lines)
+
+
+def _row(label: str, values: Iterable[float], digits: int) -> str:
+    return f"| {label} | " + " | ".join(f"{v:.{digits}f}" for v in values) + " |"
+
+
+def machine() -> dict:
+    """What the numbers were measured on, and how busy it was (load averages: 1, 5, 15 minutes)."""
+    import os
+    import platform
+    import subprocess
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    version = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, check=False)
+    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.platform(),
+            "chromium": version.stdout.strip(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def _csv(kind):  # noqa: ANN001, ANN202
+    return lambda text: tuple(kind(item) for item in text.split(",") if item)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m build.bench_web", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=_csv(str), default=tuple(SIZES), help="comma-separated: 20m,100m")
+    parser.add_argument("--threads", type=_csv(int), default=(1,),
+                        help="comma-separated thread counts; 1 is served without COOP/COEP, more with them")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="page loads per engine (each a cold start); 0 for none")
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="unmeasured generations after the cold one")
+    parser.add_argument("--warm-runs", type=int, default=3, help="measured generations per page load")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--engines", type=_csv(str), default=ENGINES,
+                        help=f"comma-separated: {','.join(ENGINES)}")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace one page load per model and engine (first thread count) and show "
+                             "where each engine's worker spends its time")
+    parser.add_argument("--quiet", type=float, default=1.0,
+                        help="before each page load, wait until the CPUs are at most this busy "
+                             "(0 to 1; 1, the default: never wait, only record how busy they were)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the bundle is built")
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument("--show", type=Path, metavar="JSON",
+                        help="measure nothing: print the tables of a report written by --json")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.models if m not in SIZES] + [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        parser.error(f"unknown model or engine: {', '.join(unknown)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.show:
+        return show(json.loads(args.show.read_text()))
+    settings = Settings(args.models, args.threads, args.rounds, args.warmup_runs, args.warm_runs,
+                        args.prompt_tokens, args.new_tokens, args.engines, args.quiet)
+    models = {name: model_folder(SIZES[name]) for name in settings.models}
+    try:
+        bundle = build_bundle(args.out, models)
+    except web.BuildError as e:
+        print(f"bench_web: {e}", file=sys.stderr)
+        return 2
+    report = {"machine_before": machine(), "settings": asdict(settings),
+              "parameters": {name: parameter_count(folder) for name, folder in models.items()}}
+    with chromium() as browser:
+        runs = measure(browser, bundle, models, settings)
+        profiles = profile(browser, bundle, models, settings) if args.profile else []
+    report.update(machine_after=machine(), summary=summarize(runs), profiles=profiles,
+                  token_mismatches=token_mismatches(runs, settings.new_tokens), runs=runs)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return show(report)
+
+
+def show(report: dict) -> int:
+    """Print a report's token check and tables; 1 when generations differ."""
+    runs, engines = report["runs"], report["settings"]["engines"]
+    print(token_report(runs))
+    if report["token_mismatches"]:
+        print(f"\nWARNING: {len(report['token_mismatches'])} generations differ (near-ties aside, a bug in "
+              "one engine):", file=sys.stderr)
+        for problem in report["token_mismatches"]:
+            print(f"WARNING:   {problem}", file=sys.stderr)
+    if runs:
+        others = [e for e in engines if e != "ortpipe"]
+        print(f"\n{table(report['summary'])}\n\n{ratio_table(runs, others)}\n\n{rounds_table(runs, engines)}")
+    if report["profiles"]:
+        print(profile_table(report["profiles"]))
+    return 1 if report["token_mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

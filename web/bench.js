@@ -1,0 +1,289 @@
+// The benchmark page (bench.html, driven by build/bench_web.py): one engine per page load.
+//
+//   bench.html?engine=ortpipe&model=20m&threads=1&newTokens=128&warmupRuns=1&warmRuns=3&prompt=5,17,...
+//
+// Engines: "ortpipe" (ortpipe.js: Pyodide over onnxruntime-web in ortpipe's worker),
+// "transformers.js" (@huggingface/transformers in a worker, over the onnxruntime-web build ortpipe
+// bundles), "transformers.js-own-ort" (the same, over the onnxruntime-web it bundles itself) and
+// "ort" (a hand-written greedy loop over ortpipe's onnxruntime-web build, in a worker: the kernels'
+// time, nothing else).
+// Every engine runs in a worker and every time is taken here, on the page's thread, when a token
+// arrives. The first generation gives the cold start (navigation start to its first token); the
+// warm ones give time to first token and decode tokens/s. window.benchResult settles to the
+// measurements, or to {error}.
+//
+// This file is also the worker of every engine but ortpipe (new Worker(bench.js)).
+
+const IN_WORKER = typeof window === 'undefined';
+const here = (path) => new URL(path, import.meta.url).href;
+
+// --- the page ------------------------------------------------------------------------------------
+
+async function runPage(params) {
+  const settings = {
+    engine: params.get('engine'),
+    model: params.get('model'),
+    threads: Number(params.get('threads')),
+    newTokens: Number(params.get('newTokens')),
+    warmRuns: Number(params.get('warmRuns')),
+    warmupRuns: Number(params.get('warmupRuns') ?? 0),
+    prompt: params.get('prompt').split(',').map(Number),
+    profile: params.has('profile'), // a traced run: code must be named by its URL
+  };
+  const open = PAGE_ENGINES[settings.engine];
+  if (!open) throw new Error(`unknown engine ${settings.engine}; expected ${Object.keys(PAGE_ENGINES)}`);
+  show(`${settings.engine}: loading models/${settings.model}/`);
+  const engine = await open(settings);
+  const loadedMs = performance.now();
+  // The first generation starts the clock at navigation start (performance.now() is 0 there).
+  const cold = await timeGeneration(engine, settings, 0);
+  // Unmeasured: the browser finishes optimising the wasm code (it tiers up in the background).
+  for (let i = 0; i < settings.warmupRuns; i++) {
+    show(`${settings.engine}: warm-up run ${i + 1} of ${settings.warmupRuns}`);
+    await timeGeneration(engine, settings, performance.now());
+  }
+  // The marks delimit the measured runs in a Chrome trace (build/bench_web.py --profile).
+  performance.mark('bench-warm-start');
+  const warm = [];
+  for (let i = 0; i < settings.warmRuns; i++) {
+    show(`${settings.engine}: warm run ${i + 1} of ${settings.warmRuns}`);
+    warm.push(await timeGeneration(engine, settings, performance.now()));
+  }
+  performance.mark('bench-warm-end');
+  engine.dispose();
+  show(`${settings.engine}: done`);
+  return {
+    engine: settings.engine, model: settings.model, threads: settings.threads, versions: engine.versions,
+    crossOriginIsolated: self.crossOriginIsolated, loadPhases: engine.phases, loadedMs,
+    coldStartMs: cold.firstTokenMs, cold, warm,
+  };
+}
+
+/** Generate once; times are taken when each token reaches this thread. */
+async function timeGeneration(engine, { prompt, newTokens }, started) {
+  const tokens = [];
+  const arrivals = [];
+  const reported = await engine.generate(prompt, newTokens, (token) => {
+    arrivals.push(performance.now());
+    tokens.push(token);
+  });
+  const decodeMs = arrivals.at(-1) - arrivals[0];
+  return {
+    tokens,
+    firstTokenMs: arrivals[0] - started,
+    decodeTokensPerS: (tokens.length - 1) / (decodeMs / 1000),
+    medianTokenMs: median(arrivals.slice(1).map((t, i) => t - arrivals[i])),
+    reported, // the engine's own timings, when it has any
+  };
+}
+
+function median(values) {
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+function show(text) {
+  document.getElementById('status').textContent = text;
+}
+
+const PAGE_ENGINES = {
+  ortpipe: openOrtpipe,
+  'transformers.js': openWorkerEngine,
+  'transformers.js-own-ort': openWorkerEngine,
+  ort: openWorkerEngine,
+};
+
+/**
+ * ortpipe through its embed API. Its worker (web/worker.js, configureOrt) takes min(4, cores)
+ * threads on a cross-origin isolated page and one thread otherwise; it has no option to set them.
+ */
+async function openOrtpipe({ model, threads }) {
+  const chosen = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
+  if (threads !== chosen) {
+    throw new Error(`ortpipe's worker will use ${chosen} threads here, not ${threads}: serve the page `
+      + `${threads > 1 ? 'with' : 'without'} COOP/COEP on a machine with ${threads} cores`);
+  }
+  const [{ load }, versions] = await Promise.all([
+    import('./ortpipe.js'), fetch(here('./versions.json')).then((r) => r.json()),
+  ]);
+  const phases = {}; // when each load phase (runtime, download, session, ready) began
+  const onProgress = ({ phase }) => { phases[phase] ??= performance.now(); };
+  const pipe = await load(here(`./models/${model}/`), { device: 'wasm', onProgress });
+  return {
+    versions: {
+      ortpipe: versions.ortpipe, 'onnxruntime-web': versions['onnxruntime-web'], pyodide: versions.pyodide,
+    },
+    phases,
+    async generate(prompt, newTokens, onToken) {
+      const stream = pipe.stream({ promptIds: prompt, maxNewTokens: newTokens, doSample: false });
+      for (let next = await stream.next(); ; next = await stream.next()) {
+        if (next.done) return next.value.timings;
+        onToken(next.value.token);
+      }
+    },
+    dispose: () => pipe.dispose(),
+  };
+}
+
+/** An engine that runs in a worker of this file: load, then generate on request. */
+async function openWorkerEngine({ engine, model, threads, profile }) {
+  const worker = new Worker(import.meta.url, { type: 'module' });
+  let pending = null; // {resolve, reject, onToken} of the message being answered
+  worker.onmessage = ({ data }) => {
+    if (data.type === 'token') pending.onToken(data.token);
+    else if (data.type === 'error') pending.reject(new Error(data.message));
+    else pending.resolve(data.value);
+  };
+  worker.onerror = (event) => pending?.reject(new Error(event.message || 'the benchmark worker failed'));
+  const call = (message, onToken) => new Promise((resolve, reject) => {
+    pending = { resolve, reject, onToken };
+    worker.postMessage(message);
+  });
+  const modelUrl = here(`./models/${model}/`);
+  const versions = await call({ type: 'load', engine, modelUrl, model, threads, profile });
+  return {
+    versions,
+    generate: (prompt, newTokens, onToken) => call({ type: 'generate', prompt, newTokens }, onToken),
+    dispose: () => worker.terminate(),
+  };
+}
+
+// --- the worker ----------------------------------------------------------------------------------
+
+function serveEngine() {
+  const opened = {};
+  self.onmessage = async ({ data }) => {
+    try {
+      let value;
+      if (data.type === 'load') {
+        Object.assign(opened, await WORKER_ENGINES[data.engine](data));
+        value = opened.versions;
+      } else {
+        const onToken = (token) => self.postMessage({ type: 'token', token });
+        await opened.generate(data.prompt, data.newTokens, onToken);
+      }
+      self.postMessage({ type: 'result', value });
+    } catch (error) {
+      self.postMessage({ type: 'error', message: String(error?.stack ?? error) });
+    }
+  };
+}
+
+const WORKER_ENGINES = {
+  'transformers.js': (options) => openTransformersJs(options, 'ortpipe'),
+  'transformers.js-own-ort': (options) => openTransformersJs(options, 'own'),
+  ort: openOrtLoop,
+};
+
+/**
+ * transformers.js over the model folder, from this origin only. `ortBuild` picks its
+ * onnxruntime-web: "ortpipe" hands it the build ortpipe runs (ort/ort.wasm.min.mjs) through the
+ * globalThis[Symbol.for('onnxruntime')] hook it reads at import, so that both engines run the
+ * same kernels; "own" keeps the onnxruntime-web JS bundled in transformers.min.js, with the wasm
+ * build it would fetch from a CDN (the asyncify one) served from tjs/ instead. By default
+ * transformers.js fetches that build into the Cache API and compiles it from bytes; a profiled run
+ * lets onnxruntime-web load it by URL, so the profile can tell its code from the rest.
+ */
+async function openTransformersJs({ model, threads, profile }, ortBuild) {
+  if (ortBuild === 'ortpipe') globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
+  const tjs = await import('./tjs/transformers.min.js');
+  const { env } = tjs;
+  env.allowRemoteModels = false;
+  env.allowLocalModels = true;
+  env.localModelPath = here('./models/');
+  env.useBrowserCache = false; // ortpipe keeps no copy of the model either
+  env.useWasmCache = ortBuild === 'own' && !profile;
+  env.backends.onnx.wasm.wasmPaths = ortBuild === 'own' ? {
+    mjs: here('./tjs/ort-wasm-simd-threaded.asyncify.mjs'),
+    wasm: here('./tjs/ort-wasm-simd-threaded.asyncify.wasm'),
+  } : here('./ort/');
+  env.backends.onnx.wasm.numThreads = threads;
+  // With an onnxruntime handed in, transformers.js lists no devices and refuses "wasm": ask
+  // onnxruntime for the wasm EP directly.
+  const device = ortBuild === 'own'
+    ? { device: 'wasm' }
+    : { device: 'auto', session_options: { executionProviders: ['wasm'] } };
+  const lm = await tjs.AutoModelForCausalLM.from_pretrained(model, { ...device, dtype: 'fp32' });
+  return {
+    versions: { 'transformers.js': env.version, 'onnxruntime-web': env.backends.onnx.versions?.web },
+    async generate(prompt, newTokens, onToken) {
+      const ids = (fill) => new tjs.Tensor('int64', BigInt64Array.from(prompt, fill), [1, prompt.length]);
+      let inPrompt = true; // generate() streams the prompt first
+      const streamer = {
+        put(value) {
+          if (!inPrompt) onToken(Number(value[0][0]));
+          inPrompt = false;
+        },
+        end() {},
+      };
+      await lm.generate({
+        input_ids: ids(BigInt), attention_mask: ids(() => 1n), max_new_tokens: newTokens, do_sample: false,
+        streamer,
+      });
+    },
+  };
+}
+
+/**
+ * The floor: a greedy loop over the concat-layout graph with ortpipe's onnxruntime-web build,
+ * feeding each step's present KV back as the next step's past.
+ */
+async function openOrtLoop({ modelUrl, threads }) {
+  const ort = await import('./ort/ort.wasm.min.mjs');
+  ort.env.wasm.wasmPaths = here('./ort/');
+  ort.env.wasm.numThreads = threads;
+  ort.env.logLevel = 'error';
+  const config = await fetch(`${modelUrl}config.json`).then((r) => r.json());
+  const session = await ort.InferenceSession.create(`${modelUrl}onnx/model.onnx`, {
+    executionProviders: ['wasm'], graphOptimizationLevel: 'all',
+  });
+  const headSize = config.head_dim ?? config.hidden_size / config.num_attention_heads;
+  const kvDims = [1, config.num_key_value_heads, 0, headSize];
+  const int64 = (values) => new ort.Tensor('int64', BigInt64Array.from(values, BigInt), [1, values.length]);
+  return {
+    versions: { 'onnxruntime-web': ort.env.versions.web },
+    async generate(prompt, newTokens, onToken) {
+      const past = {};
+      for (let layer = 0; layer < config.num_hidden_layers; layer++) {
+        for (const kind of ['key', 'value']) {
+          past[`past_key_values.${layer}.${kind}`] = new ort.Tensor('float32', new Float32Array(0), kvDims);
+        }
+      }
+      let ids = prompt;
+      let length = 0;
+      for (let step = 0; step < newTokens; step++) {
+        const positions = ids.map((_, i) => length + i);
+        length += ids.length;
+        const mask = new Array(length).fill(1);
+        const outputs = await session.run({
+          input_ids: int64(ids), attention_mask: int64(mask), position_ids: int64(positions), ...past,
+        });
+        const token = argmaxLast(outputs.logits);
+        onToken(token);
+        ids = [token];
+        for (const name of Object.keys(past)) {
+          past[name] = outputs[name.replace('past_key_values', 'present')];
+        }
+      }
+    },
+  };
+}
+
+function argmaxLast({ data, dims }) {
+  const vocab = dims.at(-1);
+  const start = data.length - vocab;
+  let best = 0;
+  for (let i = 1; i < vocab; i++) if (data[start + i] > data[start + best]) best = i;
+  return best;
+}
+
+// --- start (last: everything above is defined) ------------------------------------------------
+
+if (IN_WORKER) {
+  serveEngine();
+} else {
+  window.benchResult = runPage(new URLSearchParams(location.search)).catch((error) => ({
+    error: `${error?.name ?? 'Error'}: ${error?.message ?? error}`,
+  }));
+}
