@@ -9,7 +9,7 @@ import pytest
 
 from ortpipe.config import load_config
 from ortpipe.errors import GenerationError
-from ortpipe.execute.work import Run
+from ortpipe.execute.work import Decode, Run
 from ortpipe.folder import LocalFolder
 from ortpipe.loops.autoregressive import Limits, TokenGenerator
 from ortpipe.plan import make_plan
@@ -53,12 +53,12 @@ def decoder_sig(layers: tuple[int, ...] = (0, 1)) -> Signature:
 
 
 def make_generator(tmp_path: Path, kv: dict, max_length: int = 8, eos: tuple = (9,),
-                   sig: Signature | None = None) -> TokenGenerator:
+                   sig: Signature | None = None, backend: FakeBackend | None = None) -> TokenGenerator:
     (tmp_path / "model.onnx").write_bytes(b"")
     (tmp_path / "genai_config.json").write_text(json.dumps(
         {"version": 2, "pipeline": {"extends": "autoregressive-decoder", "state": {"kv_cache": kv}}}))
     plan = make_plan(load_config(LocalFolder(tmp_path)), {"decoder": sig or decoder_sig()})
-    return TokenGenerator(plan, FakeBackend(), Limits(max_length, frozenset(eos)))
+    return TokenGenerator(plan, backend or FakeBackend(), Limits(max_length, frozenset(eos)))
 
 
 def scripted(gen: TokenGenerator, picks: list[int], present_len=None) -> list[Run]:
@@ -164,3 +164,34 @@ def test_bad_prompts_are_refused_before_running(tmp_path: Path) -> None:
         gen.append_tokens([1, -2])
     with pytest.raises(GenerationError, match="do not fit in max_length 4"):
         gen.append_tokens([1, 2, 3, 4, 5])
+
+
+class FusingBackend(FakeBackend):
+    fused_decode = frozenset({"concat"})  # what the browser driver fuses, less the shared buffer
+
+
+@pytest.mark.parametrize("kv, fused", [({"format": "auto"}, True), ({"share_buffer": True}, False),
+                                       ({"sliding_window": {"window_size": 3, "layers": [1]}}, False)])
+def test_decode_steps_are_fused_only_for_layouts_the_backend_names(tmp_path: Path, kv: dict,
+                                                                   fused: bool) -> None:
+    gen = make_generator(tmp_path, kv, max_length=10, backend=FusingBackend())
+    gen.append_tokens([5, 6, 7])
+    scripted(gen, [1], present_len=(lambda name, total: 10) if kv.get("share_buffer") else None)
+    work = gen.next_token()
+    request = next(work)
+    assert isinstance(request, Decode) is fused
+    if not fused:
+        assert request.session == "decoder"  # the generic step
+        return
+    cache = gen.flow.caches["decoder"]
+    assert request.cache is cache.feeds  # the driver keeps the core's cache dict current
+    assert (request.token, request.past, request.shared) == (1, 3, False)
+    assert request.presents["present.1.value"] == "past_key_values.1.value"
+    assert (request.ids, request.mask, request.positions) == (
+        ("input_ids", "int64"), ("attention_mask", "int64"), ("position_ids", "int64"))
+    assert (request.logits, request.logits_shape, request.capacity) == ("logits", (1, 1, 10), 10)
+    with pytest.raises(StopIteration) as stop:
+        work.send(4)
+    assert stop.value.value == 4
+    # the graph has seen the prompt and token 1; token 4 waits for the next step
+    assert (gen.tokens, gen.fused_steps, cache.length, gen.flow.length) == ([5, 6, 7, 1, 4], 1, 4, 4)

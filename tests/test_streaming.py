@@ -35,6 +35,7 @@ class ScriptedGenerator:
         self.ids, self.i = ids, 0
         self.limits = SimpleNamespace(eos=eos)
         self.interrupted = False
+        self.fused_steps = 0
 
     @property
     def done(self) -> bool:

@@ -156,6 +156,11 @@ export class Bridge {
     return new this.ort.Tensor('int64', tokens, [batch]);
   }
 
+  /** Fused greedy decode steps of one request on `session` (see Decoder below). */
+  decoder(session, spec) {
+    return new Decoder(this.ort, session, spec);
+  }
+
   /** A small CPU tensor's values as numbers. */
   toList(tensor) {
     return Array.from(tensor.data, Number);
@@ -172,5 +177,98 @@ export class Bridge {
     return (messagesJson, addGenerationPrompt) => template.render({
       messages: JSON.parse(messagesJson), add_generation_prompt: addGenerationPrompt, ...tokens,
     });
+  }
+}
+
+/** The first index of the largest of the last `vocab` values (float16 as IEEE half bits or Float16Array). */
+function argmaxLastRow(data, vocab) {
+  const start = data.length - vocab;
+  const value = data instanceof Uint16Array ? (i) => halfToFloat(data[start + i]) : (i) => data[start + i];
+  let best = 0;
+  let top = value(0);
+  for (let i = 1; i < vocab; i++) {
+    const v = value(i);
+    if (v > top) { top = v; best = i; }
+  }
+  return best;
+}
+
+function halfToFloat(bits) {
+  const exponent = (bits >> 10) & 0x1f;
+  const magnitude = exponent === 0 ? (bits & 0x3ff) * 2 ** -24
+    : exponent === 0x1f ? ((bits & 0x3ff) ? NaN : Infinity)
+      : (1 + (bits & 0x3ff) / 1024) * 2 ** (exponent - 15);
+  return bits & 0x8000 ? -magnitude : magnitude;
+}
+
+/**
+ * Greedy decode steps of one request on one decoder session, fused: the core's `Decode`
+ * (py/ortpipe/execute/work.py). The KV cache lives here between steps (past name -> ort.Tensor,
+ * each present becoming the next past, concat or shared buffer alike), so a step crosses into
+ * Python as one token id instead of a tensor proxy per cache entry. The Python driver reads the
+ * cache back through `current` when a generic run needs it.
+ */
+export class Decoder {
+  /**
+   * @param {{ids: [string, string], mask: [string, string]|null, positions: [string, string]|null,
+   *   presents: Object<string, string>, outputs: string[], logits: string, vocab: number,
+   *   capacity: number, gpu: boolean}} spec names and dtypes of the session's decode feeds;
+   *   `presents` maps each present output to its past input; `gpu`: outputs stay on the GPU.
+   */
+  constructor(ort, session, spec) {
+    this.ort = ort;
+    this.session = session;
+    this.spec = spec;
+    this.presents = Object.entries(spec.presents);
+    this.others = spec.outputs.filter((name) => name !== spec.logits && !(name in spec.presents));
+    this.cache = {};
+    // one row of ones; the mask of a step is a view of its first past + 1 values
+    this.ones = spec.mask ? typedArray(spec.mask[1], new Array(spec.capacity).fill(1)) : null;
+  }
+
+  /** Take over `tensors` as the cache entries `names`: from now on this decoder disposes them. */
+  seed(names, tensors) {
+    names.forEach((name, i) => this.put(name, tensors[i]));
+  }
+
+  current(name) {
+    return this.cache[name];
+  }
+
+  /** Make `tensor` the cache entry `name`, disposing the one it replaces (GPU buffers). */
+  put(name, tensor) {
+    const old = this.cache[name];
+    if (this.spec.gpu && old && old !== tensor) old.dispose();
+    this.cache[name] = tensor;
+  }
+
+  /** Forget the entry `name` (Python dropped it), disposing its GPU buffer. */
+  drop(name) {
+    this.put(name, undefined);
+    delete this.cache[name];
+  }
+
+  /** Forget the entry `name` without disposing it: another owner took it. */
+  forget(name) {
+    delete this.cache[name];
+  }
+
+  /** One step: `token` at position `past`; the argmax of the logits' last row. */
+  async step(token, past) {
+    const { ids, mask, positions } = this.spec;
+    const feeds = { ...this.cache };
+    const { Tensor } = this.ort;
+    feeds[ids[0]] = new Tensor(ids[1], typedArray(ids[1], [token]), [1, 1]);
+    if (mask) feeds[mask[0]] = new Tensor(mask[1], this.ones.subarray(0, past + 1), [1, past + 1]);
+    if (positions) feeds[positions[0]] = new Tensor(positions[1], typedArray(positions[1], [past]), [1, 1]);
+    const result = await this.session.run(feeds, this.spec.outputs);
+    for (const [present, pastName] of this.presents) this.put(pastName, result[present]);
+    const logits = result[this.spec.logits];
+    const data = this.spec.gpu ? await logits.getData() : logits.data;
+    if (this.spec.gpu) {
+      logits.dispose();
+      for (const name of this.others) result[name].dispose();
+    }
+    return argmaxLastRow(data, this.spec.vocab);
   }
 }

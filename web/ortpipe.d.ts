@@ -77,6 +77,8 @@ export interface Timings {
   promptTokens: number;
   newTokens: number;
   decodeTokensPerS: number;
+  /** Decode steps run fused (plain greedy on one decoder session: the cache stays in onnxruntime-web). */
+  fusedSteps: number;
   /** From the call to the first token, as the page saw it (null when no token came). */
   firstTokenMs: number | null;
   /** From the call to the result, as the page saw it. */

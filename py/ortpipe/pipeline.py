@@ -28,6 +28,7 @@ class Timings:
     decode_ms: float = 0.0  # every later token
     prompt_tokens: int = 0
     new_tokens: int = 0
+    fused_steps: int = 0  # decode steps the target ran fused (plain greedy on one decoder session)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -37,7 +38,8 @@ class Timings:
     def as_dict(self) -> dict[str, float]:
         return {"load_ms": round(self.load_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
                 "decode_ms": round(self.decode_ms, 3), "prompt_tokens": self.prompt_tokens,
-                "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
+                "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "fused_steps": self.fused_steps}
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Request:
         else:
             self.timings.decode_ms += elapsed
         self.timings.new_tokens += 1
+        self.timings.fused_steps = self.gen.fused_steps
         self.tokens.append(token)
         if self.gen.done:
             self.finish_reason = "interrupt" if self.gen.interrupted else (

@@ -59,15 +59,36 @@ def test_wasm_greedy_tokens_equal_cpython(page: Any, requests_seen: list[str], m
     assert got["result"]["tokens"] == expected.tokens
     assert [c["token"] for c in got["chunks"]] == expected.tokens
     assert got["result"]["finishReason"] == expected.finish_reason
+    # plain greedy: every step after the prefill ran fused in JS, except over a windowed concat cache
+    fused = 0 if model == "sliding" else len(expected.tokens) - 1
+    assert got["result"]["timings"]["fusedSteps"] == fused
     assert_same_origin(requests_seen, page)
 
 
-def test_webgpu_short_generation_equals_cpython(page: Any, requests_seen: list[str],
-                                                models: dict[str, Path]) -> None:
-    expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT, max_new_tokens=4).tokens
-    got = generate(page, "v2", "webgpu", promptIds=PROMPT, maxNewTokens=4)
+def test_webgpu_greedy_and_seeded_sampling_equal_cpython(page: Any, requests_seen: list[str],
+                                                         models: dict[str, Path]) -> None:
+    """Greedy (fused decode steps, the cache on the GPU) and seeded sampling (the kernel graphs on
+    WebGPU) in one page, a few tokens each: SwiftShader's WebGPU is slow."""
+    pipe = ortpipe.load(models["v2"])
+    sampled = {"do_sample": True, "seed": 4, "temperature": 1.5, "top_k": 50}
+    expected = [pipe.generate(prompt_ids=PROMPT, max_new_tokens=4).tokens,
+                pipe.generate(prompt_ids=PROMPT, max_new_tokens=4, **sampled).tokens]
+    assert expected[0] != expected[1]
+    page.goto("/")
+    got = page.evaluate("""async (requests) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load('models/v2/', {device: 'webgpu'});
+      const results = [];
+      for (const r of requests) results.push(await pipe.generate(r));
+      const info = pipe.info;
+      pipe.dispose();
+      return {info, results};
+    }""", [{"promptIds": PROMPT, "maxNewTokens": 4},
+           {"promptIds": PROMPT, "maxNewTokens": 4, "doSample": True, "seed": 4, "temperature": 1.5,
+            "topK": 50}])
     assert got["info"]["device"] == "webgpu"
-    assert got["result"]["tokens"] == expected
+    assert [r["tokens"] for r in got["results"]] == expected
+    assert [r["timings"]["fusedSteps"] for r in got["results"]] == [3, 0]
     assert_same_origin(requests_seen, page)
 
 
@@ -199,4 +220,5 @@ def test_builder_export_with_shared_buffer_cache_equals_onnxruntime_genai(
     assert got["info"]["device"] == ort_device
     assert got["result"]["tokens"] == expected
     assert got["result"]["text"] == tokenizer.decode(expected)
+    assert got["result"]["timings"]["fusedSteps"] == new_tokens - 1  # the JS Decoder, on either device
     assert_same_origin(requests_seen, page)

@@ -190,13 +190,19 @@ class FlowRun:
 
     def decode_step(self) -> Decode | None:
         """The step phase as one `Decode`, when its shape allows: one decoder session run once per
-        token, fed only input ids, an attention mask, 1D position ids and a shared-buffer cache,
-        giving logits of a fixed vocabulary and nothing a later step reads. Else None. Call it
-        after the first step ran (the cache buffers are the request's from then on)."""
+        token, fed only input ids, an attention mask, 1D position ids and a KV cache of a layout the
+        backend fuses (a concat cache with no sliding window), giving logits of a fixed vocabulary
+        and nothing a later step reads. Else None. Call it after the first step ran (the cache
+        buffers are the request's from then on)."""
         if self.batch != 1 or len(self.plan.step) != 1:
             return None
         s = self.plan.step[0]
-        if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.kv.share_buffer or not s.logits:
+        if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.logits:
+            return None
+        layout = "shared" if s.kv.share_buffer else "concat"
+        if layout not in getattr(self.backend, "fused_decode", ()):
+            return None
+        if layout == "concat" and any(e.window is not None for e in s.kv.entries):
             return None
         if self._keep[s.session] or s.positions != "default":
             return None
@@ -214,8 +220,9 @@ class FlowRun:
         if POSITION_IDS in roles and self.plan.signatures[s.session].input(roles[POSITION_IDS][0]).rank != 2:
             return None
         cache = self.caches[s.session]
+        presents = {e.present: e.past for e in s.kv.entries}
         return Decode(s.session, roles[INPUT_IDS], roles.get(ATTENTION_MASK), roles.get(POSITION_IDS),
-                      cache.feeds, dict(cache.inplace or {}), s.outputs, s.logits,
+                      cache.feeds, presents, s.kv.share_buffer, s.outputs, s.logits,
                       (1, 1, vocab) if info.rank == 3 else (1, vocab), self.max_length)
 
     def advance(self, n: int) -> None:

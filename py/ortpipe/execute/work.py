@@ -37,12 +37,15 @@ class RunAll:
 
 @dataclass(slots=True)
 class Decode:
-    """One greedy decode step that a target may run fused (when its backend sets `fused_decode`).
+    """One greedy decode step that a target may run fused (see `fused_decode` below).
 
     It stands for: feed `token` to `ids` at position `past` (the attention mask all ones over
-    `past + 1` positions, 1D position ids `past`), run `session` with the shared cache buffers
-    `cache` written in place (`inplace`: present -> past), and answer the argmax of the last row of
-    `logits` as an int. The flow yields one object per request and updates `token` and `past`.
+    `past + 1` positions, 1D position ids `past`), run `session` with the cache `cache` (`presents`:
+    present output -> past input), and answer the argmax of the last row of `logits` as an int.
+    With `shared` the present is written into the past's buffer in place (a shared buffer); else
+    the present, one position longer, is the next past (concat), and the target keeps `cache`
+    current: by the time the core reads `cache[past]` again it must be the latest present. The flow
+    yields one object per request and updates `token` and `past`.
     """
 
     session: str
@@ -50,7 +53,8 @@ class Decode:
     mask: tuple[str, str] | None
     positions: tuple[str, str] | None
     cache: dict[str, Handle]
-    inplace: dict[str, str]
+    presents: dict[str, str]
+    shared: bool
     outputs: tuple[str, ...]
     logits: str
     logits_shape: tuple[int, ...]  # of one decode run: (1, 1, vocab) or (1, vocab)
@@ -76,8 +80,8 @@ class Backend(Protocol):
 
     def to_list(self, handle: Handle) -> list[int]: ...
 
-    # A backend whose driver carries out `Decode` sets `fused_decode = True`; without it the core
-    # never yields one.
+    # A backend whose driver carries out `Decode` names the cache layouts it fuses in
+    # `fused_decode`: a set of "shared" and "concat". Without it the core never yields one.
 
 
 def kernel(name: str, dtype: str) -> str:

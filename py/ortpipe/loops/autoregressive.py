@@ -39,6 +39,7 @@ class TokenGenerator:
         self._pending: list[int] = []
         self._started = False
         self.interrupted = False
+        self.fused_steps = 0  # decode steps the target ran as one `Decode`
         # Plain greedy decoding on a target that fuses decode steps: once the first step ran, each
         # later one is a single `Decode` (None: not yet decided; False: this request cannot).
         self._fuse = bool(getattr(backend, "fused_decode", False)) and self.sampler.settings.plain_greedy
@@ -105,6 +106,7 @@ class TokenGenerator:
             decode.label = f"step {self.flow.steps_run}"
             token = yield decode
             self.flow.advance(1)
+            self.fused_steps += 1
         else:
             logits = yield from self.flow.run_step(self._pending)
             token = yield from self.sampler.select(logits, self.tokens, self.generated)

@@ -50,7 +50,7 @@ _SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads")
 class CpuBackend:
     """Tensors as numpy arrays."""
 
-    fused_decode = True  # the driver carries out Decode
+    fused_decode = frozenset({"shared"})  # the cache layouts whose Decode the driver carries out
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)
@@ -244,9 +244,9 @@ class Driver:
         b = self._bindings.get(d.session)
         if b is None:
             b = self._bindings[d.session] = _Binding(session)
-        if any(b.inplace.get(out) is not d.cache[inp] for out, inp in d.inplace.items()):
-            self._rebind_outputs(b, Run(d.session, dict(d.cache), d.outputs, d.inplace))
-        for inp in d.inplace.values():
+        if any(b.inplace.get(out) is not d.cache[inp] for out, inp in d.presents.items()):
+            self._rebind_outputs(b, Run(d.session, dict(d.cache), d.outputs, d.presents))
+        for inp in d.presents.values():
             if b.inputs.get(inp) is not d.cache[inp]:
                 b.io.bind_ortvalue_input(inp, b.inplace_inputs[inp])
                 b.inputs[inp] = d.cache[inp]

@@ -10,6 +10,11 @@ core's preprocessing kernels turn into the vision session's inputs, as under CPy
 onnxruntime-web has no IOBinding, so a shared-buffer KV cache (Run.inplace) is not updated in
 place: the buffer is fed as past and the present output, the same size, becomes the buffer for
 the next run. The tokens are the same; the cost is one buffer allocation per layer and step.
+
+Plain greedy decode steps run fused (the core's `Decode`): a JS `Decoder` (web/bridge.js) keeps
+the cache between steps and answers each step with the token id, so Python wraps no tensor per
+cache entry and step. The core's cache dict then holds `CacheSlot`s that read the JS side's
+current tensors, for the generic runs that may follow (a chat turn, a rewind).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pyodide.ffi import JsException, JsProxy, to_js
 from ..config import CONFIG_FILE, load_config
 from ..config.schema import SessionSpec
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Run, RunAll, Work
+from ..execute.work import KERNEL, Decode, Run, RunAll, Work
 from ..pipeline import Chunk, Pipeline, Request
 from ..plan import make_plan
 from ..preprocess.request import media_inputs
@@ -71,12 +76,37 @@ class Tensor:
         self._release()
 
 
+class CacheSlot:
+    """A KV cache entry a JS Decoder holds between fused decode steps: `js` is its current tensor.
+    The decoder owns the tensor; dropping the slot disposes it there (GPU buffers)."""
+
+    __slots__ = ("decoder", "name")
+    gpu = False
+
+    def __init__(self, decoder: JsProxy, name: str):
+        self.decoder, self.name = decoder, name
+
+    @property
+    def js(self) -> JsProxy:
+        return self.decoder.current(self.name)
+
+    def take(self, other: Tensor) -> None:
+        """Become `other` (a generic run's shared-buffer present)."""
+        self.decoder.put(self.name, other.js)
+        other.js = None
+
+    def __del__(self) -> None:
+        self.decoder.drop(self.name)
+
+
 def _half_bits(value: float) -> int:
     return struct.unpack("<H", struct.pack("<e", value))[0]
 
 
 class WebBackend:
     """The core's tensor operations on ort.Tensor, through the bridge."""
+
+    fused_decode = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver runs
 
     def __init__(self, bridge: JsProxy):
         self.bridge = bridge
@@ -205,6 +235,7 @@ class Driver:
         self.bridge, self.device = bridge, device
         self.sessions = dict(sessions)
         self._gpu = device == "webgpu"
+        self._decoders: dict[str, tuple[JsProxy, dict[str, Any], dict[str, CacheSlot]]] = {}
 
     async def drive(self, gen: Work) -> Any:
         """Answer a core generator's requests until it returns; its return value is ours."""
@@ -215,10 +246,45 @@ class Driver:
         except StopIteration as stop:
             return stop.value
 
-    async def execute(self, work: Run | RunAll) -> Any:
+    async def execute(self, work: Run | RunAll | Decode) -> Any:
+        if type(work) is Decode:
+            return await self.decode(work)
         if isinstance(work, Run):
             return await self.run(work)
         return [await self.run(r) for r in work.runs]
+
+    async def decode(self, d: Decode) -> int:
+        """A greedy decode step run by the session's JS Decoder, which holds the cache."""
+        decoder, cache, slots = self._decoders.get(d.session) or (None, None, {})
+        if cache is not d.cache or any(d.cache[name] is not slot for name, slot in slots.items()):
+            decoder = self._start_decoder(d)
+        try:
+            return int(await decoder.step(d.token, d.past))
+        except JsException as e:
+            raise OrtpipeError(f'session "{d.session}" failed on a decode step at position {d.past}: '
+                               f"{e.message}") from None
+
+    def _start_decoder(self, d: Decode) -> JsProxy:
+        """A JS Decoder for the request whose cache is `d.cache`, holding that cache from now on."""
+        spec = {"ids": list(d.ids), "mask": list(d.mask) if d.mask else None,
+                "positions": list(d.positions) if d.positions else None, "presents": d.presents,
+                "outputs": list(d.outputs), "logits": d.logits, "vocab": d.logits_shape[-1],
+                "capacity": d.capacity, "gpu": self._gpu}
+        decoder = self.bridge.decoder(self.sessions[d.session], _js_object(spec))
+        names = list(d.presents.values())
+        tensors = []
+        for name in names:
+            entry = d.cache[name]
+            tensors.append(entry.js)
+            if isinstance(entry, CacheSlot):
+                entry.decoder.forget(name)  # an earlier decoder's entry: this one owns it now
+            else:
+                entry.js = None
+        decoder.seed(to_js(names), to_js(tensors))
+        slots = {name: CacheSlot(decoder, name) for name in names}
+        d.cache.update(slots)
+        self._decoders[d.session] = (decoder, d.cache, slots)
+        return decoder
 
     async def run(self, work: Run) -> dict[str, Tensor]:
         twin = None if self._gpu else NATIVE_KERNELS.get(work.session)
