@@ -210,7 +210,7 @@ function halfToFloat(bits) {
  */
 export class Decoder {
   /**
-   * @param {{ids: [string, string], mask: [string, string]|null, positions: [string, string]|null,
+   * @param {{name: string, ids: [string, string], mask: [string, string]|null, positions: [string, string]|null,
    *   presents: Object<string, string>, outputs: string[], logits: string, vocab: number,
    *   capacity: number, gpu: boolean}} spec names and dtypes of the session's decode feeds;
    *   `presents` maps each present output to its past input; `gpu`: outputs stay on the GPU.
@@ -261,7 +261,15 @@ export class Decoder {
     feeds[ids[0]] = new Tensor(ids[1], typedArray(ids[1], [token]), [1, 1]);
     if (mask) feeds[mask[0]] = new Tensor(mask[1], this.ones.subarray(0, past + 1), [1, past + 1]);
     if (positions) feeds[positions[0]] = new Tensor(positions[1], typedArray(positions[1], [past]), [1, 1]);
-    const result = await this.session.run(feeds, this.spec.outputs);
+    let result;
+    try {
+      result = await this.session.run(feeds, this.spec.outputs);
+    } catch (cause) {
+      const error = new Error(`session "${this.spec.name}" failed on a decode step at position ${past}: `
+        + `${cause?.message ?? cause}`);
+      error.name = 'OrtpipeError';
+      throw error;
+    }
     for (const [present, pastName] of this.presents) this.put(pastName, result[present]);
     const logits = result[this.spec.logits];
     const data = this.spec.gpu ? await logits.getData() : logits.data;

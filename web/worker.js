@@ -163,6 +163,19 @@ async function imageTensors(sources) {
   return decoded.map(({ rgb, width, height }) => new bridge.ort.Tensor('uint8', rgb, [height, width, 3]));
 }
 
+// Fused decode steps chain promises that onnxruntime-web's wasm build resolves at once, so no
+// message (an interrupt) would be read until the generation ends: yield to the event loop this often.
+const YIELD_EVERY_MS = 10;
+const tasks = new MessageChannel();
+
+/** Resolves in a new task, after the messages already queued (no setTimeout clamping). */
+function nextTask() {
+  return new Promise((resolve) => {
+    tasks.port1.onmessage = () => resolve();
+    tasks.port2.postMessage(0);
+  });
+}
+
 /** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */
 async function generate(id, options, interrupted) {
   if (!pipe) throw new Error('no model is loaded');
@@ -176,8 +189,20 @@ async function generate(id, options, interrupted) {
     request = await pipe.request_json(JSON.stringify(settings), images && await imageTensors(images));
     if (starting.interrupted) request.interrupt();
     active = request;
+    let decoder = null; // the JS Decoder of fused decode steps (py/ortpipe/targets/pyodide.py step_begin)
+    let yielded = performance.now();
     while (!request.done) {
-      for (const chunk of JSON.parse(await pipe.step_json(request))) {
+      if (performance.now() - yielded > YIELD_EVERY_MS) {
+        await nextTask();
+        yielded = performance.now();
+      }
+      let answer = JSON.parse(pipe.step_begin(request));
+      while (answer.decode) {
+        if (answer.fresh) decoder = pipe.decoder;
+        answer = JSON.parse(pipe.step_decoded(await decoder.step(...answer.decode)));
+      }
+      if (answer.async) answer = JSON.parse(await pipe.step_rest());
+      for (const chunk of answer.chunks) {
         self.postMessage({ type: 'chunk', id, token: chunk.token, text: chunk.text });
       }
     }

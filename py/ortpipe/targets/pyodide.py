@@ -253,20 +253,23 @@ class Driver:
             return await self.run(work)
         return [await self.run(r) for r in work.runs]
 
-    async def decode(self, d: Decode) -> int:
-        """A greedy decode step run by the session's JS Decoder, which holds the cache."""
+    def decoder(self, d: Decode) -> JsProxy:
+        """The JS Decoder of `d`'s request and session, started (taking over the cache) if needed."""
         decoder, cache, slots = self._decoders.get(d.session) or (None, None, {})
         if cache is not d.cache or any(d.cache[name] is not slot for name, slot in slots.items()):
             decoder = self._start_decoder(d)
+        return decoder
+
+    async def decode(self, d: Decode) -> int:
+        """A greedy decode step run by the session's JS Decoder, which holds the cache."""
         try:
-            return int(await decoder.step(d.token, d.past))
+            return int(await self.decoder(d).step(d.token, d.past))
         except JsException as e:
-            raise OrtpipeError(f'session "{d.session}" failed on a decode step at position {d.past}: '
-                               f"{e.message}") from None
+            raise OrtpipeError(e.message) from None  # the Decoder's message names the session and position
 
     def _start_decoder(self, d: Decode) -> JsProxy:
         """A JS Decoder for the request whose cache is `d.cache`, holding that cache from now on."""
-        spec = {"ids": list(d.ids), "mask": list(d.mask) if d.mask else None,
+        spec = {"name": d.session, "ids": list(d.ids), "mask": list(d.mask) if d.mask else None,
                 "positions": list(d.positions) if d.positions else None, "presents": d.presents,
                 "outputs": list(d.outputs), "logits": d.logits, "vocab": d.logits_shape[-1],
                 "capacity": d.capacity, "gpu": self._gpu}
@@ -317,6 +320,10 @@ class Driver:
         return session
 
 
+def _chunks_json(chunks: list[Chunk]) -> str:
+    return json.dumps({"chunks": [{"token": c.token, "text": c.text} for c in chunks]})
+
+
 def _dims(t: Tensor) -> tuple[int, ...]:
     return tuple(t.js.dims) if t.js is not None else ()
 
@@ -351,6 +358,9 @@ class WebPipeline:
     def __init__(self, core: Pipeline, driver: Driver, folder: RemoteFolder, load_ms: float):
         self.core, self.driver, self.folder, self.load_ms = core, driver, folder, load_ms
         self.plan, self.config, self.tokenizer = core.plan, core.config, core.tokenizer
+        self.decoder: JsProxy | None = None  # the JS Decoder the worker runs (see step_begin)
+        self._step: Work | None = None  # the request step being pumped, and its pending work
+        self._work: Run | RunAll | Decode | None = None
 
     async def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                       messages: list[dict[str, str]] | None = None, max_new_tokens: int | None = None,
@@ -399,9 +409,40 @@ class WebPipeline:
         tensors = [Tensor(image) for image in images] if images else None
         return await self.request(**json.loads(options), images=tensors)
 
-    async def step_json(self, request: Request) -> str:
-        chunks = await self.step(request)
-        return json.dumps([{"token": c.token, "text": c.text} for c in chunks])
+    # A step whose work is one fused decode step is pumped synchronously: `step_begin` answers
+    # {"decode": [token, past]}, the worker runs the JS Decoder (`decoder`) and hands the id to
+    # `step_decoded`. Synchronous calls into Python cost far less than an awaited coroutine per
+    # token. Other work answers {"async": true}: the worker awaits `step_rest`, which drives it.
+
+    def step_begin(self, request: Request) -> str:
+        if request.done:  # interrupted since the worker's check
+            return '{"chunks": []}'
+        self._step = request.step()
+        return self._pump(None)
+
+    def step_decoded(self, token: int) -> str:
+        return self._pump(token)
+
+    async def step_rest(self) -> str:
+        gen, work = self._step, self._work
+        try:
+            while True:
+                work = gen.send(await self.driver.execute(work))
+        except StopIteration as stop:
+            return _chunks_json(stop.value)
+
+    def _pump(self, value: int | None) -> str:
+        try:
+            work = self._step.send(value)
+        except StopIteration as stop:
+            return _chunks_json(stop.value)
+        self._work = work
+        if type(work) is not Decode:
+            return '{"async": true}'
+        decoder = self.driver.decoder(work)
+        fresh = decoder is not self.decoder
+        self.decoder = decoder
+        return json.dumps({"decode": [work.token, work.past], "fresh": fresh})
 
     def result_json(self, request: Request) -> str:
         return json.dumps(request.result().as_dict())
