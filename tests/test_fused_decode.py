@@ -1,9 +1,9 @@
 """Fused greedy decode steps (execute/work.py `Decode`, the CPython driver's `decode`).
 
-Plain greedy decoding on a single shared-buffer decoder session skips the generic step (feeds
-dict, Run, argmax kernel) after the prefill. Its tokens must equal the generic path's (forced
-here with `min_length=1`, a processor that cannot change anything after a non-empty prompt) and
-onnxruntime-genai's, across everything that re-binds a session between steps.
+Plain greedy decoding on a single decoder session (a shared-buffer or a concat cache) skips the
+generic step (feeds dict, Run, argmax kernel) after the prefill. Its tokens must equal the generic
+path's (forced here with `min_length=1`, a processor that cannot change anything after a
+non-empty prompt) and onnxruntime-genai's, across everything that re-binds a session between steps.
 """
 
 from __future__ import annotations
@@ -91,10 +91,30 @@ def test_traces_record_fused_steps(llama_builder_fp32: Path, tmp_path: Path) -> 
     assert len(decoder) == 6  # the prefill and five fused steps
 
 
-def test_what_cannot_be_fused_runs_the_generic_path(llama_concat: Path, llama_builder_fp32: Path) -> None:
-    concat = ortpipe.load(llama_concat, threads=1)  # presents replace pasts: no shared buffer
-    fused = counting(concat)
-    concat.generate(prompt_ids=prompt_ids(llama_concat), max_new_tokens=8)
+def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: Path) -> None:
+    """Optimum's layout: each step's presents replace the pasts in the core's cache dict, so a
+    continued generator (a generic prefill over that cache) and a rewound chat stay right."""
+    ids = prompt_ids(llama_concat)
+    pipe = ortpipe.load(llama_concat, threads=1)
+    fused = counting(pipe)
+    ours = pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    assert fused == list(range(len(ids), len(ids) + NEW - 1))
+    assert ours == pipe.generate(prompt_ids=ids, max_new_tokens=NEW, min_length=1).tokens
+
+    def continued(**settings: Any) -> list[int]:
+        gen = pipe.generator(len(ids), max_length=len(ids) + 30, **settings)
+        gen.append_tokens(ids)
+        out = [gen.next_token() for _ in range(12)]
+        gen.append_tokens([3, 4])
+        return out + [gen.next_token() for _ in range(12)]
+
+    assert continued() == continued(min_length=1)
+
+
+def test_what_cannot_be_fused_runs_the_generic_path(llama_builder_fp32: Path, sliding_concat: Path) -> None:
+    windowed = ortpipe.load(sliding_concat, threads=1)  # a concat cache that a kernel trims to its window
+    fused = counting(windowed)
+    windowed.generate(prompt_ids=[5, 17, 42, 8, 23, 61, 30, 12, 77, 40, 9], max_new_tokens=8)
     assert fused == []
     shared = ortpipe.load(llama_builder_fp32, threads=1)
     fused = counting(shared)
@@ -102,3 +122,10 @@ def test_what_cannot_be_fused_runs_the_generic_path(llama_concat: Path, llama_bu
                      {"suppress_tokens": [5]}, {"min_new_tokens": 2}, {"num_beams": 2}):
         shared.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, **settings)
         assert fused == [], settings
+
+
+@pytest.fixture
+def sliding_concat(tmp_path: Path) -> Path:
+    from build import graphs
+
+    return graphs.build_sliding(tmp_path / "sliding", seed=3, window=8, window_layers=(1,), config=True)

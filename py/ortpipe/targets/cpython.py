@@ -50,7 +50,7 @@ _SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads")
 class CpuBackend:
     """Tensors as numpy arrays."""
 
-    fused_decode = frozenset({"shared"})  # the cache layouts whose Decode the driver carries out
+    fused_decode = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver carries out
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)
@@ -156,13 +156,15 @@ class _Binding:
 
 class _Fused:
     """What fused decode steps of one session bind besides the cache: the input id (and position)
-    written in place, attention masks as views of one row of ones, logits into a preallocated array."""
+    written in place, attention masks as views of one row of ones, logits into a preallocated array.
+    For a concat cache only the row of ones and the run are kept (nothing is bound)."""
 
     def __init__(self) -> None:
         self.cache: dict[str, Any] | None = None  # the Decode.cache it is bound for
         self.runs = -1  # the binding's generic run count when it was bound
         self.ids = self.positions = self.logits = self.flat = self.ones = np.empty(0)
         self.keep: list[Any] = []  # OrtValues the binding refers to
+        self.presents: list[int] = []  # concat: where each present is among the outputs
         self.masks: list[Any] = []  # [n]: a C++ OrtValue over ones[:, :n], made when first needed
         self.mask_name: str | None = None
         self.binding: _Binding | None = None
@@ -217,8 +219,11 @@ class Driver:
         return out
 
     def decode(self, d: Decode) -> int:
-        """A greedy decode step in one run: the id written into the bound input array, a ready mask
-        bound, and the argmax of logits that onnxruntime wrote into a preallocated array."""
+        """A greedy decode step in one run. Shared buffer: the id written into the bound input
+        array, a ready mask bound, and the argmax of logits that onnxruntime wrote into a
+        preallocated array. Concat: a plain run whose presents replace the pasts in `d.cache`."""
+        if not d.shared:
+            return self._decode_concat(d)
         f = self._fused.get(d.session)
         if f is None or f.cache is not d.cache or f.runs != f.binding.runs:
             f = self._bind_fused(d)
@@ -227,16 +232,41 @@ class Driver:
             f.positions[0, 0] = d.past
         if f.mask_name is not None:
             f.raw.bind_ortvalue_input(f.mask_name, f.mask(d.past + 1))
+        self._fused_run(d, f.run, f.raw, None)
+        return int(f.flat.argmax())
+
+    def _decode_concat(self, d: Decode) -> int:
+        f = self._fused.get(d.session)
+        if f is None or f.cache is not d.cache:
+            f = self._fused[d.session] = _Fused()
+            f.cache, f.run = d.cache, self.sessions[d.session]._sess.run  # the C++ call under the wrapper
+            if d.mask:
+                f.ones = np.ones((1, d.capacity), d.mask[1])
+            f.presents = [d.outputs.index(present) for present in d.presents]
+        feeds = dict(d.cache)
+        feeds[d.ids[0]] = np.full((1, 1), d.token, d.ids[1])
+        if d.mask:
+            feeds[d.mask[0]] = f.ones[:, :d.past + 1]
+        if d.positions:
+            feeds[d.positions[0]] = np.full((1, 1), d.past, d.positions[1])
+        values = self._fused_run(d, f.run, d.outputs, feeds, None)
+        for past, i in zip(d.presents.values(), f.presents, strict=True):
+            d.cache[past] = values[i]
+        logits = values[d.outputs.index(d.logits)]
+        return int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+
+    def _fused_run(self, d: Decode, run: Any, *args: Any) -> Any:
+        """`run(*args)`, the run of a fused step: its failure named, its span traced."""
         start = time.perf_counter_ns() if self.trace is not None else 0
         try:
-            f.run(f.raw, None)
+            values = run(*args)
         except Exception as e:
             raise OrtpipeError(f'session "{d.session}" failed on a decode step at position {d.past}: {e}') from e
         if start:
             self._label = d.label
             self.trace.add(Span(d.session, self._label, start / 1000, time.perf_counter_ns() / 1000,
                                 threading.get_ident(), {d.ids[0]: [1, 1]}))
-        return int(f.flat.argmax())
+        return values
 
     def _bind_fused(self, d: Decode) -> _Fused:
         """Bind a session for fused decode steps of one request (after any generic run on it)."""
