@@ -222,3 +222,18 @@ def test_builder_export_with_shared_buffer_cache_equals_onnxruntime_genai(
     assert got["result"]["text"] == tokenizer.decode(expected)
     assert got["result"]["timings"]["fusedSteps"] == new_tokens - 1  # the JS Decoder, on either device
     assert_same_origin(requests_seen, page)
+
+
+def test_builder_export_seeded_sampling_equals_cpython(page: Any, serve_model: Any,
+                                                      llama_builder_fp32: Path) -> None:
+    """Sampling kernels over a shared-buffer cache that onnxruntime-web cannot update in place."""
+    settings = {"do_sample": True, "seed": 5, "temperature": 1.2, "top_k": 40, "top_p": 0.95}
+    ids = references.prompt_ids(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    expected = pipe.generate(prompt_ids=ids, max_new_tokens=16, **settings).tokens
+    assert expected != pipe.generate(prompt_ids=ids, max_new_tokens=16).tokens
+    serve_model("llama-builder", llama_builder_fp32)
+    got = generate(page, "llama-builder", promptIds=ids, maxNewTokens=16, doSample=True, seed=5,
+                   temperature=1.2, topK=40, topP=0.95)
+    assert got["result"]["tokens"] == expected
+    assert got["result"]["timings"]["fusedSteps"] == 0

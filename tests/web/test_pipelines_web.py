@@ -163,14 +163,20 @@ def test_sampling_text_only_and_decoded_sources_equal_cpython(page: Any, served:
     assert got["runs"][1]["result"]["text"] == text.text
 
 
-def test_webgpu_tokens_with_images_equal_cpython(page: Any, requests_seen: list[str],
+def test_webgpu_greedy_and_sampled_tokens_with_images_equal_cpython(page: Any, requests_seen: list[str],
                                                  served: dict[str, Path]) -> None:
     files = list(IMAGES)
     expected = cpython(served["qwen-images"], files, served["media"], max_new_tokens=3).tokens
     assert expected != cpython(served["qwen-images"], files[::-1], served["media"], max_new_tokens=3).tokens
-    got = in_page(page, "qwen-images", [image_request(files, ["url", "url"], maxNewTokens=3)], "webgpu")
+    sampled = cpython(served["qwen-images"], files, served["media"], max_new_tokens=3, do_sample=True, seed=1,
+                      temperature=2.0, top_k=50).tokens
+    assert sampled != expected
+    hot = {"doSample": True, "seed": 1, "temperature": 2.0, "topK": 50}
+    requests = [image_request(files, ["url", "url"], maxNewTokens=3),
+                image_request(files, ["url", "url"], maxNewTokens=3, **hot)]
+    got = in_page(page, "qwen-images", requests, "webgpu")
     assert got["info"]["device"] == "webgpu"
-    assert got["runs"][0]["result"]["tokens"] == expected
+    assert [r["result"]["tokens"] for r in got["runs"]] == [expected, sampled]
     assert_same_origin(requests_seen, page)
 
 
