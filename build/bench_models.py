@@ -32,7 +32,7 @@ class Size:
     kv_heads: int
     intermediate: int
     vocab: int
-    precisions: tuple[str, ...]
+    precisions: tuple[str, ...] = ()  # the builder's -p values (bench_models); none for other exports
 
 
 # head_size = hidden / heads must be a multiple of 16: GroupQueryAttention on the CPU EP needs it.

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from build import hfmodels, web
+from build.bench_models import Size
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = hfmodels.cache_root() / "bench-web"
@@ -61,17 +62,6 @@ PAGE_TIMEOUT_MS = 15 * 60 * 1000
 
 # --- models --------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Size:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-
-
 # Head size 64 in both.
 SIZES = {
     "20m": Size("20m", hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024, vocab=8000),
@@ -81,20 +71,14 @@ SIZES = {
 
 def model_folder(size: Size) -> Path:
     """The transformers.js layout of `size`, built into the cache once."""
-    out = CACHE / size.name
-    marker = CACHE / f"{size.name}.done"
-    fingerprint = _fingerprint(size)
-    if out.is_dir() and marker.is_file() and marker.read_text() == fingerprint:
+    def build(out: Path) -> Path:
+        with tempfile.TemporaryDirectory(prefix=f"bench-web-{size.name}-", dir=CACHE) as scratch:
+            hf_dir = make_hf_model(size, Path(scratch) / "hf")
+            export = hfmodels.export_concat(hf_dir, Path(scratch) / "export")
+            transformers_js_layout(export, out)
         return out
-    CACHE.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
-    shutil.rmtree(out, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix=f"bench-web-{size.name}-", dir=CACHE) as scratch:
-        hf_dir = make_hf_model(size, Path(scratch) / "hf")
-        export = hfmodels.export_concat(hf_dir, Path(scratch) / "export")
-        transformers_js_layout(export, out)
-    marker.write_text(fingerprint)
-    return out
+
+    return hfmodels.cached(size.name, build, root=CACHE, recipe=_fingerprint(size))
 
 
 def _fingerprint(size: Size) -> str:

@@ -51,12 +51,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("ORTPIPE_CACHE", REPO / "build" / "cache"))
 
 
-def _fingerprint(name: str) -> str:
-    """Changes with this file, the Python version (the training text) and the tools' versions,
-    so an edited recipe or an upgraded tool never reuses a stale build."""
+def _fingerprint(name: str, recipe: str = "") -> str:
+    """Changes with this file, the caller's `recipe`, the Python version (the training text) and
+    the tools' versions, so an edited recipe or an upgraded tool never reuses a stale build."""
     from importlib.metadata import PackageNotFoundError, version
 
-    parts = [name, sys.version, Path(__file__).read_text(encoding="utf-8")]
+    parts = [name, recipe, sys.version, Path(__file__).read_text(encoding="utf-8")]
     for package in ("torch", "transformers", "tokenizers", "onnxruntime-genai", "onnx-ir"):
         try:
             parts.append(f"{package}=={version(package)}")
@@ -65,17 +65,18 @@ def _fingerprint(name: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def cached(name: str, build_fn: Callable[[Path], Path]) -> Path:
-    """Build into <cache>/<name>/ once; later calls return the folder without rebuilding.
+def cached(name: str, build_fn: Callable[[Path], Path], root: Path | None = None, recipe: str = "") -> Path:
+    """Build into <root>/<name>/ (root: the cache) once; later calls return the folder without
+    rebuilding, until this file, `recipe` (what else decides the build) or a tool changes.
 
     The build runs in a scratch folder that is renamed into place, and the marker
-    (<cache>/<name>.done, outside the model folder so the folder stays exactly as built) is
+    (<root>/<name>.done, outside the model folder so the folder stays exactly as built) is
     written last: an interrupted build is never mistaken for a complete one.
     """
-    root = cache_root()
+    root = root or cache_root()
     out = root / name
     marker = root / f"{name}.done"
-    fingerprint = _fingerprint(name)
+    fingerprint = _fingerprint(name, recipe)
     if out.is_dir() and marker.is_file() and marker.read_text() == fingerprint:
         return out
     root.mkdir(parents=True, exist_ok=True)
