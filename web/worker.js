@@ -191,19 +191,20 @@ async function generate(id, options, interrupted) {
     active = request;
     let decoder = null; // the JS Decoder of fused decode steps (py/ortpipe/targets/pyodide.py step_begin)
     let yielded = performance.now();
-    while (!request.done) {
+    for (let answer = JSON.parse(pipe.step_begin(request)); ;) {
+      for (const chunk of answer.chunks) {
+        self.postMessage({ type: 'chunk', id, token: chunk.token, text: chunk.text });
+      }
+      if (answer.done) break;
       if (performance.now() - yielded > YIELD_EVERY_MS) {
         await nextTask();
         yielded = performance.now();
       }
-      let answer = JSON.parse(pipe.step_begin(request));
-      while (answer.decode) {
+      if (answer.decode) {
         if (answer.fresh) decoder = pipe.decoder;
         answer = JSON.parse(pipe.step_decoded(await decoder.step(...answer.decode)));
-      }
-      if (answer.async) answer = JSON.parse(await pipe.step_rest());
-      for (const chunk of answer.chunks) {
-        self.postMessage({ type: 'chunk', id, token: chunk.token, text: chunk.text });
+      } else {
+        answer = JSON.parse(await pipe.step_rest());
       }
     }
     return JSON.parse(pipe.result_json(request));

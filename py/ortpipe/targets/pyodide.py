@@ -320,8 +320,8 @@ class Driver:
         return session
 
 
-def _chunks_json(chunks: list[Chunk]) -> str:
-    return json.dumps({"chunks": [{"token": c.token, "text": c.text} for c in chunks]})
+def _answer_json(chunks: list[Chunk], **answer: Any) -> str:
+    return json.dumps({"chunks": [{"token": c.token, "text": c.text} for c in chunks], **answer})
 
 
 def _dims(t: Tensor) -> tuple[int, ...]:
@@ -349,7 +349,7 @@ async def open_session(bridge: JsProxy, folder: RemoteFolder, spec: SessionSpec,
 
 
 class WebPipeline:
-    """A loaded model, driven by the worker one step at a time: `request`, then `step` until done.
+    """A loaded model, driven by the worker: `request_json`, then `step_begin` and what it answers.
 
     Generation settings (do_sample, temperature, top_k, top_p, seed, stop, num_beams, ...) default
     to the config's and can be given per request, as in the CPython target.
@@ -359,7 +359,8 @@ class WebPipeline:
         self.core, self.driver, self.folder, self.load_ms = core, driver, folder, load_ms
         self.plan, self.config, self.tokenizer = core.plan, core.config, core.tokenizer
         self.decoder: JsProxy | None = None  # the JS Decoder the worker runs (see step_begin)
-        self._step: Work | None = None  # the request step being pumped, and its pending work
+        self._request: Request | None = None  # the request being generated (see step_begin)
+        self._step: Work | None = None  # its step being pumped, and that step's pending work
         self._work: Run | RunAll | Decode | None = None
 
     async def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
@@ -389,12 +390,6 @@ class WebPipeline:
         config = json.loads(self.folder.read_text("tokenizer_config.json"))
         return JsChatTemplate(self.driver.bridge, config)
 
-    async def step(self, request: Request) -> list[Chunk]:
-        """The chunks of one step: one token, or a whole beam search's result at once."""
-        if request.done:  # interrupted between the caller's check and this coroutine's start
-            return []
-        return await self.driver.drive(request.step())
-
     # The worker's side (web/worker.js): JSON in and out, so no proxies outlive a call.
 
     def info_json(self) -> str:
@@ -409,19 +404,19 @@ class WebPipeline:
         tensors = [Tensor(image) for image in images] if images else None
         return await self.request(**json.loads(options), images=tensors)
 
-    # A step whose work is one fused decode step is pumped synchronously: `step_begin` answers
-    # {"decode": [token, past]}, the worker runs the JS Decoder (`decoder`) and hands the id to
-    # `step_decoded`. Synchronous calls into Python cost far less than an awaited coroutine per
-    # token. Other work answers {"async": true}: the worker awaits `step_rest`, which drives it.
+    # The worker's generation loop. Steps whose work is one fused decode step are pumped with
+    # synchronous calls, which cost far less than an awaited coroutine per token: an answer
+    # {"chunks", "decode": [token, past]} has the worker run the JS Decoder (`decoder`) and hand
+    # the id to `step_decoded`, whose answer carries that step's chunks and the next step's
+    # decode. Other work answers {"chunks", "async": true}: the worker awaits `step_rest`, which
+    # drives it. {"chunks", "done": true} ends the request.
 
     def step_begin(self, request: Request) -> str:
-        if request.done:  # interrupted since the worker's check
-            return '{"chunks": []}'
-        self._step = request.step()
-        return self._pump(None)
+        self._request = request
+        return self._answer(None, [], start=True)
 
     def step_decoded(self, token: int) -> str:
-        return self._pump(token)
+        return self._answer(token, [], start=False)
 
     async def step_rest(self) -> str:
         gen, work = self._step, self._work
@@ -429,20 +424,29 @@ class WebPipeline:
             while True:
                 work = gen.send(await self.driver.execute(work))
         except StopIteration as stop:
-            return _chunks_json(stop.value)
+            return self._answer(None, list(stop.value), start=True)
 
-    def _pump(self, value: int | None) -> str:
-        try:
-            work = self._step.send(value)
-        except StopIteration as stop:
-            return _chunks_json(stop.value)
-        self._work = work
-        if type(work) is not Decode:
-            return '{"async": true}'
-        decoder = self.driver.decoder(work)
-        fresh = decoder is not self.decoder
-        self.decoder = decoder
-        return json.dumps({"decode": [work.token, work.past], "fresh": fresh})
+    def _answer(self, value: int | None, chunks: list[Chunk], start: bool) -> str:
+        """Run the request's steps until one needs a Decode or async work, or the request ends."""
+        while True:
+            if start:
+                if self._request.done:
+                    self._request = self._step = self._work = None  # the worker holds the request
+                    return _answer_json(chunks, done=True)
+                self._step, value = self._request.step(), None
+            try:
+                work = self._step.send(value)
+            except StopIteration as stop:
+                chunks += stop.value
+                start = True
+                continue
+            self._work = work
+            if type(work) is not Decode:
+                return _answer_json(chunks, **{"async": True})
+            decoder = self.driver.decoder(work)
+            fresh = decoder is not self.decoder
+            self.decoder = decoder
+            return _answer_json(chunks, decode=[work.token, work.past], fresh=fresh)
 
     def result_json(self, request: Request) -> str:
         return json.dumps(request.result().as_dict())
