@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ortpipe.pipeline import Request
 from ortpipe.sampling.settings import SearchSettings
 from ortpipe.targets.cpython import HFTokenizer
+from ortpipe.tokenizer import TextStream
 
 TEXT = "Le café naïve — 日本語のテキスト 🙂🚀 and straße; ça va? Ünïcödé everywhere: 東京, Zürich."
 
@@ -65,6 +66,23 @@ def test_joined_stream_equals_the_full_decode(tokenizer: HFTokenizer) -> None:
     assert "".join(pieces) == tokenizer.decode(ids) == TEXT
     assert not any("\ufffd" in p for p in pieces)
     assert sum(1 for p in pieces if p == "") > 0  # some tokens completed no character yet
+
+
+def test_a_long_stream_of_a_metaspace_tokenizer_equals_the_full_decode(tmp_path) -> None:  # noqa: ANN001
+    """SentencePiece-style ("▁word", the first word's space dropped on decoding): the stream's
+    window restarts mid-text many times, and no space may be lost or doubled where it does."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=70, show_progress=False, special_tokens=["</s>"])
+    tok.train_from_iterator([TEXT * 3], trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    ids = tokenizer.encode(" ".join([TEXT] * 4))
+    assert len(ids) > 4 * TextStream.WINDOW
+    pieces = run(Request(ScriptedGenerator(ids), SearchSettings(), tokenizer, 0))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert "  " not in "".join(pieces) and "\ufffd" not in "".join(pieces)
 
 
 @pytest.mark.parametrize("stop,expected", [

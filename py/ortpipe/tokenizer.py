@@ -20,26 +20,36 @@ class ChatTemplate(Protocol):
 class TextStream:
     """Turns a growing list of token ids into text deltas that never end inside a character.
 
-    Decoding the whole generated span each time keeps merges (a space owned by the next token,
-    a multi-byte character split over tokens) right; a delta is held back while the text ends in
-    U+FFFD, the mark of an incomplete UTF-8 sequence.
+    It decodes a window of the latest ids, not the whole generated span, so a token costs the
+    same at the end of a long generation as at its start. Decoding from a window's first id on
+    keeps merges inside the window right (a space owned by the next token, a multi-byte
+    character split over tokens); a delta is held back while the text ends in U+FFFD, the mark of
+    an incomplete UTF-8 sequence. When the window grows past `WINDOW` ids it restarts at its last
+    `CONTEXT` ids, whose text was already sent, so the next token still sees its left context.
     """
+
+    WINDOW = 24
+    CONTEXT = 6
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = ""
+        self.start = 0  # the window: ids[start:]
+        self.sent = ""  # the text of the window sent so far
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids[self.start:])
         if text.endswith("\ufffd") or not text.startswith(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
+        if len(self.ids) - self.start > self.WINDOW:
+            self.start = len(self.ids) - self.CONTEXT
+            self.sent = self.tokenizer.decode(self.ids[self.start:])
         return delta
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids[self.start:])
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent = text
         return delta
