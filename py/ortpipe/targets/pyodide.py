@@ -235,7 +235,7 @@ class Driver:
         self.bridge, self.device = bridge, device
         self.sessions = dict(sessions)
         self._gpu = device == "webgpu"
-        self._decoders: dict[str, tuple[JsProxy, dict[str, Any], dict[str, CacheSlot]]] = {}
+        self._decoders: dict[str, tuple[JsProxy, dict[str, Any], CacheSlot]] = {}
 
     async def drive(self, gen: Work) -> Any:
         """Answer a core generator's requests until it returns; its return value is ours."""
@@ -255,8 +255,10 @@ class Driver:
 
     def decoder(self, d: Decode) -> JsProxy:
         """The JS Decoder of `d`'s request and session, started (taking over the cache) if needed."""
-        decoder, cache, slots = self._decoders.get(d.session) or (None, None, {})
-        if cache is not d.cache or any(d.cache[name] is not slot for name, slot in slots.items()):
+        decoder, cache, first = self._decoders.get(d.session) or (None, None, None)
+        # The core's KVCache replaces all its entries at once (a generic step, a rewind): the first
+        # entry tells whether the decoder still holds the cache.
+        if cache is not d.cache or d.cache[next(iter(d.presents.values()))] is not first:
             decoder = self._start_decoder(d)
         return decoder
 
@@ -286,7 +288,7 @@ class Driver:
         decoder.seed(to_js(names), to_js(tensors))
         slots = {name: CacheSlot(decoder, name) for name in names}
         d.cache.update(slots)
-        self._decoders[d.session] = (decoder, d.cache, slots)
+        self._decoders[d.session] = (decoder, d.cache, slots[names[0]])
         return decoder
 
     async def run(self, work: Run) -> dict[str, Tensor]:
