@@ -145,13 +145,9 @@ export class Bridge {
    */
   argmaxLast(logits) {
     const [batch, seq, vocab] = logits.dims;
-    const data = logits.data;
     const tokens = new BigInt64Array(batch);
     for (let b = 0; b < batch; b++) {
-      const start = (b * seq + seq - 1) * vocab;
-      let best = 0;
-      for (let i = 1; i < vocab; i++) if (data[start + i] > data[start + best]) best = i;
-      tokens[b] = BigInt(best);
+      tokens[b] = BigInt(argmaxRow(logits.data, (b * seq + seq - 1) * vocab, vocab));
     }
     return new this.ort.Tensor('int64', tokens, [batch]);
   }
@@ -180,16 +176,12 @@ export class Bridge {
   }
 }
 
-/** The first index of the largest of the last `vocab` values (float16 as IEEE half bits or Float16Array). */
-function argmaxLastRow(data, vocab) {
-  const start = data.length - vocab;
-  const value = data instanceof Uint16Array ? (i) => halfToFloat(data[start + i]) : (i) => data[start + i];
+/** The first index of the largest of `vocab` values from `start` (float16 as IEEE half bits). */
+function argmaxRow(data, start, vocab) {
+  const row = data.subarray(start, start + vocab);
+  const values = row instanceof Uint16Array ? Float32Array.from(row, halfToFloat) : row;
   let best = 0;
-  let top = value(0);
-  for (let i = 1; i < vocab; i++) {
-    const v = value(i);
-    if (v > top) { top = v; best = i; }
-  }
+  for (let i = 1; i < vocab; i++) if (values[i] > values[best]) best = i;
   return best;
 }
 
@@ -277,6 +269,6 @@ export class Decoder {
       logits.dispose();
       for (const name of this.others) result[name].dispose();
     }
-    return argmaxLastRow(data, this.spec.vocab);
+    return argmaxRow(data, data.length - this.spec.vocab, this.spec.vocab);
   }
 }

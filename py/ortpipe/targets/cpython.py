@@ -165,6 +165,7 @@ class _Fused:
         self.ids = self.positions = self.logits = self.flat = self.ones = np.empty(0)
         self.keep: list[Any] = []  # OrtValues the binding refers to
         self.presents: list[int] = []  # concat: where each present is among the outputs
+        self.logits_at = 0  # concat: where the logits are among them
         self.masks: list[Any] = []  # [n]: a C++ OrtValue over ones[:, :n], made when first needed
         self.mask_name: str | None = None
         self.binding: _Binding | None = None
@@ -243,6 +244,7 @@ class Driver:
             if d.mask:
                 f.ones = np.ones((1, d.capacity), d.mask[1])
             f.presents = [d.outputs.index(present) for present in d.presents]
+            f.logits_at = d.outputs.index(d.logits)
         feeds = dict(d.cache)
         feeds[d.ids[0]] = np.full((1, 1), d.token, d.ids[1])
         if d.mask:
@@ -252,7 +254,7 @@ class Driver:
         values = self._fused_run(d, f.run, d.outputs, feeds, None)
         for past, i in zip(d.presents.values(), f.presents, strict=True):
             d.cache[past] = values[i]
-        logits = values[d.outputs.index(d.logits)]
+        logits = values[f.logits_at]
         return int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
 
     def _fused_run(self, d: Decode, run: Any, *args: Any) -> Any:
