@@ -79,3 +79,28 @@ def test_missing_folder_and_bad_settings_are_clear_errors(model: Path) -> None:
     assert out.returncode == 2 and "temperature -1.0 is out of range" in out.stderr
     out = ortpipe("run", str(model), "--prompt", "hello")
     assert out.returncode == 2 and "no tokenizer.json" in out.stderr
+
+
+def test_bench_pools_every_engine_over_rotated_loads(llama_builder_fp32: Path) -> None:
+    """`ortpipe bench` loads the engines once per load in a fresh process, in a rotated order, and
+    pools the steps; its greedy engines must agree with a hand-written greedy loop."""
+    out = ortpipe("bench", str(llama_builder_fp32), "--prompt-tokens", "8", "--new-tokens", "6", "--rounds", "1",
+                  "--loads", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["loads"] == [["ortpipe", "genai", "floor"], ["genai", "floor", "ortpipe"]]
+    assert "load 2/2 (genai, floor, ortpipe)" in out.stderr
+    assert report["failed"] == {} and report["tokens_match"]
+    for name in ("ortpipe", "genai", "floor"):
+        engine = report["engines"][name]
+        assert engine["steps"] == 2 * 5 and len(engine["round_tokens_per_s"]) == 2  # 2 loads x 1 round
+        assert engine["decode_tokens_per_s"] > 0
+
+
+def test_bench_rejects_bad_settings_and_non_builder_folders(model: Path, llama_builder_fp32: Path) -> None:
+    out = ortpipe("bench", str(llama_builder_fp32), "--loads", "0")
+    assert out.returncode == 2 and "--loads must be >= 1" in out.stderr and "Traceback" not in out.stderr
+    out = ortpipe("bench", str(llama_builder_fp32), "--engines", "ortpipe,tjs")
+    assert out.returncode == 2 and "unknown engine(s) tjs" in out.stderr
+    out = ortpipe("bench", str(model))  # a v2 folder: genai cannot read it
+    assert out.returncode == 2 and "not a v1 (model builder) config" in out.stderr

@@ -90,7 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("model", metavar="MODEL_DIR")
     bench.add_argument("--prompt-tokens", type=int, default=64)
     bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine")
+    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine after each load")
+    bench.add_argument("--loads", type=int, default=None,
+                       help="load the engines this many times, each in a fresh process with the load order "
+                            "rotated (default: once per engine; 1: once, in this process)")
     bench.add_argument("--threads", type=int, default=1, help="intra-op threads, the same for every engine")
     bench.add_argument("--engines", default="ortpipe,genai,floor",
                        help="comma-separated: ortpipe, genai, floor, sampled (ortpipe with top-k 50 / top-p 0.9)")

@@ -5,6 +5,12 @@ and the same intra-op thread count; rounds are interleaved with the engine order
 round, so the machine's noise hits every engine alike. Each engine first runs one untimed warm-up
 generation.
 
+Where an engine's weights land in memory depends on the order the engines load in: on a 200M model
+the engine loaded first decoded 5 to 10% slower than the others, whichever engine it was. So the
+engines are loaded `loads` times (by default once per engine), each time in a fresh process and in
+an order rotated by one, and the traces of all loads are pooled: every engine is loaded first
+equally often.
+
 - ortpipe: `load()` and the step-wise generator, one `next_token()` timed per step.
 - genai: onnxruntime-genai's Generator. `append_tokens` runs the prefill; the first
   `generate_next_token` only picks from its logits, so it counts in the prefill; every later one
@@ -30,6 +36,7 @@ import platform
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -322,6 +329,38 @@ def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int,
     return traces
 
 
+def load_orders(names: list[str], loads: int) -> list[list[str]]:
+    """The engine order of each load: rotated by one each time."""
+    return [names[i % len(names):] + names[:i % len(names)] for i in range(loads)]
+
+
+def measure_in_process(order: list[str], folder: Path, threads: int, prompt: list[int], new_tokens: int,
+                       rounds: int, failed: dict[str, str]) -> dict[str, list[Trace]]:
+    """Load the engines in `order` in a fresh Python process and measure them there."""
+    job = {"order": order, "folder": str(folder), "threads": threads, "prompt": prompt,
+           "new_tokens": new_tokens, "rounds": rounds}
+    done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(job), capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise GenerationError(f"bench: the process measuring {', '.join(order)} failed (exit "
+                              f"{done.returncode}):\n{done.stderr.strip()[-2000:]}")
+    sys.stderr.write(done.stderr)  # the engines' own warnings
+    answer = json.loads(done.stdout)
+    failed.update(answer["failed"])
+    return {name: [Trace(*t) for t in runs] for name, runs in answer["traces"].items()}
+
+
+def _measure_job() -> None:
+    """The child side of `measure_in_process`: a job on stdin, the traces as JSON on stdout."""
+    job = json.load(sys.stdin)
+    failed: dict[str, str] = {}
+    prompt, new_tokens = job["prompt"], job["new_tokens"]
+    engines = start(job["order"], Path(job["folder"]), job["threads"], prompt, new_tokens, failed)
+    traces = measure(engines, prompt, new_tokens, job["rounds"])
+    answer = {name: [[t.tokens, t.prefill_ms, t.steps_us] for t in runs] for name, runs in traces.items()}
+    json.dump({"traces": answer, "failed": failed}, sys.stdout)
+
+
 def summarize(traces: list[Trace]) -> Stats:
     steps = [s for t in traces for s in t.steps_us]
     per_round = [len(t.steps_us) * 1e6 / sum(t.steps_us) if t.steps_us else 0.0 for t in traces]
@@ -396,7 +435,8 @@ def versions() -> dict[str, str]:
 def table(report: dict[str, Any]) -> str:
     m = report["machine"]
     head = (f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
-            f"{report['threads']} thread(s), {report['rounds']} round(s), greedy\n"
+            f"{report['threads']} thread(s), {report['rounds']} round(s) after each of "
+            f"{len(report['loads'])} load(s), greedy\n"
             f"{m['cpu']}, {m['cores']} cores, load {m['load_1min']} at the start")
     rows = [("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs",
              "steps")]
@@ -440,6 +480,8 @@ def run_bench(args: argparse.Namespace) -> int:
                               f"choose from {', '.join(ENGINES)}")
     if min(args.prompt_tokens, args.new_tokens, args.rounds, args.threads) < 1:
         raise GenerationError("bench: --prompt-tokens, --new-tokens, --rounds and --threads must be >= 1")
+    if args.loads is not None and args.loads < 1:
+        raise GenerationError("bench: --loads must be >= 1 (1 loads the engines once, in this process)")
     if args.new_tokens < 2:
         raise GenerationError("bench: --new-tokens must be >= 2 (the first token comes from the prefill)")
     src = Path(args.model)
@@ -450,14 +492,27 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         folder = pinned_folder(src, args.threads, tmp)
         failed: dict[str, str] = {}
-        engines = start(list(dict.fromkeys(names)), folder, args.threads, prompt, args.new_tokens, failed)
-        traces = measure(engines, prompt, args.new_tokens, args.rounds)
+        names = list(dict.fromkeys(names))
+        orders = load_orders(names, len(names) if args.loads is None else args.loads)
+        if len(orders) == 1:
+            engines = start(names, folder, args.threads, prompt, args.new_tokens, failed)
+            traces = measure(engines, prompt, args.new_tokens, args.rounds)
+        else:
+            traces = {}
+            for i, order in enumerate(orders, 1):
+                print(f"ortpipe bench: load {i}/{len(orders)} ({', '.join(order)}), {args.rounds} round(s)",
+                      file=sys.stderr, flush=True)
+                for name, runs in measure_in_process(order, folder, args.threads, prompt, args.new_tokens,
+                                                     args.rounds, failed).items():
+                    traces.setdefault(name, []).extend(runs)
+            traces = {name: traces[name] for name in names if name in traces}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     stats = {name: summarize(runs) for name, runs in traces.items()}
     mismatch = first_mismatch(traces) if traces else None
     report = {"model": str(src), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "rounds": args.rounds, "threads": args.threads, "versions": versions(), "machine": host,
+              "rounds": args.rounds, "loads": orders, "threads": args.threads, "versions": versions(),
+              "machine": host,
               "engines": {n: s.as_dict() for n, s in stats.items()}, "failed": failed,
               "ratios": {k: round(v, 4) for k, v in ratios(stats).items()},
               "tokens_match": mismatch is None, "mismatch": mismatch,
@@ -468,3 +523,7 @@ def run_bench(args: argparse.Namespace) -> int:
         warn_mismatch(mismatch)
     print(json.dumps(report) if args.json else table(report))
     return 1 if mismatch or failed else 0
+
+
+if __name__ == "__main__":
+    _measure_job()
