@@ -184,12 +184,14 @@ async function generate(id, options, interrupted) {
   const starting = { interrupted, interrupt() { this.interrupted = true; } };
   active = starting;
   let request = null;
+  let stepDecoded = null;
   try {
     const { images, ...settings } = options;
     request = await pipe.request_json(JSON.stringify(settings), images && await imageTensors(images));
     if (starting.interrupted) request.interrupt();
     active = request;
     let decoder = null; // the JS Decoder of fused decode steps (py/ortpipe/targets/pyodide.py step_begin)
+    stepDecoded = pipe.step_decoded; // one proxy of the bound method for the whole generation
     let yielded = performance.now();
     for (let answer = JSON.parse(pipe.step_begin(request)); ;) {
       for (const chunk of answer.chunks) {
@@ -202,7 +204,7 @@ async function generate(id, options, interrupted) {
       }
       if (answer.decode) {
         if (answer.fresh) decoder = pipe.decoder;
-        answer = JSON.parse(pipe.step_decoded(await decoder.step(...answer.decode)));
+        answer = JSON.parse(stepDecoded(await decoder.step(...answer.decode)));
       } else {
         answer = JSON.parse(await pipe.step_rest());
       }
@@ -211,5 +213,6 @@ async function generate(id, options, interrupted) {
   } finally {
     active = null;
     request?.destroy();
+    stepDecoded?.destroy();
   }
 }

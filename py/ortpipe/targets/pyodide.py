@@ -183,6 +183,7 @@ class JsTokenizer:
 
     def __init__(self, tokenizer: JsProxy):
         self._tok = tokenizer
+        self._decode_ids = tokenizer.decode  # a bound JS method, looked up once
         self._encode = {flag: _js_object({"add_special_tokens": flag}) for flag in (True, False)}
         self._decode = {flag: _js_object({"skip_special_tokens": flag, "clean_up_tokenization_spaces": False})
                         for flag in (True, False)}
@@ -191,7 +192,7 @@ class JsTokenizer:
         return self._tok.encode(text, self._encode[add_special_tokens]).ids.to_py()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(to_js(ids), self._decode[skip_special_tokens])
+        return self._decode_ids(to_js(ids), self._decode[skip_special_tokens])
 
 
 class JsChatTemplate:
