@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,15 @@ def test_bench_pools_every_engine_over_rotated_loads(llama_builder_fp32: Path) -
         engine = report["engines"][name]
         assert engine["steps"] == 2 * 5 and len(engine["round_tokens_per_s"]) == 2  # 2 loads x 1 round
         assert engine["decode_tokens_per_s"] > 0
+    # one round per load: a load's ratio is the ratio of the two engines' round speeds in that load
+    speeds = {name: report["engines"][name]["round_tokens_per_s"] for name in ("ortpipe", "genai")}
+    expected = [o / g for o, g in zip(speeds["ortpipe"], speeds["genai"], strict=True)]
+    per_load = report["per_load"]["ortpipe_vs_genai"]
+    assert per_load["values"] == pytest.approx(expected, rel=1e-3)
+    mean, half = statistics.fmean(expected), 12.706 * statistics.stdev(expected) / 2 ** 0.5  # t(0.975, 1 df)
+    assert per_load["mean"] == pytest.approx(mean, rel=1e-3)
+    assert per_load["ci95"] == pytest.approx([mean - half, mean + half], rel=1e-3, abs=1e-3)
+    assert "ortpipe ÷ genai within each load" not in out.stdout  # --json prints only the object
 
 
 def test_bench_rejects_bad_settings_and_non_builder_folders(model: Path, llama_builder_fp32: Path) -> None:

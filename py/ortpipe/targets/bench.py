@@ -391,6 +391,34 @@ def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
     return None
 
 
+# t distribution, two-sided 95%: the 0.975 quantile for 1 to 30 degrees of freedom
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+PAIRS = (("ortpipe", "genai"), ("floor", "genai"), ("ortpipe", "floor"))  # the per-load ratios reported
+
+
+def load_ratio(load: dict[str, list[Trace]], a: str, b: str) -> float | None:
+    """a's decode tok/s ÷ b's within one load (one process), or None if either is missing."""
+    if a not in load or b not in load:
+        return None
+    fast = [summarize(load[n]).decode_tokens_per_s for n in (a, b)]
+    return fast[0] / fast[1] if fast[1] else None
+
+
+def interval(values: list[float]) -> dict[str, Any]:
+    """Mean and two-sided 95% interval (t distribution) of per-load values; no interval for one."""
+    mean = statistics.fmean(values)
+    out: dict[str, Any] = {"values": [round(v, 4) for v in values], "mean": round(mean, 4)}
+    if len(values) > 1:
+        df = len(values) - 1
+        z = 1.959964
+        t = _T975[df - 1] if df <= len(_T975) else z + (z ** 3 + z) / (4 * df)
+        half = t * statistics.stdev(values) / len(values) ** 0.5
+        out["ci95"] = [round(mean - half, 4), round(mean + half, 4)]
+    return out
+
+
 def ratios(stats: dict[str, Stats]) -> dict[str, float]:
     out = {}
     if "ortpipe" in stats and "genai" in stats and stats["genai"].decode_tokens_per_s:
@@ -454,6 +482,11 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"ortpipe per-step overhead over the floor (median): {r['ortpipe_overhead_us']:+.1f} µs")
     if "genai_overhead_us" in r:
         lines.append(f"genai per-step overhead over the floor (median): {r['genai_overhead_us']:+.1f} µs")
+    for key, v in report["per_load"].items():
+        a, b = key.split("_vs_")
+        spread = (f" (95% interval {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f})" if "ci95" in v else "")
+        lines.append(f"{a} ÷ {b} within each load: mean {v['mean']:.3f}{spread}, "
+                     f"{min(v['values']):.3f}-{max(v['values']):.3f} over {len(v['values'])} loads")
     if "sampled_step_vs_greedy" in r:
         lines.append("sampled (top-k 50, top-p 0.9) step ÷ greedy step (median): "
                      f"{r['sampled_step_vs_greedy']:.3f}×")
@@ -493,6 +526,7 @@ def run_bench(args: argparse.Namespace) -> int:
         folder = pinned_folder(src, args.threads, tmp)
         failed: dict[str, str] = {}
         names = list(dict.fromkeys(names))
+        loads: list[dict[str, list[Trace]]] = []  # each load's traces, when the loads are processes
         orders = load_orders(names, len(names) if args.loads is None else args.loads)
         if len(orders) == 1:
             engines = start(names, folder, args.threads, prompt, args.new_tokens, failed)
@@ -502,19 +536,26 @@ def run_bench(args: argparse.Namespace) -> int:
             for i, order in enumerate(orders, 1):
                 print(f"ortpipe bench: load {i}/{len(orders)} ({', '.join(order)}), {args.rounds} round(s)",
                       file=sys.stderr, flush=True)
-                for name, runs in measure_in_process(order, folder, args.threads, prompt, args.new_tokens,
-                                                     args.rounds, failed).items():
+                load = measure_in_process(order, folder, args.threads, prompt, args.new_tokens, args.rounds,
+                                          failed)
+                loads.append(load)
+                for name, runs in load.items():
                     traces.setdefault(name, []).extend(runs)
             traces = {name: traces[name] for name in names if name in traces}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     stats = {name: summarize(runs) for name, runs in traces.items()}
+    per_load = {}
+    for a, b in PAIRS:
+        values = [r for r in (load_ratio(load, a, b) for load in loads) if r is not None]
+        if values:
+            per_load[f"{a}_vs_{b}"] = interval(values)
     mismatch = first_mismatch(traces) if traces else None
     report = {"model": str(src), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "rounds": args.rounds, "loads": orders, "threads": args.threads, "versions": versions(),
               "machine": host,
               "engines": {n: s.as_dict() for n, s in stats.items()}, "failed": failed,
-              "ratios": {k: round(v, 4) for k, v in ratios(stats).items()},
+              "ratios": {k: round(v, 4) for k, v in ratios(stats).items()}, "per_load": per_load,
               "tokens_match": mismatch is None, "mismatch": mismatch,
               "generated": {n: len(runs[0].tokens) for n, runs in traces.items()}}
     for name, error in failed.items():
