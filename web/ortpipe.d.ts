@@ -108,11 +108,32 @@ export class OrtpipeError extends Error {
   constructor(error: { name: string; message: string });
 }
 
+/** The settings of every turn of a chat; they default to the model's genai_config.json. */
+export type ChatOptions = Omit<GenerateOptions, 'prompt' | 'promptIds' | 'messages' | 'images' | 'maxNewTokens'>;
+
 export class Pipeline {
   readonly info: PipelineInfo;
   generate(options: GenerateOptions): Promise<GenerateResult>;
   stream(options: GenerateOptions): AsyncGenerator<Chunk, GenerateResult, void>;
+  /**
+   * A multi-turn chat over one KV cache, rendered with tokenizer_config.json's chat_template: each
+   * turn runs only its own new tokens. `maxLength` bounds the whole conversation.
+   */
+  chat(options?: ChatOptions): Promise<Chat>;
+  /** Stop the running generation (or chat turn) and any queued behind it. */
   interrupt(): void;
+  dispose(): void;
+}
+
+/** A conversation; its turns queue with the pipeline's other generations. */
+export class Chat {
+  /** The reply to a user turn. */
+  say(content: string, options?: { maxNewTokens?: number }): Promise<GenerateResult>;
+  /** The reply to a user turn, token by token. */
+  stream(content: string, options?: { maxNewTokens?: number }): AsyncGenerator<Chunk, GenerateResult, void>;
+  /** Drop the last turn (the user's message and the reply); resolves to the conversation's token ids after it. */
+  rewind(): Promise<number[]>;
+  /** Forget the conversation; the pipeline stays. */
   dispose(): void;
 }
 

@@ -4,6 +4,7 @@
 //   const pipe = await load('models/tiny/', { device: 'auto', onProgress: console.log });
 //   const { tokens, text, timings } = await pipe.generate({ prompt: 'def add(a, b):', maxNewTokens: 32 });
 //   for await (const chunk of pipe.stream({ prompt: 'Hello' })) output.textContent += chunk.text;
+//   const chat = await pipe.chat(); const reply = await chat.say('Hi!', { maxNewTokens: 64 });
 //   pipe.dispose();
 //
 // Each pipeline owns a Web Worker (worker.js) that runs Python (Pyodide) and onnxruntime-web; the
@@ -103,11 +104,8 @@ export class Pipeline {
    * @param {GenerateOptions} options
    * @returns {Promise<GenerateResult>}
    */
-  async generate(options) {
-    const started = performance.now();
-    let firstToken = null;
-    const { call } = this._generate(options, () => { firstToken ??= performance.now(); });
-    return finish(await call, started, firstToken);
+  generate(options) {
+    return this._result(options);
   }
 
   /**
@@ -117,7 +115,30 @@ export class Pipeline {
    * @returns {AsyncGenerator<Chunk, GenerateResult>} the generator's return value is the result;
    *   leaving the loop early interrupts the generation
    */
-  async *stream(options) {
+  stream(options) {
+    return this._chunks(options);
+  }
+
+  /**
+   * A multi-turn chat over one KV cache, rendered with the folder's chat template: each turn runs
+   * only its own new tokens. The settings (sampling, `maxLength` of the whole conversation) hold
+   * for every turn.
+   * @param {ChatOptions} [options]
+   * @returns {Promise<Chat>}
+   */
+  async chat(options = {}) {
+    const number = await this._enqueue(() => this._call('chat', { options: pythonOptions(options) }));
+    return new Chat(this, number);
+  }
+
+  async _result(options, chat) {
+    const started = performance.now();
+    let firstToken = null;
+    const { call } = this._generate(options, () => { firstToken ??= performance.now(); }, chat);
+    return finish(await call, started, firstToken);
+  }
+
+  async *_chunks(options, chat) {
     const chunks = [];
     let wake = null;
     const started = performance.now();
@@ -126,7 +147,7 @@ export class Pipeline {
       firstToken ??= performance.now();
       chunks.push(chunk);
       wake?.();
-    });
+    }, chat);
     let settled = false;
     call.then(() => { settled = true; wake?.(); }, () => { settled = true; wake?.(); });
     try {
@@ -174,19 +195,25 @@ export class Pipeline {
    * Queue a generation: each waits for the one before to end. `cancel` interrupts this one only,
    * whether it runs or waits.
    */
-  _generate(options, onChunk) {
+  _generate(options, onChunk, chat) {
     const number = ++this._queued;
-    const call = this._idle.then(() => {
+    const call = this._enqueue(() => {
       this._running = number;
       const interrupted = number <= this._interruptedUpTo || this._cancelled.delete(number);
-      return this._call('generate', { options: pythonOptions(options), interrupted }, onChunk);
+      return this._call('generate', { options: pythonOptions(options), interrupted, chat }, onChunk);
     });
-    this._idle = call.then(() => {}, () => {});
     const cancel = () => {
       if (this._running === number) this._worker?.postMessage({ type: 'interrupt' });
       else this._cancelled.add(number);
     };
     return { call, cancel };
+  }
+
+  /** Run `start()` (a call to the worker) after everything queued before it has ended. */
+  _enqueue(start) {
+    const call = this._idle.then(start);
+    this._idle = call.then(() => {}, () => {});
+    return call;
   }
 
   _call(type, message, onChunk) {
@@ -217,6 +244,49 @@ export class Pipeline {
   _failAll(error) {
     for (const call of this._calls.values()) call.reject(error);
     this._calls.clear();
+  }
+}
+
+/**
+ * A conversation (Pipeline.chat). Turns, rewinds and the pipeline's other generations run one at a
+ * time, in the order they were asked for.
+ */
+export class Chat {
+  constructor(pipeline, number) {
+    this._pipeline = pipeline;
+    this._number = number;
+  }
+
+  /**
+   * The reply to a user turn.
+   * @param {string} content the user's message
+   * @param {{maxNewTokens?: number}} [options]
+   * @returns {Promise<GenerateResult>}
+   */
+  say(content, options = {}) {
+    return this._pipeline._result({ ...options, content }, this._number);
+  }
+
+  /**
+   * The reply to a user turn, token by token, as `Pipeline.stream` gives them.
+   * @returns {AsyncGenerator<Chunk, GenerateResult>}
+   */
+  stream(content, options = {}) {
+    return this._pipeline._chunks({ ...options, content }, this._number);
+  }
+
+  /**
+   * Drop the last turn: the user's message and the reply.
+   * @returns {Promise<number[]>} the conversation's token ids after it
+   */
+  rewind() {
+    const pipeline = this._pipeline;
+    return pipeline._enqueue(() => pipeline._call('rewind', { chat: this._number }));
+  }
+
+  /** Forget the conversation (the pipeline stays). */
+  dispose() {
+    this._pipeline._worker?.postMessage({ type: 'closeChat', chat: this._number });
   }
 }
 

@@ -1,7 +1,8 @@
 // The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin,
 // loads a model with ortpipe's Pyodide target (py/ortpipe/targets/pyodide.py) and streams the
-// generated tokens back. Messages in: load, generate, interrupt, unload. Messages out: progress,
-// chunk, result, error; each reply carries the id of the message it answers. After `unload` the
+// generated tokens back. Messages in: load, generate (of a chat's turn too), chat, rewind,
+// closeChat, interrupt, unload. Messages out: progress, chunk, result, error; each reply carries the
+// id of the message it answers. After `unload` the
 // worker can load another model without starting Python and onnxruntime-web again.
 
 import { Bridge } from './bridge.js';
@@ -15,6 +16,8 @@ const ORTPIPE_ERRORS = new Set(['ConfigError', 'GenerationError', 'OrtpipeError'
 let pipe = null; // the Python WebPipeline, once loaded
 let bridge = null; // the bridge the loaded model's sessions were made with
 let active = null; // the Python Request being generated (or made: its images being preprocessed)
+const chats = new Map(); // chat number -> the Python Chat (WebPipeline.chat)
+let chatsMade = 0;
 // Started once and kept across models (promises; forgotten when they fail, to be tried again).
 let pythonStarted = null; // Pyodide with ortpipe unpacked
 const ortStarted = {}; // device -> the onnxruntime-web module
@@ -24,7 +27,11 @@ const progress = (event) => self.postMessage({ type: 'progress', ...event });
 
 self.onmessage = ({ data }) => {
   if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device));
-  else if (data.type === 'generate') answer(data.id, () => generate(data.id, data.options, data.interrupted));
+  else if (data.type === 'generate') {
+    answer(data.id, () => generate(data.id, data.options, data.interrupted, data.chat));
+  } else if (data.type === 'chat') answer(data.id, () => openChat(data.options));
+  else if (data.type === 'rewind') answer(data.id, () => rewindChat(data.chat));
+  else if (data.type === 'closeChat') closeChat(data.chat);
   else if (data.type === 'interrupt') active?.interrupt();
   else if (data.type === 'unload') unload().catch((error) => console.error(error));
 };
@@ -104,9 +111,35 @@ function ortBuild(device) {
   return ortStarted[device];
 }
 
+/** A chat over the loaded model (settings for every turn: sampling, max_length); its number. */
+function openChat(options) {
+  if (!pipe) throw new Error('no model is loaded');
+  chats.set(++chatsMade, pipe.chat_json(JSON.stringify(options)));
+  return chatsMade;
+}
+
+function chatNumbered(number) {
+  const chat = chats.get(number);
+  if (!chat) throw new Error('this chat was disposed');
+  return chat;
+}
+
+/** Drop the chat's last turn; the conversation's ids after it. */
+async function rewindChat(number) {
+  const chat = chatNumbered(number);
+  await pipe.rewind(chat);
+  return JSON.parse(pipe.chat_tokens_json(chat));
+}
+
+function closeChat(number) {
+  chats.get(number)?.destroy();
+  chats.delete(number);
+}
+
 /** Drop the model and release its sessions; Python and onnxruntime-web stay for the next one. */
 async function unload() {
   const [oldPipe, oldBridge] = [pipe, bridge];
+  for (const number of [...chats.keys()]) closeChat(number);
   pipe = null;
   bridge = null;
   oldPipe?.destroy();
@@ -176,8 +209,9 @@ function nextTask() {
   });
 }
 
-/** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */
-async function generate(id, options, interrupted) {
+/** Stream one generation, or the reply to a turn of chat number `chat`; `interrupted` (by the
+ * page, before it started) ends it at once. */
+async function generate(id, options, interrupted, chat) {
   if (!pipe) throw new Error('no model is loaded');
   if (active) throw new Error('a generation is already running: await it, or interrupt() it first');
   // Until the request exists (its images are being preprocessed), an interrupt is only noted.
@@ -187,7 +221,10 @@ async function generate(id, options, interrupted) {
   let stepDecoded = null;
   try {
     const { images, ...settings } = options;
-    request = await pipe.request_json(JSON.stringify(settings), images && await imageTensors(images));
+    if (chat !== undefined && images) throw new Error('a chat turn takes text only, no images');
+    request = chat === undefined
+      ? await pipe.request_json(JSON.stringify(settings), images && await imageTensors(images))
+      : pipe.say_json(chatNumbered(chat), JSON.stringify(settings));
     if (starting.interrupted) request.interrupt();
     active = request;
     let decoder = null; // the JS Decoder of fused decode steps (py/ortpipe/targets/pyodide.py step_begin)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -237,3 +238,86 @@ def test_builder_export_seeded_sampling_equals_cpython(page: Any, serve_model: A
                    temperature=1.2, topK=40, topP=0.95)
     assert got["result"]["tokens"] == expected
     assert got["result"]["timings"]["fusedSteps"] == 0
+
+
+CHAT = """async ({model, device, turns, reply}) => {
+  const {load} = await import('./ortpipe.js');
+  const pipe = await load(model, {device});
+  const seen = (r) => ({tokens: r.tokens, prompt: r.timings.promptTokens, fused: r.timings.fusedSteps});
+  try {
+    const chat = await pipe.chat({maxLength: 200});
+    const replies = [];
+    for (const turn of turns.slice(0, 2)) {
+      replies.push(seen(await chat.say(turn, {maxNewTokens: reply})));
+    }
+    const afterRewind = await chat.rewind();
+    const streamed = [];
+    for await (const chunk of chat.stream(turns[1], {maxNewTokens: reply})) streamed.push(chunk.token);
+    replies.push(seen(await chat.say(turns[2], {maxNewTokens: reply})));
+    const failures = [];
+    for (const bad of [() => chat.say('x', {temperature: 2}), () => chat.say(7)]) {
+      try { await bad(); } catch (e) { failures.push(`${e.name}: ${e.message}`); }
+    }
+    chat.dispose();
+    try { await chat.say('x'); } catch (e) { failures.push(e.message); }
+    return {replies, afterRewind, streamed, failures};
+  } finally {
+    pipe.dispose();
+  }
+}"""
+
+
+CHAT_TURNS = {
+    "v2": ["def f(a):", "def g(b):", "def h(c):"],
+    "llama-chat": ["def count_words(path):", "Now sort the words by count.", "And print the top ten?"],
+}
+LLAMA_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("model, ort_device",
+                         [("v2", "wasm"), ("llama-chat", "wasm"), ("llama-chat", "webgpu")])
+def test_chat_turns_rewind_and_stream_equal_cpython(
+        page: Any, requests_seen: list[str], models: dict[str, Path], serve_model: Any,
+        llama_builder_fp32: Path, tmp_path: Path, model: str, ort_device: str) -> None:
+    """A chat keeps its cache between turns: after a turn of fused steps (the JS Decoder holds the
+    cache, concat or shared buffer), the next turn's prefill reads it back; a rewind narrows it."""
+    if model == "llama-chat":
+        folder = tmp_path / model
+        shutil.copytree(llama_builder_fp32, folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = LLAMA_CHAT_TEMPLATE
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        serve_model(model, folder)
+    else:
+        folder = models[model]
+    turns, reply = CHAT_TURNS[model], 6
+    chat = ortpipe.load(folder, threads=1).chat(max_length=200)
+    expected = [[c.token for c in chat.say(turns[0], max_new_tokens=reply)]]
+    prompts = [chat.last.timings.prompt_tokens]
+    after_first = list(chat.tokens)
+    expected.append([c.token for c in chat.say(turns[1], max_new_tokens=reply)])
+    prompts.append(chat.last.timings.prompt_tokens)
+    chat.rewind()
+    assert chat.tokens == after_first
+    again = [c.token for c in chat.say(turns[1], max_new_tokens=reply)]
+    assert again == expected[1]  # rewinding and saying the turn again gives the same reply
+    expected.append([c.token for c in chat.say(turns[2], max_new_tokens=reply)])
+    prompts.append(chat.last.timings.prompt_tokens)
+
+    page.goto("/")
+    got = page.evaluate(CHAT, {"model": f"models/{model}/", "device": ort_device, "turns": turns,
+                               "reply": reply})
+    assert [r["tokens"] for r in got["replies"]] == expected
+    assert [r["prompt"] for r in got["replies"]] == prompts  # later turns prefill only their own tokens
+    assert prompts[1] < len(after_first)
+    assert got["replies"][0]["fused"] == len(expected[0]) - 1  # the JS Decoder held the cache
+    assert got["afterRewind"] == after_first
+    assert got["streamed"] == expected[1]
+    assert got["failures"] == [
+        "GenerationError: a chat turn takes content and max_new_tokens, not temperature; give the other "
+        "settings when the chat is made",
+        "GenerationError: a chat turn needs its content: a string",
+        "this chat was disposed",
+    ]
+    assert_same_origin(requests_seen, page)

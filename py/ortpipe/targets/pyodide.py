@@ -29,6 +29,7 @@ from typing import Any
 import js
 from pyodide.ffi import JsException, JsProxy, to_js
 
+from ..chat import Chat
 from ..config import CONFIG_FILE, load_config
 from ..config.schema import SessionSpec
 from ..errors import ConfigError, GenerationError, OrtpipeError
@@ -393,7 +394,38 @@ class WebPipeline:
         config = json.loads(self.folder.read_text("tokenizer_config.json"))
         return JsChatTemplate(self.driver.bridge, config)
 
+    def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
+        """A multi-turn chat over one KV cache, with the folder's chat template (see ortpipe.chat)."""
+        if self.tokenizer is None:
+            raise GenerationError(f"{self.folder.url('tokenizer.json')} is missing: chat needs the tokenizer")
+        limit = max_length or self.config.generation.max_length or 2048
+        return Chat(self.core, self.chat_template(), limit, **settings)
+
     # The worker's side (web/worker.js): JSON in and out, so no proxies outlive a call.
+
+    def chat_json(self, options: str) -> Chat:
+        return self.chat(**json.loads(options))
+
+    def say_json(self, chat: Chat, options: str) -> Request:
+        """The request of a user turn, {"content", "max_new_tokens"}: the worker streams it."""
+        settings = json.loads(options)
+        content = settings.pop("content", None)
+        unknown = sorted(set(settings) - {"max_new_tokens"})
+        if not isinstance(content, str):
+            raise GenerationError("a chat turn needs its content: a string")
+        if unknown:
+            raise GenerationError(f"a chat turn takes content and max_new_tokens, not {', '.join(unknown)}; "
+                                  "give the other settings when the chat is made")
+        request = chat.say(content, settings.get("max_new_tokens"))
+        request.timings.load_ms = self.load_ms
+        return request
+
+    async def rewind(self, chat: Chat) -> None:
+        """Drop the chat's last turn (the user's message and the reply)."""
+        await self.driver.drive(chat.rewind())
+
+    def chat_tokens_json(self, chat: Chat) -> str:
+        return json.dumps(chat.gen.tokens)
 
     def info_json(self) -> str:
         tokens = self.config.tokens
@@ -416,6 +448,7 @@ class WebPipeline:
 
     def step_begin(self, request: Request) -> str:
         self._request = request
+        self.decoder = None  # the worker's loop starts without one: its first decode is fresh
         return self._answer(None, [], start=True)
 
     def step_decoded(self, token: int) -> str:
