@@ -1,9 +1,9 @@
 // The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin,
 // loads a model with ortpipe's Pyodide target (py/ortpipe/targets/pyodide.py) and streams the
-// generated tokens back. Messages in: load, generate (of a chat's turn too), chat, rewind,
-// closeChat, interrupt, unload. Messages out: progress, chunk, result, error; each reply carries the
-// id of the message it answers. After `unload` the
-// worker can load another model without starting Python and onnxruntime-web again.
+// generated tokens back. Messages in: load, generate (a chat's turn too), chat, rewind, closeChat,
+// interrupt, unload. Messages out: progress, chunk, result, error; each reply carries the id of the
+// message it answers. After `unload` the worker can load another model without starting Python
+// and onnxruntime-web again.
 
 import { Bridge } from './bridge.js';
 import { decodeImages } from './images.js';
