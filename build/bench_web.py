@@ -44,6 +44,7 @@ from pathlib import Path
 
 from build import hfmodels, web
 from build.bench_models import Size
+from ortpipe.targets.bench import interval
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = hfmodels.cache_root() / "bench-web"
@@ -544,7 +545,8 @@ def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[fl
 
 
 def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
-    """Markdown: ortpipe's speed over each other engine, median of the per-round ratios (min-max)."""
+    """Markdown: ortpipe's speed over each other engine, median of the per-round ratios (min-max;
+    their mean and its 95% interval, t distribution over the rounds: the rounds are the samples)."""
     cells = [(other, what) for other in others for what in RATIO_FIELDS
              if other != "ort" or what not in ("first token", "cold start")]  # the floor loads no framework
     lines = ["| model | threads | " + " | ".join(f"vs {o}: {w}" for o, w in cells) + " |",
@@ -554,8 +556,13 @@ def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
         values = []
         for cell in cells:
             ratios = found[cell].get(key)
-            values.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-                          if ratios else "")
+            if not ratios:
+                values.append("")
+                continue
+            spread = interval(ratios)
+            mean = (f"; mean {spread['mean']:.2f}, 95% {spread['ci95'][0]:.2f}-{spread['ci95'][1]:.2f}"
+                    if "ci95" in spread else "")
+            values.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}{mean})")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
