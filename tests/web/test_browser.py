@@ -321,3 +321,28 @@ def test_chat_turns_rewind_and_stream_equal_cpython(
         "this chat was disposed",
     ]
     assert_same_origin(requests_seen, page)
+
+
+def test_chat_needs_a_tokenizer_and_a_template(page: Any, models: dict[str, Path], serve_model: Any,
+                                               tmp_path: Path) -> None:
+    untemplated = tmp_path / "untemplated"
+    shutil.copytree(models["v2"], untemplated)
+    config = json.loads((untemplated / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
+    page.goto("/")
+    errors = page.evaluate("""async (models) => {
+      const {load} = await import('./ortpipe.js');
+      const errors = [];
+      for (const model of models) {
+        const pipe = await load(model, {device: 'wasm'});
+        try { await pipe.chat(); } catch (e) { errors.push(`${e.name}: ${e.message}`); }
+        pipe.dispose();
+      }
+      return errors;
+    }""", ["models/sliding/", serve_model("untemplated", untemplated)])
+    assert len(errors) == 2
+    assert errors[0].startswith("GenerationError: ") and errors[0].endswith(
+        "models/sliding/tokenizer.json is missing: chat needs the tokenizer")
+    assert errors[1] == ("GenerationError: tokenizer_config.json has no chat_template, which messages and "
+                         "chat need: give a prompt instead, or add the model's chat_template")

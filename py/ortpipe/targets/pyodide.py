@@ -204,7 +204,8 @@ class JsChatTemplate:
         if isinstance(source, list):  # named templates: take the default one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not isinstance(source, str):
-            raise GenerationError("tokenizer_config.json has no chat_template: give a prompt, not messages")
+            raise GenerationError("tokenizer_config.json has no chat_template, which messages and chat need: "
+                                  "give a prompt instead, or add the model's chat_template")
         tokens = {k: _token_text(tokenizer_config.get(k)) for k in ("bos_token", "eos_token")}
         try:
             self._render = bridge.chatTemplate(source, json.dumps(tokens))
