@@ -5,8 +5,8 @@ and the same intra-op thread count; rounds are interleaved with the engine order
 round, so the machine's noise hits every engine alike. Each engine first runs one untimed warm-up
 generation.
 
-Where an engine's weights land in memory depends on the order the engines load in: on a 200M model
-the engine loaded first decoded 5 to 10% slower than the others, whichever engine it was. So the
+Where an engine's weights land in memory depends on the order the engines load in: on 200M models
+the engine loaded first decoded up to 14% slower than the others, whichever engine it was. So the
 engines are loaded `loads` times (by default once per engine), each time in a fresh process and in
 an order rotated by one, and the traces of all loads are pooled: every engine is loaded first
 equally often.
