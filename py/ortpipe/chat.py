@@ -25,13 +25,18 @@ class Turn:
     text_before: str
 
 
+DEFAULT_MAX_LENGTH = 2048  # a conversation's length when neither the caller nor the config sets one
+
+
 class Chat:
-    def __init__(self, pipeline: Pipeline, template: ChatTemplate, max_length: int, **settings: Any):
+    def __init__(self, pipeline: Pipeline, template: ChatTemplate, max_length: int | None = None,
+                 **settings: Any):
         if pipeline.tokenizer is None:
             raise GenerationError("chat needs the folder's tokenizer.json")
         self.pipeline, self.template = pipeline, template
         self.settings = settings_for(pipeline.config, settings)
-        self._options = {"max_length": max_length, **settings}
+        limit = max_length or pipeline.config.generation.max_length or DEFAULT_MAX_LENGTH
+        self._options = {"max_length": limit, **settings}
         self.gen = pipeline.generator(0, **self._options)
         self.messages: list[dict[str, str]] = []
         self.turns: list[Turn] = []

@@ -524,8 +524,7 @@ class CpuPipeline:
         if not config_path.is_file():
             raise ConfigError(f"{config_path} is missing: chat needs its chat_template")
         template = JinjaChatTemplate(json.loads(config_path.read_text(encoding="utf-8")))
-        limit = max_length or self.config.generation.max_length or 2048
-        return CpuChat(Chat(self.core, template, limit, **settings), self)
+        return CpuChat(Chat(self.core, template, max_length, **settings), self)
 
     def generate(self, prompt: str | None = None, *, trace: str | None = None, **options: Any) -> Result:
         request = self.request(prompt, **options)

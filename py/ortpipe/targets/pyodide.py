@@ -399,8 +399,7 @@ class WebPipeline:
         """A multi-turn chat over one KV cache, with the folder's chat template (see ortpipe.chat)."""
         if self.tokenizer is None:
             raise GenerationError(f"{self.folder.url('tokenizer.json')} is missing: chat needs the tokenizer")
-        limit = max_length or self.config.generation.max_length or 2048
-        return Chat(self.core, self.chat_template(), limit, **settings)
+        return Chat(self.core, self.chat_template(), max_length, **settings)
 
     # The worker's side (web/worker.js): JSON in and out, so no proxies outlive a call.
 
