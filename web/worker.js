@@ -10,6 +10,11 @@ import { decodeImages } from './images.js';
 
 // One onnxruntime-web build per device (see build/web.py).
 const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.min.mjs' };
+// Python's memory after start-up with ortpipe imported, made by build/python_snapshot.mjs.
+const SNAPSHOT = './pyodide/python-snapshot.bin';
+// A one-node graph (ortpipe's argmax kernel, copied by build/web.py). onnxruntime-web fetches and
+// compiles its wasm at its first session: this one makes that happen while Python starts.
+const ORT_START_MODEL = './ort/start.onnx';
 // Errors ortpipe raises on purpose: their message is for the user, the traceback is not.
 const ORTPIPE_ERRORS = new Set(['ConfigError', 'GenerationError', 'OrtpipeError']);
 
@@ -166,27 +171,48 @@ async function resolveDevice(device) {
   return 'wasm';
 }
 
-/** Pyodide with ortpipe's package unpacked into its site-packages. */
+/** Pyodide with ortpipe's package unpacked into its site-packages, started from the bundle's memory
+ * snapshot (build/python_snapshot.mjs): the interpreter comes up with ortpipe already imported. */
 async function startPython() {
   const { loadPyodide } = await import('./pyodide/pyodide.mjs');
   const [python, zip] = await Promise.all([
-    loadPyodide({ indexURL: here('./pyodide/') }),
-    fetch(here('./ortpipe.zip')).then((r) => {
-      if (!r.ok) throw new Error(`${r.url}: HTTP ${r.status}; rebuild the bundle (python -m build.web)`);
-      return r.arrayBuffer();
-    }),
+    loadPyodide({ indexURL: here('./pyodide/'), _loadSnapshot: snapshot() }),
+    bundleFile('./ortpipe.zip'),
   ]);
+  // The snapshot holds memory, not files: ortpipe's kernels and modules it imports later are read
+  // from site-packages. And Python's `random` would start from the build's seed on every page.
   const sitePackages = python.runPython("import sysconfig; sysconfig.get_path('purelib')");
   python.unpackArchive(zip, 'zip', { extractDir: sitePackages });
+  python.runPython('import random; random.seed()');
   return python;
 }
 
-/** The onnxruntime-web module, set to load its wasm files from this origin. */
-function configureOrt(ort) {
+/** The snapshot's bytes: gzipped in the bundle, unless the server already undid the gzip. */
+async function snapshot() {
+  const bytes = new Uint8Array(await bundleFile(SNAPSHOT));
+  if (bytes[0] !== 0x1f || bytes[1] !== 0x8b) return bytes;
+  const unzipped = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('gzip'));
+  return new Uint8Array(await new Response(unzipped).arrayBuffer());
+}
+
+/** A file of the bundle, as an ArrayBuffer. */
+async function bundleFile(path) {
+  const response = await fetch(here(path));
+  if (!response.ok) {
+    throw new Error(`${response.url}: HTTP ${response.status}; rebuild the bundle (python -m build.web)`);
+  }
+  return response.arrayBuffer();
+}
+
+/** The onnxruntime-web module, set to load its wasm files from this origin, its wasm started. */
+async function configureOrt(ort) {
   ort.env.wasm.wasmPaths = here('./ort/');
   // Threads need a cross-origin isolated page (COOP/COEP headers: `ortpipe web --coop`).
   ort.env.wasm.numThreads = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
   ort.env.logLevel = 'error';
+  const model = new Uint8Array(await bundleFile(ORT_START_MODEL));
+  const session = await ort.InferenceSession.create(model, { executionProviders: ['wasm'] });
+  await session.release();
   return ort;
 }
 

@@ -93,6 +93,20 @@ def test_webgpu_greedy_and_seeded_sampling_equal_cpython(page: Any, requests_see
     assert_same_origin(requests_seen, page)
 
 
+def test_python_starts_from_the_snapshot_and_unseeded_sampling_differs_between_page_loads(
+        page: Any, requests_seen: list[str]) -> None:
+    """The worker restores Python from the bundle's memory snapshot, which is the same bytes on
+    every page load: randomness must still come fresh from each page, not from the build."""
+    options = {"promptIds": PROMPT, "maxNewTokens": 16, "doSample": True, "temperature": 1.5}
+    first = generate(page, "v2", **options)["result"]["tokens"]
+    second = generate(page, "v2", **options)["result"]["tokens"]
+    assert len(first) == len(second) == 16
+    assert first != second
+    snapshots = [u for u in requests_seen if u.endswith("/pyodide/python-snapshot.bin")]
+    assert len(snapshots) >= 1, "the worker did not fetch the Python snapshot"
+    assert_same_origin(requests_seen, page)
+
+
 def test_threaded_wasm_on_an_isolated_page_equals_cpython(page: Any, isolated_url: str,
                                                          models: dict[str, Path]) -> None:
     expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS).tokens
