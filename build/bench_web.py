@@ -3,7 +3,7 @@
     python -m build.bench_web [--models 20m,100m] [--threads 1] [--rounds 3] [--warmup-runs 1]
                               [--warm-runs 3] [--prompt-tokens 64] [--new-tokens 128]
                               [--engines ortpipe,transformers.js,transformers.js-own-ort,ort]
-                              [--profile] [--quiet 1] [--json results.json]
+                              [--interleave] [--profile] [--quiet 1] [--json results.json]
 
 Every engine loads the same Optimum (concat-layout) export of a random-weight Llama from the same
 origin and generates greedily from the same prompt ids: ortpipe; transformers.js over the
@@ -14,7 +14,10 @@ browser context opens web/bench.html, which measures the cold start (navigation 
 generated token, nothing cached), then warm generations: time to first token and decode tokens/s,
 taken where the tokens arrive (the page's thread). The engines take turns page by page, in an order
 rotated every round, so that load from other processes hits them all. Every generation's tokens are
-compared with transformers.js's; a difference is a warning (and exit status 1). A request that
+compared with transformers.js's; a difference is a warning (and exit status 1). With --interleave,
+each round is one page instead that loads every engine and lets them take turns generation by
+generation (rotating who goes first), so that a moment of load from elsewhere hits all engines
+alike; no cold start is measured then. A request that
 leaves the page's origin is an error. --profile traces one more page load per model and engine with
 V8's sampling profiler and splits each engine's per-token time by kind of code (kernels, Python,
 JS glue, ...).
@@ -39,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from build import hfmodels, web
@@ -205,6 +208,7 @@ class Settings:
     new_tokens: int
     engines: tuple[str, ...] = ENGINES
     quiet: float = 1.0  # wait before each page load until the CPUs are at most this busy (0 to 1)
+    interleave: bool = False  # all engines in one page per round, taking turns generation by generation
 
 
 def prompt_ids(vocab: int, count: int) -> list[int]:
@@ -218,14 +222,14 @@ def page_queries(models: dict[str, Path], settings: Settings, threads: int) -> I
     for name, folder in models.items():
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompt = ",".join(map(str, prompt_ids(vocab, settings.prompt_tokens)))
-        for engine in settings.engines:
+        for engine in ([",".join(settings.engines)] if settings.interleave else settings.engines):
             yield {"engine": engine, "model": name, "threads": threads, "newTokens": settings.new_tokens,
                    "warmupRuns": settings.warmup_runs, "warmRuns": settings.warm_runs, "prompt": prompt}
 
 
 def measure(browser, bundle: Path, models: dict[str, Path], settings: Settings) -> list[dict]:  # noqa: ANN001
-    """Every timed page load: per thread count, model and round, each engine once, in rotated order
-    (each engine goes first in some round)."""
+    """Every engine's timed runs: per thread count, model and round, each engine once, in rotated order
+    (each engine goes first in some round); one page per engine, or one for all when interleaved."""
     runs = []
     for threads in settings.threads:
         with serving(bundle, threads) as url:
@@ -234,9 +238,13 @@ def measure(browser, bundle: Path, models: dict[str, Path], settings: Settings) 
                 for model in models:
                     engines = [q for q in queries if q["model"] == model]
                     for query in _rotated(engines, round_):
+                        if settings.interleave:  # the page loads them in this order; who goes first rotates
+                            query = {**query, "engine": ",".join(_rotated(settings.engines, round_))}
                         _progress(query, f"round {round_ + 1}")
                         busy = wait_for_quiet(settings.quiet)
-                        runs.append({**open_page(browser, url, query), "round": round_, "busy_before": busy})
+                        page = open_page(browser, url, query)
+                        for run in page.get("interleaved", [page]):
+                            runs.append({**run, "round": round_, "busy_before": busy})
     return runs
 
 
@@ -246,7 +254,7 @@ def profile(browser, bundle: Path, models: dict[str, Path], settings: Settings) 
     threads = settings.threads[0]
     rows = []
     with serving(bundle, threads) as url:
-        for query in page_queries(models, settings, threads):
+        for query in page_queries(models, replace(settings, interleave=False), threads):  # one engine a page
             _progress(query, "profile")
             wait_for_quiet(settings.quiet)
             result, trace = open_page(browser, url, {**query, "profile": 1}, trace=True)
@@ -445,8 +453,9 @@ def summarize(runs: list[dict]) -> list[dict]:
         warm = [w for run in group for w in run["warm"]]
         rows.append({
             "model": model, "threads": threads, "engine": engine, "versions": group[0]["versions"],
-            "cold_start_ms": statistics.median(run["coldStartMs"] for run in group),
-            "load_ms": statistics.median(run["loadedMs"] for run in group),
+            # none when interleaved: the engines of a page load one after another
+            "cold_start_ms": _median_or_none(run["coldStartMs"] for run in group if run["coldStartMs"]),
+            "load_ms": _median_or_none(run["loadedMs"] for run in group if run["loadedMs"]),
             "first_token_ms": statistics.median(w["firstTokenMs"] for w in warm),
             "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in warm),
             "token_ms": statistics.median(w["medianTokenMs"] for w in warm),
@@ -513,8 +522,12 @@ def table(rows: list[dict]) -> str:
         ort = r["versions"].get("onnxruntime-web")
         lines.append(f"| {r['model']} | {r['threads']} | {r['engine']} | {ort} "
                      f"| {r['decode_tokens_per_s']:.1f} | {r['token_ms']:.2f} | {r['first_token_ms']:.0f} "
-                     f"| {r['cold_start_ms']:.0f} | {r['load_ms']:.0f} |")
+                     f"| {_ms(r['cold_start_ms'])} | {_ms(r['load_ms'])} |")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
 
 
 # What each ratio compares: (field of a page's result, higher is better for the engine).
@@ -524,7 +537,8 @@ RATIO_FIELDS = {"decode tok/s": ("decodeTokensPerS", True), "median token interv
 
 
 def page_value(run: dict, field: str) -> float:
-    """One page's number: the median over its warm generations, or its cold start."""
+    """One page's number: the median over its warm generations, or its cold start (None when the
+    page was interleaved)."""
     if field == "coldStartMs":
         return run[field]
     return statistics.median(w[field] for w in run["warm"])
@@ -538,7 +552,7 @@ def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[fl
     ratios: dict[tuple, list[float]] = {}
     for (model, threads, round_, engine), ours in pages.items():
         theirs = pages.get((model, threads, round_, other))
-        if engine == "ortpipe" and theirs is not None:
+        if engine == "ortpipe" and ours is not None and theirs is not None:
             ratio = ours / theirs if higher_is_better else theirs / ours
             ratios.setdefault((model, threads), []).append(ratio)
     return ratios
@@ -636,6 +650,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--engines", type=_csv(str), default=ENGINES,
                         help=f"comma-separated: {','.join(ENGINES)}")
+    parser.add_argument("--interleave", action="store_true",
+                        help="one page per model and round with every engine, taking turns generation "
+                             "by generation (no cold start then)")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one page load per model and engine (first thread count) and show "
                              "where each engine's worker spends its time")
@@ -658,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show:
         return show(json.loads(args.show.read_text()))
     settings = Settings(args.models, args.threads, args.rounds, args.warmup_runs, args.warm_runs,
-                        args.prompt_tokens, args.new_tokens, args.engines, args.quiet)
+                        args.prompt_tokens, args.new_tokens, args.engines, args.quiet, args.interleave)
     models = {name: model_folder(SIZES[name]) for name in settings.models}
     try:
         bundle = build_bundle(args.out, models)

@@ -1,6 +1,7 @@
-// The benchmark page (bench.html, driven by build/bench_web.py): one engine per page load.
+// The benchmark page (bench.html, driven by build/bench_web.py): one engine per page load, or all interleaved.
 //
 //   bench.html?engine=ortpipe&model=20m&threads=1&newTokens=128&warmupRuns=1&warmRuns=3&prompt=5,17,...
+//   bench.html?engine=ortpipe,transformers.js,ort&...   (interleaved: every engine in one page)
 //
 // Engines: "ortpipe" (ortpipe.js: Pyodide over onnxruntime-web in ortpipe's worker),
 // "transformers.js" (@huggingface/transformers in a worker, over the onnxruntime-web build ortpipe
@@ -11,6 +12,11 @@
 // arrives. The first generation gives the cold start (navigation start to its first token); the
 // warm ones give time to first token and decode tokens/s. window.benchResult settles to the
 // measurements, or to {error}.
+//
+// Interleaved (several engines named): the page loads every engine, then the engines take turns
+// generation by generation, the order rotated each turn, so that each engine's runs meet the same
+// moments of a noisy machine. No cold start is measured then (the engines load one after another);
+// window.benchResult settles to {interleaved: [one result per engine]}.
 //
 // This file is also the worker of every engine but ortpipe (new Worker(bench.js)).
 
@@ -30,8 +36,11 @@ async function runPage(params) {
     prompt: params.get('prompt').split(',').map(Number),
     profile: params.has('profile'), // a traced run: code must be named by its URL
   };
+  const names = settings.engine.split(',');
+  const unknown = names.filter((name) => !PAGE_ENGINES[name]);
+  if (unknown.length) throw new Error(`unknown engine ${unknown}; expected ${Object.keys(PAGE_ENGINES)}`);
+  if (names.length > 1) return { interleaved: await runInterleaved(names, settings) };
   const open = PAGE_ENGINES[settings.engine];
-  if (!open) throw new Error(`unknown engine ${settings.engine}; expected ${Object.keys(PAGE_ENGINES)}`);
   show(`${settings.engine}: loading models/${settings.model}/`);
   const engine = await open(settings);
   const loadedMs = performance.now();
@@ -57,6 +66,37 @@ async function runPage(params) {
     crossOriginIsolated: self.crossOriginIsolated, loadPhases: engine.phases, loadedMs,
     coldStartMs: cold.firstTokenMs, cold, warm,
   };
+}
+
+/** Every engine of `names` in this page, taking turns: one result per engine, as runPage's. */
+async function runInterleaved(names, settings) {
+  const engines = [];
+  for (const name of names) {
+    show(`${name}: loading models/${settings.model}/`);
+    engines.push(await PAGE_ENGINES[name]({ ...settings, engine: name }));
+  }
+  const results = names.map((name, i) => ({
+    engine: name, model: settings.model, threads: settings.threads, versions: engines[i].versions,
+    crossOriginIsolated: self.crossOriginIsolated, loadPhases: engines[i].phases, loadedMs: null,
+    coldStartMs: null, cold: null, warm: [],
+  }));
+  const turns = async (count, what, record) => {
+    for (let turn = 0; turn < count; turn++) {
+      for (let k = 0; k < engines.length; k++) {
+        const i = (k + turn) % engines.length; // who goes first rotates
+        show(`${names[i]}: ${what} ${turn + 1} of ${count}`);
+        record(i, await timeGeneration(engines[i], settings, performance.now()));
+      }
+    }
+  };
+  await turns(1, 'first run', (i, timed) => { results[i].cold = timed; }); // its tokens are checked
+  await turns(settings.warmupRuns, 'warm-up run', () => {});
+  performance.mark('bench-warm-start');
+  await turns(settings.warmRuns, 'warm run', (i, timed) => results[i].warm.push(timed));
+  performance.mark('bench-warm-end');
+  for (const engine of engines) engine.dispose();
+  show(`${names}: done`);
+  return results;
 }
 
 /** Generate once; times are taken when each token reaches this thread. */
