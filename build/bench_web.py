@@ -2,12 +2,13 @@
 
     python -m build.bench_web [--models 20m,100m] [--threads 1] [--rounds 3] [--warmup-runs 1]
                               [--warm-runs 3] [--prompt-tokens 64] [--new-tokens 128]
-                              [--engines ortpipe,transformers.js,transformers.js-own-ort,ort]
+                              [--engines ortpipe,transformers.js,transformers.js-text,transformers.js-own-ort,ort]
                               [--interleave] [--profile] [--quiet 1] [--json results.json]
 
 Every engine loads the same Optimum (concat-layout) export of a random-weight Llama from the same
 origin and generates greedily from the same prompt ids: ortpipe; transformers.js over the
-onnxruntime-web build ortpipe bundles (the same kernels); transformers.js over the onnxruntime-web
+onnxruntime-web build ortpipe bundles (the same kernels), taking ids only or (transformers.js-text)
+streaming text as well with its TextStreamer, as ortpipe does; transformers.js over the onnxruntime-web
 it bundles itself (as shipped); and the floor, a hand-written greedy loop over ortpipe's
 onnxruntime-web build: the kernels' time with no framework. For each engine and round, a fresh
 browser context opens web/bench.html, which measures the cold start (navigation start to the first
@@ -59,7 +60,7 @@ CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-ENGINES = ("ortpipe", "transformers.js", "transformers.js-own-ort", "ort")
+ENGINES = ("ortpipe", "transformers.js", "transformers.js-text", "transformers.js-own-ort", "ort")
 # One page (load + cold generation + warm generations) may take this long on the larger model.
 PAGE_TIMEOUT_MS = 15 * 60 * 1000
 

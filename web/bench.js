@@ -5,8 +5,9 @@
 //
 // Engines: "ortpipe" (ortpipe.js: Pyodide over onnxruntime-web in ortpipe's worker),
 // "transformers.js" (@huggingface/transformers in a worker, over the onnxruntime-web build ortpipe
-// bundles), "transformers.js-own-ort" (the same, over the onnxruntime-web it bundles itself) and
-// "ort" (a hand-written greedy loop over ortpipe's onnxruntime-web build, in a worker: the kernels'
+// bundles; ids only, no text), "transformers.js-text" (the same, streaming text as well with its
+// TextStreamer, the way ortpipe's stream gives each token's text), "transformers.js-own-ort" (ids
+// only, over the onnxruntime-web it bundles itself) and "ort" (a hand-written greedy loop over ortpipe's onnxruntime-web build, in a worker: the kernels'
 // time, nothing else).
 // Every engine runs in a worker and every time is taken here, on the page's thread, when a token
 // arrives. The first generation gives the cold start (navigation start to its first token); the
@@ -130,6 +131,7 @@ function show(text) {
 const PAGE_ENGINES = {
   ortpipe: openOrtpipe,
   'transformers.js': openWorkerEngine,
+  'transformers.js-text': openWorkerEngine,
   'transformers.js-own-ort': openWorkerEngine,
   ort: openWorkerEngine,
 };
@@ -212,6 +214,7 @@ function serveEngine() {
 
 const WORKER_ENGINES = {
   'transformers.js': (options) => openTransformersJs(options, 'ortpipe'),
+  'transformers.js-text': (options) => openTransformersJs(options, 'ortpipe', { text: true }),
   'transformers.js-own-ort': (options) => openTransformersJs(options, 'own'),
   ort: openOrtLoop,
 };
@@ -225,7 +228,7 @@ const WORKER_ENGINES = {
  * transformers.js fetches that build into the Cache API and compiles it from bytes; a profiled run
  * lets onnxruntime-web load it by URL, so the profile can tell its code from the rest.
  */
-async function openTransformersJs({ model, threads, profile }, ortBuild) {
+async function openTransformersJs({ model, modelUrl, threads, profile }, ortBuild, { text = false } = {}) {
   if (ortBuild === 'ortpipe') globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
   const tjs = await import('./tjs/transformers.min.js');
   const { env } = tjs;
@@ -245,12 +248,21 @@ async function openTransformersJs({ model, threads, profile }, ortBuild) {
     ? { device: 'wasm' }
     : { device: 'auto', session_options: { executionProviders: ['wasm'] } };
   const lm = await tjs.AutoModelForCausalLM.from_pretrained(model, { ...device, dtype: 'fp32' });
+  // Made from the folder's files: AutoTokenizer's existence check skips local files given by http URL.
+  const tokenizer = text ? new tjs.PreTrainedTokenizer(...await Promise.all(
+    ['tokenizer.json', 'tokenizer_config.json'].map((file) => fetch(`${modelUrl}${file}`).then((r) => r.json())),
+  )) : null;
   return {
     versions: { 'transformers.js': env.version, 'onnxruntime-web': env.backends.onnx.versions?.web },
     async generate(prompt, newTokens, onToken) {
       const ids = (fill) => new tjs.Tensor('int64', BigInt64Array.from(prompt, fill), [1, prompt.length]);
       let inPrompt = true; // generate() streams the prompt first
-      const streamer = {
+      let streamed = ''; // the text, when streamed
+      const streamer = text ? new tjs.TextStreamer(tokenizer, {
+        skip_prompt: true,
+        token_callback_function: (tokens) => onToken(Number(tokens[0])),
+        callback_function: (piece) => { streamed += piece; },
+      }) : {
         put(value) {
           if (!inPrompt) onToken(Number(value[0][0]));
           inPrompt = false;
