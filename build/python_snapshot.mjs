@@ -5,7 +5,8 @@
 // Boots the Pyodide of PYODIDE_DIR (the bundle's copy, so the snapshot matches the wasm the page
 // loads), unpacks ortpipe's zip, imports ortpipe's browser target and writes the interpreter's
 // memory, gzipped, to OUT. Restoring it skips the interpreter's start and those imports (seconds),
-// leaving the compile of pyodide.asm.wasm and the restore itself.
+// leaving the compile of pyodide.asm.wasm and the restore itself. `_makeSnapshot` and
+// `makeMemorySnapshot` are private to Pyodide's loader: package.json pins Pyodide's exact version.
 //
 // What the snapshot cannot hold, the worker redoes after restoring: the files (Pyodide's file
 // system lives in JS, so ortpipe's zip is unpacked again) and the seed of Python's `random`

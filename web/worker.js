@@ -172,7 +172,8 @@ async function resolveDevice(device) {
 }
 
 /** Pyodide with ortpipe's package unpacked into its site-packages, started from the bundle's memory
- * snapshot (build/python_snapshot.mjs): the interpreter comes up with ortpipe already imported. */
+ * snapshot (build/python_snapshot.mjs): the interpreter comes up with ortpipe already imported.
+ * `_loadSnapshot` is a private option of Pyodide's loader, hence the exact version in package.json. */
 async function startPython() {
   const { loadPyodide } = await import('./pyodide/pyodide.mjs');
   const [python, zip] = await Promise.all([
