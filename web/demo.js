@@ -7,6 +7,7 @@ import { load, webgpuAvailable } from './ortpipe.js';
 
 const $ = (id) => document.getElementById(id);
 let pipe = null;
+let chat = null; // chat mode's conversation with `pipe`, from its first message
 let loadedKey = null; // "url|device" of the loaded pipeline
 let offlineEnabled = false; // whether sw.js was registered
 
@@ -39,6 +40,7 @@ async function ensureLoaded() {
   if (pipe && loadedKey === `${url}|${device}`) return pipe;
   pipe?.dispose();
   pipe = null;
+  chat = null; // it belonged to the pipeline just disposed
   const started = performance.now();
   showProgress(0, 'Starting…');
   try {
@@ -92,20 +94,41 @@ async function generate(event) {
   $('error').textContent = '';
   setRunning(true);
   const output = $('output');
-  output.replaceChildren();
+  const chatting = $('chat-mode').checked;
+  if (!chatting) output.replaceChildren();
   delete output.dataset.tokens;
   for (const id of ['stat-ttft', 'stat-speed', 'stat-tokens']) $(id).textContent = '–';
   try {
-    const options = { ...promptOptions(), maxNewTokens: Number($('max-new-tokens').value) };
-    if ($('images').files.length) options.images = [...$('images').files];
-    const model = await ensureLoaded();
-    output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
+    const maxNewTokens = Number($('max-new-tokens').value);
+    let stream;
+    let target = output; // where the streamed text goes
+    if (chatting) {
+      if ($('prompt-is-ids').checked || $('images').files.length) {
+        throw new Error('A chat message is text: untick "The prompt is token ids" and clear the images');
+      }
+      const model = await ensureLoaded();
+      if (!chat) { // a new conversation (chat mode just started, or another model was loaded)
+        output.replaceChildren();
+        chat = await model.chat();
+      }
+      const message = $('prompt').value;
+      target = Object.assign(document.createElement('div'), { className: 'turn assistant' });
+      output.append(Object.assign(document.createElement('div'), { className: 'turn user', textContent: message }),
+        target);
+      stream = chat.stream(message, { maxNewTokens });
+      $('prompt').value = '';
+    } else {
+      const options = { ...promptOptions(), maxNewTokens };
+      if ($('images').files.length) options.images = [...$('images').files];
+      const model = await ensureLoaded();
+      output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
+      stream = model.stream(options);
+    }
     const tokens = [];
-    const stream = model.stream(options);
     let step = await stream.next();
     while (!step.done) {
       tokens.push(step.value.token);
-      output.append(step.value.text || (model.info.tokenizer ? '' : `${step.value.token} `));
+      target.append(step.value.text || (pipe.info.tokenizer ? '' : `${step.value.token} `));
       $('stat-tokens').textContent = tokens.length;
       step = await stream.next();
     }
@@ -115,6 +138,14 @@ async function generate(event) {
   } finally {
     setRunning(false);
   }
+}
+
+/** Chat mode on or off, or a new conversation: the old one is forgotten. */
+function resetChat() {
+  chat?.dispose();
+  chat = null;
+  $('output').replaceChildren();
+  $('new-chat').hidden = !$('chat-mode').checked;
 }
 
 function showResult({ tokens, timings, finishReason }) {
@@ -128,6 +159,7 @@ function showResult({ tokens, timings, finishReason }) {
 function setRunning(running) {
   $('generate').disabled = running;
   $('load').disabled = running;
+  $('new-chat').disabled = running;
   $('stop').disabled = !running;
 }
 
@@ -164,5 +196,7 @@ $('load-form').addEventListener('submit', async (event) => {
 
 $('generate-form').addEventListener('submit', generate);
 $('stop').addEventListener('click', () => pipe?.interrupt());
+$('chat-mode').addEventListener('change', resetChat);
+$('new-chat').addEventListener('click', resetChat);
 init();
 if (navigator.serviceWorker?.controller) enableOffline(); // installed on an earlier visit: look for updates

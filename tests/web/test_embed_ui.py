@@ -1,7 +1,7 @@
 """The embed API from a page of its own (web/embed.html), the demo page driven as a user would, and
 one worker serving model after model. Every request must stay on the page's origin.
 
-The demo page test saves a screenshot to build/cache/screenshots/demo.png.
+The demo page tests save screenshots to build/cache/screenshots/ (demo.png, demo-chat.png).
 """
 
 from __future__ import annotations
@@ -113,3 +113,38 @@ def test_later_models_reuse_the_running_python(page: Any, context: Any, models: 
     assert ["runtime" in run["phases"] for run in runs[1:]] == [False, False]
     assert len(booted) == 1
     assert max(run["loadMs"] for run in runs[1:]) < runs[0]["loadMs"] / 2
+
+
+def test_demo_page_chats_like_cpython(page: Any, requests_seen: list[str], models: dict[str, Path]) -> None:
+    """Chat mode: each message continues the conversation (one chat, its cache kept between turns);
+    "New chat" starts over. The replies are CPython's chat replies, token for token."""
+    turns, reply = ["def f(a):", "def g(b):"], 6
+    chat = ortpipe.load(models["v2"]).chat()
+    expected = [list(chat.say(turn, max_new_tokens=reply)) for turn in turns]
+    page.goto("/")
+    page.fill("#model-url", "models/v2/")
+    page.select_option("#device", "wasm")
+    page.fill("#max-new-tokens", str(reply))
+    page.check("#chat-mode")
+    assert page.is_visible("#new-chat")
+    for turn, want in zip(turns, expected, strict=True):
+        page.fill("#prompt", turn)
+        page.click("#generate")
+        page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+        assert page.text_content("#error") == ""
+        assert page.get_attribute("#output", "data-tokens") == ",".join(str(c.token) for c in want)
+        assert page.input_value("#prompt") == ""  # the box is cleared for the next message
+    users = page.eval_on_selector_all("#output .turn.user", "(els) => els.map((e) => e.textContent)")
+    replies = page.eval_on_selector_all("#output .turn.assistant", "(els) => els.map((e) => e.textContent)")
+    assert users == turns
+    assert replies == ["".join(c.text for c in want) for want in expected]
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT.with_name("demo-chat.png")), full_page=True)
+    page.click("#new-chat")
+    assert page.text_content("#output") == ""
+    # A new conversation: its first reply is the first reply again.
+    page.fill("#prompt", turns[0])
+    page.click("#generate")
+    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+    assert page.get_attribute("#output", "data-tokens") == ",".join(str(c.token) for c in expected[0])
+    assert_same_origin(requests_seen, page)
