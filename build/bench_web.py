@@ -553,7 +553,9 @@ def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[fl
     ratios: dict[tuple, list[float]] = {}
     for (model, threads, round_, engine), ours in pages.items():
         theirs = pages.get((model, threads, round_, other))
-        if engine == "ortpipe" and ours is not None and theirs is not None:
+        # None: not measured; 0: a median interval of tokens that arrived in groups (runs saved before
+        # bench.js shared a group's time among its tokens)
+        if engine == "ortpipe" and ours and theirs:
             ratio = ours / theirs if higher_is_better else theirs / ours
             ratios.setdefault((model, threads), []).append(ratio)
     return ratios

@@ -190,8 +190,53 @@ def test_decode_steps_are_fused_only_for_layouts_the_backend_names(tmp_path: Pat
     assert (request.ids, request.mask, request.positions) == (
         ("input_ids", "int64"), ("attention_mask", "int64"), ("position_ids", "int64"))
     assert (request.logits, request.logits_shape, request.capacity) == ("logits", (1, 1, 10), 10)
+    assert request.limit == 1 and request.eos == frozenset({9})  # one step, unless the backend bursts
     with pytest.raises(StopIteration) as stop:
-        work.send(4)
+        work.send([4])
     assert stop.value.value == 4
     # the graph has seen the prompt and token 1; token 4 waits for the next step
     assert (gen.tokens, gen.fused_steps, cache.length, gen.flow.length) == ([5, 6, 7, 1, 4], 1, 4, 4)
+
+
+class BurstingBackend(FusingBackend):
+    decode_burst = 4  # a target that answers a Decode with up to 4 tokens (the browser's JS Decoder)
+
+
+def test_a_burst_of_decode_steps_gives_several_tokens(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {"format": "auto"}, max_length=12, backend=BurstingBackend())
+    gen.append_tokens([5, 6, 7])
+    scripted(gen, [1])
+    work = gen.next_tokens()
+    request = next(work)
+    assert (request.token, request.past, request.limit) == (1, 3, 4)
+    with pytest.raises(StopIteration) as stop:
+        work.send([4, 3, 2])  # three steps: fed 1, 4 and 3; token 2 waits for the next one
+    assert stop.value.value == [4, 3, 2]
+    cache = gen.flow.caches["decoder"]
+    assert (cache.length, gen.flow.length, gen.fused_steps) == (6, 6, 3)
+    assert gen.tokens == [5, 6, 7, 1, 4, 3, 2]
+    work = gen.next_tokens(budget=2)  # the caller takes two more tokens at most
+    request = next(work)
+    assert (request.token, request.past, request.limit) == (2, 6, 2)
+    with pytest.raises(StopIteration):
+        work.send([8, 9])  # 9: eos
+    assert gen.done and gen.tokens == [5, 6, 7, 1, 4, 3, 2, 8, 9] and gen.flow.length == 8
+
+
+def test_a_burst_stops_at_the_length_limit_and_next_token_asks_for_one(tmp_path: Path) -> None:
+    gen = make_generator(tmp_path, {"format": "auto"}, max_length=7, backend=BurstingBackend())
+    gen.append_tokens([5, 6, 7])
+    scripted(gen, [1])
+    assert next(gen.next_tokens()).limit == 3  # 7 - 4 ids so far
+    assert next(gen.next_token()).limit == 1  # the step-wise API: one token a call
+
+
+@pytest.mark.parametrize("answer", [[], [4, 3, 2, 1, 0], [9, 4], 4])
+def test_a_wrong_answer_to_a_burst_is_refused(tmp_path: Path, answer: object) -> None:
+    gen = make_generator(tmp_path, {"format": "auto"}, max_length=12, backend=BurstingBackend())
+    gen.append_tokens([5, 6, 7])
+    scripted(gen, [1])
+    work = gen.next_tokens()
+    next(work)
+    with pytest.raises(GenerationError, match="must answer 1 to that many token ids, stopping after an eos"):
+        work.send(answer)

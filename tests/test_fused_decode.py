@@ -9,6 +9,7 @@ non-empty prompt) and onnxruntime-genai's, across everything that re-binds a ses
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,38 @@ def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: P
         return out + [gen.next_token() for _ in range(12)]
 
     assert continued() == continued(min_length=1)
+
+
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
+def test_bursts_of_decode_steps_give_the_same_tokens(model: str, request: pytest.FixtureRequest,
+                                                     tmp_path: Path) -> None:
+    """A Decode answered with several tokens (as the browser's JS Decoder does) changes nothing,
+    and stops at the eos inside a burst; checked with the CPython driver's own bursts."""
+    folder = request.getfixturevalue(model)
+    ids = prompt_ids(folder)
+    expected = ortpipe.load(folder, threads=1).generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    pipe = ortpipe.load(folder, threads=1)
+    pipe.core.backend.decode_burst = 8
+    fused = counting(pipe)
+    assert pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
+    assert fused == list(range(len(ids), len(ids) + NEW - 1, 8)), "39 steps in bursts of 8"
+    # an eos that greedy decoding reaches mid-burst: the copy's eos is the 12th token, new there
+    at = next(i for i, t in enumerate(expected) if i >= 11 and t not in expected[:i])
+    assert at % 8, "bursts end at tokens 8, 16, ...: this eos falls inside one"
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    if (copy / "genai_config.json").exists():
+        config = json.loads((copy / "genai_config.json").read_text())
+        config["model"]["eos_token_id"] = expected[at]
+        (copy / "genai_config.json").write_text(json.dumps(config))
+    else:
+        config = json.loads((copy / "generation_config.json").read_text())
+        config["eos_token_id"] = expected[at]
+        (copy / "generation_config.json").write_text(json.dumps(config))
+    pipe = ortpipe.load(copy, threads=1)
+    pipe.core.backend.decode_burst = 8
+    result = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    assert (result.tokens, result.finish_reason) == (expected[:at + 1], "eos")
 
 
 def test_what_cannot_be_fused_runs_the_generic_path(llama_builder_fp32: Path, sliding_concat: Path) -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ortpipe.pipeline import Request
+from ortpipe.pipeline import Chunk, Request
 from ortpipe.sampling.settings import SearchSettings
 from ortpipe.targets.cpython import HFTokenizer
 from ortpipe.tokenizer import TextStream
@@ -30,32 +30,40 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
 
 
 class ScriptedGenerator:
-    """Stands in for TokenGenerator: yields nothing, returns the next scripted id."""
+    """Stands in for TokenGenerator: yields nothing, returns the next scripted ids (`burst` at most
+    a call, as a target running bursts of fused decode steps gives them)."""
 
-    def __init__(self, ids: list[int], eos: frozenset[int] = frozenset()):
-        self.ids, self.i = ids, 0
+    def __init__(self, ids: list[int], eos: frozenset[int] = frozenset(), burst: int = 1):
+        self.ids, self.i, self.burst = ids, 0, burst
         self.limits = SimpleNamespace(eos=eos)
         self.interrupted = False
         self.fused_steps = 0
+        self.budgets: list[int | None] = []  # what each next_token was told the request takes at most
 
     @property
     def done(self) -> bool:
         return self.i >= len(self.ids)
 
-    def next_token(self):
-        self.i += 1
-        return self.ids[self.i - 1]
+    def next_tokens(self, budget: int | None = None):
+        self.budgets.append(budget)
+        n = min(self.burst, len(self.ids) - self.i, self.burst if budget is None else budget)
+        self.i += n
+        return self.ids[self.i - n:self.i]
         yield  # a generator, like the real one
 
 
 def run(request: Request) -> list[str]:
+    return [c.text for c in chunks_of(request)]
+
+
+def chunks_of(request: Request) -> list[Chunk]:
     chunks = []
     while not request.done:
         work = request.step()
         try:
             next(work)
         except StopIteration as stop:
-            chunks += [c.text for c in stop.value]
+            chunks += stop.value
     return chunks
 
 
@@ -97,6 +105,29 @@ def test_stop_strings_match_across_token_boundaries(tokenizer: HFTokenizer, stop
     assert request.finish_reason == "stop"
     assert "".join(pieces) == request.text == expected
     assert request.result().text == expected
+
+
+def test_bursts_of_tokens_give_the_chunks_of_single_steps(tokenizer: HFTokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    single = chunks_of(Request(ScriptedGenerator(ids), SearchSettings(), tokenizer, 0))
+    for burst in (2, 5, len(ids)):
+        request = Request(ScriptedGenerator(ids, burst=burst), SearchSettings(), tokenizer, 0)
+        assert chunks_of(request) == single
+        assert request.text == TEXT and request.timings.new_tokens == len(ids)
+
+
+def test_a_request_bounds_what_a_burst_of_decode_steps_may_select(tokenizer: HFTokenizer) -> None:
+    """Tokens a burst selects past where the request stops would sit in the cache: none may."""
+    ids = tokenizer.encode(TEXT)[:6]
+    gen = ScriptedGenerator(ids)
+    run(Request(gen, SearchSettings(), tokenizer, 0))
+    assert gen.budgets == [None] * 6  # no limit of its own: the generator's length limit bounds it
+    gen = ScriptedGenerator(ids)
+    run(Request(gen, SearchSettings(), tokenizer, 0, max_new_tokens=4))  # a chat turn's budget
+    assert gen.budgets == [4, 3, 2, 1]
+    gen = ScriptedGenerator(ids)
+    run(Request(gen, SearchSettings(stop=("@@",)), tokenizer, 0))
+    assert gen.budgets == [1] * 6  # the text decides after every token
 
 
 def test_a_stop_string_that_never_completes_is_released(tokenizer: HFTokenizer) -> None:

@@ -113,9 +113,25 @@ async function timeGeneration(engine, { prompt, newTokens }, started) {
     tokens,
     firstTokenMs: arrivals[0] - started,
     decodeTokensPerS: (tokens.length - 1) / (decodeMs / 1000),
-    medianTokenMs: median(arrivals.slice(1).map((t, i) => t - arrivals[i])),
+    medianTokenMs: median(tokenIntervals(arrivals)),
     reported, // the engine's own timings, when it has any
   };
+}
+
+// Arrivals closer than this came in one message (a burst of decode steps): no model here decodes
+// a token in less.
+const SAME_MESSAGE_MS = 1;
+
+/** Each token's interval: tokens that arrive together share the time since the arrival before. */
+function tokenIntervals(arrivals) {
+  const intervals = [];
+  for (let i = 1; i < arrivals.length;) {
+    let end = i + 1;
+    while (end < arrivals.length && arrivals[end] - arrivals[end - 1] < SAME_MESSAGE_MS) end++;
+    intervals.push(...new Array(end - i).fill((arrivals[end - 1] - arrivals[i - 1]) / (end - i)));
+    i = end;
+  }
+  return intervals;
 }
 
 function median(values) {

@@ -166,6 +166,11 @@ export class Bridge {
     return new this.tokenizers.Tokenizer(JSON.parse(tokenizerJson), configJson ? JSON.parse(configJson) : {});
   }
 
+  /** The text of a generation as it grows (TextStream below), decoded with `tokenizer`. */
+  textStream(tokenizer, window, context) {
+    return new TextStream(tokenizer, window, context);
+  }
+
   /** A chat template renderer: (messagesJson, addGenerationPrompt) -> text. */
   chatTemplate(source, specialTokensJson) {
     const template = new this.jinja.Template(source);
@@ -173,6 +178,53 @@ export class Bridge {
     return (messagesJson, addGenerationPrompt) => template.render({
       messages: JSON.parse(messagesJson), add_generation_prompt: addGenerationPrompt, ...tokens,
     });
+  }
+}
+
+/**
+ * The JS twin of the core's TextStream (py/ortpipe/tokenizer.py, which explains the method): text
+ * deltas of a growing list of ids that never end inside a character, from the decoded window of
+ * the latest `window` ids. Strings are sliced here in UTF-16 units and there in code points, but
+ * only ever by the length of a prefix of the same string, so the deltas are the same.
+ */
+export class TextStream {
+  constructor(tokenizer, window, context) {
+    this.tokenizer = tokenizer;
+    this.window = window;
+    this.context = context;
+    this.options = { skip_special_tokens: true, clean_up_tokenization_spaces: false }; // as JsTokenizer
+    this.ids = [];
+    this.start = 0;
+    this.sent = '';
+  }
+
+  decodeWindow() {
+    return this.tokenizer.decode(this.ids.slice(this.start), this.options);
+  }
+
+  push(token) {
+    this.ids.push(token);
+    const text = this.decodeWindow();
+    if (text.endsWith('\ufffd') || !text.startsWith(this.sent)) return '';
+    const delta = text.slice(this.sent.length);
+    this.sent = text;
+    if (this.ids.length - this.start > this.window) {
+      this.start = this.ids.length - this.context;
+      this.sent = this.decodeWindow();
+    }
+    return delta;
+  }
+
+  /** Each token's delta, as JSON (one string crosses into Python). */
+  pushMany(...tokens) {
+    return JSON.stringify(tokens.map((token) => this.push(token)));
+  }
+
+  flush() {
+    const text = this.decodeWindow();
+    const delta = text.startsWith(this.sent) ? text.slice(this.sent.length) : '';
+    this.sent = text;
+    return delta;
   }
 }
 
@@ -193,19 +245,25 @@ function halfToFloat(bits) {
   return bits & 0x8000 ? -magnitude : magnitude;
 }
 
+// How long one burst of decode steps may run before its tokens go back to Python (and on to the
+// page): few enough crossings per token that they cost next to nothing, and text still arrives
+// several times a second on the slowest models.
+const BURST_MS = 50;
+
 /**
  * Greedy decode steps of one request on one decoder session, fused: the core's `Decode`
  * (py/ortpipe/execute/work.py). The KV cache lives here between steps (past name -> ort.Tensor,
- * each present becoming the next past, concat or shared buffer alike), so a step crosses into
- * Python as one token id instead of a tensor proxy per cache entry. The Python driver reads the
- * cache back through `current` when a generic run needs it.
+ * each present becoming the next past, concat or shared buffer alike), so steps cross into
+ * Python as token ids instead of a tensor proxy per cache entry, several steps at a time
+ * (`burst`). The Python driver reads the cache back through `current` when a generic run needs it.
  */
 export class Decoder {
   /**
    * @param {{name: string, ids: [string, string], mask: [string, string]|null, positions: [string, string]|null,
    *   presents: Object<string, string>, outputs: string[], logits: string, vocab: number,
-   *   capacity: number, gpu: boolean}} spec names and dtypes of the session's decode feeds;
-   *   `presents` maps each present output to its past input; `gpu`: outputs stay on the GPU.
+   *   capacity: number, eos: number[], gpu: boolean}} spec names and dtypes of the session's decode
+   *   feeds; `presents` maps each present output to its past input; a burst stops after a token in
+   *   `eos`; `gpu`: outputs stay on the GPU.
    */
   constructor(ort, session, spec) {
     this.ort = ort;
@@ -214,6 +272,7 @@ export class Decoder {
     this.presents = Object.entries(spec.presents);
     this.others = spec.outputs.filter((name) => name !== spec.logits && !(name in spec.presents));
     this.cache = {};
+    this.eos = new Set(spec.eos);
     // one row of ones; the mask of a step is a view of its first past + 1 values
     this.ones = spec.mask ? typedArray(spec.mask[1], new Array(spec.capacity).fill(1)) : null;
   }
@@ -243,6 +302,22 @@ export class Decoder {
   /** Forget the entry `name` without disposing it: another owner took it. */
   forget(name) {
     delete this.cache[name];
+  }
+
+  /**
+   * Steps from `token` at position `past`, each feeding the token the one before selected, until
+   * `limit` tokens, an eos or BURST_MS: the selected tokens.
+   */
+  async burst(token, past, limit) {
+    const tokens = [];
+    const started = performance.now();
+    for (;;) {
+      token = await this.step(token, past);
+      tokens.push(token);
+      const spent = performance.now() - started;
+      if (tokens.length >= limit || this.eos.has(token) || spent >= BURST_MS) return tokens;
+      past += 1;
+    }
   }
 
   /** One step: `token` at position `past`; the argmax of the logits' last row. */

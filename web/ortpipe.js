@@ -167,8 +167,8 @@ export class Pipeline {
   }
 
   /**
-   * Stop the running generation after the token being computed, and any generation queued behind
-   * it; their results say "interrupt".
+   * Stop the running generation after the tokens being computed (greedy decode steps run in
+   * bursts of up to 50 ms), and any generation queued behind it; their results say "interrupt".
    */
   interrupt() {
     this._interruptedUpTo = this._queued;
@@ -232,8 +232,8 @@ export class Pipeline {
     }
     const call = this._calls.get(data.id);
     if (!call) return;
-    if (data.type === 'chunk') {
-      call.onChunk?.({ token: data.token, text: data.text });
+    if (data.type === 'chunks') {
+      for (const { token, text } of data.chunks) call.onChunk?.({ token, text });
       return;
     }
     this._calls.delete(data.id);

@@ -1,7 +1,7 @@
 // The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin,
 // loads a model with ortpipe's Pyodide target (py/ortpipe/targets/pyodide.py) and streams the
 // generated tokens back. Messages in: load, generate (a chat's turn too), chat, rewind, closeChat,
-// interrupt, unload. Messages out: progress, chunk, result, error; each reply carries the id of the
+// interrupt, unload. Messages out: progress, chunks, result, error; each reply carries the id of the
 // message it answers. After `unload` the worker can load another model without starting Python
 // and onnxruntime-web again.
 
@@ -224,7 +224,8 @@ async function imageTensors(sources) {
 }
 
 // Fused decode steps chain promises that onnxruntime-web's wasm build resolves at once, so no
-// message (an interrupt) would be read until the generation ends: yield to the event loop this often.
+// message (an interrupt) would be read until the generation ends: between bursts of steps, yield
+// to the event loop if this long has passed.
 const YIELD_EVERY_MS = 10;
 const tasks = new MessageChannel();
 
@@ -258,9 +259,7 @@ async function generate(id, options, interrupted, chat) {
     stepDecoded = pipe.step_decoded; // one proxy of the bound method for the whole generation
     let yielded = performance.now();
     for (let answer = JSON.parse(pipe.step_begin(request)); ;) {
-      for (const chunk of answer.chunks) {
-        self.postMessage({ type: 'chunk', id, token: chunk.token, text: chunk.text });
-      }
+      if (answer.chunks.length) self.postMessage({ type: 'chunks', id, chunks: answer.chunks });
       if (answer.done) break;
       if (performance.now() - yielded > YIELD_EVERY_MS) {
         await nextTask();
@@ -268,7 +267,7 @@ async function generate(id, options, interrupted, chat) {
       }
       if (answer.decode) {
         if (answer.fresh) decoder = pipe.decoder;
-        answer = JSON.parse(stepDecoded(await decoder.step(...answer.decode)));
+        answer = JSON.parse(stepDecoded(...await decoder.burst(...answer.decode)));
       } else {
         answer = JSON.parse(await pipe.step_rest());
       }

@@ -68,7 +68,7 @@ class Request:
         if settings.stop and tokenizer is None:
             raise GenerationError("stop strings need the folder's tokenizer.json to decode text")
         self.gen, self.settings = gen, settings
-        self.stream = TextStream(tokenizer) if tokenizer else None
+        self.stream = _text_stream(tokenizer) if tokenizer else None
         self.timings = Timings(prompt_tokens=prompt_len)
         self.tokens: list[int] = []
         self.text = ""  # text sent so far
@@ -81,31 +81,42 @@ class Request:
         return self.finish_reason is not None
 
     def step(self) -> Work:
+        """The next token's chunk, or several: a burst of fused decode steps (see TokenGenerator)."""
         start = time.perf_counter()
-        token = yield from self.gen.next_token()
+        # A burst must not run past where this request may stop: its own budget, and any token while
+        # stop strings are watched (the text decides).
+        budget = 1 if self.settings.stop else (
+            None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens))
+        tokens = yield from self.gen.next_tokens(budget)
         elapsed = (time.perf_counter() - start) * 1000
         if self.timings.new_tokens == 0:
             self.timings.prefill_ms = elapsed
         else:
             self.timings.decode_ms += elapsed
-        self.timings.new_tokens += 1
+        self.timings.new_tokens += len(tokens)
         self.timings.fused_steps = self.gen.fused_steps
-        self.tokens.append(token)
+        self.tokens.extend(tokens)
         if self.gen.done:
             self.finish_reason = "interrupt" if self.gen.interrupted else (
-                "eos" if token in self.gen.limits.eos else "length")
+                "eos" if tokens[-1] in self.gen.limits.eos else "length")
         elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        return [Chunk(token, self._text(token))]
+        if self.stream is None:
+            return [Chunk(token, "") for token in tokens]
+        deltas = self.stream.push_many(tokens)
+        if self.done:
+            deltas[-1] += self.stream.flush()
+        return [Chunk(token, self._text(delta)) for token, delta in zip(tokens, deltas, strict=True)]
 
     def interrupt(self) -> None:
         self.gen.interrupted = True
         self.finish_reason = self.finish_reason or "interrupt"
 
-    def _text(self, token: int) -> str:
-        if self.stream is None:
-            return ""
-        self._held += self.stream.push(token) if not self.done else self.stream.push(token) + self.stream.flush()
+    def _text(self, delta: str) -> str:
+        """What of the decoded `delta` can be sent: none of a stop string, nor what may start one."""
+        if self.finish_reason == "stop":
+            return ""  # a stop string ended the text (only one token a step while they are watched)
+        self._held += delta
         for stop in self.settings.stop:
             at = self._held.find(stop)
             if at >= 0:
@@ -145,6 +156,12 @@ class BeamRequest(Request):
 
     def interrupt(self) -> None:
         self.finish_reason = self.finish_reason or "interrupt"
+
+
+def _text_stream(tokenizer: Tokenizer) -> TextStream:
+    """The tokenizer's own text stream when it has one (a target's faster twin), else the core's."""
+    make = getattr(tokenizer, "text_stream", None)
+    return make() if make is not None else TextStream(tokenizer)
 
 
 def _open_stop_prefix(text: str, stops: tuple[str, ...]) -> int:

@@ -10,6 +10,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    # A tokenizer may also have `text_stream()`, giving an object that behaves like `TextStream(self)`
+    # (push, push_many, flush) at less cost: the browser's runs in JS, next to tokenizers.js.
+
 
 class ChatTemplate(Protocol):
     """The folder's chat template (tokenizer_config.json `chat_template`), rendered to text."""
@@ -47,6 +50,9 @@ class TextStream:
             self.start = len(self.ids) - self.CONTEXT
             self.sent = self.tokenizer.decode(self.ids[self.start:])
         return delta
+
+    def push_many(self, tokens: list[int]) -> list[str]:
+        return [self.push(token) for token in tokens]
 
     def flush(self) -> str:
         text = self.tokenizer.decode(self.ids[self.start:])

@@ -226,11 +226,11 @@ class FlowRun:
                       (1, 1, vocab) if info.rank == 3 else (1, vocab), self.max_length)
 
     def advance(self, n: int) -> None:
-        """Account for a step the target ran as a `Decode`: n more positions in the flow and cache."""
+        """Account for n steps the target ran as a `Decode`: n more positions in the flow and cache."""
         for cache in self.caches.values():
             cache.length += n
         self.length += n
-        self.steps_run += 1
+        self.steps_run += n
 
     def run_final(self) -> Work:
         self.label = "final"

@@ -37,15 +37,19 @@ class RunAll:
 
 @dataclass(slots=True)
 class Decode:
-    """One greedy decode step that a target may run fused (see `fused_decode` below).
+    """Greedy decode steps that a target may run fused (see `fused_decode` below).
 
-    It stands for: feed `token` to `ids` at position `past` (the attention mask all ones over
+    One step: feed `token` to `ids` at position `past` (the attention mask all ones over
     `past + 1` positions, 1D position ids `past`), run `session` with the cache `cache` (`presents`:
-    present output -> past input), and answer the argmax of the last row of `logits` as an int.
+    present output -> past input), and select the argmax of the last row of `logits`.
     With `shared` the present is written into the past's buffer in place (a shared buffer); else
     the present, one position longer, is the next past (concat), and the target keeps `cache`
-    current: by the time the core reads `cache[past]` again it must be the latest present. The flow
-    yields one object per request and updates `token` and `past`.
+    current: by the time the core reads `cache[past]` again it must be the latest present.
+
+    The target may run up to `limit` such steps in a row, each feeding the token the step before
+    selected at the next position, and must stop after a token in `eos`. It answers the selected
+    tokens as a list of ints, at least one. The flow yields one object per request and updates
+    `token`, `past` and `limit`.
     """
 
     session: str
@@ -59,8 +63,10 @@ class Decode:
     logits: str
     logits_shape: tuple[int, ...]  # of one decode run: (1, 1, vocab) or (1, vocab)
     capacity: int  # the most positions a request's mask can cover
+    eos: frozenset[int] = frozenset()
     token: int = 0
     past: int = 0
+    limit: int = 1
     label: str = ""
 
 
@@ -82,6 +88,8 @@ class Backend(Protocol):
 
     # A backend whose driver carries out `Decode` names the cache layouts it fuses in
     # `fused_decode`: a set of "shared" and "concat". Without it the core never yields one.
+    # `decode_burst` (default 1) is the most steps one `Decode` asks for: a target whose every
+    # answer costs a crossing (Python <-> JS) runs several steps per answer.
 
 
 def kernel(name: str, dtype: str) -> str:

@@ -4,6 +4,10 @@
 on the first call) and selects one token from the logits. The selected token is queued, not run:
 N new tokens cost one prefill and N-1 decode runs. Appending after generation continues from the
 cache (continuous decoding).
+
+`next_tokens` may return several: a target that fuses greedy decode steps may answer one `Decode`
+with a burst of tokens, up to the `limit` the generator sets from the length limit and the
+caller's budget.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class TokenGenerator:
         self._pending: list[int] = []
         self._started = False
         self.interrupted = False
-        self.fused_steps = 0  # decode steps the target ran as one `Decode`
+        self.fused_steps = 0  # decode steps the target ran as `Decode`s
+        self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
         # Plain greedy decoding on a target that fuses decode steps: once the first step ran, each
         # later one is a single `Decode` (None: not yet decided; False: this request cannot).
         self._fuse = bool(getattr(backend, "fused_decode", False)) and self.sampler.settings.plain_greedy
@@ -80,6 +85,13 @@ class TokenGenerator:
         self.interrupted = False
 
     def next_token(self) -> Work:
+        """The next token."""
+        return (yield from self.next_tokens(1))[0]
+
+    def next_tokens(self, budget: int | None = None) -> Work:
+        """The next token, or several when the target runs a burst of fused decode steps. `budget`:
+        how many the caller takes at most (a request's max_new_tokens left, 1 while stop strings are
+        watched); never more than max_length leaves room for, and none after an eos."""
         if not self._pending:
             raise GenerationError("append tokens (a prompt) before asking for the next token")
         if self.done:
@@ -101,16 +113,28 @@ class TokenGenerator:
         decode = self._decode
         if decode is None and self.flow.steps_run:
             decode = self._decode = self.flow.decode_step() or False
+            if decode:
+                decode.eos = self.limits.eos
         if decode and len(self._pending) == 1:
+            room = self.limits.max_length - len(self.tokens)
             decode.token, decode.past = self._pending[0], self.flow.length
+            decode.limit = max(1, min(self._burst, room, room if budget is None else budget))
             decode.label = f"step {self.flow.steps_run}"
-            token = yield decode
-            self.flow.advance(1)
-            self.fused_steps += 1
+            tokens = yield decode
+            self._check_burst(tokens, decode.limit)
+            self.flow.advance(len(tokens))
+            self.fused_steps += len(tokens)
         else:
             logits = yield from self.flow.run_step(self._pending)
-            token = yield from self.sampler.select(logits, self.tokens, self.generated)
-        self.tokens.append(token)
-        self._pending = [token]
-        self.generated += 1
-        return token
+            tokens = [(yield from self.sampler.select(logits, self.tokens, self.generated))]
+        self.tokens.extend(tokens)
+        self._pending = [tokens[-1]]
+        self.generated += len(tokens)
+        return tokens
+
+    def _check_burst(self, tokens: list[int], limit: int) -> None:
+        """A target's answer to a Decode: 1 to `limit` ids, none but the last an eos."""
+        if not isinstance(tokens, list) or not 1 <= len(tokens) <= limit \
+                or any(t in self.limits.eos for t in tokens[:-1]):
+            raise GenerationError(f"the target answered a decode of at most {limit} steps with {tokens!r}: "
+                                  "it must answer 1 to that many token ids, stopping after an eos")

@@ -219,12 +219,20 @@ class Driver:
                             threading.get_ident(), shapes))
         return out
 
-    def decode(self, d: Decode) -> int:
+    def decode(self, d: Decode) -> list[int]:
+        """`d.limit` greedy decode steps at most, stopping after an eos (the backend asks for one
+        unless its `decode_burst` is raised)."""
+        step = self._decode_shared if d.shared else self._decode_concat
+        tokens = [step(d)]
+        while len(tokens) < d.limit and tokens[-1] not in d.eos:
+            d.token, d.past = tokens[-1], d.past + 1
+            tokens.append(step(d))
+        return tokens
+
+    def _decode_shared(self, d: Decode) -> int:
         """A greedy decode step in one run. Shared buffer: the id written into the bound input
         array, a ready mask bound, and the argmax of logits that onnxruntime wrote into a
-        preallocated array. Concat: a plain run whose presents replace the pasts in `d.cache`."""
-        if not d.shared:
-            return self._decode_concat(d)
+        preallocated array. Concat (below): a plain run whose presents replace the pasts in `d.cache`."""
         f = self._fused.get(d.session)
         if f is None or f.cache is not d.cache or f.runs != f.binding.runs:
             f = self._bind_fused(d)

@@ -12,9 +12,11 @@ place: the buffer is fed as past and the present output, the same size, becomes 
 the next run. The tokens are the same; the cost is one buffer allocation per layer and step.
 
 Plain greedy decode steps run fused (the core's `Decode`): a JS `Decoder` (web/bridge.js) keeps
-the cache between steps and answers each step with the token id, so Python wraps no tensor per
-cache entry and step. The core's cache dict then holds `CacheSlot`s that read the JS side's
-current tensors, for the generic runs that may follow (a chat turn, a rewind).
+the cache between steps and answers with the token ids, so Python wraps no tensor per cache entry
+and step. It runs several steps per answer (a burst of at most `BURST_MS` in bridge.js), since each
+crossing into Python and back costs about as much as the core's work on a token. The core's cache
+dict then holds `CacheSlot`s that read the JS side's current tensors, for the generic runs that
+may follow (a chat turn, a rewind).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..pipeline import Chunk, Pipeline, Request
 from ..plan import make_plan
 from ..preprocess.request import media_inputs
 from ..signature import Signature, TensorInfo
+from ..tokenizer import TextStream
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # Small text files fetched up front (in parallel); any other file is fetched or probed on demand.
@@ -108,6 +111,7 @@ class WebBackend:
     """The core's tensor operations on ort.Tensor, through the bridge."""
 
     fused_decode = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver runs
+    decode_burst = 64  # steps per Decode at most; the JS Decoder also stops after BURST_MS
 
     def __init__(self, bridge: JsProxy):
         self.bridge = bridge
@@ -182,8 +186,8 @@ class JsTokenizer:
     CPython target does not do, so both targets give the same text.
     """
 
-    def __init__(self, tokenizer: JsProxy):
-        self._tok = tokenizer
+    def __init__(self, tokenizer: JsProxy, bridge: JsProxy):
+        self._tok, self._bridge = tokenizer, bridge
         self._decode_ids = tokenizer.decode  # a bound JS method, looked up once
         self._encode = {flag: _js_object({"add_special_tokens": flag}) for flag in (True, False)}
         self._decode = {flag: _js_object({"skip_special_tokens": flag, "clean_up_tokenization_spaces": False})
@@ -194,6 +198,26 @@ class JsTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode_ids(to_js(ids), self._decode[skip_special_tokens])
+
+    def text_stream(self) -> JsTextStream:
+        return JsTextStream(self._bridge.textStream(self._tok, TextStream.WINDOW, TextStream.CONTEXT))
+
+
+class JsTextStream:
+    """The core's TextStream run by its JS twin (web/bridge.js): a burst of tokens crosses into JS
+    once, not once per token with its window of ids."""
+
+    def __init__(self, stream: JsProxy):
+        self._push, self._push_many, self._flush = stream.push, stream.pushMany, stream.flush
+
+    def push(self, token: int) -> str:
+        return self._push(token)
+
+    def push_many(self, tokens: list[int]) -> list[str]:
+        return json.loads(self._push_many(*tokens))
+
+    def flush(self) -> str:
+        return self._flush()
 
 
 class JsChatTemplate:
@@ -265,10 +289,10 @@ class Driver:
             decoder = self._start_decoder(d)
         return decoder
 
-    async def decode(self, d: Decode) -> int:
-        """A greedy decode step run by the session's JS Decoder, which holds the cache."""
+    async def decode(self, d: Decode) -> list[int]:
+        """Greedy decode steps run by the session's JS Decoder, which holds the cache."""
         try:
-            return int(await self.decoder(d).step(d.token, d.past))
+            return (await self.decoder(d).burst(d.token, d.past, d.limit)).to_py()
         except JsException as e:
             raise OrtpipeError(e.message) from None  # the Decoder's message names the session and position
 
@@ -277,7 +301,7 @@ class Driver:
         spec = {"name": d.session, "ids": list(d.ids), "mask": list(d.mask) if d.mask else None,
                 "positions": list(d.positions) if d.positions else None, "presents": d.presents,
                 "outputs": list(d.outputs), "logits": d.logits, "vocab": d.logits_shape[-1],
-                "capacity": d.capacity, "gpu": self._gpu}
+                "capacity": d.capacity, "eos": sorted(d.eos), "gpu": self._gpu}
         decoder = self.bridge.decoder(self.sessions[d.session], _js_object(spec))
         names = list(d.presents.values())
         tensors = []
@@ -439,20 +463,20 @@ class WebPipeline:
         tensors = [Tensor(image) for image in images] if images else None
         return await self.request(**json.loads(options), images=tensors)
 
-    # The worker's generation loop. Steps whose work is one fused decode step are pumped with
+    # The worker's generation loop. Steps whose work is fused decode steps are pumped with
     # synchronous calls, which cost far less than an awaited coroutine per token: an answer
-    # {"chunks", "decode": [token, past]} has the worker run the JS Decoder (`decoder`) and hand
-    # the id to `step_decoded`, whose answer carries that step's chunks and the next step's
-    # decode. Other work answers {"chunks", "async": true}: the worker awaits `step_rest`, which
-    # drives it. {"chunks", "done": true} ends the request.
+    # {"chunks", "decode": [token, past, limit]} has the worker run a burst of the JS Decoder
+    # (`decoder`) and hand the ids to `step_decoded`, whose answer carries their chunks and the next
+    # burst's decode. Other work answers {"chunks", "async": true}: the worker awaits `step_rest`,
+    # which drives it. {"chunks", "done": true} ends the request.
 
     def step_begin(self, request: Request) -> str:
         self._request = request
         self.decoder = None  # the worker's loop starts without one: its first decode is fresh
         return self._answer(None, [], start=True)
 
-    def step_decoded(self, token: int) -> str:
-        return self._answer(token, [], start=False)
+    def step_decoded(self, *tokens: int) -> str:
+        return self._answer(list(tokens), [], start=False)
 
     async def step_rest(self) -> str:
         gen, work = self._step, self._work
@@ -462,7 +486,7 @@ class WebPipeline:
         except StopIteration as stop:
             return self._answer(None, list(stop.value), start=True)
 
-    def _answer(self, value: int | None, chunks: list[Chunk], start: bool) -> str:
+    def _answer(self, value: list[int] | None, chunks: list[Chunk], start: bool) -> str:
         """Run the request's steps until one needs a Decode or async work, or the request ends."""
         while True:
             if start:
@@ -482,7 +506,7 @@ class WebPipeline:
             decoder = self.driver.decoder(work)
             fresh = decoder is not self.decoder
             self.decoder = decoder
-            return _answer_json(chunks, decode=[work.token, work.past], fresh=fresh)
+            return _answer_json(chunks, decode=[work.token, work.past, work.limit], fresh=fresh)
 
     def result_json(self, request: Request) -> str:
         return json.dumps(request.result().as_dict())
@@ -508,7 +532,7 @@ def _tokenizer(bridge: JsProxy, folder: RemoteFolder) -> JsTokenizer | None:
     if not folder.exists("tokenizer.json"):
         return None
     config = folder.read_text("tokenizer_config.json") if folder.exists("tokenizer_config.json") else None
-    return JsTokenizer(bridge.tokenizer(folder.read_text("tokenizer.json"), config))
+    return JsTokenizer(bridge.tokenizer(folder.read_text("tokenizer.json"), config), bridge)
 
 
 __all__ = ["Driver", "RemoteFolder", "WebBackend", "WebPipeline", "load"]
