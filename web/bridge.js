@@ -31,6 +31,7 @@ export class Bridge {
     this.tokenizers = tokenizers;
     this.jinja = jinja;
     this.onProgress = onProgress;
+    this.prefetch = null; // the model folder's early downloads (web/prefetch.js), if the worker made them
   }
 
   /** The text at `url`, or undefined (None in Python) when the server answers 404. */
@@ -51,36 +52,19 @@ export class Bridge {
     return request.responseText;
   }
 
-  /** Whether the server has `url` (a synchronous HEAD). */
+  /** Whether the server has `url` (a synchronous HEAD, unless the prefetch already asked). */
   existsSync(url) {
+    const known = this.prefetch?.known(url);
+    if (known !== undefined) return known;
     const request = new XMLHttpRequest();
     request.open('HEAD', url, false);
     request.send();
     return request.status === 200;
   }
 
-  /** The bytes at `url`, reporting download progress under `name`. */
+  /** The bytes at `url`, reporting download progress under `name` (or the prefetch's download). */
   async fetchBytes(url, name) {
-    const response = await fetch(url);
-    if (!response.ok) throw new Error(`GET ${url}: HTTP ${response.status}`);
-    const total = Number(response.headers.get('Content-Length')) || 0;
-    const chunks = [];
-    let loaded = 0;
-    const reader = response.body.getReader();
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      chunks.push(value);
-      loaded += value.length;
-      this.onProgress({ phase: 'download', file: name, loaded, total });
-    }
-    const bytes = new Uint8Array(loaded);
-    let at = 0;
-    for (const chunk of chunks) {
-      bytes.set(chunk, at);
-      at += chunk.length;
-    }
-    return bytes;
+    return await this.prefetch?.take(url) ?? downloadBytes(url, name, this.onProgress);
   }
 
   /**
@@ -98,7 +82,9 @@ export class Bridge {
       executionProviders: [options.device],
       graphOptimizationLevel: 'all',
       logSeverityLevel: 3, // errors only: ortpipe reports what matters itself
-      externalData: options.externalData.map((url) => ({ path: url.slice(url.lastIndexOf('/') + 1), data: url })),
+      externalData: await Promise.all(options.externalData.map(async (url) => ({
+        path: url.slice(url.lastIndexOf('/') + 1), data: await this.prefetch?.take(url) ?? url,
+      }))),
     };
     if (options.gpuOutputs) sessionOptions.preferredOutputLocation = 'gpu-buffer';
     return ort.InferenceSession.create(bytes, sessionOptions);
@@ -226,6 +212,30 @@ export class TextStream {
     this.sent = text;
     return delta;
   }
+}
+
+/** The bytes at `url`, reporting download progress to `onProgress` under `name`. */
+export async function downloadBytes(url, name, onProgress, signal = undefined) {
+  const response = await fetch(url, { signal });
+  if (!response.ok) throw new Error(`GET ${url}: HTTP ${response.status}`);
+  const total = Number(response.headers.get('Content-Length')) || 0;
+  const chunks = [];
+  let loaded = 0;
+  const reader = response.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    chunks.push(value);
+    loaded += value.length;
+    onProgress({ phase: 'download', file: name, loaded, total });
+  }
+  const bytes = new Uint8Array(loaded);
+  let at = 0;
+  for (const chunk of chunks) {
+    bytes.set(chunk, at);
+    at += chunk.length;
+  }
+  return bytes;
 }
 
 /** The first index of the largest of `vocab` values from `start` (float16 as IEEE half bits). */

@@ -5,8 +5,9 @@
 // message it answers. After `unload` the worker can load another model without starting Python
 // and onnxruntime-web again.
 
-import { Bridge } from './bridge.js';
+import { Bridge, downloadBytes } from './bridge.js';
 import { decodeImages } from './images.js';
+import { Prefetch } from './prefetch.js';
 
 // One onnxruntime-web build per device (see build/web.py).
 const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.min.mjs' };
@@ -80,18 +81,28 @@ function describeError(error) {
 
 async function load(modelUrl, device) {
   if (pipe) throw new Error('this worker already holds a model; load() another pipeline instead');
-  const resolved = await resolveDevice(device);
-  const [python, ort, tokenizers, jinja] = await runtime(resolved);
-  const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress, () => ortBuild('wasm'));
-  const target = python.pyimport('ortpipe.targets.pyodide');
+  // The model's graphs start downloading now, while Python and onnxruntime-web start.
+  const base = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, self.location.href).href;
+  const prefetch = new Prefetch(base, (url, name, signal) => downloadBytes(url, name, progress, signal));
+  let target = null;
   try {
-    pipe = await target.load(modelBridge, modelUrl, resolved);
-    bridge = modelBridge;
-  } catch (error) {
-    await modelBridge.release();
-    throw error;
+    const resolved = await resolveDevice(device);
+    const [python, ort, tokenizers, jinja] = await runtime(resolved);
+    const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress, () => ortBuild('wasm'));
+    modelBridge.prefetch = prefetch;
+    target = python.pyimport('ortpipe.targets.pyodide');
+    try {
+      pipe = await target.load(modelBridge, modelUrl, resolved);
+      bridge = modelBridge;
+    } catch (error) {
+      await modelBridge.release();
+      throw error;
+    } finally {
+      modelBridge.prefetch = null;
+    }
   } finally {
-    target.destroy();
+    prefetch.drop();
+    target?.destroy();
   }
   progress({ phase: 'ready', message: 'Ready' });
   return JSON.parse(pipe.info_json());

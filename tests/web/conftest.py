@@ -112,8 +112,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     broken = root / "broken"
     broken.mkdir()
     (broken / "genai_config.json").write_text(json.dumps({"version": 2, "pipeline": {"sesions": {}}}))
+    # v2 with a graph that genai_config.json names and no flow step runs: the worker's prefetch
+    # (web/prefetch.js) downloads it on a guess, and the core never asks for it
+    decoy = shutil.copytree(v2, root / "decoy")
+    shutil.copy2(decoy / "model.onnx", decoy / "unused.onnx")
+    config = json.loads((decoy / "genai_config.json").read_text())
+    config["pipeline"]["sessions"]["spare"] = {"file": "unused.onnx"}
+    (decoy / "genai_config.json").write_text(json.dumps(config))
     return {
         "v2": v2,
+        "decoy": decoy,
         "optimum": optimum_layout(root / "optimum"),
         "v1-combined": v1_combined(root / "v1-combined"),
         "sliding": graphs.build_sliding(root / "sliding", seed=3, window=8, window_layers=(1,), config=True),
