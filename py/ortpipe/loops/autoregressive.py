@@ -134,7 +134,7 @@ class TokenGenerator:
 
     def _check_burst(self, tokens: list[int], limit: int) -> None:
         """A target's answer to a Decode: 1 to `limit` ids, none but the last an eos."""
-        if not isinstance(tokens, list) or not 1 <= len(tokens) <= limit \
-                or any(t in self.limits.eos for t in tokens[:-1]):
+        if type(tokens) is not list or not 1 <= len(tokens) <= limit \
+                or (len(tokens) > 1 and not self.limits.eos.isdisjoint(tokens[:-1])):
             raise GenerationError(f"the target answered a decode of at most {limit} steps with {tokens!r}: "
                                   "it must answer 1 to that many token ids, stopping after an eos")

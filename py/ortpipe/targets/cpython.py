@@ -224,7 +224,7 @@ class Driver:
         unless its `decode_burst` is raised)."""
         step = self._decode_shared if d.shared else self._decode_concat
         tokens = [step(d)]
-        while len(tokens) < d.limit and tokens[-1] not in d.eos:
+        while len(tokens) < d.limit and tokens[-1] not in d.eos:  # limit is 1 unless decode_burst says
             d.token, d.past = tokens[-1], d.past + 1
             tokens.append(step(d))
         return tokens
@@ -459,7 +459,7 @@ class StepGenerator:
         self.core.append_tokens(list(ids))
 
     def next_token(self) -> int:
-        return self.driver.drive(self.core.next_token())
+        return self.driver.drive(self.core.next_tokens(1))[0]  # one generator less than core.next_token
 
     def interrupt(self) -> None:
         self.core.interrupted = True
