@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +16,7 @@ from ortpipe.tokenizer import TextStream
 TEXT = "Le café naïve — 日本語のテキスト 🙂🚀 and straße; ça va? Ünïcödé everywhere: 東京, Zürich."
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+def byte_level_bpe(path: Path) -> Path:
     """A byte-level BPE too small to hold most characters whole: they are split over several tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -24,9 +24,13 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
     trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the café and the straße and the naïve word " * 20], trainer=trainer)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
-    return HFTokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    return HFTokenizer(byte_level_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
 
 
 class ScriptedGenerator:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from build import web
-from tests.test_streaming import TEXT
+from tests.test_streaming import TEXT, byte_level_bpe
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ortpipe.targets.cpython import HFTokenizer
@@ -42,14 +42,7 @@ console.log(JSON.stringify(out));
 
 
 def byte_level(folder: Path) -> Path:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the café and the straße and the naïve word " * 20], trainer=trainer)
-    tok.save(str(folder / "byte_level.json"))
-    return folder / "byte_level.json"
+    return byte_level_bpe(folder / "byte_level.json")
 
 
 def metaspace(folder: Path) -> Path:
