@@ -28,12 +28,11 @@ export class Prefetch {
     this.downloads = new Map(); // url -> Promise<Uint8Array | undefined>
     this.probed = new Map(); // url -> whether it exists
     this.abort = new AbortController();
-    this.started = this.start().catch(() => {}); // a failed guess is no error: the core fetches itself
+    this.start().catch(() => {}); // a failed guess is no error: the core fetches what it needs itself
   }
 
   async start() {
     const config = await fetch(this.base + 'genai_config.json', { signal: this.abort.signal });
-    this.probed.set(this.base + 'genai_config.json', config.ok);
     let graphs;
     if (config.ok) {
       graphs = [...new Set(onnxNames(JSON.parse(await config.text())))];

@@ -81,16 +81,15 @@ function describeError(error) {
 
 async function load(modelUrl, device) {
   if (pipe) throw new Error('this worker already holds a model; load() another pipeline instead');
-  // The model's graphs start downloading now, while Python and onnxruntime-web start.
-  const base = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, self.location.href).href;
-  const prefetch = new Prefetch(base, (url, name, signal) => downloadBytes(url, name, progress, signal));
-  let target = null;
+  // The model's graphs start downloading now, while Python and onnxruntime-web start (modelUrl is
+  // absolute and ends in "/": ortpipe.js's load made it so).
+  const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal));
   try {
     const resolved = await resolveDevice(device);
     const [python, ort, tokenizers, jinja] = await runtime(resolved);
     const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress, () => ortBuild('wasm'));
     modelBridge.prefetch = prefetch;
-    target = python.pyimport('ortpipe.targets.pyodide');
+    const target = python.pyimport('ortpipe.targets.pyodide');
     try {
       pipe = await target.load(modelBridge, modelUrl, resolved);
       bridge = modelBridge;
@@ -98,11 +97,10 @@ async function load(modelUrl, device) {
       await modelBridge.release();
       throw error;
     } finally {
-      modelBridge.prefetch = null;
+      target.destroy();
     }
   } finally {
-    prefetch.drop();
-    target?.destroy();
+    prefetch.drop(); // what the core did not take; its probes' answers stay true
   }
   progress({ phase: 'ready', message: 'Ready' });
   return JSON.parse(pipe.info_json());

@@ -11,7 +11,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     # A tokenizer may also have `text_stream()`, giving an object that behaves like `TextStream(self)`
-    # (push, push_many, flush) at less cost: the browser's runs in JS, next to tokenizers.js.
+    # in what Request calls (push_many, flush) at less cost: the browser's runs in JS, next to
+    # tokenizers.js.
 
 
 class ChatTemplate(Protocol):

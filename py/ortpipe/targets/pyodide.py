@@ -208,10 +208,7 @@ class JsTextStream:
     once, not once per token with its window of ids."""
 
     def __init__(self, stream: JsProxy):
-        self._push, self._push_many, self._flush = stream.push, stream.pushMany, stream.flush
-
-    def push(self, token: int) -> str:
-        return self._push(token)
+        self._push_many, self._flush = stream.pushMany, stream.flush
 
     def push_many(self, tokens: list[int]) -> list[str]:
         return json.loads(self._push_many(*tokens))
