@@ -107,6 +107,27 @@ def test_bench_pools_every_engine_over_rotated_loads(llama_builder_fp32: Path) -
     assert "ortpipe ÷ genai within each load" not in out.stdout  # --json prints only the object
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_bench_load_orders_are_balanced(count: int) -> None:
+    """Over one cycle of load orders every engine takes every position equally often, and of any two
+    engines each is loaded first in half the orders (a session created before another engine's model
+    can run slower than one created after it, docs/benchmarks.md)."""
+    from ortpipe.targets.bench import load_orders
+
+    names = [f"e{i}" for i in range(count)]
+    cycle = load_orders(names, None)
+    assert cycle[0] == names and all(sorted(order) == names for order in cycle)
+    assert len({tuple(order) for order in cycle}) == len(cycle) == {1: 1, 2: 2}.get(count, 2 * count)
+    for name in names:
+        positions = [order.index(name) for order in cycle]
+        assert all(positions.count(p) == len(cycle) // count for p in range(count))
+    for a in names:
+        for b in names:
+            if a != b:
+                assert sum(order.index(a) < order.index(b) for order in cycle) * 2 == len(cycle)
+    assert load_orders(names, 2 * len(cycle) + 1) == cycle * 2 + cycle[:1]
+
+
 def test_bench_rejects_bad_settings_and_non_builder_folders(model: Path, llama_builder_fp32: Path) -> None:
     out = ortpipe("bench", str(llama_builder_fp32), "--loads", "0")
     assert out.returncode == 2 and "--loads must be >= 1" in out.stderr and "Traceback" not in out.stderr

@@ -92,8 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=128)
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine after each load")
     bench.add_argument("--loads", type=int, default=None,
-                       help="load the engines this many times, each in a fresh process with the load order "
-                            "rotated (default: once per engine; 1: once, in this process)")
+                       help="load the engines this many times, each in a fresh process, cycling through load "
+                            "orders in which every engine comes first, and before each other engine, "
+                            "equally often (default: one cycle, 6 orders for 3 engines; 1: once, in "
+                            "this process)")
     bench.add_argument("--threads", type=int, default=1, help="intra-op threads, the same for every engine")
     bench.add_argument("--engines", default="ortpipe,genai,floor",
                        help="comma-separated: ortpipe, genai, floor, sampled (ortpipe with top-k 50 / top-p 0.9)")

@@ -6,10 +6,12 @@ round, so the machine's noise hits every engine alike. Each engine first runs on
 generation.
 
 Where an engine's weights land in memory depends on the order the engines load in: on 200M models
-the engine loaded first decoded up to 14% slower than the others, whichever engine it was. So the
-engines are loaded `loads` times (by default once per engine), each time in a fresh process and in
-an order rotated by one, and the traces of all loads are pooled: every engine is loaded first
-equally often.
+the engine loaded first decoded up to 14% slower than the others, whichever engine it was, and a
+session created before onnxruntime-genai's model could trail one created after it. So the engines
+are loaded `loads` times, each time in a fresh process, and the traces of all loads are pooled. The
+orders are the rotations of the engine list, then the rotations of the list reversed (for three
+engines, all six orders): over a full cycle (the default number of loads) every engine is loaded
+in every position equally often, and each of two engines before the other in half the loads.
 
 - ortpipe: `load()` and the step-wise generator, one `next_token()` timed per step.
 - genai: onnxruntime-genai's Generator. `append_tokens` runs the prefill; the first
@@ -329,9 +331,24 @@ def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int,
     return traces
 
 
-def load_orders(names: list[str], loads: int) -> list[list[str]]:
-    """The engine order of each load: rotated by one each time."""
-    return [names[i % len(names):] + names[:i % len(names)] for i in range(loads)]
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """The rotations of `names`, then those of `names` reversed, without repeats.
+
+    In the rotations every engine takes every position once; reversing the list reverses which of
+    any two engines comes first, so over the whole cycle each comes first in half the orders."""
+    orders: list[list[str]] = []
+    for base in (names, names[::-1]):
+        for i in range(len(base)):
+            order = base[i:] + base[:i]
+            if order not in orders:
+                orders.append(order)
+    return orders
+
+
+def load_orders(names: list[str], loads: int | None) -> list[list[str]]:
+    """The engine order of each load: `balanced_orders` in turn; `loads` None is one full cycle."""
+    cycle = balanced_orders(names)
+    return [cycle[i % len(cycle)] for i in range(len(cycle) if loads is None else loads)]
 
 
 def measure_in_process(order: list[str], folder: Path, threads: int, prompt: list[int], new_tokens: int,
@@ -527,7 +544,7 @@ def run_bench(args: argparse.Namespace) -> int:
         failed: dict[str, str] = {}
         names = list(dict.fromkeys(names))
         loads: list[dict[str, list[Trace]]] = []  # each load's traces, when the loads are processes
-        orders = load_orders(names, len(names) if args.loads is None else args.loads)
+        orders = load_orders(names, args.loads)
         if len(orders) == 1:
             engines = start(names, folder, args.threads, prompt, args.new_tokens, failed)
             traces = measure(engines, prompt, args.new_tokens, args.rounds)
