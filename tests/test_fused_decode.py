@@ -16,21 +16,29 @@ from typing import Any
 import pytest
 
 import ortpipe
+from ortpipe.targets import cpython
 from build.references import genai_greedy, prompt_ids
 
 NEW = 40
 
 
-def counting(pipe: Any) -> list[int]:
-    """Record the position of every fused decode step the pipeline's driver runs."""
+def counting(pipe: Any, decodes: bool = False) -> list[int]:
+    """Record the position of every fused decode step the pipeline's driver runs (`decodes`: of the
+    first step of every `Decode`, which runs a burst of steps)."""
     seen: list[int] = []
-    decode = pipe.driver.decode
+    driver = pipe.driver
 
-    def counted(d: Any) -> int:
-        seen.append(d.past)
-        return decode(d)
+    def counted(method: Any) -> Any:
+        def run(d: Any) -> Any:
+            seen.append(d.past)
+            return method(d)
+        return run
 
-    pipe.driver.decode = counted
+    if decodes:
+        driver.decode = counted(driver.decode)
+    else:  # the driver looks its step methods up on itself for every Decode
+        driver._decode_shared = counted(driver._decode_shared)
+        driver._decode_concat = counted(driver._decode_concat)
     return seen
 
 
@@ -90,6 +98,7 @@ def test_traces_record_fused_steps(llama_builder_fp32: Path, tmp_path: Path) -> 
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     decoder = [e for e in events if e["name"] == pipe.plan.step[0].session]
     assert len(decoder) == 6  # the prefill and five fused steps
+    assert len({e["args"]["label"] for e in decoder}) == 6, "a traced request runs one step per Decode"
 
 
 def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: Path) -> None:
@@ -114,17 +123,28 @@ def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: P
 
 @pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
 def test_bursts_of_decode_steps_give_the_same_tokens(model: str, request: pytest.FixtureRequest,
-                                                     tmp_path: Path) -> None:
-    """A Decode answered with several tokens (as the browser's JS Decoder does) changes nothing,
-    and stops at the eos inside a burst; checked with the CPython driver's own bursts."""
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Decode answered with several tokens (the CPython driver's bursts, as the browser's JS
+    Decoder's) gives the tokens of one step per Decode, and stops at the eos inside a burst."""
     folder = request.getfixturevalue(model)
     ids = prompt_ids(folder)
-    expected = ortpipe.load(folder, threads=1).generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    single = ortpipe.load(folder, threads=1)
+    single.core.backend.decode_burst = 1
+    decodes = counting(single, decodes=True)
+    expected = single.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    assert decodes == list(range(len(ids), len(ids) + NEW - 1))
+    monkeypatch.setattr(cpython, "BURST_SECONDS", 60.0)  # bursts end at the limit, not at the clock
     pipe = ortpipe.load(folder, threads=1)
     pipe.core.backend.decode_burst = 8
-    fused = counting(pipe)
+    decodes = counting(pipe, decodes=True)
     assert pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
-    assert fused == list(range(len(ids), len(ids) + NEW - 1, 8)), "39 steps in bursts of 8"
+    assert decodes == list(range(len(ids), len(ids) + NEW - 1, 8)), "39 steps in bursts of 8"
+    monkeypatch.setattr(cpython, "BURST_SECONDS", 0.0)  # every burst is over after its first step
+    pipe = ortpipe.load(folder, threads=1)
+    decodes = counting(pipe, decodes=True)
+    assert pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
+    assert decodes == list(range(len(ids), len(ids) + NEW - 1))
+    monkeypatch.setattr(cpython, "BURST_SECONDS", 60.0)
     # an eos that greedy decoding reaches mid-burst: the copy's eos is the 12th token, new there
     at = next(i for i, t in enumerate(expected) if i >= 11 and t not in expected[:i])
     assert at % 8, "bursts end at tokens 8, 16, ...: this eos falls inside one"

@@ -88,8 +88,8 @@ class Backend(Protocol):
 
     # A backend whose driver carries out `Decode` names the cache layouts it fuses in
     # `fused_decode`: a set of "shared" and "concat". Without it the core never yields one.
-    # `decode_burst` (default 1) is the most steps one `Decode` asks for: a target whose every
-    # answer costs a crossing (Python <-> JS) runs several steps per answer.
+    # `decode_burst` (default 1) is the most steps one `Decode` asks for: running several steps
+    # per answer saves the core's work per token, and in the browser a crossing (Python <-> JS).
 
 
 def kernel(name: str, dtype: str) -> str:

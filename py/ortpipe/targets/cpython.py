@@ -45,12 +45,16 @@ _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
               "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
               "tensor(uint8)": "uint8", "tensor(int8)": "int8", "tensor(bfloat16)": "bfloat16"}
 _SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads")
+# A burst of fused decode steps (one `Decode`) stops once it has run this long, so that a stream's
+# chunks keep coming and an interrupt lands soon: on a model whose step takes longer, a burst is one step.
+BURST_SECONDS = 0.02
 
 
 class CpuBackend:
     """Tensors as numpy arrays."""
 
     fused_decode = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver carries out
+    decode_burst = 64  # steps per Decode at most; the driver also stops a burst after BURST_SECONDS
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)
@@ -220,11 +224,14 @@ class Driver:
         return out
 
     def decode(self, d: Decode) -> list[int]:
-        """`d.limit` greedy decode steps at most, stopping after an eos (the backend asks for one
-        unless its `decode_burst` is raised)."""
+        """`d.limit` greedy decode steps at most, stopping after an eos or once BURST_SECONDS have
+        passed. A traced request runs one step per Decode, so that every step has its own label."""
         step = self._decode_shared if d.shared else self._decode_concat
+        end = time.perf_counter() + BURST_SECONDS
         tokens = [step(d)]
-        while len(tokens) < d.limit and tokens[-1] not in d.eos:  # limit is 1 unless decode_burst says
+        if self.trace is not None:
+            return tokens
+        while len(tokens) < d.limit and tokens[-1] not in d.eos and time.perf_counter() < end:
             d.token, d.past = tokens[-1], d.past + 1
             tokens.append(step(d))
         return tokens
