@@ -227,11 +227,10 @@ class Driver:
         """`d.limit` greedy decode steps at most, stopping after an eos or once BURST_SECONDS have
         passed. A traced request runs one step per Decode, so that every step has its own label."""
         step = self._decode_shared if d.shared else self._decode_concat
-        end = time.perf_counter() + BURST_SECONDS
+        burst = d.limit > 1 and self.trace is None
+        end = time.perf_counter() + BURST_SECONDS if burst else 0.0  # one step: no clock read
         tokens = [step(d)]
-        if self.trace is not None:
-            return tokens
-        while len(tokens) < d.limit and tokens[-1] not in d.eos and time.perf_counter() < end:
+        while burst and len(tokens) < d.limit and tokens[-1] not in d.eos and time.perf_counter() < end:
             d.token, d.past = tokens[-1], d.past + 1
             tokens.append(step(d))
         return tokens
