@@ -29,7 +29,9 @@ $(VENV)/.web: package-lock.json tests/web/setup.sh $(VENV)/.test
 	PYTHON=$(PY) sh tests/web/setup.sh
 	touch $@
 
+# the lint gate first (the project's ruff settings, pyproject.toml), then the whole suite
 test: $(VENV)/.test $(VENV)/.web
+	$(VENV)/bin/ruff check py build tests
 	$(PY) -m pytest -q -rs
 
 web: $(VENV)/.base

@@ -2,7 +2,8 @@
 
     python -m build.bench_web [--models 20m,100m] [--threads 1] [--rounds 3] [--warmup-runs 1]
                               [--warm-runs 3] [--prompt-tokens 64] [--new-tokens 128]
-                              [--engines ortpipe,transformers.js,transformers.js-text,transformers.js-own-ort,ort]
+                              [--engines ortpipe,transformers.js,transformers.js-text,
+                                         transformers.js-own-ort,ort]
                               [--interleave] [--profile] [--quiet 1] [--json results.json]
 
 Every engine loads the same Optimum (concat-layout) export of a random-weight Llama from the same
@@ -47,8 +48,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from build import hfmodels, web
+from build.bench import interval
 from build.bench_models import Size
-from ortpipe.targets.bench import interval
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = hfmodels.cache_root() / "bench-web"
@@ -57,8 +58,14 @@ SEED = 0
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 ENGINES = ("ortpipe", "transformers.js", "transformers.js-text", "transformers.js-own-ort", "ort")
 # One page (load + cold generation + warm generations) may take this long on the larger model.
@@ -76,6 +83,7 @@ SIZES = {
 
 def model_folder(size: Size) -> Path:
     """The transformers.js layout of `size`, built into the cache once."""
+
     def build(out: Path) -> Path:
         with tempfile.TemporaryDirectory(prefix=f"bench-web-{size.name}-", dir=CACHE) as scratch:
             hf_dir = make_hf_model(size, Path(scratch) / "hf")
@@ -91,8 +99,12 @@ def _fingerprint(size: Size) -> str:
     import inspect
 
     recipe = (make_hf_model, write_tokenizer, transformers_js_layout, hfmodels._perturb)
-    parts = [json.dumps(asdict(size)), str(SEED), *map(inspect.getsource, recipe),
-             *hfmodels.OPTIMUM_REQUIREMENTS]
+    parts = [
+        json.dumps(asdict(size)),
+        str(SEED),
+        *map(inspect.getsource, recipe),
+        *hfmodels.OPTIMUM_REQUIREMENTS,
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -107,15 +119,27 @@ def make_hf_model(size: Size, out: Path) -> Path:
 
     torch.manual_seed(SEED)
     config = transformers.LlamaConfig(
-        vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
-        head_dim=size.hidden // size.heads, max_position_embeddings=2048, tie_word_embeddings=False,
-        bos_token_id=hfmodels.BOS_ID, eos_token_id=hfmodels.EOS_ID, pad_token_id=hfmodels.PAD_ID)
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        head_dim=size.hidden // size.heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=hfmodels.BOS_ID,
+        eos_token_id=hfmodels.EOS_ID,
+        pad_token_id=hfmodels.PAD_ID,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hfmodels._perturb(model, SEED)
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=hfmodels.BOS_ID, eos_token_id=hfmodels.EOS_ID, pad_token_id=hfmodels.PAD_ID,
-        do_sample=False)
+        bos_token_id=hfmodels.BOS_ID,
+        eos_token_id=hfmodels.EOS_ID,
+        pad_token_id=hfmodels.PAD_ID,
+        do_sample=False,
+    )
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(size.vocab, out)
     return out
@@ -141,9 +165,15 @@ def write_tokenizer(vocab: int, folder: Path) -> None:
     tokenizer.add_special_tokens(list(hfmodels.SPECIALS))
     tokenizer.save(str(folder / "tokenizer.json"))
     pad, bos, eos = hfmodels.SPECIALS
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos,
-              "eos_token": eos, "unk_token": pad, "clean_up_tokenization_spaces": False,
-              "model_max_length": 2048}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": pad,
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": pad,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -198,6 +228,7 @@ def _package(folder: Path) -> dict:
 
 # --- the browser ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Settings:
     models: tuple[str, ...]
@@ -223,9 +254,16 @@ def page_queries(models: dict[str, Path], settings: Settings, threads: int) -> I
     for name, folder in models.items():
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompt = ",".join(map(str, prompt_ids(vocab, settings.prompt_tokens)))
-        for engine in ([",".join(settings.engines)] if settings.interleave else settings.engines):
-            yield {"engine": engine, "model": name, "threads": threads, "newTokens": settings.new_tokens,
-                   "warmupRuns": settings.warmup_runs, "warmRuns": settings.warm_runs, "prompt": prompt}
+        for engine in [",".join(settings.engines)] if settings.interleave else settings.engines:
+            yield {
+                "engine": engine,
+                "model": name,
+                "threads": threads,
+                "newTokens": settings.new_tokens,
+                "warmupRuns": settings.warmup_runs,
+                "warmRuns": settings.warm_runs,
+                "prompt": prompt,
+            }
 
 
 def measure(browser, bundle: Path, models: dict[str, Path], settings: Settings) -> list[dict]:  # noqa: ANN001
@@ -261,13 +299,18 @@ def profile(browser, bundle: Path, models: dict[str, Path], settings: Settings) 
             result, trace = open_page(browser, url, {**query, "profile": 1}, trace=True)
             tokens = sum(len(w["tokens"]) for w in result["warm"])
             functions = worker_functions(trace)
-            rows.append({
-                "model": query["model"], "threads": threads, "engine": query["engine"],
-                "ms_per_token": {kind: ms / tokens for kind, ms in by_kind(functions).items()},
-                "top_functions_ms_per_token": [(f, file, ms / tokens)
-                                               for f, file, ms in top_functions(functions)],
-                "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in result["warm"]),
-            })
+            rows.append(
+                {
+                    "model": query["model"],
+                    "threads": threads,
+                    "engine": query["engine"],
+                    "ms_per_token": {kind: ms / tokens for kind, ms in by_kind(functions).items()},
+                    "top_functions_ms_per_token": [
+                        (f, file, ms / tokens) for f, file, ms in top_functions(functions)
+                    ],
+                    "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in result["warm"]),
+                }
+            )
     return rows
 
 
@@ -286,6 +329,7 @@ def wait_for_quiet(limit: float, patience_s: float = 900) -> float:
 
 def cpu_busy(seconds: float = 2.0) -> float:
     """The fraction of all CPUs' time spent busy over `seconds` (/proc/stat)."""
+
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return sum(fields[:8]), fields[3] + fields[4]  # all time (no guest), idle + iowait
@@ -321,7 +365,7 @@ def chromium() -> Iterator:
 def serving(bundle: Path, threads: int) -> Iterator[str]:
     """The bundle on a free port. More than one thread needs a cross-origin isolated page (COOP/COEP
     headers); one thread is served without them, where ortpipe's worker takes a single thread."""
-    from ortpipe.targets.web_server import serve_in_thread
+    from ortpipe.static_server import serve_in_thread
 
     server, url = serve_in_thread(bundle, coop=threads > 1)
     try:
@@ -376,8 +420,11 @@ SOURCES = (
     ("", "worker.js", "worker glue (bridge.js, worker.js, bench.js)"),
     ("", "bench.js", "worker glue (bridge.js, worker.js, bench.js)"),
 )
-SPECIAL_FRAMES = {"(garbage collector)": "garbage collector", "(idle)": "idle (waiting)",
-                  "postMessage": "postMessage"}
+SPECIAL_FRAMES = {
+    "(garbage collector)": "garbage collector",
+    "(idle)": "idle (waiting)",
+    "postMessage": "postMessage",
+}
 OTHER = "other (V8 and Blink internals, wasm <-> JS calls)"
 
 
@@ -387,8 +434,11 @@ def worker_functions(trace: dict) -> dict[tuple[str, str], float]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     marks = {e["name"]: e["ts"] for e in events if e.get("name") in ("bench-warm-start", "bench-warm-end")}
     start, end = marks["bench-warm-start"], marks["bench-warm-end"]
-    workers = {(e["pid"], e["tid"]) for e in events
-               if e.get("name") == "thread_name" and e["args"]["name"] == "DedicatedWorker thread"}
+    workers = {
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("name") == "thread_name" and e["args"]["name"] == "DedicatedWorker thread"
+    }
     totals = []
     for thread, nodes, samples in _profiles(events):
         if thread not in workers:
@@ -421,8 +471,12 @@ def _profiles(events: list[dict]) -> Iterator[tuple[tuple, dict, list]]:
     profiles: dict[tuple, dict] = {}
     for e in events:
         if e.get("name") == "Profile":
-            profiles[(e["pid"], e["id"])] = {"thread": (e["pid"], e["tid"]), "nodes": {}, "samples": [],
-                                             "time": e["args"]["data"]["startTime"]}
+            profiles[(e["pid"], e["id"])] = {
+                "thread": (e["pid"], e["tid"]),
+                "nodes": {},
+                "samples": [],
+                "time": e["args"]["data"]["startTime"],
+            }
         elif e.get("name") == "ProfileChunk" and (e["pid"], e["id"]) in profiles:
             profile = profiles[(e["pid"], e["id"])]
             data = e["args"]["data"]
@@ -444,6 +498,7 @@ def _kind(function: str, script: str) -> str:
 
 # --- results -------------------------------------------------------------------------------------
 
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Medians per (model, threads, engine): cold start over rounds, the rest over all warm runs."""
     groups: dict[tuple, list[dict]] = {}
@@ -452,18 +507,24 @@ def summarize(runs: list[dict]) -> list[dict]:
     rows = []
     for (model, threads, engine), group in groups.items():
         warm = [w for run in group for w in run["warm"]]
-        rows.append({
-            "model": model, "threads": threads, "engine": engine, "versions": group[0]["versions"],
-            # none when interleaved: the engines of a page load one after another
-            "cold_start_ms": _median_or_none(run["coldStartMs"] for run in group if run["coldStartMs"]),
-            "load_ms": _median_or_none(run["loadedMs"] for run in group if run["loadedMs"]),
-            "first_token_ms": statistics.median(w["firstTokenMs"] for w in warm),
-            "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in warm),
-            "token_ms": statistics.median(w["medianTokenMs"] for w in warm),
-            # ortpipe's own count (its Python side: no worker-to-page message in it)
-            "reported_decode_tokens_per_s": _median_or_none(
-                w["reported"]["decodeTokensPerS"] for w in warm if w.get("reported")),
-        })
+        rows.append(
+            {
+                "model": model,
+                "threads": threads,
+                "engine": engine,
+                "versions": group[0]["versions"],
+                # none when interleaved: the engines of a page load one after another
+                "cold_start_ms": _median_or_none(run["coldStartMs"] for run in group if run["coldStartMs"]),
+                "load_ms": _median_or_none(run["loadedMs"] for run in group if run["loadedMs"]),
+                "first_token_ms": statistics.median(w["firstTokenMs"] for w in warm),
+                "decode_tokens_per_s": statistics.median(w["decodeTokensPerS"] for w in warm),
+                "token_ms": statistics.median(w["medianTokenMs"] for w in warm),
+                # ortpipe's own count (its Python side: no worker-to-page message in it)
+                "reported_decode_tokens_per_s": _median_or_none(
+                    w["reported"]["decodeTokensPerS"] for w in warm if w.get("reported")
+                ),
+            }
+        )
     return rows
 
 
@@ -496,8 +557,10 @@ def token_report(runs: list[dict]) -> str:
         reference = next((r for r in group if r["engine"] == "transformers.js"), group[0])
         count = sum(1 + len(run["warm"]) for run in group)
         engines = ", ".join(dict.fromkeys(run["engine"] for run in group))
-        lines.append(f"{key[0]} threads={key[1]}: {count} generations ({engines}) compared with "
-                     f"{reference['engine']}'s tokens {reference['cold']['tokens']}")
+        lines.append(
+            f"{key[0]} threads={key[1]}: {count} generations ({engines}) compared with "
+            f"{reference['engine']}'s tokens {reference['cold']['tokens']}"
+        )
     return "\n".join(lines)
 
 
@@ -507,8 +570,9 @@ def _compare(tokens: list[int], expected: list[int], new_tokens: int, where: str
         problems.append(f"{where}: {len(tokens)} tokens, not {new_tokens}")
     first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
     if first is not None:
-        problems.append(f"{where}: differs from {against} from token {first} "
-                        f"({tokens[first]} != {expected[first]})")
+        problems.append(
+            f"{where}: differs from {against} from token {first} ({tokens[first]} != {expected[first]})"
+        )
     return problems
 
 
@@ -521,9 +585,11 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         ort = r["versions"].get("onnxruntime-web")
-        lines.append(f"| {r['model']} | {r['threads']} | {r['engine']} | {ort} "
-                     f"| {r['decode_tokens_per_s']:.1f} | {r['token_ms']:.2f} | {r['first_token_ms']:.0f} "
-                     f"| {_ms(r['cold_start_ms'])} | {_ms(r['load_ms'])} |")
+        lines.append(
+            f"| {r['model']} | {r['threads']} | {r['engine']} | {ort} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['token_ms']:.2f} | {r['first_token_ms']:.0f} "
+            f"| {_ms(r['cold_start_ms'])} | {_ms(r['load_ms'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -533,8 +599,12 @@ def _ms(value: float | None) -> str:
 
 # What each ratio compares: (field of a page's result, higher is better for the engine).
 # The median token interval shrugs off the stalls other processes cause better than tokens/s.
-RATIO_FIELDS = {"decode tok/s": ("decodeTokensPerS", True), "median token interval": ("medianTokenMs", False),
-                "first token": ("firstTokenMs", False), "cold start": ("coldStartMs", False)}
+RATIO_FIELDS = {
+    "decode tok/s": ("decodeTokensPerS", True),
+    "median token interval": ("medianTokenMs", False),
+    "first token": ("firstTokenMs", False),
+    "cold start": ("coldStartMs", False),
+}
 
 
 def page_value(run: dict, field: str) -> float:
@@ -564,10 +634,16 @@ def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[fl
 def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
     """Markdown: ortpipe's speed over each other engine, median of the per-round ratios (min-max;
     their mean and its 95% interval, t distribution over the rounds: the rounds are the samples)."""
-    cells = [(other, what) for other in others for what in RATIO_FIELDS
-             if other != "ort" or what not in ("first token", "cold start")]  # the floor loads no framework
-    lines = ["| model | threads | " + " | ".join(f"vs {o}: {w}" for o, w in cells) + " |",
-             "| --- | ---: |" + " ---: |" * len(cells)]
+    cells = [
+        (other, what)
+        for other in others
+        for what in RATIO_FIELDS
+        if other != "ort" or what not in ("first token", "cold start")
+    ]  # the floor loads no framework
+    lines = [
+        "| model | threads | " + " | ".join(f"vs {o}: {w}" for o, w in cells) + " |",
+        "| --- | ---: |" + " ---: |" * len(cells),
+    ]
     found = {cell: round_ratios(runs, *cell) for cell in cells}
     for key in dict.fromkeys((r["model"], r["threads"]) for r in runs):
         values = []
@@ -577,8 +653,11 @@ def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
                 values.append("")
                 continue
             spread = interval(ratios)
-            mean = (f"; mean {spread['mean']:.2f}, 95% {spread['ci95'][0]:.2f}-{spread['ci95'][1]:.2f}"
-                    if "ci95" in spread else "")
+            mean = (
+                f"; mean {spread['mean']:.2f}, 95% {spread['ci95'][0]:.2f}-{spread['ci95'][1]:.2f}"
+                if "ci95" in spread
+                else ""
+            )
             values.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}{mean})")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(values) + " |")
     return "\n".join(lines)
@@ -586,21 +665,28 @@ def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
 
 def rounds_table(runs: list[dict], engines: Sequence[str]) -> str:
     """Markdown: each round's decode tok/s per engine (median of the page's warm runs)."""
-    pages = {(r["model"], r["threads"], r["round"], r["engine"]): page_value(r, "decodeTokensPerS")
-             for r in runs}
+    pages = {
+        (r["model"], r["threads"], r["round"], r["engine"]): page_value(r, "decodeTokensPerS") for r in runs
+    }
     busy: dict[tuple, float] = {}  # the busiest the CPUs were before any page of the round
     for r in runs:
         key = (r["model"], r["threads"], r["round"])
         busy[key] = max(busy.get(key, 0.0), r["busy_before"])
-    lines = ["| model | threads | round | CPUs busy before | " + " | ".join(engines)
-             + " | ortpipe / transformers.js |",
-             "| --- | ---: | ---: | ---: |" + " ---: |" * (len(engines) + 1)]
+    lines = [
+        "| model | threads | round | CPUs busy before | "
+        + " | ".join(engines)
+        + " | ortpipe / transformers.js |",
+        "| --- | ---: | ---: | ---: |" + " ---: |" * (len(engines) + 1),
+    ]
     for model, threads, round_ in busy:
         values = [pages.get((model, threads, round_, e)) for e in engines]
         ours, theirs = (pages.get((model, threads, round_, e)) for e in ("ortpipe", "transformers.js"))
         ratio = f"{ours / theirs:.2f}x" if ours and theirs else ""
-        lines.append(f"| {model} | {threads} | {round_ + 1} | {busy[model, threads, round_]:.0%} | "
-                     + " | ".join(f"{v:.1f}" if v else "" for v in values) + f" | {ratio} |")
+        lines.append(
+            f"| {model} | {threads} | {round_ + 1} | {busy[model, threads, round_]:.0%} | "
+            + " | ".join(f"{v:.1f}" if v else "" for v in values)
+            + f" | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -626,14 +712,26 @@ def machine() -> dict:
     import platform
     import subprocess
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     version = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, check=False)
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.platform(),
-            "chromium": version.stdout.strip(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "system": platform.platform(),
+        "chromium": version.stdout.strip(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 # --- command line --------------------------------------------------------------------------------
+
 
 def _csv(kind):  # noqa: ANN001, ANN202
     return lambda text: tuple(kind(item) for item in text.split(",") if item)
@@ -642,30 +740,51 @@ def _csv(kind):  # noqa: ANN001, ANN202
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m build.bench_web", description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=_csv(str), default=tuple(SIZES), help="comma-separated: 20m,100m")
-    parser.add_argument("--threads", type=_csv(int), default=(1,),
-                        help="comma-separated thread counts; 1 is served without COOP/COEP, more with them")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="page loads per engine (each a cold start); 0 for none")
-    parser.add_argument("--warmup-runs", type=int, default=1,
-                        help="unmeasured generations after the cold one")
+    parser.add_argument(
+        "--threads",
+        type=_csv(int),
+        default=(1,),
+        help="comma-separated thread counts; 1 is served without COOP/COEP, more with them",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="page loads per engine (each a cold start); 0 for none"
+    )
+    parser.add_argument(
+        "--warmup-runs", type=int, default=1, help="unmeasured generations after the cold one"
+    )
     parser.add_argument("--warm-runs", type=int, default=3, help="measured generations per page load")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--engines", type=_csv(str), default=ENGINES,
-                        help=f"comma-separated: {','.join(ENGINES)}")
-    parser.add_argument("--interleave", action="store_true",
-                        help="one page per model and round with every engine, taking turns generation "
-                             "by generation (no cold start then)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also trace one page load per model and engine (first thread count) and show "
-                             "where each engine's worker spends its time")
-    parser.add_argument("--quiet", type=float, default=1.0,
-                        help="before each page load, wait until the CPUs are at most this busy "
-                             "(0 to 1; 1, the default: never wait, only record how busy they were)")
+    parser.add_argument(
+        "--engines", type=_csv(str), default=ENGINES, help=f"comma-separated: {','.join(ENGINES)}"
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="one page per model and round with every engine, taking turns generation "
+        "by generation (no cold start then)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace one page load per model and engine (first thread count) and show "
+        "where each engine's worker spends its time",
+    )
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=1.0,
+        help="before each page load, wait until the CPUs are at most this busy "
+        "(0 to 1; 1, the default: never wait, only record how busy they were)",
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="where the bundle is built")
     parser.add_argument("--json", type=Path, help="write every measurement here")
-    parser.add_argument("--show", type=Path, metavar="JSON",
-                        help="measure nothing: print the tables of a report written by --json")
+    parser.add_argument(
+        "--show",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a report written by --json",
+    )
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in SIZES] + [e for e in args.engines if e not in ENGINES]
     if unknown:
@@ -677,21 +796,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.show:
         return show(json.loads(args.show.read_text()))
-    settings = Settings(args.models, args.threads, args.rounds, args.warmup_runs, args.warm_runs,
-                        args.prompt_tokens, args.new_tokens, args.engines, args.quiet, args.interleave)
+    settings = Settings(
+        args.models,
+        args.threads,
+        args.rounds,
+        args.warmup_runs,
+        args.warm_runs,
+        args.prompt_tokens,
+        args.new_tokens,
+        args.engines,
+        args.quiet,
+        args.interleave,
+    )
     models = {name: model_folder(SIZES[name]) for name in settings.models}
     try:
         bundle = build_bundle(args.out, models)
     except web.BuildError as e:
         print(f"bench_web: {e}", file=sys.stderr)
         return 2
-    report = {"machine_before": machine(), "settings": asdict(settings),
-              "parameters": {name: parameter_count(folder) for name, folder in models.items()}}
+    report = {
+        "machine_before": machine(),
+        "settings": asdict(settings),
+        "parameters": {name: parameter_count(folder) for name, folder in models.items()},
+    }
     with chromium() as browser:
         runs = measure(browser, bundle, models, settings)
         profiles = profile(browser, bundle, models, settings) if args.profile else []
-    report.update(machine_after=machine(), summary=summarize(runs), profiles=profiles,
-                  token_mismatches=token_mismatches(runs, settings.new_tokens), runs=runs)
+    report.update(
+        machine_after=machine(),
+        summary=summarize(runs),
+        profiles=profiles,
+        token_mismatches=token_mismatches(runs, settings.new_tokens),
+        runs=runs,
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return show(report)
@@ -702,8 +839,11 @@ def show(report: dict) -> int:
     runs, engines = report["runs"], report["settings"]["engines"]
     print(token_report(runs))
     if report["token_mismatches"]:
-        print(f"\nWARNING: {len(report['token_mismatches'])} generations differ (near-ties aside, a bug in "
-              "one engine):", file=sys.stderr)
+        print(
+            f"\nWARNING: {len(report['token_mismatches'])} generations differ (near-ties aside, a bug in "
+            "one engine):",
+            file=sys.stderr,
+        )
         for problem in report["token_mismatches"]:
             print(f"WARNING:   {problem}", file=sys.stderr)
     if runs:

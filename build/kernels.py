@@ -74,7 +74,9 @@ def _scalar(name: str, elem: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
 
 
 def _fconst(name: str, value: float) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value]))
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value])
+    )
 
 
 def process(elem: int) -> onnx.GraphProto:
@@ -84,7 +86,10 @@ def process(elem: int) -> onnx.GraphProto:
     address an extra column that is dropped at the end, so rows of different lengths need no mask.
     """
     nodes = [
-        _const("start", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]), _const("zero", [0]),
+        _const("start", [-1]),
+        _const("end", [INT64_MAX]),
+        _const("axis1", [1]),
+        _const("zero", [0]),
         helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
         helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
         helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
@@ -92,8 +97,12 @@ def process(elem: int) -> onnx.GraphProto:
         helper.make_node("Shape", ["last"], ["shape"]),
         helper.make_node("Slice", ["shape", "zero", "axis1", "zero"], ["batch"]),
         helper.make_node("Concat", ["batch", "axis1"], ["pad_shape"], axis=0),
-        helper.make_node("ConstantOfShape", ["pad_shape"], ["pad"],
-                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
+        helper.make_node(
+            "ConstantOfShape",
+            ["pad_shape"],
+            ["pad"],
+            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]),
+        ),
         helper.make_node("Concat", ["last", "pad"], ["wide"], axis=1),
         # repetition penalty: seen tokens' scores divided (positive) or multiplied (negative) by it
         _fconst("f0", 0.0),
@@ -105,33 +114,50 @@ def process(elem: int) -> onnx.GraphProto:
         helper.make_node("ScatterElements", ["wide", "seen", "penalized"], ["repeated"], axis=1),
         # banned ids
         helper.make_node("Shape", ["banned"], ["banned_shape"]),
-        helper.make_node("ConstantOfShape", ["banned_shape"], ["minus_inf"],
-                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG_INF])),
+        helper.make_node(
+            "ConstantOfShape",
+            ["banned_shape"],
+            ["minus_inf"],
+            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG_INF]),
+        ),
         helper.make_node("ScatterElements", ["repeated", "banned", "minus_inf"], ["allowed"], axis=1),
         helper.make_node("Shape", ["last"], ["narrow_shape"]),
         helper.make_node("Slice", ["narrow_shape", "axis1", "end", "zero"], ["vocab"]),
         helper.make_node("Slice", ["allowed", "zero", "vocab", "axis1"], ["trimmed"]),
         helper.make_node("Div", ["trimmed", "temperature"], ["scores"]),
     ]
-    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", n + "_count"]) for n in ("banned", "seen")]
+    ids = [
+        helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", n + "_count"])
+        for n in ("banned", "seen")
+    ]
     return helper.make_graph(
-        nodes, "process",
-        [helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]), *ids,
-         _scalar("penalty"), _scalar("temperature")],
-        [_scores("scores")])
+        nodes,
+        "process",
+        [
+            helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]),
+            *ids,
+            _scalar("penalty"),
+            _scalar("temperature"),
+        ],
+        [_scores("scores")],
+    )
 
 
 def top_k(_: int) -> onnx.GraphProto:
     """Keep the k highest scores (ties with the k-th included); k is at most the vocabulary size."""
     nodes = [
         helper.make_node("TopK", ["scores", "k"], ["values", "indices"], axis=-1),
-        _const("last", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]),
+        _const("last", [-1]),
+        _const("end", [INT64_MAX]),
+        _const("axis1", [1]),
         helper.make_node("Slice", ["values", "last", "end", "axis1"], ["threshold"]),
         helper.make_node("Less", ["scores", "threshold"], ["drop"]),
         _fconst("minus_inf", NEG_INF),
         helper.make_node("Where", ["drop", "minus_inf", "scores"], ["kept"]),
     ]
-    return helper.make_graph(nodes, "top_k", [_scores("scores"), _scalar("k", TensorProto.INT64)], [_scores("kept")])
+    return helper.make_graph(
+        nodes, "top_k", [_scores("scores"), _scalar("k", TensorProto.INT64)], [_scores("kept")]
+    )
 
 
 def top_p(_: int) -> onnx.GraphProto:
@@ -156,8 +182,9 @@ def top_p(_: int) -> onnx.GraphProto:
         _fconst("minus_inf", NEG_INF),
         helper.make_node("Where", ["drop", "minus_inf", "scores"], ["kept"]),
     ]
-    return helper.make_graph(nodes, "top_p", [_scores("scores"), _scalar("p"), _scalar("k", TensorProto.INT64)],
-                             [_scores("kept")])
+    return helper.make_graph(
+        nodes, "top_p", [_scores("scores"), _scalar("p"), _scalar("k", TensorProto.INT64)], [_scores("kept")]
+    )
 
 
 def min_p(_: int) -> onnx.GraphProto:
@@ -179,7 +206,8 @@ def sample(_: int) -> onnx.GraphProto:
         helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
         _const("axis1", [1]),
         helper.make_node("CumSum", ["probs", "axis1"], ["cdf"]),
-        _const("last", [-1]), _const("end", [INT64_MAX]),
+        _const("last", [-1]),
+        _const("end", [INT64_MAX]),
         helper.make_node("Slice", ["cdf", "last", "end", "axis1"], ["total"]),
         helper.make_node("Unsqueeze", ["u", "axis1"], ["u2"]),
         helper.make_node("Mul", ["u2", "total"], ["target"]),
@@ -192,15 +220,22 @@ def sample(_: int) -> onnx.GraphProto:
         helper.make_node("Sub", ["vocab", "one"], ["last_id"]),
         helper.make_node("Min", ["count", "last_id"], ["token"]),  # float rounding past the end
     ]
-    return helper.make_graph(nodes, "sample",
-                             [_scores("scores"), helper.make_tensor_value_info("u", TensorProto.FLOAT, ["batch"])],
-                             [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
+    return helper.make_graph(
+        nodes,
+        "sample",
+        [_scores("scores"), helper.make_tensor_value_info("u", TensorProto.FLOAT, ["batch"])],
+        [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])],
+    )
 
 
 def argmax(_: int) -> onnx.GraphProto:
     nodes = [helper.make_node("ArgMax", ["scores"], ["token"], axis=-1, keepdims=0)]
-    return helper.make_graph(nodes, "argmax", [_scores("scores")],
-                             [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
+    return helper.make_graph(
+        nodes,
+        "argmax",
+        [_scores("scores")],
+        [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])],
+    )
 
 
 def beam_topk(elem: int) -> onnx.GraphProto:
@@ -209,7 +244,10 @@ def beam_topk(elem: int) -> onnx.GraphProto:
     Indices run over the flattened [beams * vocab]: beam = index // vocab, token = index % vocab.
     """
     nodes = [
-        _const("start", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]), _const("flat", [1, -1]),
+        _const("start", [-1]),
+        _const("end", [INT64_MAX]),
+        _const("axis1", [1]),
+        _const("flat", [1, -1]),
         helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
         helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
         helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
@@ -223,11 +261,18 @@ def beam_topk(elem: int) -> onnx.GraphProto:
         helper.make_node("Squeeze", ["indices2", "axis0"], ["indices"]),
     ]
     return helper.make_graph(
-        nodes, "beam_topk",
-        [helper.make_tensor_value_info("logits", elem, ["beams", "seq", "vocab"]),
-         helper.make_tensor_value_info("running", TensorProto.FLOAT, ["beams"]), _scalar("k", TensorProto.INT64)],
-        [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["k"]),
-         helper.make_tensor_value_info("indices", TensorProto.INT64, ["k"])])
+        nodes,
+        "beam_topk",
+        [
+            helper.make_tensor_value_info("logits", elem, ["beams", "seq", "vocab"]),
+            helper.make_tensor_value_info("running", TensorProto.FLOAT, ["beams"]),
+            _scalar("k", TensorProto.INT64),
+        ],
+        [
+            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["k"]),
+            helper.make_tensor_value_info("indices", TensorProto.INT64, ["k"]),
+        ],
+    )
 
 
 def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
@@ -236,8 +281,13 @@ def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
         x = helper.make_value_info("x", helper.make_tensor_type_proto(elem, shape=None))
         y = helper.make_value_info("y", helper.make_tensor_type_proto(elem, shape=None))
         rows = helper.make_tensor_value_info("rows", TensorProto.INT64, ["n"])
-        return helper.make_graph([helper.make_node("Gather", ["x", "rows"], ["y"], axis=axis)],
-                                 f"gather_rows{axis}", [x, rows], [y])
+        return helper.make_graph(
+            [helper.make_node("Gather", ["x", "rows"], ["y"], axis=axis)],
+            f"gather_rows{axis}",
+            [x, rows],
+            [y],
+        )
+
     return make
 
 
@@ -264,8 +314,11 @@ def build_all() -> dict[str, bytes]:
     files = {}
     for name, (make, types) in KERNELS.items():
         for type_name in types:
-            model = helper.make_model(make(ELEMENT_TYPES[type_name]), producer_name="ortpipe",
-                                      opset_imports=[helper.make_opsetid("", OPSET)])
+            model = helper.make_model(
+                make(ELEMENT_TYPES[type_name]),
+                producer_name="ortpipe",
+                opset_imports=[helper.make_opsetid("", OPSET)],
+            )
             model.ir_version = IR_VERSION
             files[f"{name}_{type_name}.onnx"] = model.SerializeToString()
     return files

@@ -56,8 +56,21 @@ import onnx
 from onnx import TensorProto, helper
 
 from build import graphs
-from build.graphs import (ATTENTION_SCALE, BATCH, HIDDEN, LOGIT_SCALE, MAX_POSITIONS, PAST, SEQ,
-                          SUPPRESSED_BIAS, TOTAL, VOCAB, _attention, _Graph, _tensor)
+from build.graphs import (
+    ATTENTION_SCALE,
+    BATCH,
+    HIDDEN,
+    LOGIT_SCALE,
+    MAX_POSITIONS,
+    PAST,
+    SEQ,
+    SUPPRESSED_BIAS,
+    TOTAL,
+    VOCAB,
+    _attention,
+    _Graph,
+    _tensor,
+)
 
 BOS = PAD = graphs.BOS
 EOS = graphs.EOS

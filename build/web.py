@@ -153,7 +153,8 @@ def _package_zip(path: Path) -> None:
     """ortpipe's sources and kernels, laid out to be unpacked into site-packages."""
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for file in sorted(PACKAGE.rglob("*")):
-            if file.suffix in (".py", ".onnx") and "__pycache__" not in file.parts:
+            cpython = file.relative_to(PACKAGE).parts[:2] == ("targets", "cpython")  # numpy's target
+            if file.suffix in (".py", ".onnx") and "__pycache__" not in file.parts and not cpython:
                 z.write(file, Path("ortpipe") / file.relative_to(PACKAGE))
 
 
@@ -163,7 +164,8 @@ def _python_snapshot(out: Path) -> None:
     if node is None:
         raise BuildError("node is not on PATH: the bundle's Python snapshot is made with node "
                          "(install Node.js, as for `npm ci`)")
-    command = [node, str(SNAPSHOT_SCRIPT), str(out / "pyodide"), str(out / "ortpipe.zip"), str(out / SNAPSHOT)]
+    command = [node, str(SNAPSHOT_SCRIPT), str(out / "pyodide"), str(out / "ortpipe.zip"),
+               str(out / SNAPSHOT)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise BuildError(f"making the Python snapshot failed ({' '.join(command)}):\n{done.stderr.strip()}")
@@ -178,8 +180,13 @@ def _model_arg(text: str) -> tuple[str, Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m build.web", description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", type=_model_arg, metavar="MODEL_DIR[=NAME]",
-                        help="model folders to copy under models/NAME/")
+    parser.add_argument(
+        "models",
+        nargs="*",
+        type=_model_arg,
+        metavar="MODEL_DIR[=NAME]",
+        help="model folders to copy under models/NAME/",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "dist" / "web")
     args = parser.parse_args(argv)
     try:

@@ -83,7 +83,7 @@ def _session(model_dir: Path | str, layout: str) -> ort.InferenceSession:
 
 def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
+    return dict(zip(names, session.run(names, feeds), strict=True))
 
 
 def _step_feeds(session: ort.InferenceSession, new: Sequence[int], total: int) -> dict[str, np.ndarray]:

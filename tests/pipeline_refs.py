@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
 from build import pipeline_graphs as pg
 
 Arrays = Mapping[str, np.ndarray]

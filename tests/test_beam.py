@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from build.references import _hf_model, prompt_ids
 
 import ortpipe
-from build.references import _hf_model, prompt_ids
 
 torch = pytest.importorskip("torch")
 
@@ -21,9 +21,15 @@ def hf_beams(hf_dir: Path, ids: list[int], new: int, eos: int | None = None, **s
     t = torch.tensor([ids])
     extra = {"eos_token_id": eos, "pad_token_id": eos} if eos is not None else {}
     with torch.no_grad():
-        out = model.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False,
-                             **search, **extra)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            input_ids=t,
+            attention_mask=torch.ones_like(t),
+            max_new_tokens=new,
+            do_sample=False,
+            **search,
+            **extra,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def genai_beams(folder: Path, ids: list[int], new: int, **search) -> list[int]:
@@ -36,14 +42,19 @@ def genai_beams(folder: Path, ids: list[int], new: int, **search) -> list[int]:
     generator.append_tokens(np.asarray(ids, dtype=np.int32))
     while not generator.is_done():
         generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)[len(ids):]]
+    return [int(t) for t in generator.get_sequence(0)[len(ids) :]]
 
 
-@pytest.mark.parametrize("search", [
-    {"num_beams": 4, "early_stopping": False, "length_penalty": 1.0},
-    {"num_beams": 3, "early_stopping": True, "length_penalty": 0.5},
-])
-def test_beam_search_matches_transformers_and_genai(search: dict, llama_builder_fp32: Path, llama_hf: Path) -> None:
+@pytest.mark.parametrize(
+    "search",
+    [
+        {"num_beams": 4, "early_stopping": False, "length_penalty": 1.0},
+        {"num_beams": 3, "early_stopping": True, "length_penalty": 0.5},
+    ],
+)
+def test_beam_search_matches_transformers_and_genai(
+    search: dict, llama_builder_fp32: Path, llama_hf: Path
+) -> None:
     ids = prompt_ids(llama_builder_fp32)
     ours = ortpipe.load(llama_builder_fp32, threads=1).generate(prompt_ids=ids, max_new_tokens=24, **search)
     assert len(ours.tokens) == 24
@@ -53,12 +64,21 @@ def test_beam_search_matches_transformers_and_genai(search: dict, llama_builder_
     assert ours.tokens != greedy  # the search found another sequence: beams were really followed
 
 
-@pytest.mark.parametrize("search", [{"num_beams": 4, "early_stopping": False}, {"num_beams": 4, "early_stopping": True},
-                                    {"num_beams": 3, "length_penalty": 2.0, "early_stopping": False}])
-def test_beams_that_meet_eos_match_transformers(search: dict, llama_builder_fp32: Path, llama_hf: Path,
-                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "search",
+    [
+        {"num_beams": 4, "early_stopping": False},
+        {"num_beams": 4, "early_stopping": True},
+        {"num_beams": 3, "length_penalty": 2.0, "early_stopping": False},
+    ],
+)
+def test_beams_that_meet_eos_match_transformers(
+    search: dict, llama_builder_fp32: Path, llama_hf: Path, tmp_path: Path
+) -> None:
     ids = prompt_ids(llama_builder_fp32)
-    free = ortpipe.load(llama_builder_fp32, threads=1).generate(prompt_ids=ids, max_new_tokens=30, num_beams=4)
+    free = ortpipe.load(llama_builder_fp32, threads=1).generate(
+        prompt_ids=ids, max_new_tokens=30, num_beams=4
+    )
     eos = free.tokens[6]  # a token the beams do produce
     folder = tmp_path / "eos"
     shutil.copytree(llama_builder_fp32, folder)
@@ -76,8 +96,9 @@ def test_beams_that_meet_eos_match_transformers(search: dict, llama_builder_fp32
 
 def test_num_return_sequences(llama_builder_fp32: Path) -> None:
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
-    request = pipe.request(prompt_ids=prompt_ids(llama_builder_fp32), max_new_tokens=10, num_beams=4,
-                           num_return_sequences=3)
+    request = pipe.request(
+        prompt_ids=prompt_ids(llama_builder_fp32), max_new_tokens=10, num_beams=4, num_return_sequences=3
+    )
     for _ in pipe.drive(request):
         pass
     assert len(request.sequences) == 3 and request.sequences[0] == request.tokens

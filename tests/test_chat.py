@@ -43,7 +43,9 @@ def test_three_turns_equal_rerunning_each_conversation(chat_model: Path) -> None
     (first, total1), (second, total2), (third, total3) = prefills
     assert first == total1  # the first turn prefills everything
     assert second < total2 - total1 and third < total3 - total2  # later turns: only their own tokens
-    delta = pipe.tokenizer.encode("</s>\n<s>user\n" + TURNS[1] + "</s>\n<s>assistant\n", add_special_tokens=False)
+    delta = pipe.tokenizer.encode(
+        "</s>\n<s>user\n" + TURNS[1] + "</s>\n<s>assistant\n", add_special_tokens=False
+    )
     assert second == len(delta) + 1  # the new turn and the last reply token, never run before
 
 
@@ -67,8 +69,22 @@ def test_chat_cli_keeps_the_conversation(chat_model: Path) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "ortpipe.cli", "chat", str(chat_model), "--max-new-tokens", "6",
-                          "--threads", "1"], input="hello\n/rewind\nhello\n/quit\n", capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ortpipe.cli",
+            "chat",
+            str(chat_model),
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "1",
+        ],
+        input="hello\n/rewind\nhello\n/quit\n",
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert "[rewound: 0 tokens in the conversation]" in out.stderr
     stats = [line for line in out.stderr.splitlines() if line.startswith("[prefill")]

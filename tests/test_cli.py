@@ -9,15 +9,25 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from build import graphs
+
 from tests.handloop import hand_greedy
 
 PROMPT = [5, 17, 42, 8, 23, 61, 3, 77]
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 def ortpipe(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ortpipe.cli", *args], capture_output=True, text=True)
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    """The decode benchmark (build/bench.py), run from the repository as its docs say."""
+    return subprocess.run(
+        [sys.executable, "-m", "build.bench", *args], capture_output=True, text=True, cwd=REPO
+    )
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +36,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_run_json_prints_tokens_text_and_timings(model: Path) -> None:
-    out = ortpipe("run", str(model), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
-                  "--threads", "1", "--json")
+    out = ortpipe(
+        "run",
+        str(model),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "12",
+        "--threads",
+        "1",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["tokens"] == hand_greedy(model, PROMPT, 12, layout="separate")
@@ -41,9 +60,17 @@ def test_validate_accepts_a_good_folder(model: Path) -> None:
 
 
 def test_validate_prints_every_problem_and_exits_2(tmp_path: Path) -> None:
-    (tmp_path / "genai_config.json").write_text(json.dumps({"version": 2, "pipeline": {
-        "sessions": {"decoder": {"file": "../x.onnx"}},
-        "flow": [{"run": "decodr", "when": "never"}]}}))
+    (tmp_path / "genai_config.json").write_text(
+        json.dumps(
+            {
+                "version": 2,
+                "pipeline": {
+                    "sessions": {"decoder": {"file": "../x.onnx"}},
+                    "flow": [{"run": "decodr", "when": "never"}],
+                },
+            }
+        )
+    )
     out = ortpipe("validate", str(tmp_path))
     assert out.returncode == 2
     assert "3 problems" in out.stderr
@@ -55,9 +82,17 @@ def test_validate_prints_every_problem_and_exits_2(tmp_path: Path) -> None:
 
 def test_validate_reports_an_unfeedable_input(tmp_path: Path, model: Path) -> None:
     (tmp_path / "model.onnx").write_bytes((model / "model.onnx").read_bytes())
-    (tmp_path / "genai_config.json").write_text(json.dumps({"version": 2, "pipeline": {
-        "extends": "autoregressive-decoder", "sessions": {"decoder": {"file": "model.onnx",
-                                                                     "inputs": {"input_ids": "ids"}}}}}))
+    (tmp_path / "genai_config.json").write_text(
+        json.dumps(
+            {
+                "version": 2,
+                "pipeline": {
+                    "extends": "autoregressive-decoder",
+                    "sessions": {"decoder": {"file": "model.onnx", "inputs": {"input_ids": "ids"}}},
+                },
+            }
+        )
+    )
     out = ortpipe("validate", str(tmp_path))
     assert out.returncode == 2
     assert 'Session "decoder" input "input_ids"' in out.stderr and "cannot be fed" in out.stderr
@@ -83,10 +118,20 @@ def test_missing_folder_and_bad_settings_are_clear_errors(model: Path) -> None:
 
 
 def test_bench_pools_every_engine_over_rotated_loads(llama_builder_fp32: Path) -> None:
-    """`ortpipe bench` loads the engines once per load in a fresh process, in a rotated order, and
+    """The bench loads the engines once per load in a fresh process, in a rotated order, and
     pools the steps; its greedy engines must agree with a hand-written greedy loop."""
-    out = ortpipe("bench", str(llama_builder_fp32), "--prompt-tokens", "8", "--new-tokens", "6", "--rounds", "1",
-                  "--loads", "2", "--json")
+    out = bench(
+        str(llama_builder_fp32),
+        "--prompt-tokens",
+        "8",
+        "--new-tokens",
+        "6",
+        "--rounds",
+        "1",
+        "--loads",
+        "2",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["loads"] == [["ortpipe", "genai", "floor"], ["genai", "floor", "ortpipe"]]
@@ -101,7 +146,7 @@ def test_bench_pools_every_engine_over_rotated_loads(llama_builder_fp32: Path) -
     expected = [o / g for o, g in zip(speeds["ortpipe"], speeds["genai"], strict=True)]
     per_load = report["per_load"]["ortpipe_vs_genai"]
     assert per_load["values"] == pytest.approx(expected, rel=1e-3)
-    mean, half = statistics.fmean(expected), 12.706 * statistics.stdev(expected) / 2 ** 0.5  # t(0.975, 1 df)
+    mean, half = statistics.fmean(expected), 12.706 * statistics.stdev(expected) / 2**0.5  # t(0.975, 1 df)
     assert per_load["mean"] == pytest.approx(mean, rel=1e-3)
     assert per_load["ci95"] == pytest.approx([mean - half, mean + half], rel=1e-3, abs=1e-3)
     assert "ortpipe ÷ genai within each load" not in out.stdout  # --json prints only the object
@@ -112,7 +157,7 @@ def test_bench_load_orders_are_balanced(count: int) -> None:
     """Over one cycle of load orders every engine takes every position equally often, and of any two
     engines each is loaded first in half the orders (a session created before another engine's model
     can run slower than one created after it, docs/benchmarks.md)."""
-    from ortpipe.targets.bench import load_orders
+    from build.bench import load_orders
 
     names = [f"e{i}" for i in range(count)]
     cycle = load_orders(names, None)
@@ -129,9 +174,9 @@ def test_bench_load_orders_are_balanced(count: int) -> None:
 
 
 def test_bench_rejects_bad_settings_and_non_builder_folders(model: Path, llama_builder_fp32: Path) -> None:
-    out = ortpipe("bench", str(llama_builder_fp32), "--loads", "0")
+    out = bench(str(llama_builder_fp32), "--loads", "0")
     assert out.returncode == 2 and "--loads must be >= 1" in out.stderr and "Traceback" not in out.stderr
-    out = ortpipe("bench", str(llama_builder_fp32), "--engines", "ortpipe,tjs")
+    out = bench(str(llama_builder_fp32), "--engines", "ortpipe,tjs")
     assert out.returncode == 2 and "unknown engine(s) tjs" in out.stderr
-    out = ortpipe("bench", str(model))  # a v2 folder: genai cannot read it
+    out = bench(str(model))  # a v2 folder: genai cannot read it
     assert out.returncode == 2 and "not a v1 (model builder) config" in out.stderr

@@ -72,15 +72,19 @@ def test_flow_step_naming_an_undeclared_session(tmp_path: Path) -> None:
     ("when", "sometimes", "init, step, final"),
     ("loop", "per_frame", "batched, per_image"),
 ])
-def test_unknown_flow_vocabulary_lists_valid_values(tmp_path: Path, field: str, value: str, valid: str) -> None:
+def test_unknown_flow_vocabulary_lists_valid_values(
+    tmp_path: Path, field: str, value: str, valid: str
+) -> None:
     step = {"run": "decoder", "when": "step", field: value}
     msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "model.onnx"}}, "flow": [step]}))
     assert f'"{value}"' in msg and f"Valid options: {valid}" in msg
 
 
 def test_unknown_position_strategy(tmp_path: Path) -> None:
-    msg = errors_of(tmp_path, v2({"extends": "autoregressive-decoder",
-                                  "state": {"position_ids": {"strategy": "my_custom"}}}))
+    msg = errors_of(
+        tmp_path,
+        v2({"extends": "autoregressive-decoder", "state": {"position_ids": {"strategy": "my_custom"}}}),
+    )
     assert 'Unknown position_ids strategy "my_custom"' in msg
     assert "Valid options: auto, default, mrope_3d, windowed" in msg
 
@@ -88,7 +92,9 @@ def test_unknown_position_strategy(tmp_path: Path) -> None:
 def test_unknown_preset_lists_presets_and_suggests(tmp_path: Path) -> None:
     msg = errors_of(tmp_path, v2({"extends": "vision-languag"}))
     assert 'Unknown pipeline preset "vision-languag"' in msg
-    assert "Built-in presets: autoregressive-decoder, vision-language, encoder-decoder, speech-language" in msg
+    assert (
+        "Built-in presets: autoregressive-decoder, vision-language, encoder-decoder, speech-language" in msg
+    )
     assert 'Did you mean "vision-language"?' in msg
 
 
@@ -98,14 +104,18 @@ def test_no_sessions(tmp_path: Path) -> None:
 
 
 def test_session_file_missing(tmp_path: Path) -> None:
-    msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "decoder.onnx"}},
-                                  "flow": [{"run": "decoder", "when": "step"}]}))
+    msg = errors_of(
+        tmp_path,
+        v2({"sessions": {"decoder": {"file": "decoder.onnx"}}, "flow": [{"run": "decoder", "when": "step"}]}),
+    )
     assert '"decoder.onnx" does not exist' in msg and str(tmp_path) in msg
 
 
 def test_session_file_outside_the_folder(tmp_path: Path) -> None:
-    msg = errors_of(tmp_path, v2({"sessions": {"decoder": {"file": "../x.onnx"}},
-                                  "flow": [{"run": "decoder", "when": "step"}]}))
+    msg = errors_of(
+        tmp_path,
+        v2({"sessions": {"decoder": {"file": "../x.onnx"}}, "flow": [{"run": "decoder", "when": "step"}]}),
+    )
     assert '"../x.onnx" points outside the model folder' in msg
 
 
@@ -121,19 +131,44 @@ def test_malformed_json_names_line_and_column(tmp_path: Path) -> None:
 
 
 def test_cycle_in_dataflow_shows_the_cycle(tmp_path: Path) -> None:
-    msg = errors_of(tmp_path, v2({"sessions": VLM_SESSIONS, "flow": [
-        {"run": "vision", "when": "init"}, {"run": "embedding", "when": "init"}, {"run": "decoder", "when": "step"}],
-        "dataflow": [{"from": "vision.image_features", "to": "embedding.image_features"},
-                     {"from": "embedding.inputs_embeds", "to": "decoder.inputs_embeds"},
-                     {"from": "decoder.hidden", "to": "vision.hint"}]}), VLM_FILES)
+    msg = errors_of(
+        tmp_path,
+        v2(
+            {
+                "sessions": VLM_SESSIONS,
+                "flow": [
+                    {"run": "vision", "when": "init"},
+                    {"run": "embedding", "when": "init"},
+                    {"run": "decoder", "when": "step"},
+                ],
+                "dataflow": [
+                    {"from": "vision.image_features", "to": "embedding.image_features"},
+                    {"from": "embedding.inputs_embeds", "to": "decoder.inputs_embeds"},
+                    {"from": "decoder.hidden", "to": "vision.hint"},
+                ],
+            }
+        ),
+        VLM_FILES,
+    )
     assert "Circular dependency detected" in msg
     assert "decoder → vision → embedding → decoder" in msg
 
 
 def test_cycle_through_after(tmp_path: Path) -> None:
-    msg = errors_of(tmp_path, v2({"sessions": VLM_SESSIONS, "flow": [
-        {"run": "vision", "when": "init", "after": ["embedding"]},
-        {"run": "embedding", "when": "init", "after": ["vision"]}, {"run": "decoder", "when": "step"}]}), VLM_FILES)
+    msg = errors_of(
+        tmp_path,
+        v2(
+            {
+                "sessions": VLM_SESSIONS,
+                "flow": [
+                    {"run": "vision", "when": "init", "after": ["embedding"]},
+                    {"run": "embedding", "when": "init", "after": ["vision"]},
+                    {"run": "decoder", "when": "step"},
+                ],
+            }
+        ),
+        VLM_FILES,
+    )
     assert "embedding → vision → embedding" in msg
 
 
@@ -144,32 +179,60 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path: Path) -> None:
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(folder_with(tmp_path, v2({"sessions": {"decoder": {"file": "../x.onnx"}},
-                                              "flow": [{"run": "decoder", "when": "never", "loop": "twice"}]})))
+        load_config(
+            folder_with(
+                tmp_path,
+                v2(
+                    {
+                        "sessions": {"decoder": {"file": "../x.onnx"}},
+                        "flow": [{"run": "decoder", "when": "never", "loop": "twice"}],
+                    }
+                ),
+            )
+        )
     assert len(info.value.problems) == 3
 
 
 # Checks that need the graphs' signatures (plan time).
 
+
 def sig(inputs: list[tuple[str, str, tuple]], outputs: list[tuple[str, str, tuple]]) -> Signature:
     return Signature(tuple(TensorInfo(*t) for t in inputs), tuple(TensorInfo(*t) for t in outputs))
 
 
-DECODER = sig([("input_ids", "int64", ("b", "s")), ("attention_mask", "int64", ("b", "t")),
-               ("past_key_values.0.key", "float32", ("b", 2, "p", 8)),
-               ("past_key_values.0.value", "float32", ("b", 2, "p", 8))],
-              [("logits", "float32", ("b", "s", 50)), ("present.0.key", "float32", ("b", 2, "t", 8)),
-               ("present.0.value", "float32", ("b", 2, "t", 8))])
+DECODER = sig(
+    [
+        ("input_ids", "int64", ("b", "s")),
+        ("attention_mask", "int64", ("b", "t")),
+        ("past_key_values.0.key", "float32", ("b", 2, "p", 8)),
+        ("past_key_values.0.value", "float32", ("b", 2, "p", 8)),
+    ],
+    [
+        ("logits", "float32", ("b", "s", 50)),
+        ("present.0.key", "float32", ("b", 2, "t", 8)),
+        ("present.0.value", "float32", ("b", 2, "t", 8)),
+    ],
+)
 
 
 def test_dataflow_wire_to_a_missing_output_lists_the_outputs(tmp_path: Path) -> None:
-    config = load_config(folder_with(tmp_path, v2({
-        "sessions": {"vision": {"file": "vision.onnx"}, "decoder": {"file": "decoder.onnx"}},
-        "flow": [{"run": "vision", "when": "init"}, {"run": "decoder", "when": "step"}],
-        "dataflow": [{"from": "vision.image_features", "to": "decoder.inputs_embeds"}]}),
-        ("vision.onnx", "decoder.onnx")))
-    vision = sig([("pixel_values", "float32", ("b", 3, 8, 8))],
-                 [("hidden_states", "float32", ("b", 4, 16)), ("pooler_output", "float32", ("b", 16))])
+    config = load_config(
+        folder_with(
+            tmp_path,
+            v2(
+                {
+                    "sessions": {"vision": {"file": "vision.onnx"}, "decoder": {"file": "decoder.onnx"}},
+                    "flow": [{"run": "vision", "when": "init"}, {"run": "decoder", "when": "step"}],
+                    "dataflow": [{"from": "vision.image_features", "to": "decoder.inputs_embeds"}],
+                }
+            ),
+            ("vision.onnx", "decoder.onnx"),
+        )
+    )
+    vision = sig(
+        [("pixel_values", "float32", ("b", 3, 8, 8))],
+        [("hidden_states", "float32", ("b", 4, 16)), ("pooler_output", "float32", ("b", 16))],
+    )
     with pytest.raises(ConfigError) as info:
         make_plan(config, {"vision": vision, "decoder": DECODER})
     msg = str(info.value)
@@ -179,42 +242,68 @@ def test_dataflow_wire_to_a_missing_output_lists_the_outputs(tmp_path: Path) -> 
 
 def test_an_input_the_plan_cannot_feed_is_named(tmp_path: Path) -> None:
     config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"})))
-    odd = sig([*((t.name, t.dtype, t.shape) for t in DECODER.inputs), ("speaker_embedding", "float32", ("b", 16))],
-              [(t.name, t.dtype, t.shape) for t in DECODER.outputs])
+    odd = sig(
+        [*((t.name, t.dtype, t.shape) for t in DECODER.inputs), ("speaker_embedding", "float32", ("b", 16))],
+        [(t.name, t.dtype, t.shape) for t in DECODER.outputs],
+    )
     with pytest.raises(ConfigError) as info:
         make_plan(config, {"decoder": odd})
-    assert 'Session "decoder" input "speaker_embedding" (float32 [\'b\', 16]) cannot be fed' in str(info.value)
+    assert 'Session "decoder" input "speaker_embedding" (float32 [\'b\', 16]) cannot be fed' in str(
+        info.value
+    )
 
 
 def test_plan_detects_separate_cache_and_feeds(tmp_path: Path) -> None:
     config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"})))
     plan = make_plan(config, {"decoder": DECODER})
-    step = plan.step[0]
+    step = plan.step_phase[0]
     assert [(f.input, f.kind) for f in step.feeds] == [
-        ("input_ids", "input_ids"), ("attention_mask", "attention_mask"),
-        ("past_key_values.0.key", "past"), ("past_key_values.0.value", "past")]
+        ("input_ids", "input_ids"),
+        ("attention_mask", "attention_mask"),
+        ("past_key_values.0.key", "kv_past"),
+        ("past_key_values.0.value", "kv_past"),
+    ]
     assert step.kv.format == "separate" and step.kv.layers == [0]
     assert step.kv.entries[0].shape == (None, 2, None, 8)
     assert plan.generator is step
 
 
 def test_expanded_config_round_trips(tmp_path: Path) -> None:
-    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder"}, tokens={"eos": [2, 3]})))
+    config = load_config(
+        folder_with(tmp_path, v2({"extends": "autoregressive-decoder"}, tokens={"eos": [2, 3]}))
+    )
     again = load_config(folder_with(tmp_path / "again", as_v2(config)))
     assert again.pipeline == config.pipeline and again.tokens == config.tokens
 
 
 def test_v1_unknown_model_type_is_metadata_only(tmp_path: Path) -> None:
-    v1 = {"model": {"type": "my_finetune", "eos_token_id": [2, 32000], "bos_token_id": 1, "pad_token_id": 0,
-                    "context_length": 4096,
-                    "decoder": {"filename": "model.onnx", "head_size": 8, "num_key_value_heads": 2,
-                                "session_options": {"log_id": "x", "intra_op_num_threads": 1, "provider_options": []},
-                                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                                           "past_key_names": "past_key_values.%d.key",
-                                           "past_value_names": "past_key_values.%d.value"},
-                                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                                            "present_value_names": "present.%d.value"}}},
-          "search": {"max_length": 256, "past_present_share_buffer": True, "do_sample": False, "top_k": 1}}
+    v1 = {
+        "model": {
+            "type": "my_finetune",
+            "eos_token_id": [2, 32000],
+            "bos_token_id": 1,
+            "pad_token_id": 0,
+            "context_length": 4096,
+            "decoder": {
+                "filename": "model.onnx",
+                "head_size": 8,
+                "num_key_value_heads": 2,
+                "session_options": {"log_id": "x", "intra_op_num_threads": 1, "provider_options": []},
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+            },
+        },
+        "search": {"max_length": 256, "past_present_share_buffer": True, "do_sample": False, "top_k": 1},
+    }
     config = load_config(folder_with(tmp_path, v1))
     assert config.source == "v1" and config.metadata["model_type"] == "my_finetune"
     assert config.tokens.eos == (2, 32000) and config.tokens.bos == 1
@@ -223,13 +312,14 @@ def test_v1_unknown_model_type_is_metadata_only(tmp_path: Path) -> None:
     assert config.generation.max_length == 256
     assert config.pipeline.sessions["decoder"].session_options == {"intra_op_num_threads": 1}
     plan = make_plan(config, {"decoder": DECODER})
-    assert plan.step[0].kv.share_buffer
+    assert plan.step_phase[0].kv.share_buffer
 
 
 def test_detected_config_takes_tokens_from_generation_config(tmp_path: Path) -> None:
     (tmp_path / "model.onnx").write_bytes(b"")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2,
-                                                      "max_position_embeddings": 512}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "eos_token_id": 2, "max_position_embeddings": 512})
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "bos_token_id": 1}))
     config = load_config(LocalFolder(tmp_path))
     assert config.source == "detected"
@@ -238,31 +328,60 @@ def test_detected_config_takes_tokens_from_generation_config(tmp_path: Path) -> 
 
 
 def test_v1_vision_embedding_decoder_translate_to_init_steps(tmp_path: Path) -> None:
-    v1 = {"model": {"type": "phi3v", "eos_token_id": 2, "image_token_id": 9,
-                    "vision": {"filename": "vision.onnx", "inputs": {"pixel_values": "pixel_values",
-                                                                     "image_sizes": "image_sizes"},
-                               "outputs": {"image_features": "image_features"}},
-                    "embedding": {"filename": "embedding.onnx",
-                                  "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
-                                  "outputs": {"inputs_embeds": "inputs_embeds"}},
-                    "decoder": {"filename": "decoder.onnx", "inputs": {"inputs_embeds": "inputs_embeds"}}},
-          "search": {"max_length": 64}}
+    v1 = {
+        "model": {
+            "type": "phi3v",
+            "eos_token_id": 2,
+            "image_token_id": 9,
+            "vision": {
+                "filename": "vision.onnx",
+                "inputs": {"pixel_values": "pixel_values", "image_sizes": "image_sizes"},
+                "outputs": {"image_features": "image_features"},
+            },
+            "embedding": {
+                "filename": "embedding.onnx",
+                "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
+                "outputs": {"inputs_embeds": "inputs_embeds"},
+            },
+            "decoder": {"filename": "decoder.onnx", "inputs": {"inputs_embeds": "inputs_embeds"}},
+        },
+        "search": {"max_length": 64},
+    }
     config = load_config(folder_with(tmp_path, v1, VLM_FILES))
     assert [(s.run, s.when, s.optional) for s in config.pipeline.flow] == [
-        ("vision", "init", True), ("embedding", "init", False), ("decoder", "step", False)]
+        ("vision", "init", True),
+        ("embedding", "init", False),
+        ("decoder", "step", False),
+    ]
     assert config.tokens.image_token == 9 and config.pipeline.dataflow == ()
 
 
 def test_v1_encoder_decoder_translates_the_cross_cache_and_renamed_outputs(tmp_path: Path) -> None:
-    v1 = {"model": {"type": "whisper", "eos_token_id": 3, "decoder_start_token_id": 1,
-                    "encoder": {"filename": "encoder.onnx", "inputs": {"audio_features": "audio_features"},
-                                "outputs": {"encoder_hidden_states": "hidden_states",
-                                            "cross_present_key_names": "present_key_cross_%d"}},
-                    "decoder": {"filename": "decoder.onnx",
-                                "inputs": {"input_ids": "input_ids", "encoder_hidden_states": "enc",
-                                           "past_key_names": "past_key_self_%d",
-                                           "cross_past_key_names": "past_key_cross_%d"},
-                                "outputs": {"logits": "logits", "present_key_names": "present_key_self_%d"}}}}
+    v1 = {
+        "model": {
+            "type": "whisper",
+            "eos_token_id": 3,
+            "decoder_start_token_id": 1,
+            "encoder": {
+                "filename": "encoder.onnx",
+                "inputs": {"audio_features": "audio_features"},
+                "outputs": {
+                    "encoder_hidden_states": "hidden_states",
+                    "cross_present_key_names": "present_key_cross_%d",
+                },
+            },
+            "decoder": {
+                "filename": "decoder.onnx",
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "encoder_hidden_states": "enc",
+                    "past_key_names": "past_key_self_%d",
+                    "cross_past_key_names": "past_key_cross_%d",
+                },
+                "outputs": {"logits": "logits", "present_key_names": "present_key_self_%d"},
+            },
+        }
+    }
     config = load_config(folder_with(tmp_path, v1, ("encoder.onnx", "decoder.onnx")))
     assert [(s.run, s.when) for s in config.pipeline.flow] == [("encoder", "init"), ("decoder", "step")]
     assert config.pipeline.state.cross_cache.source == "encoder"
@@ -272,29 +391,82 @@ def test_v1_encoder_decoder_translates_the_cross_cache_and_renamed_outputs(tmp_p
 
 
 def test_v1_split_decoder_pipeline_is_refused_clearly(tmp_path: Path) -> None:
-    v1 = {"model": {"type": "qnn", "eos_token_id": 2, "decoder": {"pipeline": [
-        {"context": {"filename": "ctx.onnx", "run_on_prompt": True, "run_on_token_gen": False}}]}}}
+    v1 = {
+        "model": {
+            "type": "qnn",
+            "eos_token_id": 2,
+            "decoder": {
+                "pipeline": [
+                    {"context": {"filename": "ctx.onnx", "run_on_prompt": True, "run_on_token_gen": False}}
+                ]
+            },
+        }
+    }
     msg = errors_of(tmp_path, v1, ("ctx.onnx",))
     assert "stage 'context' runs only on the prompt" in msg
 
 
 def test_per_image_errors_fire_for_multi_session_configs(tmp_path: Path) -> None:
     sessions = {"vision": {"file": "vision.onnx"}, "decoder": {"file": "decoder.onnx"}}
-    config = load_config(folder_with(tmp_path, v2({"sessions": sessions, "flow": [
-        {"run": "vision", "when": "init", "loop": "per_image", "loop_over": "pixel_value",
-         "dynamic_shape": {"source": "image_sizes", "apply_to_dims": [2, 3]}},
-        {"run": "decoder", "when": "step"}]}), ("vision.onnx", "decoder.onnx")))
-    vision = sig([("pixel_values", "float32", ("n", 3, "h", "w"))], [("image_features", "float32", ("t", 16))])
+    config = load_config(
+        folder_with(
+            tmp_path,
+            v2(
+                {
+                    "sessions": sessions,
+                    "flow": [
+                        {
+                            "run": "vision",
+                            "when": "init",
+                            "loop": "per_image",
+                            "loop_over": "pixel_value",
+                            "dynamic_shape": {"source": "image_sizes", "apply_to_dims": [2, 3]},
+                        },
+                        {"run": "decoder", "when": "step"},
+                    ],
+                }
+            ),
+            ("vision.onnx", "decoder.onnx"),
+        )
+    )
+    vision = sig(
+        [("pixel_values", "float32", ("n", 3, "h", "w"))], [("image_features", "float32", ("t", 16))]
+    )
     with pytest.raises(ConfigError) as info:
         make_plan(config, {"vision": vision, "decoder": DECODER})
     assert 'loops over "pixel_value", but session "vision" has no such input' in str(info.value)
     assert 'Did you mean "pixel_values"?' in str(info.value)
-    msg = errors_of(tmp_path / "nosource", v2({"sessions": sessions, "flow": [
-        {"run": "vision", "when": "init", "loop": "per_image", "loop_over": "pixel_values",
-         "dynamic_shape": {"apply_to_dims": [2, 3]}}, {"run": "decoder", "when": "step"}]}),
-        ("vision.onnx", "decoder.onnx"))
+    msg = errors_of(
+        tmp_path / "nosource",
+        v2(
+            {
+                "sessions": sessions,
+                "flow": [
+                    {
+                        "run": "vision",
+                        "when": "init",
+                        "loop": "per_image",
+                        "loop_over": "pixel_values",
+                        "dynamic_shape": {"apply_to_dims": [2, 3]},
+                    },
+                    {"run": "decoder", "when": "step"},
+                ],
+            }
+        ),
+        ("vision.onnx", "decoder.onnx"),
+    )
     assert 'dynamic_shape needs "source"' in msg
-    msg = errors_of(tmp_path / "noloop", v2({"sessions": sessions, "flow": [
-        {"run": "vision", "when": "init", "loop": "per_image"}, {"run": "decoder", "when": "step"}]}),
-        ("vision.onnx", "decoder.onnx"))
+    msg = errors_of(
+        tmp_path / "noloop",
+        v2(
+            {
+                "sessions": sessions,
+                "flow": [
+                    {"run": "vision", "when": "init", "loop": "per_image"},
+                    {"run": "decoder", "when": "step"},
+                ],
+            }
+        ),
+        ("vision.onnx", "decoder.onnx"),
+    )
     assert 'loop "per_image" but no "loop_over"' in msg

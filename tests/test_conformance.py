@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from build.references import explain_divergence, genai_greedy, hf_greedy, prompt_ids
 
 import ortpipe
-from build.references import explain_divergence, genai_greedy, hf_greedy, prompt_ids
 
 NEW = 64
 BUILDER_CASES = [("llama_builder_fp32", "llama_hf"), ("qwen2_builder", "qwen2_hf"),
@@ -22,7 +22,9 @@ def ortpipe_greedy(folder: Path, ids: list[int], **options) -> list[int]:
 
 
 @pytest.mark.parametrize("builder,hf", BUILDER_CASES)
-def test_builder_export_matches_genai_and_transformers(builder: str, hf: str, request: pytest.FixtureRequest) -> None:
+def test_builder_export_matches_genai_and_transformers(
+    builder: str, hf: str, request: pytest.FixtureRequest
+) -> None:
     folder, hf_dir = request.getfixturevalue(builder), request.getfixturevalue(hf)
     ids = prompt_ids(folder)
     ours = ortpipe_greedy(folder, ids)
@@ -34,7 +36,7 @@ def test_builder_export_matches_genai_and_transformers(builder: str, hf: str, re
 
 def test_builder_config_uses_the_shared_buffer(gemma_builder: Path) -> None:
     plan = ortpipe.load(gemma_builder, threads=1).plan
-    kv = plan.step[0].kv
+    kv = plan.step_phase[0].kv
     assert plan.config.source == "v1" and kv.share_buffer
     windows = {e.layer: e.window for e in kv.entries}
     assert windows == {0: 32, 1: None}  # Gemma 2 alternates sliding-window and global layers
@@ -47,8 +49,9 @@ def test_int4_export_matches_genai(llama_builder_int4: Path) -> None:
     assert ours == genai_greedy(llama_builder_int4, ids, NEW, threads=1)
 
 
-def test_concat_layout_of_the_same_llama_gives_the_same_tokens(llama_concat: Path, llama_builder_fp32: Path,
-                                                               llama_hf: Path) -> None:
+def test_concat_layout_of_the_same_llama_gives_the_same_tokens(
+    llama_concat: Path, llama_builder_fp32: Path, llama_hf: Path
+) -> None:
     assert not (llama_concat / "genai_config.json").exists()  # Optimum layout: detected
     ids = prompt_ids(llama_concat)
     ours = ortpipe_greedy(llama_concat, ids)

@@ -9,7 +9,7 @@ import pytest
 
 from ortpipe.config import load_config
 from ortpipe.errors import GenerationError
-from ortpipe.execute.work import Decode, Run
+from ortpipe.execute.work import Decode, Decoded, Run
 from ortpipe.folder import LocalFolder
 from ortpipe.loops.autoregressive import Limits, TokenGenerator
 from ortpipe.plan import make_plan
@@ -80,8 +80,8 @@ def scripted(gen: TokenGenerator, picks: list[int], present_len=None) -> list[Ru
                 else:
                     total = request.feeds["attention_mask"].shape[1]
                     reply = {"logits": FakeTensor([], (1, 1, 10), "float32")}
-                    for name in request.outputs:
-                        if name.startswith("present"):
+                    for name in request.outputs:  # a target writes shared-buffer presents in place
+                        if name.startswith("present") and name not in (request.inplace or {}):
                             length = present_len(name, total) if present_len else total
                             reply[name] = FakeTensor([], (1, 2, length, 4), "float32")
                 request = work.send(reply)
@@ -114,8 +114,12 @@ def test_shared_buffer_is_sized_from_max_length_and_bound_in_place(tmp_path: Pat
     buffer = runs[0].feeds["past_key_values.0.key"]
     assert buffer.shape == (1, 2, 7, 4)
     assert runs[1].feeds["past_key_values.0.key"] is buffer  # the same buffer every step
-    assert runs[0].inplace == {"present.0.key": "past_key_values.0.key", "present.0.value": "past_key_values.0.value",
-                               "present.1.key": "past_key_values.1.key", "present.1.value": "past_key_values.1.value"}
+    assert runs[0].inplace == {
+        "present.0.key": "past_key_values.0.key",
+        "present.0.value": "past_key_values.0.value",
+        "present.1.key": "past_key_values.1.key",
+        "present.1.value": "past_key_values.1.value",
+    }
     assert runs[1].feeds["attention_mask"].shape == (1, 4)
 
 
@@ -132,7 +136,7 @@ def test_sliding_window_layers_are_trimmed_by_the_kernel(tmp_path: Path) -> None
 
 def test_sparse_layers_come_from_the_signature(tmp_path: Path) -> None:
     gen = make_generator(tmp_path, {"format": "separate"}, sig=decoder_sig((0, 2, 5)))
-    assert gen.plan.step[0].kv.layers == [0, 2, 5]
+    assert gen.plan.step_phase[0].kv.layers == [0, 2, 5]
 
 
 def test_stops_at_eos_and_max_length(tmp_path: Path) -> None:
@@ -160,20 +164,27 @@ def test_continuous_decoding_appends_without_re_running_history(tmp_path: Path) 
 
 def test_bad_prompts_are_refused_before_running(tmp_path: Path) -> None:
     gen = make_generator(tmp_path, {}, max_length=4)
-    with pytest.raises(GenerationError, match="non-negative integers"):
+    with pytest.raises(GenerationError, match="non-empty list of integers from 0"):
         gen.append_tokens([1, -2])
     with pytest.raises(GenerationError, match="do not fit in max_length 4"):
         gen.append_tokens([1, 2, 3, 4, 5])
 
 
 class FusingBackend(FakeBackend):
-    fused_decode = frozenset({"concat"})  # what the browser driver fuses, less the shared buffer
+    fused_layouts = frozenset({"concat"})  # what the browser driver fuses, less the shared buffer
 
 
-@pytest.mark.parametrize("kv, fused", [({"format": "auto"}, True), ({"share_buffer": True}, False),
-                                       ({"sliding_window": {"window_size": 3, "layers": [1]}}, False)])
-def test_decode_steps_are_fused_only_for_layouts_the_backend_names(tmp_path: Path, kv: dict,
-                                                                   fused: bool) -> None:
+@pytest.mark.parametrize(
+    "kv, fused",
+    [
+        ({"format": "auto"}, True),
+        ({"share_buffer": True}, False),
+        ({"sliding_window": {"window_size": 3, "layers": [1]}}, False),
+    ],
+)
+def test_decode_steps_are_fused_only_for_layouts_the_backend_names(
+    tmp_path: Path, kv: dict, fused: bool
+) -> None:
     gen = make_generator(tmp_path, kv, max_length=10, backend=FusingBackend())
     gen.append_tokens([5, 6, 7])
     scripted(gen, [1], present_len=(lambda name, total: 10) if kv.get("share_buffer") else None)
@@ -184,18 +195,24 @@ def test_decode_steps_are_fused_only_for_layouts_the_backend_names(tmp_path: Pat
         assert request.session == "decoder"  # the generic step
         return
     cache = gen.flow.caches["decoder"]
-    assert request.cache is cache.feeds  # the driver keeps the core's cache dict current
-    assert (request.token, request.past, request.shared) == (1, 3, False)
-    assert request.presents["present.1.value"] == "past_key_values.1.value"
-    assert (request.ids, request.mask, request.positions) == (
-        ("input_ids", "int64"), ("attention_mask", "int64"), ("position_ids", "int64"))
-    assert (request.logits, request.logits_shape, request.capacity) == ("logits", (1, 1, 10), 10)
+    assert request.cache is cache.feeds  # the cache as the core holds it, to read
+    step = request.step
+    assert (request.token, request.position, step.layout) == (1, 3, "concat")
+    assert step.presents["present.1.value"] == "past_key_values.1.value"
+    assert (step.ids, step.mask, step.positions) == (
+        ("input_ids", "int64"),
+        ("attention_mask", "int64"),
+        ("position_ids", "int64"),
+    )
+    assert (step.logits, step.logits_shape, request.capacity) == ("logits", (1, 1, 10), 10)
     assert request.limit == 1 and request.eos == frozenset({9})  # one step, unless the backend bursts
+    after = {name: FakeTensor([], (1, 2, 4, 4), "float32") for name in request.cache}
     with pytest.raises(StopIteration) as stop:
-        work.send([4])
+        work.send(Decoded([4], after))
     assert stop.value.value == 4
+    assert cache.feeds == after  # the cache the target answered is the core's from now on
     # the graph has seen the prompt and token 1; token 4 waits for the next step
-    assert (gen.tokens, gen.fused_steps, cache.length, gen.flow.length) == ([5, 6, 7, 1, 4], 1, 4, 4)
+    assert (gen.tokens, gen.fused_steps, cache.length, gen.flow.position) == ([5, 6, 7, 1, 4], 1, 4, 4)
 
 
 class BurstingBackend(FusingBackend):
@@ -208,35 +225,46 @@ def test_a_burst_of_decode_steps_gives_several_tokens(tmp_path: Path) -> None:
     scripted(gen, [1])
     work = gen.next_tokens()
     request = next(work)
-    assert (request.token, request.past, request.limit) == (1, 3, 4)
+    assert (request.token, request.position, request.limit) == (1, 3, 4)
     with pytest.raises(StopIteration) as stop:
-        work.send([4, 3, 2])  # three steps: fed 1, 4 and 3; token 2 waits for the next one
+        work.send(
+            Decoded([4, 3, 2], request.cache)
+        )  # three steps: fed 1, 4 and 3; token 2 waits for the next one
     assert stop.value.value == [4, 3, 2]
     cache = gen.flow.caches["decoder"]
-    assert (cache.length, gen.flow.length, gen.fused_steps) == (6, 6, 3)
+    assert (cache.length, gen.flow.position, gen.fused_steps) == (6, 6, 3)
     assert gen.tokens == [5, 6, 7, 1, 4, 3, 2]
     work = gen.next_tokens(budget=2)  # the caller takes two more tokens at most
     request = next(work)
-    assert (request.token, request.past, request.limit) == (2, 6, 2)
+    assert (request.token, request.position, request.limit) == (2, 6, 2)
     with pytest.raises(StopIteration):
-        work.send([8, 9])  # 9: eos
-    assert gen.done and gen.tokens == [5, 6, 7, 1, 4, 3, 2, 8, 9] and gen.flow.length == 8
+        work.send(Decoded([8, 9], request.cache))  # 9: eos
+    assert gen.done and gen.tokens == [5, 6, 7, 1, 4, 3, 2, 8, 9] and gen.flow.position == 8
 
 
 def test_a_burst_stops_at_the_length_limit_and_next_token_asks_for_one(tmp_path: Path) -> None:
     gen = make_generator(tmp_path, {"format": "auto"}, max_length=7, backend=BurstingBackend())
     gen.append_tokens([5, 6, 7])
     scripted(gen, [1])
-    assert next(gen.next_tokens()).limit == 3  # 7 - 4 ids so far
-    assert next(gen.next_token()).limit == 1  # the step-wise API: one token a call
+    work = gen.next_tokens()
+    decode = next(work)
+    assert decode.limit == 3  # 7 - 4 ids so far
+    with pytest.raises(StopIteration):
+        work.send(Decoded([4], decode.cache))
+    assert next(gen.next_token()).limit == 1  # the step-wise API: one token a call (room for 2)
 
 
-@pytest.mark.parametrize("answer", [[], [4, 3, 2, 1, 0], [9, 4], 4])
-def test_a_wrong_answer_to_a_burst_is_refused(tmp_path: Path, answer: object) -> None:
+@pytest.mark.parametrize("tokens", [[], [4, 3, 2, 1, 0], [9, 4], "an int", "a bare list"])
+def test_a_wrong_answer_to_a_burst_is_refused(tmp_path: Path, tokens: object) -> None:
     gen = make_generator(tmp_path, {"format": "auto"}, max_length=12, backend=BurstingBackend())
     gen.append_tokens([5, 6, 7])
     scripted(gen, [1])
     work = gen.next_tokens()
-    next(work)
+    request = next(work)
+    answer = (
+        {"an int": 4, "a bare list": [4]}[tokens]
+        if isinstance(tokens, str)
+        else Decoded(tokens, request.cache)
+    )
     with pytest.raises(GenerationError, match="must answer 1 to that many token ids, stopping after an eos"):
         work.send(answer)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from build.references import genai_greedy, prompt_ids
 
 import ortpipe
-from ortpipe.targets import cpython
-from build.references import genai_greedy, prompt_ids
+from ortpipe.targets.cpython import driver as cpu_driver
 
 NEW = 40
 
@@ -29,21 +29,23 @@ def counting(pipe: Any, decodes: bool = False) -> list[int]:
     driver = pipe.driver
 
     def counted(method: Any) -> Any:
-        def run(d: Any) -> Any:
-            seen.append(d.past)
-            return method(d)
+        def run(d: Any, *rest: Any) -> Any:
+            seen.append(rest[-1] if rest else d.position)  # a step's position is its last argument
+            return method(d, *rest)
         return run
 
     if decodes:
         driver.decode = counted(driver.decode)
-    else:  # the driver looks its step methods up on itself for every Decode
-        driver._decode_shared = counted(driver._decode_shared)
-        driver._decode_concat = counted(driver._decode_concat)
+    else:  # the driver looks its step methods up on itself for every step
+        driver._shared_step = counted(driver._shared_step)
+        driver._concat_step = counted(driver._concat_step)
     return seen
 
 
 @pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_builder_int4", "gemma_builder"])
-def test_greedy_decode_steps_are_fused_and_equal_the_generic_path(model: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_decode_steps_are_fused_and_equal_the_generic_path(
+    model: str, request: pytest.FixtureRequest
+) -> None:
     folder = request.getfixturevalue(model)  # gemma: sliding-window layers kept as a ring in the buffer
     ids = prompt_ids(folder)
     pipe = ortpipe.load(folder, threads=1)
@@ -55,8 +57,10 @@ def test_greedy_decode_steps_are_fused_and_equal_the_generic_path(model: str, re
     assert ours == generic
     assert ours == genai_greedy(folder, ids, NEW, threads=1)
     # the next request rebinds the session (new cache buffers, a generic prefill) and fuses again
-    assert pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW).tokens == \
-        pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW, min_length=1).tokens
+    assert (
+        pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW).tokens
+        == pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW, min_length=1).tokens
+    )
     assert len(fused) == 2 * (NEW - 1)
 
 
@@ -85,7 +89,7 @@ def test_interleaved_generators_and_continued_decoding(llama_builder_fp32: Path)
             for i, gen in enumerate(gens):
                 got[i].append(gen.next_token())
         if phase == 0:
-            for gen, (_, more) in zip(gens, (first, second)):
+            for gen, (_, more) in zip(gens, (first, second), strict=True):
                 gen.append_tokens(more)
     assert got == expected
     assert len(fused) == 2 * 2 * 11
@@ -96,7 +100,7 @@ def test_traces_record_fused_steps(llama_builder_fp32: Path, tmp_path: Path) -> 
     path = tmp_path / "trace.json"
     pipe.generate(prompt_ids=prompt_ids(llama_builder_fp32), max_new_tokens=6, trace=str(path))
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
-    decoder = [e for e in events if e["name"] == pipe.plan.step[0].session]
+    decoder = [e for e in events if e["name"] == pipe.plan.step_phase[0].session]
     assert len(decoder) == 6  # the prefill and five fused steps
     assert len({e["args"]["label"] for e in decoder}) == 6, "a traced request runs one step per Decode"
 
@@ -122,29 +126,30 @@ def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: P
 
 
 @pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
-def test_bursts_of_decode_steps_give_the_same_tokens(model: str, request: pytest.FixtureRequest,
-                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bursts_of_decode_steps_give_the_same_tokens(
+    model: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Decode answered with several tokens (the CPython driver's bursts, as the browser's JS
     Decoder's) gives the tokens of one step per Decode, and stops at the eos inside a burst."""
     folder = request.getfixturevalue(model)
     ids = prompt_ids(folder)
     single = ortpipe.load(folder, threads=1)
-    single.core.backend.decode_burst = 1
+    single.model.backend.decode_burst = 1
     decodes = counting(single, decodes=True)
     expected = single.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
     assert decodes == list(range(len(ids), len(ids) + NEW - 1))
-    monkeypatch.setattr(cpython, "BURST_SECONDS", 60.0)  # bursts end at the limit, not at the clock
+    monkeypatch.setattr(cpu_driver, "BURST_SECONDS", 60.0)  # bursts end at the limit, not at the clock
     pipe = ortpipe.load(folder, threads=1)
-    pipe.core.backend.decode_burst = 8
+    pipe.model.backend.decode_burst = 8
     decodes = counting(pipe, decodes=True)
     assert pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
     assert decodes == list(range(len(ids), len(ids) + NEW - 1, 8)), "39 steps in bursts of 8"
-    monkeypatch.setattr(cpython, "BURST_SECONDS", 0.0)  # every burst is over after its first step
+    monkeypatch.setattr(cpu_driver, "BURST_SECONDS", 0.0)  # every burst is over after its first step
     pipe = ortpipe.load(folder, threads=1)
     decodes = counting(pipe, decodes=True)
     assert pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
     assert decodes == list(range(len(ids), len(ids) + NEW - 1))
-    monkeypatch.setattr(cpython, "BURST_SECONDS", 60.0)
+    monkeypatch.setattr(cpu_driver, "BURST_SECONDS", 60.0)
     # an eos that greedy decoding reaches mid-burst: the copy's eos is the 12th token, new there
     at = next(i for i, t in enumerate(expected) if i >= 11 and t not in expected[:i])
     assert at % 8, "bursts end at tokens 8, 16, ...: this eos falls inside one"
@@ -159,9 +164,9 @@ def test_bursts_of_decode_steps_give_the_same_tokens(model: str, request: pytest
         config["eos_token_id"] = expected[at]
         (copy / "generation_config.json").write_text(json.dumps(config))
     pipe = ortpipe.load(copy, threads=1)
-    pipe.core.backend.decode_burst = 8
+    pipe.model.backend.decode_burst = 8
     result = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
-    assert (result.tokens, result.finish_reason) == (expected[:at + 1], "eos")
+    assert (result.tokens, result.finish_reason) == (expected[: at + 1], "eos")
 
 
 def test_what_cannot_be_fused_runs_the_generic_path(llama_builder_fp32: Path, sliding_concat: Path) -> None:
@@ -171,8 +176,14 @@ def test_what_cannot_be_fused_runs_the_generic_path(llama_builder_fp32: Path, sl
     assert fused == []
     shared = ortpipe.load(llama_builder_fp32, threads=1)
     fused = counting(shared)
-    for settings in ({"do_sample": True, "seed": 1}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2},
-                     {"suppress_tokens": [5]}, {"min_new_tokens": 2}, {"num_beams": 2}):
+    for settings in (
+        {"do_sample": True, "seed": 1},
+        {"repetition_penalty": 1.3},
+        {"no_repeat_ngram_size": 2},
+        {"suppress_tokens": [5]},
+        {"min_new_tokens": 2},
+        {"num_beams": 2},
+    ):
         shared.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, **settings)
         assert fused == [], settings
 

@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from tests.handloop import empty_pasts, hand_greedy, no_cache_greedy
-
 from build import graphs
+
+from tests.handloop import empty_pasts, hand_greedy, no_cache_greedy
 
 SEED = 0
 PROMPT = [5, 17, 42, 8, 23, 61, 30, 12, 77, 40, 9, 55, 33]  # 13 tokens: longer than the window
@@ -139,7 +139,7 @@ def test_windowed_layer_takes_a_past_shorter_than_the_attention_mask(models: dic
     token, total = int(prefill["logits"][0, -1].argmax()), len(PROMPT) + 1
     step = {"input_ids": np.array([[token]]), "attention_mask": np.ones((1, total), dtype=np.int64),
             "position_ids": np.array([[total - 1]])}
-    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, step | trimmed)))
+    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, step | trimmed), strict=True))
     assert out["present.0.key"].shape == (1, 2, total, 8)
     assert out["present.1.key"].shape == (1, 2, WINDOW + 1, 8)
     untrimmed = session.run(["logits"], step | pasts)[0]
@@ -202,4 +202,4 @@ def run(session: ort.InferenceSession, ids: list[int], positions: np.ndarray | N
     names = {i.name for i in session.get_inputs()}
     feeds = {name: value for name, value in feeds.items() if name in names} | empty_pasts(session)
     outputs = [o.name for o in session.get_outputs()]
-    return dict(zip(outputs, session.run(outputs, feeds)))
+    return dict(zip(outputs, session.run(outputs, feeds), strict=True))

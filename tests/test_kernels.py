@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
 from build.kernels import OUT_DIR, build_all
 
 
@@ -39,7 +38,7 @@ def test_narrow_slices_one_axis() -> None:
 
 
 def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
-    from ortpipe.targets.cpython import NATIVE_KERNELS
+    from ortpipe.targets.cpython.driver import NATIVE_KERNELS
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, 4, 50)).astype(np.float32)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from build import graphs
 
 import ortpipe
-from build import graphs
 from tests.handloop import hand_greedy
 
 PROMPT = [5, 17, 42, 8, 23, 61, 3, 77, 12, 30, 9, 54, 40]
@@ -40,7 +40,7 @@ def test_layout_is_detected_without_a_config(tmp_path: Path) -> None:
     folder = graphs.build_combined(tmp_path / "bare", seed=0)
     assert not (folder / "genai_config.json").exists()
     pipe = ortpipe.load(folder, threads=1)
-    step = pipe.plan.step[0]
+    step = pipe.plan.step_phase[0]
     assert step.kv.format == "combined" and step.kv.layers == [0, 1]
     assert pipe.generate(prompt_ids=PROMPT, max_new_tokens=NEW).tokens == hand_greedy(folder, PROMPT, NEW,
                                                                                        layout="combined")

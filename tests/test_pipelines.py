@@ -14,11 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from build import pipeline_graphs as pg
 
 import ortpipe
-from build import pipeline_graphs as pg
-from tests.pipeline_refs import (MROPE_RULES, phi3v_reference, pixtral_reference, qwen25vl_reference,
-                                 reference_tokens, talker_reference)
+from tests.pipeline_refs import (
+    MROPE_RULES,
+    phi3v_reference,
+    pixtral_reference,
+    qwen25vl_reference,
+    reference_tokens,
+    talker_reference,
+)
 
 NEW = 12
 KINDS = tuple(pg.BUILDERS)
@@ -220,18 +226,35 @@ def test_qwen_flat_patches_are_split_by_the_grid(tmp_path: Path) -> None:
     vision_path = folder / "vision_encoder" / "model.onnx"
     vision = onnx.load(str(vision_path))
     dim = request.inputs["pixel_values"].shape[-1]
-    unsqueeze = helper.make_model(helper.make_graph(
-        [helper.make_node("Constant", [], ["axis"], value=helper.make_tensor("axis", onnx.TensorProto.INT64, [1], [0])),
-         helper.make_node("Unsqueeze", ["flat", "axis"], ["batched"])], "flat",
-        [helper.make_tensor_value_info("flat", onnx.TensorProto.FLOAT, ["patches", dim])],
-        [helper.make_tensor_value_info("batched", onnx.TensorProto.FLOAT, [1, "patches", dim])]),
-        opset_imports=vision.opset_import, ir_version=vision.ir_version)
+    unsqueeze = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node(
+                    "Constant",
+                    [],
+                    ["axis"],
+                    value=helper.make_tensor("axis", onnx.TensorProto.INT64, [1], [0]),
+                ),
+                helper.make_node("Unsqueeze", ["flat", "axis"], ["batched"]),
+            ],
+            "flat",
+            [helper.make_tensor_value_info("flat", onnx.TensorProto.FLOAT, ["patches", dim])],
+            [helper.make_tensor_value_info("batched", onnx.TensorProto.FLOAT, [1, "patches", dim])],
+        ),
+        opset_imports=vision.opset_import,
+        ir_version=vision.ir_version,
+    )
     merged = compose.merge_models(unsqueeze, vision, io_map=[("batched", "pixel_values")])
     merged.graph.input[0].name = "pixel_values"
     for node in merged.graph.node:
         node.input[:] = ["pixel_values" if i == "flat" else i for i in node.input]
     onnx.save(merged, str(vision_path))
     flat = request.inputs["pixel_values"].reshape(-1, dim)
-    ours = ortpipe.load(folder, threads=1).generate(prompt_ids=request.prompt_ids, max_new_tokens=12,
-                                                    inputs={**request.inputs, "pixel_values": flat}).tokens
+    ours = (
+        ortpipe.load(folder, threads=1)
+        .generate(
+            prompt_ids=request.prompt_ids, max_new_tokens=12, inputs={**request.inputs, "pixel_values": flat}
+        )
+        .tokens
+    )
     assert ours == expected

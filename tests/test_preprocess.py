@@ -34,7 +34,7 @@ from ortpipe.preprocess import (
 )
 from ortpipe.preprocess.config import Size
 from ortpipe.targets.cpython import CpuBackend, Driver
-from ortpipe.targets.media import decode_image, read_wav, resample
+from ortpipe.targets.cpython.media import decode_image, read_wav, resample
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -55,7 +55,9 @@ def driver() -> Driver:
             model.ir_version = IR_VERSION
             sessions[f"kernel:{name}_{type_name}"] = ort.InferenceSession(
                 model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return Driver(sessions)
+    driver = Driver()
+    driver.sessions.update(sessions)
+    return driver
 
 
 def noise(height: int, width: int, seed: int) -> np.ndarray:

@@ -44,6 +44,8 @@ def test_core_imports_with_target_libraries_blocked() -> None:
 
 def test_the_block_catches_an_impure_module(tmp_path: Path) -> None:
     (tmp_path / "impure.py").write_text("import numpy\n")
-    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + CHECK.format(blocked=BLOCKED, modules=["impure"])
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + CHECK.format(
+        blocked=BLOCKED, modules=["impure"]
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0 and "blocked: numpy" in result.stderr

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ortpipe.config.settings import SearchSettings
 from ortpipe.errors import GenerationError
 from ortpipe.execute.work import Run
 from ortpipe.sampling.processors import banned_ids, ngram_bans
 from ortpipe.sampling.sampler import Sampler
-from ortpipe.sampling.settings import SearchSettings, check
+from ortpipe.sampling.settings import settings_for
 from ortpipe.targets.cpython import CpuBackend, Driver
 
 INF = float("inf")
@@ -18,7 +19,7 @@ INF = float("inf")
 def select(logits: np.ndarray, tokens: list[int] | None = None, generated: int = 1, eos=frozenset(),
            **settings) -> int:
     sampler = Sampler(CpuBackend(), str(logits.dtype), SearchSettings(**settings), frozenset(eos))
-    return Driver({}).drive(sampler.select(logits[None, None], tokens or [], generated))
+    return Driver().drive(sampler.select(logits[None, None], tokens or [], generated))
 
 
 def scores(logits: np.ndarray, tokens: list[int] | None = None, **settings) -> np.ndarray:
@@ -26,8 +27,10 @@ def scores(logits: np.ndarray, tokens: list[int] | None = None, **settings) -> n
     sampler = Sampler(CpuBackend(), "float32", s, frozenset())
     sampler._vocab = logits.shape[-1]
     tokens = tokens or []
-    work = sampler.scores(logits[None, None].astype(np.float32), [tokens], [banned_ids(s, tokens, 1, frozenset())])
-    return Driver({}).drive(work)[0]
+    work = sampler.scores(
+        logits[None, None].astype(np.float32), [tokens], [banned_ids(s, tokens, 1, frozenset())]
+    )
+    return Driver().drive(work)[0]
 
 
 LOGITS = np.array([1.0, -2.0, 3.0, 0.5, 2.0], dtype=np.float32)
@@ -87,7 +90,7 @@ def test_top_k_one_sampling_equals_greedy() -> None:
 
 def test_seeded_sampling_repeats_and_follows_the_distribution() -> None:
     logits = np.log(np.array([0.1, 0.6, 0.3], dtype=np.float32))
-    driver = Driver({})
+    driver = Driver()
     sampler = Sampler(CpuBackend(), "float32", SearchSettings(do_sample=True, seed=3), frozenset())
     draws = [driver.drive(sampler.select(logits[None, None], [], 1)) for _ in range(3000)]
     again = Sampler(CpuBackend(), "float32", SearchSettings(do_sample=True, seed=3), frozenset())
@@ -97,8 +100,9 @@ def test_seeded_sampling_repeats_and_follows_the_distribution() -> None:
 
 
 def test_the_sampler_asks_for_kernels_in_order() -> None:
-    sampler = Sampler(CpuBackend(), "float16", SearchSettings(do_sample=True, top_k=5, top_p=0.9, min_p=0.1),
-                      frozenset())
+    sampler = Sampler(
+        CpuBackend(), "float16", SearchSettings(do_sample=True, top_k=5, top_p=0.9, min_p=0.1), frozenset()
+    )
     work = sampler.select(np.zeros((1, 1, 10), np.float16), [], 1)
     names = []
     request = next(work)
@@ -106,26 +110,34 @@ def test_the_sampler_asks_for_kernels_in_order() -> None:
         while True:
             assert isinstance(request, Run)
             names.append(request.session)
-            reply = Driver({}).run(request)
+            reply = Driver().run(request)
             request = work.send(reply)
     except StopIteration:
         pass
-    assert names == ["kernel:process_float16", "kernel:top_k_float32", "kernel:top_p_float32",
-                     "kernel:min_p_float32", "kernel:sample_float32"]
+    assert names == [
+        "kernel:process_float16",
+        "kernel:top_k_float32",
+        "kernel:top_p_float32",
+        "kernel:min_p_float32",
+        "kernel:sample_float32",
+    ]
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"temperature": -1.0}, "temperature -1.0 is out of range"),
-    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
-    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ({"num_beams": 0}, "num_beams must be a positive integer"),
-    ({"stop": ("",)}, "stop strings must be non-empty"),
-    ({"top_k": -3}, "top_k must be a non-negative integer"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty 0.0 is out of range"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"temperature": -1.0}, "temperature -1.0 is out of range: at least 0"),
+        ({"top_p": 0.0}, "top_p 0.0 is out of range: more than 0 and at most 1"),
+        ({"top_p": 1.5}, "top_p 1.5 is out of range: more than 0 and at most 1"),
+        ({"num_beams": 0}, "num_beams 0 is out of range: at least 1"),
+        ({"stop": ("",)}, "stop must be a non-empty string or a list of them"),
+        ({"top_k": -3}, "top_k -3 is out of range: at least 0"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty 0.0 is out of range: more than 0"),
+    ],
+)
 def test_bad_settings_are_refused(settings: dict, message: str) -> None:
     with pytest.raises(GenerationError) as info:
-        check(SearchSettings(**settings))
+        settings_for(SearchSettings(), settings)
     assert message in str(info.value)
 
 
@@ -149,8 +161,17 @@ def test_matches_transformers_processors(seed: int) -> None:
     ref = hf.TopKLogitsWarper(20)(ids, ref)
     ref = hf.TopPLogitsWarper(0.8)(ids, ref)
     ref = hf.MinPLogitsWarper(0.05)(ids, ref)
-    ours = scores(logits, tokens, do_sample=True, repetition_penalty=1.3, no_repeat_ngram_size=2,
-                  temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
+    ours = scores(
+        logits,
+        tokens,
+        do_sample=True,
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=2,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.8,
+        min_p=0.05,
+    )
     expected = ref[0].numpy()
     assert np.array_equal(np.isinf(ours), np.isinf(expected))
     kept = ~np.isinf(expected)
@@ -166,15 +187,16 @@ def test_seeded_sampling_is_identical_across_processes(tmp_path) -> None:
 
     folder = graphs.build_separate(tmp_path / "model", seed=0, config=True)
 
-    def sample(seed: int, *extra: str) -> list[int]:
-        out = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "5,17,42,8",
-                              "--max-new-tokens", "24", "--do-sample", "--seed", str(seed), "--json", *extra],
-                             capture_output=True, text=True, check=True)
+    def run(*extra: str) -> list[int]:
+        command = [sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "5,17,42,8",
+                   "--max-new-tokens", "24", "--json", *extra]
+        out = subprocess.run(command, capture_output=True, text=True, check=True)
         return json.loads(out.stdout)["tokens"]
+
+    def sample(seed: int, *extra: str) -> list[int]:
+        return run("--do-sample", "--seed", str(seed), *extra)
 
     first = sample(7, "--temperature", "1.5")
     assert first == sample(7, "--temperature", "1.5")
     assert first != sample(8, "--temperature", "1.5")
-    greedy = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "5,17,42,8",
-                             "--max-new-tokens", "24", "--json"], capture_output=True, text=True, check=True)
-    assert sample(3, "--top-k", "1") == json.loads(greedy.stdout)["tokens"]
+    assert sample(3, "--top-k", "1") == run()

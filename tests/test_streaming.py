@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ortpipe.pipeline import Chunk, Request
-from ortpipe.sampling.settings import SearchSettings
-from ortpipe.targets.cpython import HFTokenizer
+from ortpipe.config.settings import SearchSettings
+from ortpipe.request import Chunk, Request
+from ortpipe.targets.cpython.text import HFTokenizer
 from ortpipe.tokenizer import TextStream
 
 TEXT = "Le café naïve — 日本語のテキスト 🙂🚀 and straße; ça va? Ünïcödé everywhere: 東京, Zürich."
@@ -30,7 +30,7 @@ def byte_level_bpe(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
-    return HFTokenizer(byte_level_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+    return HFTokenizer.from_file(byte_level_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
 
 
 class ScriptedGenerator:
@@ -63,7 +63,7 @@ def run(request: Request) -> list[str]:
 def chunks_of(request: Request) -> list[Chunk]:
     chunks = []
     while not request.done:
-        work = request.step()
+        work = request.advance()
         try:
             next(work)
         except StopIteration as stop:
@@ -89,7 +89,7 @@ def test_a_long_stream_of_a_metaspace_tokenizer_equals_the_full_decode(tmp_path)
     trainer = trainers.BpeTrainer(vocab_size=70, show_progress=False, special_tokens=["</s>"])
     tok.train_from_iterator([TEXT * 3], trainer=trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
-    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    tokenizer = HFTokenizer.from_file(tmp_path / "tokenizer.json")
     ids = tokenizer.encode(" ".join([TEXT] * 4))
     assert len(ids) > 4 * TextStream.WINDOW
     pieces = run(Request(ScriptedGenerator(ids), SearchSettings(), tokenizer, 0))

@@ -13,8 +13,8 @@ from build.hfmodels import WHISPER_MELS, WHISPER_SOURCE_POSITIONS, WHISPER_START
 from build.references import first_divergence, genai_whisper_greedy, hf_whisper_greedy, hf_whisper_margins
 
 import ortpipe
-from ortpipe.plan import REQUEST, VALUE
-from ortpipe.targets.cpython import CpuPipeline
+from ortpipe.plan import FROM_OUTPUT, FROM_REQUEST
+from ortpipe.targets.cpython import Pipeline
 
 NEW = 32
 LAYERS, KV = (0, 1), ("key", "value")
@@ -27,7 +27,7 @@ def features(seed: int) -> np.ndarray:
     return rng.standard_normal((1, WHISPER_MELS, 2 * WHISPER_SOURCE_POSITIONS)).astype(np.float32)
 
 
-def ortpipe_greedy(pipe: CpuPipeline, feats: np.ndarray, prompt: list[int]) -> list[int]:
+def ortpipe_greedy(pipe: Pipeline, feats: np.ndarray, prompt: list[int]) -> list[int]:
     return pipe.generate(prompt_ids=prompt, max_new_tokens=NEW, inputs={"audio_features": feats}).tokens
 
 
@@ -43,12 +43,12 @@ def explain(hf_dir: Path, feats: np.ndarray, prompt: list[int], expected: list[i
 
 
 @pytest.fixture(scope="module")
-def pipe(whisper_builder: Path) -> CpuPipeline:
+def pipe(whisper_builder: Path) -> Pipeline:
     return ortpipe.load(whisper_builder, threads=1)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS.values(), ids=PROMPTS.keys())
-def test_whisper_matches_transformers_and_genai(prompt: list[int], pipe: CpuPipeline, whisper_builder: Path,
+def test_whisper_matches_transformers_and_genai(prompt: list[int], pipe: Pipeline, whisper_builder: Path,
                                                 whisper_hf: Path) -> None:
     feats = features(0)
     ours = ortpipe_greedy(pipe, feats, prompt)
@@ -59,49 +59,58 @@ def test_whisper_matches_transformers_and_genai(prompt: list[int], pipe: CpuPipe
         "ortpipe differs from onnxruntime-genai"
 
 
-def test_builder_config_runs_the_encoder_once_into_the_cross_cache(pipe: CpuPipeline,
+def test_builder_config_runs_the_encoder_once_into_the_cross_cache(pipe: Pipeline,
                                                                    whisper_builder: Path) -> None:
     raw = json.loads((whisper_builder / "genai_config.json").read_text())
     assert "version" not in raw and "encoder" in raw["model"]  # the builder's own v1 config
     plan = pipe.plan
     assert plan.config.source == "v1"
-    [[encoder]] = plan.init
+    [[encoder]] = plan.init_levels
     assert encoder.session == "encoder"
-    assert [(f.input, f.kind) for f in encoder.feeds] == [("audio_features", REQUEST)]
-    [decoder] = plan.step
-    cross = {f.input: f.source for f in decoder.feeds if f.kind == VALUE}
+    assert [(f.input, f.kind) for f in encoder.feeds] == [("audio_features", FROM_REQUEST)]
+    [decoder] = plan.step_phase
+    cross = {f.input: f.source for f in decoder.feeds if f.kind == FROM_OUTPUT}
     assert cross == {f"past_{kv}_cross_{i}": f"encoder.present_{kv}_cross_{i}" for kv in KV for i in LAYERS}
-    assert {e.past for e in decoder.kv.entries} == {f"past_{kv}_self_{i}" for kv in KV for i in LAYERS}
+    assert {e.past_input for e in decoder.kv.entries} == {f"past_{kv}_self_{i}" for kv in KV for i in LAYERS}
 
 
-def test_the_audio_decides_the_tokens_and_requests_stay_apart(pipe: CpuPipeline) -> None:
+def test_the_audio_decides_the_tokens_and_requests_stay_apart(pipe: Pipeline) -> None:
     prompt = PROMPTS["start"]
     first, other, again = (ortpipe_greedy(pipe, features(seed), prompt) for seed in (0, 1, 0))
     assert first == again  # the frozen cross cache is per request
     assert first != other
 
 
-def test_beam_search_tiles_the_encoder_outputs_for_every_beam(whisper_builder: Path, whisper_hf: Path) -> None:
+def test_beam_search_tiles_the_encoder_outputs_for_every_beam(
+    whisper_builder: Path, whisper_hf: Path
+) -> None:
     import torch
     import transformers
-
     from build.references import _hf_whisper, _plain_greedy_config
 
     feats = features(0)
-    ours = ortpipe.load(whisper_builder, threads=1).generate(prompt_ids=[1], max_new_tokens=12, num_beams=3,
-                                                               early_stopping=False, inputs={"audio_features": feats})
+    ours = ortpipe.load(whisper_builder, threads=1).generate(
+        prompt_ids=[1], max_new_tokens=12, num_beams=3, early_stopping=False, inputs={"audio_features": feats}
+    )
     model = _hf_whisper(str(whisper_hf))
     config = _plain_greedy_config(model, 12)
     config.num_beams, config.early_stopping = 3, False
     with torch.no_grad():
-        out = transformers.GenerationMixin.generate(model, input_features=torch.as_tensor(feats),
-                                                    decoder_input_ids=torch.tensor([[1]]), generation_config=config)
+        out = transformers.GenerationMixin.generate(
+            model,
+            input_features=torch.as_tensor(feats),
+            decoder_input_ids=torch.tensor([[1]]),
+            generation_config=config,
+        )
     assert ours.tokens == out[0, 1:].tolist()
 
 
 def test_bad_request_inputs_are_refused_before_running(whisper_builder: Path) -> None:
     pipe = ortpipe.load(whisper_builder, threads=1)
-    with pytest.raises(ortpipe.GenerationError, match=r'expected float32 \[.batch_size., 80, 3000\], got float32 \[1, 80, 200\]'):
+    with pytest.raises(
+        ortpipe.GenerationError,
+        match=r"expected float32 \[.batch_size., 80, 3000\], got float32 \[1, 80, 200\]",
+    ):
         pipe.generate(prompt_ids=[1], max_new_tokens=4, inputs={"audio_features": features(0)[:, :, :200]})
     with pytest.raises(ortpipe.GenerationError, match='no session reads a request input named "pixels"'):
         pipe.generate(prompt_ids=[1], max_new_tokens=4, inputs={"pixels": features(0)})

@@ -2,6 +2,12 @@
 // onnxruntime-web, the network and tokenizers.js. Python holds ort.Tensor and InferenceSession
 // objects as proxies; typed arrays are made and read here, where they are cheap.
 
+// The longest text a chat template may render (py/ortpipe/templates.py MAX_RENDERED).
+const MAX_RENDERED = 1 << 20;
+
+/** The template's own raise_exception: it refused the conversation. */
+class TemplateRefusal extends Error {}
+
 const ARRAYS = {
   float32: Float32Array, float64: Float64Array, float16: Uint16Array, // float16: IEEE half bits
   int64: BigInt64Array, uint64: BigUint64Array, int32: Int32Array, uint32: Uint32Array,
@@ -32,24 +38,22 @@ export class Bridge {
     this.jinja = jinja;
     this.onProgress = onProgress;
     this.prefetch = null; // the model folder's early downloads (web/prefetch.js), if the worker made them
+    this.templates = []; // compiled chat templates, by id
+    this.kernels = new Map(); // kernel name -> a promise of its session
   }
 
-  /** The text at `url`, or undefined (None in Python) when the server answers 404. */
-  async fetchText(url) {
-    const response = await fetch(url);
-    if (response.status === 404) return undefined;
-    if (!response.ok) throw new Error(`GET ${url}: HTTP ${response.status}`);
-    return response.text();
-  }
-
-  /** Synchronous GET (workers only): for files the core asks about while it parses a config. */
-  fetchTextSync(url) {
+  /**
+   * Synchronous GET (workers only): for the small files the core reads while it loads a folder.
+   * The bytes, or undefined (None in Python) when the server answers 404; Python decodes them.
+   */
+  fetchBytesSync(url) {
     const request = new XMLHttpRequest();
     request.open('GET', url, false);
+    request.responseType = 'arraybuffer';
     request.send();
     if (request.status === 404) return undefined;
     if (request.status !== 200) throw new Error(`GET ${url}: HTTP ${request.status}`);
-    return request.responseText;
+    return new Uint8Array(request.response);
   }
 
   /** Whether the server has `url` (a synchronous HEAD, unless the prefetch already asked). */
@@ -157,13 +161,54 @@ export class Bridge {
     return new TextStream(tokenizer, window, context);
   }
 
-  /** A chat template renderer: (messagesJson, addGenerationPrompt) -> text. */
-  chatTemplate(source, specialTokensJson) {
-    const template = new this.jinja.Template(source);
-    const tokens = JSON.parse(specialTokensJson);
-    return (messagesJson, addGenerationPrompt) => template.render({
-      messages: JSON.parse(messagesJson), add_generation_prompt: addGenerationPrompt, ...tokens,
-    });
+  /**
+   * Compile a chat template with @huggingface/jinja: JSON {id} to render it by, or {error: {kind,
+   * message}} (ortpipe.templates.TemplateFailure's kinds).
+   */
+  chatTemplate(source) {
+    try {
+      this.templates.push(new this.jinja.Template(source));
+      return JSON.stringify({ id: this.templates.length - 1 });
+    } catch (error) {
+      return JSON.stringify({ error: { kind: 'syntax', message: String(error?.message ?? error).slice(0, 300) } });
+    }
+  }
+
+  /** Render template `id` with the JSON context: JSON {text} or {error: {kind, message}}. */
+  renderTemplate(id, contextJson) {
+    const { Interpreter, Environment } = this.jinja;
+    // The template's raise_exception must be told from any other error. Template.render declares
+    // the library's own, which a context cannot replace: for this call, the interpreter replaces it.
+    const refuse = new Environment().set('raise_exception', (message) => { throw new TemplateRefusal(String(message)); });
+    const run = Interpreter.prototype.run;
+    Interpreter.prototype.run = function runRefusing(program) {
+      this.global.variables.set('raise_exception', refuse);
+      return run.call(this, program);
+    };
+    try {
+      const text = this.templates[id].render(JSON.parse(contextJson));
+      if (text.length > MAX_RENDERED) {
+        return JSON.stringify({ error: { kind: 'limit', message: `the output passed ${MAX_RENDERED} characters` } });
+      }
+      return JSON.stringify({ text });
+    } catch (error) {
+      const message = String(error?.message ?? error).slice(0, 300);
+      return JSON.stringify({ error: { kind: error instanceof TemplateRefusal ? 'refused' : 'render', message } });
+    } finally {
+      Interpreter.prototype.run = run;
+    }
+  }
+
+  /**
+   * Run the kernel session `name` (ortpipe's kernel graphs), made from `graph` (its bytes, given
+   * on the first run only) on `device`: the outputs named `outputs`, in that order.
+   */
+  async runKernel(name, graph, device, names, tensors, outputs) {
+    if (!this.kernels.has(name)) {
+      if (!graph) throw new Error(`kernel ${name} has no session and no graph`);
+      this.kernels.set(name, this.createSession(graph, { name, device, gpuOutputs: false, externalData: [] }));
+    }
+    return this.run(await this.kernels.get(name), names, tensors, outputs);
   }
 }
 

@@ -47,19 +47,44 @@ export interface GenerateOptions {
    * be fetched or decoded.
    */
   images?: ImageSource[];
+  // generation settings: written by `python -m build.typescript` from py/ortpipe/config/settings.py
+  /** Tokens to generate at most. */
   maxNewTokens?: number;
   /** Prompt and generated tokens together, at most. */
   maxLength?: number;
+  /** Sample instead of taking the most likely token. */
   doSample?: boolean;
+  /** 0 is greedy. */
   temperature?: number;
+  /** Keep the k most likely tokens; 0 turns it off. */
   topK?: number;
+  /** Keep the most likely tokens up to this probability; 1 turns it off. */
   topP?: number;
+  /** Drop tokens less likely than this times the most likely; 0 turns it off. */
   minP?: number;
+  /** Divide the scores of tokens seen so far; 1 turns it off. */
   repetitionPenalty?: number;
+  /** The sampler's seed: the same seed gives the same tokens on every target. */
   seed?: number;
-  /** Generation ends before any of these strings. */
-  stop?: string[];
+  /** Never repeat an n-gram of this size; 0 turns it off. */
+  noRepeatNgramSize?: number;
+  /** No eos before prompt and generated tokens reach this length. */
+  minLength?: number;
+  /** No eos before this many tokens were generated. */
+  minNewTokens?: number;
+  /** Token ids never generated. */
+  suppressTokens?: number[];
+  /** Generation ends before any of these strings, which are not returned. */
+  stop?: string | string[];
+  /** Beam search with this many beams; 1 turns it off. */
   numBeams?: number;
+  /** Beam scores are divided by length to this power. */
+  lengthPenalty?: number;
+  /** Beam search ends once num_beams hypotheses are finished. */
+  earlyStopping?: boolean;
+  /** Hypotheses returned by beam search (result.sequences). */
+  numReturnSequences?: number;
+  // end of the generation settings
 }
 
 export interface Chunk {

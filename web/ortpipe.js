@@ -200,7 +200,8 @@ export class Pipeline {
     const call = this._enqueue(() => {
       this._running = number;
       const interrupted = number <= this._interruptedUpTo || this._cancelled.delete(number);
-      return this._call('generate', { options: pythonOptions(options), interrupted, chat }, onChunk);
+      const type = chat === undefined ? 'generate' : 'say'; // a chat's turn
+      return this._call(type, { options: pythonOptions(options), interrupted, chat }, onChunk);
     });
     const cancel = () => {
       if (this._running === number) this._worker?.postMessage({ type: 'interrupt' });

@@ -1,8 +1,10 @@
-// The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin,
-// loads a model with ortpipe's Pyodide target (py/ortpipe/targets/pyodide.py) and streams the
-// generated tokens back. Messages in: load, generate (a chat's turn too), chat, rewind, closeChat,
-// interrupt, unload. Messages out: progress, chunks, result, error; each reply carries the id of the
-// message it answers. After `unload` the worker can load another model without starting Python
+// The module Web Worker behind ortpipe.js. It boots Pyodide and onnxruntime-web from this origin
+// and hands each message to ortpipe's Python side (py/ortpipe/targets/pyodide.py `Worker.task`),
+// whose Task it pumps: every answer says what to await next (a session run or a session to open,
+// a burst of the JS Decoder's fused decode steps), carries the chunks generated so far, and ends
+// with `done` or a typed `error`. Messages in: load, generate, chat, say, rewind, closeChat,
+// interrupt, unload. Messages out: progress, chunks, result, error; each reply carries the id of
+// the message it answers. After `unload` the worker can load another model without starting Python
 // and onnxruntime-web again.
 
 import { Bridge, downloadBytes } from './bridge.js';
@@ -16,14 +18,11 @@ const SNAPSHOT = './pyodide/python-snapshot.bin';
 // A one-node graph (ortpipe's argmax kernel, copied by build/web.py). onnxruntime-web fetches and
 // compiles its wasm at its first session: this one makes that happen while Python starts.
 const ORT_START_MODEL = './ort/start.onnx';
-// Errors ortpipe raises on purpose: their message is for the user, the traceback is not.
-const ORTPIPE_ERRORS = new Set(['ConfigError', 'GenerationError', 'OrtpipeError']);
 
-let pipe = null; // the Python WebPipeline, once loaded
+let worker = null; // the Python Worker, once a model is loaded
 let bridge = null; // the bridge the loaded model's sessions were made with
-let active = null; // the Python Request being generated (or made: its images being preprocessed)
-const chats = new Map(); // chat number -> the Python Chat (WebPipeline.chat)
-let chatsMade = 0;
+let generating = false; // a generation or chat turn is running
+let interruptedEarly = false; // an interrupt that came while a generation's images were decoding
 // Started once and kept across models (promises; forgotten when they fail, to be tried again).
 let pythonStarted = null; // Pyodide with ortpipe unpacked
 const ortStarted = {}; // device -> the onnxruntime-web module
@@ -33,12 +32,13 @@ const progress = (event) => self.postMessage({ type: 'progress', ...event });
 
 self.onmessage = ({ data }) => {
   if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device));
-  else if (data.type === 'generate') {
-    answer(data.id, () => generate(data.id, data.options, data.interrupted, data.chat));
-  } else if (data.type === 'chat') answer(data.id, () => openChat(data.options));
-  else if (data.type === 'rewind') answer(data.id, () => rewindChat(data.chat));
-  else if (data.type === 'closeChat') closeChat(data.chat);
-  else if (data.type === 'interrupt') active?.interrupt();
+  else if (data.type === 'generate') answer(data.id, () => generate(data.id, data.options, data.interrupted));
+  else if (data.type === 'say') {
+    answer(data.id, () => run(data.id, 'say', { ...data.options, chat: data.chat, interrupted: data.interrupted }));
+  } else if (data.type === 'chat') answer(data.id, () => run(data.id, 'chat', data.options));
+  else if (data.type === 'rewind') answer(data.id, () => run(data.id, 'rewind', { chat: data.chat }));
+  else if (data.type === 'closeChat') worker?.close_chat(data.chat);
+  else if (data.type === 'interrupt') interrupt();
   else if (data.type === 'unload') unload().catch((error) => console.error(error));
 };
 
@@ -58,29 +58,25 @@ class ModelBridge extends Bridge {
   }
 }
 
+/** An error the page sees as an OrtpipeError with this name. */
+class TaskError extends Error {
+  constructor({ type, message }) {
+    super(message);
+    this.name = type;
+  }
+}
+
 async function answer(id, work) {
   try {
     self.postMessage({ type: 'result', id, value: await work() });
   } catch (error) {
-    self.postMessage({ type: 'error', id, error: describeError(error) });
+    if (!(error instanceof TaskError)) console.error(error);
+    self.postMessage({ type: 'error', id, error: { name: error?.name ?? 'Error', message: String(error?.message ?? error) } });
   }
-}
-
-/** A plain {name, message} for the page; Python errors lose their traceback unless unexpected. */
-function describeError(error) {
-  if (error?.type && ORTPIPE_ERRORS.has(error.type)) {
-    // The traceback ends with "ortpipe.errors.ConfigError: <message, maybe several lines>".
-    const head = new RegExp(`(?:^|\\n)(?:[\\w.]+\\.)?${error.type}: `, 'g');
-    const last = [...error.message.matchAll(head)].at(-1);
-    const message = last ? error.message.slice(last.index + last[0].length) : error.message;
-    return { name: error.type, message: message.trim() };
-  }
-  console.error(error);
-  return { name: error?.type ?? error?.name ?? 'Error', message: String(error?.message ?? error) };
 }
 
 async function load(modelUrl, device) {
-  if (pipe) throw new Error('this worker already holds a model; load() another pipeline instead');
+  if (worker) throw new Error('this worker already holds a model; load() another pipeline instead');
   // The model's graphs start downloading now, while Python and onnxruntime-web start (modelUrl is
   // absolute and ends in "/": ortpipe.js's load made it so).
   const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal));
@@ -90,20 +86,96 @@ async function load(modelUrl, device) {
     const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress, () => ortBuild('wasm'));
     modelBridge.prefetch = prefetch;
     const target = python.pyimport('ortpipe.targets.pyodide');
+    const loading = target.Worker(modelBridge);
+    target.destroy();
     try {
-      pipe = await target.load(modelBridge, modelUrl, resolved);
-      bridge = modelBridge;
+      const info = await pump(loading.task('load', JSON.stringify({ url: modelUrl, device: resolved })));
+      for (const note of info.notes) console.warn(`ortpipe: ${note}`);
+      [worker, bridge] = [loading, modelBridge];
+      progress({ phase: 'ready', message: 'Ready' });
+      return info;
     } catch (error) {
+      loading.destroy();
       await modelBridge.release();
       throw error;
-    } finally {
-      target.destroy();
     }
   } finally {
     prefetch.drop(); // what the core did not take; its probes' answers stay true
   }
-  progress({ phase: 'ready', message: 'Ready' });
-  return JSON.parse(pipe.info_json());
+}
+
+/** Run the Python task `kind` to its end: its value. */
+function run(id, kind, options) {
+  if (!worker) throw new Error('no model is loaded');
+  return pump(worker.task(kind, JSON.stringify(options)), id);
+}
+
+/** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */
+async function generate(id, options, interrupted) {
+  if (!worker) throw new Error('no model is loaded');
+  interruptedEarly = interrupted;
+  const { images, ...settings } = options;
+  const tensors = images ? await imageTensors(images) : null;
+  const task = worker.task('generate', JSON.stringify({ ...settings, interrupted: interruptedEarly }), tensors);
+  return pump(task, id);
+}
+
+function interrupt() {
+  if (generating) worker?.interrupt();
+  else interruptedEarly = true;
+}
+
+// Fused decode steps chain promises that onnxruntime-web's wasm build resolves at once, so no
+// message (an interrupt) would be read until the generation ends: between answers, yield to the
+// event loop if this long has passed.
+const YIELD_EVERY_MS = 10;
+const tasks = new MessageChannel();
+
+/** Resolves in a new task, after the messages already queued (no setTimeout clamping). */
+function nextTask() {
+  return new Promise((resolve) => {
+    tasks.port1.onmessage = () => resolve();
+    tasks.port2.postMessage(0);
+  });
+}
+
+/**
+ * The one pump: answer the Python Task until it is done. `id`: the message whose page call gets
+ * the chunks. Python's answers are JSON; only the awaited values (ort.Tensors, sessions) and the
+ * Decoder cross as objects.
+ */
+async function pump(task, id) {
+  generating = true;
+  let decoder = null;
+  const decoded = task.decoded; // one proxy of the bound method for the whole task
+  try {
+    let yielded = performance.now();
+    for (let reply = JSON.parse(task.advance()); ;) {
+      if (reply.chunks?.length) self.postMessage({ type: 'chunks', id, chunks: reply.chunks });
+      if (reply.error) throw new TaskError(reply.error);
+      if (reply.next === 'done') return reply.value;
+      if (performance.now() - yielded > YIELD_EVERY_MS) {
+        await nextTask();
+        yielded = performance.now();
+      }
+      let next;
+      try {
+        if (reply.next === 'decode') {
+          if (reply.fresh) decoder = task.decoder;
+          next = decoded(...await decoder.burst(...reply.decode));
+        } else {
+          next = task.advance(await task.pending);
+        }
+      } catch (error) {
+        next = task.fail(String(error?.message ?? error));
+      }
+      reply = JSON.parse(next);
+    }
+  } finally {
+    generating = false;
+    decoded.destroy();
+    task.destroy();
+  }
 }
 
 /** Python, onnxruntime-web for `device`, tokenizers.js and jinja: started by the first load only. */
@@ -125,38 +197,12 @@ function ortBuild(device) {
   return ortStarted[device];
 }
 
-/** A chat over the loaded model (settings for every turn: sampling, max_length); its number. */
-function openChat(options) {
-  if (!pipe) throw new Error('no model is loaded');
-  chats.set(++chatsMade, pipe.chat_json(JSON.stringify(options)));
-  return chatsMade;
-}
-
-function chatNumbered(number) {
-  const chat = chats.get(number);
-  if (!chat) throw new Error('this chat was disposed');
-  return chat;
-}
-
-/** Drop the chat's last turn; the conversation's ids after it. */
-async function rewindChat(number) {
-  const chat = chatNumbered(number);
-  await pipe.rewind(chat);
-  return JSON.parse(pipe.chat_tokens_json(chat));
-}
-
-function closeChat(number) {
-  chats.get(number)?.destroy();
-  chats.delete(number);
-}
-
 /** Drop the model and release its sessions; Python and onnxruntime-web stay for the next one. */
 async function unload() {
-  const [oldPipe, oldBridge] = [pipe, bridge];
-  for (const number of [...chats.keys()]) closeChat(number);
-  pipe = null;
+  const [oldWorker, oldBridge] = [worker, bridge];
+  worker = null;
   bridge = null;
-  oldPipe?.destroy();
+  oldWorker?.destroy();
   await oldBridge?.release();
 }
 
@@ -230,61 +276,4 @@ async function configureOrt(ort) {
 async function imageTensors(sources) {
   const decoded = await decodeImages(sources);
   return decoded.map(({ rgb, width, height }) => new bridge.ort.Tensor('uint8', rgb, [height, width, 3]));
-}
-
-// Fused decode steps chain promises that onnxruntime-web's wasm build resolves at once, so no
-// message (an interrupt) would be read until the generation ends: between bursts of steps, yield
-// to the event loop if this long has passed.
-const YIELD_EVERY_MS = 10;
-const tasks = new MessageChannel();
-
-/** Resolves in a new task, after the messages already queued (no setTimeout clamping). */
-function nextTask() {
-  return new Promise((resolve) => {
-    tasks.port1.onmessage = () => resolve();
-    tasks.port2.postMessage(0);
-  });
-}
-
-/** Stream one generation, or the reply to a turn of chat number `chat`; `interrupted` (by the
- * page, before it started) ends it at once. */
-async function generate(id, options, interrupted, chat) {
-  if (!pipe) throw new Error('no model is loaded');
-  if (active) throw new Error('a generation is already running: await it, or interrupt() it first');
-  // Until the request exists (its images are being preprocessed), an interrupt is only noted.
-  const starting = { interrupted, interrupt() { this.interrupted = true; } };
-  active = starting;
-  let request = null;
-  let stepDecoded = null;
-  try {
-    const { images, ...settings } = options;
-    if (chat !== undefined && images) throw new Error('a chat turn takes text only, no images');
-    request = chat === undefined
-      ? await pipe.request_json(JSON.stringify(settings), images && await imageTensors(images))
-      : pipe.say_json(chatNumbered(chat), JSON.stringify(settings));
-    if (starting.interrupted) request.interrupt();
-    active = request;
-    let decoder = null; // the JS Decoder of fused decode steps (py/ortpipe/targets/pyodide.py step_begin)
-    stepDecoded = pipe.step_decoded; // one proxy of the bound method for the whole generation
-    let yielded = performance.now();
-    for (let answer = JSON.parse(pipe.step_begin(request)); ;) {
-      if (answer.chunks.length) self.postMessage({ type: 'chunks', id, chunks: answer.chunks });
-      if (answer.done) break;
-      if (performance.now() - yielded > YIELD_EVERY_MS) {
-        await nextTask();
-        yielded = performance.now();
-      }
-      if (answer.decode) {
-        if (answer.fresh) decoder = pipe.decoder;
-        answer = JSON.parse(stepDecoded(...await decoder.burst(...answer.decode)));
-      } else {
-        answer = JSON.parse(await pipe.step_rest());
-      }
-    }
-    return JSON.parse(pipe.result_json(request));
-  } finally {
-    active = null;
-    request?.destroy();
-    stepDecoded?.destroy();
-  }
 }

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .config.settings import SETTINGS
 from .errors import ConfigError, GenerationError, OrtpipeError
 
 
@@ -47,17 +48,29 @@ def _parser() -> argparse.ArgumentParser:
     prompt = run.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (uses the folder's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated: 1,2,3")
-    length = run.add_mutually_exclusive_group()
-    length.add_argument("--max-new-tokens", type=int, help="tokens to generate at most")
-    length.add_argument("--max-length", type=int, help="prompt + generated tokens at most")
     _session_args(run)
     _generation_args(run)
-    run.add_argument("--image", action="append", default=[], metavar="PATH",
-                     help="an image for the pipeline's vision session (repeatable; one image_token each in the prompt)")
-    run.add_argument("--audio", action="append", default=[], metavar="PATH.wav",
-                     help="a .wav clip for the pipeline's audio encoder (repeatable)")
-    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
-                     help="feed a raw tensor to a named session input, bypassing preprocessing (repeatable)")
+    run.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for the pipeline's vision session (repeatable; one image_token each in the prompt)",
+    )
+    run.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="PATH.wav",
+        help="a .wav clip for the pipeline's audio encoder (repeatable)",
+    )
+    run.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=FILE.npy",
+        help="feed a raw tensor to a named session input, bypassing preprocessing (repeatable)",
+    )
     run.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     run.add_argument("--verbose", action="store_true", help="a one-line summary per phase on stderr")
     run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
@@ -65,10 +78,8 @@ def _parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat that keeps the KV cache across turns")
     chat.add_argument("model", metavar="MODEL_DIR")
-    chat.add_argument("--max-length", type=int, help="the whole conversation's length in tokens")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
     _session_args(chat)
-    _generation_args(chat)
+    _generation_args(chat, max_new_tokens=256)
     chat.set_defaults(func=_chat)
 
     inspect = sub.add_parser("inspect", help="show what was detected and the expanded v2 config")
@@ -76,61 +87,52 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=_inspect)
 
-    validate = sub.add_parser("validate", help="check a model folder; exit 0, or print every problem and exit 2")
+    validate = sub.add_parser(
+        "validate", help="check a model folder; exit 0, or print every problem and exit 2"
+    )
     validate.add_argument("model", metavar="MODEL_DIR")
     validate.set_defaults(func=_validate)
 
-    from .targets import web_server  # standard library only
+    from . import static_server  # standard library only
 
     web = sub.add_parser("web", help="serve the browser bundle (dist/web; build it with python -m build.web)")
-    web_server.add_arguments(web)
-    web.set_defaults(func=web_server.run)
-
-    bench = sub.add_parser("bench", help="decode speed of ortpipe beside onnxruntime-genai and a hand-written loop")
-    bench.add_argument("model", metavar="MODEL_DIR")
-    bench.add_argument("--prompt-tokens", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine after each load")
-    bench.add_argument("--loads", type=int, default=None,
-                       help="load the engines this many times, each in a fresh process, cycling through load "
-                            "orders in which every engine comes first, and before each other engine, "
-                            "equally often (default: one cycle, 6 orders for 3 engines; 1: once, in "
-                            "this process)")
-    bench.add_argument("--threads", type=int, default=1, help="intra-op threads, the same for every engine")
-    bench.add_argument("--engines", default="ortpipe,genai,floor",
-                       help="comma-separated: ortpipe, genai, floor, sampled (ortpipe with top-k 50 / top-p 0.9)")
-    bench.add_argument("--json", action="store_true")
-    bench.set_defaults(func=_bench)
+    static_server.add_arguments(web)
+    web.set_defaults(func=static_server.run)
     return parser
 
 
 def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
-    p.add_argument("--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ...")
+    p.add_argument(
+        "--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ..."
+    )
 
 
-def _generation_args(p: argparse.Namespace) -> None:
+def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = None) -> None:
+    """A flag per generation setting of the settings table (config/settings.py)."""
     g = p.add_argument_group("generation (defaults from genai_config.json)")
-    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy")
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--no-repeat-ngram-size", type=int)
-    g.add_argument("--min-length", type=int)
-    g.add_argument("--min-new-tokens", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--num-beams", type=int)
-    g.add_argument("--length-penalty", type=float)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    for s in SETTINGS:
+        if not s.cli:
+            continue
+        default = max_new_tokens if s.name == "max_new_tokens" else None
+        help_text = s.help + (f" (default {default})" if default else "")
+        if s.kind == "bool":
+            g.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif s.kind == "strings":
+            g.add_argument(s.flag, action="append", help=help_text + " (repeatable)")
+        elif s.kind == "ids":
+            g.add_argument(s.flag, type=_ids, help=help_text + ": comma-separated ids")
+        else:
+            g.add_argument(s.flag, type=int if s.kind == "int" else float, default=default, help=help_text)
 
 
 def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3, found {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,2,3, found {text!r}"
+        ) from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -138,9 +140,14 @@ def _run(args: argparse.Namespace) -> int:
     from .trace import Trace
 
     pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
-    request = pipe.request(args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
-                           max_length=args.max_length, inputs=read_inputs(args.input) or None,
-                           images=args.image, audios=args.audio, **_settings(args))
+    request = pipe.request(
+        args.prompt,
+        prompt_ids=args.prompt_ids,
+        inputs=read_inputs(args.input) or None,
+        images=args.image,
+        audios=args.audio,
+        **_settings(args),
+    )
     trace = Trace() if args.trace or args.verbose else None
     if args.json:
         for _ in pipe.drive(request, trace):
@@ -169,8 +176,11 @@ def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
         if status:
             status.close()
     t = request.timings
-    print(f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
-          f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+    print(
+        f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
+        f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
+        file=sys.stderr,
+    )
 
 
 def _progress() -> Any:
@@ -211,19 +221,24 @@ class LiveStatus:
         sys.stdout.flush()
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size",
-             "min_length", "min_new_tokens", "seed", "num_beams", "length_penalty", "stop")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+def _settings(args: argparse.Namespace, *leave_out: str) -> dict[str, Any]:
+    """The generation settings given on the command line (the table's flags)."""
+    return {
+        s.name: getattr(args, s.name)
+        for s in SETTINGS
+        if s.cli and s.name not in leave_out and getattr(args, s.name, None) is not None
+    }
 
 
 def _chat(args: argparse.Namespace) -> int:
     from .targets.cpython import load
 
     pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
-    chat = pipe.chat(max_length=args.max_length, **_settings(args))
-    print("ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
-          file=sys.stderr)
+    chat = pipe.chat(**_settings(args, "max_new_tokens"))
+    print(
+        "ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("> ")
@@ -248,23 +263,31 @@ def _reply(chat: Any, line: str, max_new_tokens: int) -> None:
     for chunk in chat.say(line, max_new_tokens):
         print(chunk.text, end="", flush=True)
     t = chat.last.timings
-    print(f"\n[prefill {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms, {t.new_tokens} new, "
-          f"{t.decode_tokens_per_s:.1f} tokens/s, {chat.last.finish_reason}]", file=sys.stderr)
+    print(
+        f"\n[prefill {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms, {t.new_tokens} new, "
+        f"{t.decode_tokens_per_s:.1f} tokens/s, {chat.last.finish_reason}]",
+        file=sys.stderr,
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from .config.expand import as_v2
-    from .targets.cpython import build_plan
+    from .targets.cpython import load
 
-    plan, sessions = build_plan(_path(args.model))
+    pipe = load(_path(args.model))
+    plan, sessions = pipe.plan, {name: pipe.driver.sessions[name] for name in pipe.plan.signatures}
     report = {
         "config_source": plan.config.source,
-        "sessions": {name: {"file": plan.config.pipeline.sessions[name].file,
-                            "provider": s.get_providers()[0],
-                            "inputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].inputs],
-                            "outputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].outputs]}
-                     for name, s in sessions.items()},
-        "steps": [_step_report(s) for s in [*[x for lv in plan.init for x in lv], *plan.step, *plan.final]],
+        "sessions": {
+            name: {
+                "file": plan.config.pipeline.sessions[name].file,
+                "provider": s.get_providers()[0],
+                "inputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].inputs],
+                "outputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].outputs],
+            }
+            for name, s in sessions.items()
+        },
+        "steps": [_step_report(s) for s in plan.all_steps],
         "config": as_v2(plan.config),
     }
     print(json.dumps(report, indent=2) if args.json else _format_report(report))
@@ -272,15 +295,24 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _step_report(s: Any) -> dict[str, Any]:
-    report: dict[str, Any] = {"session": s.session, "when": s.step.when,
-                              "feeds": {f.input: f.kind + (f" <- {f.source}" if f.source else "") for f in s.feeds
-                                        if f.kind != "past"}}
+    report: dict[str, Any] = {
+        "session": s.session,
+        "when": s.step.when,
+        "feeds": {
+            f.input: f.kind + (f" <- {f.source}" if f.source else "") for f in s.feeds if f.kind != "past"
+        },
+    }
     if s.kv:
         e0 = s.kv.entries[0]
-        report["kv_cache"] = {"format": s.kv.format, "share_buffer": s.kv.share_buffer, "layers": s.kv.layers,
-                              "entries": len(s.kv.entries), "dtype": e0.dtype,
-                              "shapes": sorted({str(list(e.shape)) for e in s.kv.entries}),
-                              "sliding_window_layers": sorted({e.layer for e in s.kv.entries if e.window})}
+        report["kv_cache"] = {
+            "format": s.kv.format,
+            "share_buffer": s.kv.share_buffer,
+            "layers": s.kv.layers,
+            "entries": len(s.kv.entries),
+            "dtype": e0.dtype,
+            "shapes": sorted({str(list(e.shape)) for e in s.kv.entries}),
+            "sliding_window_layers": sorted({e.layer for e in s.kv.entries if e.window}),
+        }
     if s.logits:
         report["logits"] = s.logits
     return report
@@ -302,18 +334,15 @@ def _format_report(report: dict[str, Any]) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .targets.cpython import build_plan
+    from .targets.cpython import load
 
-    plan, _ = build_plan(_path(args.model))
+    plan = load(_path(args.model)).plan
     steps = len(plan.config.pipeline.flow)
-    print(f"{args.model}: ok ({plan.config.source} config, {len(plan.signatures)} session(s), {steps} flow step(s))")
+    print(
+        f"{args.model}: ok ({plan.config.source} config, {len(plan.signatures)} session(s), "
+        f"{steps} flow step(s))"
+    )
     return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from .targets.bench import run_bench
-
-    return run_bench(args)
 
 
 def _path(model: str) -> Any:

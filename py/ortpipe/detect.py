@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import parse_json
 from .errors import ConfigError
 from .folder import Folder
+from .jsonfile import optional_json
 
 DECODER_FILES = (
     "model.onnx", "decoder_model_merged.onnx", "decoder_model.onnx",
@@ -26,8 +26,8 @@ def detect_config(folder: Folder) -> dict[str, Any]:
         raise ConfigError(f"{folder.describe()} has no genai_config.json and no decoder graph "
                           f"(looked for {', '.join(DECODER_FILES)}). Add a genai_config.json naming the "
                           "ONNX files (see the README's config reference)")
-    hf = _json(folder, "config.json")
-    gen = _json(folder, "generation_config.json")
+    hf = optional_json(folder, "config.json")
+    gen = optional_json(folder, "generation_config.json")
     raw: dict[str, Any] = {
         "version": 2,
         "pipeline": {"extends": "autoregressive-decoder", "sessions": {"decoder": {"file": file}}},
@@ -35,17 +35,10 @@ def detect_config(folder: Folder) -> dict[str, Any]:
         "generation": {},
         "metadata": {"model_type": hf.get("model_type"), "detected_from": file},
     }
-    length = next((hf[k] for k in _LENGTH_KEYS if isinstance(hf.get(k), int)), None)
+    length = next((hf[k] for k in _LENGTH_KEYS if isinstance(hf.get(k), int) and hf[k] > 0), None)
     if length:
         raw["generation"]["max_length"] = length
     return raw
-
-
-def _json(folder: Folder, name: str) -> dict[str, Any]:
-    if not folder.exists(name):
-        return {}
-    value = parse_json(folder.read_text(name), folder.describe(name))
-    return value if isinstance(value, dict) else {}
 
 
 def _tokens(gen: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
@@ -54,9 +47,14 @@ def _tokens(gen: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
         return gen.get(key, hf.get(key))
 
     eos = pick("eos_token_id")
-    tokens: dict[str, Any] = {"eos": [] if eos is None else eos if isinstance(eos, list) else [eos]}
-    for hf_key, key in (("bos_token_id", "bos"), ("pad_token_id", "pad"), ("decoder_start_token_id", "decoder_start")):
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    tokens: dict[str, Any] = {"eos": [e for e in eos if isinstance(e, int) and not isinstance(e, bool)]}
+    for hf_key, key in (
+        ("bos_token_id", "bos"),
+        ("pad_token_id", "pad"),
+        ("decoder_start_token_id", "decoder_start"),
+    ):
         value = pick(hf_key)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             tokens[key] = value
     return tokens

@@ -13,20 +13,45 @@ from dataclasses import dataclass
 
 from .config.schema import Config, FlowStep, KVCacheSpec
 from .errors import Problems, did_you_mean, one_of
+from .execute.work import FusedStep
 from .signature import Signature, TensorInfo
 
-# Feed kinds: where a graph input's value comes from on each run.
-INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PAST, VALUE, STATE, REQUEST, CACHE_BRANCH, COUNTER, EMPTY = (
-    "input_ids", "attention_mask", "position_ids", "past", "value", "state", "request",
-    "use_cache_branch", "counter", "empty")
+# Feed kinds: where a graph input's value comes from on each run. The generation roles (input ids,
+# attention mask, position ids, the cache branch flag, a repeat counter) are made by the executor;
+# KV_PAST: the KV cache; FROM_OUTPUT: another session's output ("session.output" in Feed.source);
+# CARRIED: the session's own output of the previous iteration (zeros at first); FROM_REQUEST: the
+# request's own inputs; EMPTY: no rows (the producer was skipped).
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CACHE_BRANCH, COUNTER = (
+    "input_ids", "attention_mask", "position_ids", "use_cache_branch", "counter")
+KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
+    "kv_past",
+    "from_output",
+    "carried",
+    "from_request",
+    "empty",
+)
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
 SEPARATE_PATTERNS = (
-    ("past_key_values.{layer}.key", "present.{layer}.key", "past_key_values.{layer}.value", "present.{layer}.value"),
-    ("past_key_values.{layer}.key", "present_key_values.{layer}.key",
-     "past_key_values.{layer}.value", "present_key_values.{layer}.value"),
+    (
+        "past_key_values.{layer}.key",
+        "present.{layer}.key",
+        "past_key_values.{layer}.value",
+        "present.{layer}.value",
+    ),
+    (
+        "past_key_values.{layer}.key",
+        "present_key_values.{layer}.key",
+        "past_key_values.{layer}.value",
+        "present_key_values.{layer}.value",
+    ),
     ("past_key_{layer}", "present_key_{layer}", "past_value_{layer}", "present_value_{layer}"),
-    ("past_key_self_{layer}", "present_key_self_{layer}", "past_value_self_{layer}", "present_value_self_{layer}"),
+    (
+        "past_key_self_{layer}",
+        "present_key_self_{layer}",
+        "past_value_self_{layer}",
+        "present_value_self_{layer}",
+    ),
     ("past.{layer}.key", "present.{layer}.key", "past.{layer}.value", "present.{layer}.value"),
 )
 COMBINED_PATTERNS = (("past_{layer}", "present_{layer}"), ("past.{layer}", "present.{layer}"))
@@ -36,7 +61,7 @@ COMBINED_PATTERNS = (("past_{layer}", "present_{layer}"), ("past.{layer}", "pres
 class Feed:
     input: str
     kind: str
-    source: str = ""  # VALUE / STATE: "session.output"
+    source: str = ""  # FROM_OUTPUT / CARRIED: "session.output"
     dtype: str = "int64"
 
 
@@ -44,8 +69,8 @@ class Feed:
 class CacheEntry:
     """One past input fed back from one present output."""
 
-    past: str
-    present: str
+    past_input: str
+    present_output: str
     layer: int
     dtype: str
     shape: tuple[int | None, ...]  # batch and sequence axes are None, filled in per request
@@ -66,7 +91,7 @@ class KVPlan:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class FlowStepPlan:
     step: FlowStep
     session: str
     feeds: tuple[Feed, ...]
@@ -80,21 +105,30 @@ class StepPlan:
 
     @property
     def request_inputs(self) -> list[str]:
-        return [f.input for f in self.feeds if f.kind == REQUEST]
+        return [f.input for f in self.feeds if f.kind == FROM_REQUEST]
 
 
 @dataclass(frozen=True)
 class Plan:
     config: Config
     signatures: dict[str, Signature]
-    init: tuple[tuple[StepPlan, ...], ...]  # levels: the steps of one level may run side by side
-    step: tuple[StepPlan, ...]
-    final: tuple[StepPlan, ...]
+    init_levels: tuple[tuple[FlowStepPlan, ...], ...]  # the steps of one level may run side by side
+    step_phase: tuple[FlowStepPlan, ...]  # run at every iteration (every token)
+    final_phase: tuple[FlowStepPlan, ...]  # run once after the loop
+    fused: FusedStep | None = None  # the step phase as one fused greedy decode step, when it can be
 
     @property
-    def generator(self) -> StepPlan | None:
+    def generator(self) -> FlowStepPlan | None:
         """The step whose logits drive generation: the last step-phase step with logits."""
-        return next((s for s in reversed(self.step) if s.logits), None)
+        return next((s for s in reversed(self.step_phase) if s.logits), None)
+
+    @property
+    def init_steps(self) -> list[FlowStepPlan]:
+        return [s for level in self.init_levels for s in level]
+
+    @property
+    def all_steps(self) -> list[FlowStepPlan]:
+        return [*self.init_steps, *self.step_phase, *self.final_phase]
 
 
 def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
@@ -105,34 +139,96 @@ def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
     by_phase = {w: [plans[id(s)] for s in loaded if s.when == w] for w in ("init", "step", "final")}
     init = [_with_placeholder(config, s, by_phase["init"]) for s in by_phase["init"]]
     step = _embedding_stages(init, by_phase["step"]) + by_phase["step"]
-    plan = Plan(config, signatures, _levels(init), tuple(step), tuple(by_phase["final"]))
+    plan = Plan(
+        config,
+        signatures,
+        _levels(init),
+        tuple(step),
+        tuple(by_phase["final"]),
+        _fused_step(step, by_phase["final"], signatures),
+    )
     if config.generation.loop == "autoregressive" and plan.generator is None:
         steps = [s.run for s in config.pipeline.flow if s.when == "step"]
-        problems.add('generation.loop is "autoregressive" but no step-phase session has a logits output '
-                     f"(step sessions: {one_of(steps) or 'none'}). Add a decoder step with "
-                     '"when": "step", or name its logits output in sessions.NAME.outputs.logits')
+        problems.add(
+            'generation.loop is "autoregressive" but no step-phase session has a logits output '
+            f"(step sessions: {one_of(steps) or 'none'}). Add a decoder step with "
+            '"when": "step", or name its logits output in sessions.NAME.outputs.logits'
+        )
     problems.raise_if_any()
     return plan
 
 
-def _embedding_stages(init: list[StepPlan], step: list[StepPlan]) -> list[StepPlan]:
+def _fused_step(
+    step: list[FlowStepPlan], final: list[FlowStepPlan], sigs: dict[str, Signature]
+) -> FusedStep | None:
+    """The step phase as one fused greedy decode step (execute/work.py), when its shape allows: one
+    decoder session run once per iteration, fed only input ids, an attention mask, 1D position ids
+    and a KV cache (a concat cache with no window a kernel trims, or a shared buffer), giving logits
+    of a fixed vocabulary and nothing another step reads. Whether a request uses it depends on its
+    settings (plain greedy) and on the target (Backend.fused_layouts)."""
+    if len(step) != 1:
+        return None
+    s = step[0]
+    if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.logits or s.positions != "default":
+        return None
+    read = {
+        f.source.split(".")[0]
+        for other in (*step, *final)
+        for f in other.feeds
+        if f.kind in (FROM_OUTPUT, CARRIED)
+    }
+    if s.session in read:
+        return None
+    layout = "shared" if s.kv.share_buffer else "concat"
+    if layout == "concat" and any(e.window is not None for e in s.kv.entries):
+        return None
+    roles: dict[str, tuple[str, str]] = {}
+    for f in s.feeds:
+        if f.kind == KV_PAST:
+            continue
+        if f.kind not in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) or f.kind in roles:
+            return None
+        roles[f.kind] = (f.input, f.dtype)
+    sig = sigs[s.session]
+    info = sig.output(s.logits)
+    vocab = info.shape[-1] if info.shape else None
+    if INPUT_IDS not in roles or not isinstance(vocab, int) or info.rank not in (2, 3):
+        return None
+    if POSITION_IDS in roles and sig.input(roles[POSITION_IDS][0]).rank != 2:
+        return None
+    return FusedStep(
+        s.session,
+        roles[INPUT_IDS],
+        roles.get(ATTENTION_MASK),
+        roles.get(POSITION_IDS),
+        {e.present_output: e.past_input for e in s.kv.entries},
+        layout,
+        s.outputs,
+        s.logits,
+        (1, 1, vocab) if info.rank == 3 else (1, vocab),
+    )
+
+
+def _embedding_stages(init: list[FlowStepPlan], step: list[FlowStepPlan]) -> list[FlowStepPlan]:
     """Init sessions that take input_ids and feed a step session run again at every later step,
     on the new tokens, with what they got from other sessions or the request left empty."""
-    feeding = {f.source.split(".")[0] for s in step for f in s.feeds if f.kind == VALUE}
+    feeding = {f.source.split(".")[0] for s in step for f in s.feeds if f.kind == FROM_OUTPUT}
     stages = []
     for s in init:
         if s.session in feeding and any(f.kind == INPUT_IDS for f in s.feeds):
-            feeds = tuple(Feed(f.input, EMPTY, f.source, f.dtype) if f.kind in (VALUE, REQUEST) else f
-                          for f in s.feeds)
+            feeds = tuple(
+                Feed(f.input, EMPTY, f.source, f.dtype) if f.kind in (FROM_OUTPUT, FROM_REQUEST) else f
+                for f in s.feeds
+            )
             stages.append(dataclasses.replace(s, feeds=feeds, after_prefill=True))
     return stages
 
 
-def _with_placeholder(config: Config, s: StepPlan, init: list[StepPlan]) -> StepPlan:
+def _with_placeholder(config: Config, s: FlowStepPlan, init: list[FlowStepPlan]) -> FlowStepPlan:
     """An encoder of request data whose outputs another init session reads: its items (images,
     audio clips) stand in the prompt as placeholder tokens to expand."""
-    requests = [f.input for f in s.feeds if f.kind == REQUEST]
-    consumed = {f.source for other in init for f in other.feeds if f.kind == VALUE and other is not s}
+    requests = [f.input for f in s.feeds if f.kind == FROM_REQUEST]
+    consumed = {f.source for other in init for f in other.feeds if f.kind == FROM_OUTPUT and other is not s}
     features = tuple(o for o in s.outputs if f"{s.session}.{o}" in consumed)
     if not requests or not features:
         return s
@@ -146,20 +242,25 @@ def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems)
     for w in config.pipeline.dataflow:
         src, dst = sigs.get(w.from_session), sigs.get(w.to_session)
         if src and w.from_output not in src.output_names:
-            problems.add(f'Dataflow wire references output "{w.from_output}" but session "{w.from_session}" has '
-                         f"no such output (available outputs: {one_of(src.output_names)})."
-                         f"{did_you_mean(w.from_output, src.output_names)}")
+            problems.add(
+                f'Dataflow wire references output "{w.from_output}" but session "{w.from_session}" has '
+                f"no such output (available outputs: {one_of(src.output_names)})."
+                f"{did_you_mean(w.from_output, src.output_names)}"
+            )
         if dst and w.to_input not in dst.input_names:
-            problems.add(f'Dataflow wire references input "{w.to_input}" but session "{w.to_session}" has '
-                         f"no such input (available inputs: {one_of(dst.input_names)})."
-                         f"{did_you_mean(w.to_input, dst.input_names)}")
+            problems.add(
+                f'Dataflow wire references input "{w.to_input}" but session "{w.to_session}" has '
+                f"no such input (available inputs: {one_of(dst.input_names)})."
+                f"{did_you_mean(w.to_input, dst.input_names)}"
+            )
 
 
-def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
-               problems: Problems) -> StepPlan:
+def _step_plan(
+    config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature], problems: Problems
+) -> FlowStepPlan:
     spec, sig = config.session_of(step), sigs[step.run]
     kv = _kv_plan(config, step.run, sig, problems)
-    cache_inputs = {e.past for e in kv.entries} if kv else set()
+    cache_inputs = {e.past_input for e in kv.entries} if kv else set()
     roles = {
         INPUT_IDS: spec.inputs.get("input_ids", "input_ids"),
         ATTENTION_MASK: spec.inputs.get("attention_mask", "attention_mask"),
@@ -173,13 +274,15 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
     positions = "default"
     for t in sig.inputs:
         if t.name in cache_inputs:
-            feeds.append(Feed(t.name, PAST, dtype=t.dtype))
+            feeds.append(Feed(t.name, KV_PAST, dtype=t.dtype))
             continue
-        feed = (_explicit_wire(config, step, t)
-                or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
-                or _same_name_output(config, step, flow, sigs, t))
+        feed = (
+            _explicit_wire(config, step, t)
+            or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
+            or _same_name_output(config, step, flow, sigs, t)
+        )
         if feed is None and step.when == "init":
-            feed = Feed(t.name, REQUEST, dtype=t.dtype)
+            feed = Feed(t.name, FROM_REQUEST, dtype=t.dtype)
         if feed is None:
             problems.add(_unfed_message(step.run, t))
             continue
@@ -190,7 +293,7 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
     logits = spec.outputs.get("logits", "logits")
     logits = logits if logits in sig.output_names else None
     outputs = tuple(t.name for t in sig.outputs)
-    return StepPlan(step, step.run, tuple(feeds), outputs, kv, logits, positions)
+    return FlowStepPlan(step, step.run, tuple(feeds), outputs, kv, logits, positions)
 
 
 def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
@@ -198,30 +301,37 @@ def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
         return
     info = sig.input(step.loop_over)
     if info is None:
-        problems.add(f'Flow step "{step.run}" loops over "{step.loop_over}", but session "{step.run}" has no such input '
-                     f"(inputs: {one_of(sig.input_names)}).{did_you_mean(step.loop_over, sig.input_names)}")
+        problems.add(
+            f'Flow step "{step.run}" loops over "{step.loop_over}", but session "{step.run}" has no such '
+            "input "
+            f"(inputs: {one_of(sig.input_names)}).{did_you_mean(step.loop_over, sig.input_names)}"
+        )
     elif step.dynamic_shape and any(d >= info.rank for d in step.dynamic_shape.apply_to_dims):
-        problems.add(f'Flow step "{step.run}" crops dims {list(step.dynamic_shape.apply_to_dims)} of "{step.loop_over}", '
-                     f"which has only {info.rank} dims {list(info.shape)}")
+        problems.add(
+            f"Flow step \"{step.run}\" crops dims {list(step.dynamic_shape.apply_to_dims)} of "
+            f'"{step.loop_over}", '
+            f"which has only {info.rank} dims {list(info.shape)}"
+        )
 
 
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
     for w in config.pipeline.dataflow:
         if w.to_session == step.run and w.to_input == t.name:
-            kind = STATE if w.from_session == step.run else VALUE
+            kind = CARRIED if w.from_session == step.run else FROM_OUTPUT
             return Feed(t.name, kind, f"{w.from_session}.{w.from_output}", t.dtype)
     return None
 
 
-def _same_name_output(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
-                      t: TensorInfo) -> Feed | None:
+def _same_name_output(
+    config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature], t: TensorInfo
+) -> Feed | None:
     """Dataflow auto-matching: another session's output of the same name (its own: carried state)."""
     producers = [s.run for s in flow if t.name in sigs[s.run].output_names]
     if not producers:
         return _cross_cache(config, step, sigs, t)
     others = [p for p in producers if p != step.run]
     source = others[0] if others else step.run
-    return Feed(t.name, STATE if source == step.run else VALUE, f"{source}.{t.name}", t.dtype)
+    return Feed(t.name, CARRIED if source == step.run else FROM_OUTPUT, f"{source}.{t.name}", t.dtype)
 
 
 def _cross_cache(config: Config, step: FlowStep, sigs: dict[str, Signature], t: TensorInfo) -> Feed | None:
@@ -232,14 +342,16 @@ def _cross_cache(config: Config, step: FlowStep, sigs: dict[str, Signature], t: 
     name = t.name.replace("past", "present", 1)
     if name not in sigs[cross.source].output_names:
         return None
-    return Feed(t.name, VALUE, f"{cross.source}.{name}", t.dtype)
+    return Feed(t.name, FROM_OUTPUT, f"{cross.source}.{name}", t.dtype)
 
 
 def _unfed_message(session: str, t: TensorInfo) -> str:
-    return (f'Session "{session}" input "{t.name}" ({t.dtype} {list(t.shape)}) cannot be fed: it is not a KV '
-            "cache input, not input_ids / attention_mask / position_ids, and no dataflow wire or other "
-            f'session output provides it. Add a wire {{"from": "SESSION.OUTPUT", "to": "{session}.{t.name}"}} '
-            "to pipeline.dataflow, or rename the role in sessions.NAME.inputs")
+    return (
+        f'Session "{session}" input "{t.name}" ({t.dtype} {list(t.shape)}) cannot be fed: it is not a KV '
+        "cache input, not input_ids / attention_mask / position_ids, and no dataflow wire or other "
+        f'session output provides it. Add a wire {{"from": "SESSION.OUTPUT", "to": "{session}.{t.name}"}} '
+        "to pipeline.dataflow, or rename the role in sessions.NAME.inputs"
+    )
 
 
 def _position_strategy(config: Config, session: str, t: TensorInfo, problems: Problems) -> str:
@@ -248,14 +360,20 @@ def _position_strategy(config: Config, session: str, t: TensorInfo, problems: Pr
     if strategy == "auto":
         strategy = "mrope_3d" if t.rank == 3 else "default"
     if strategy not in ("default", "mrope_3d"):
-        problems.add(f'position_ids strategy "{strategy}" (session "{session}" input "{t.name}") is not '
-                     "supported by this version yet; supported: auto, default, mrope_3d")
+        problems.add(
+            f'position_ids strategy "{strategy}" (session "{session}" input "{t.name}") is not '
+            "supported by this version yet; supported: auto, default, mrope_3d"
+        )
     elif strategy == "mrope_3d" and t.rank != 3:
-        problems.add(f'position_ids strategy "mrope_3d" needs a rank-3 input [3, batch, sequence], but session '
-                     f'"{session}" input "{t.name}" has shape {list(t.shape)}. Use "default"')
+        problems.add(
+            f'position_ids strategy "mrope_3d" needs a rank-3 input [3, batch, sequence], but session '
+            f'"{session}" input "{t.name}" has shape {list(t.shape)}. Use "default"'
+        )
     elif strategy == "mrope_3d" and not spec.grid_source:
-        problems.add('position_ids strategy "mrope_3d" needs "grid_source": the "session.input" holding each '
-                     'image\'s (t, h, w) grid, e.g. "vision.image_grid_thw"')
+        problems.add(
+            'position_ids strategy "mrope_3d" needs "grid_source": the "session.input" holding each '
+            'image\'s (t, h, w) grid, e.g. "vision.image_grid_thw"'
+        )
     return strategy
 
 
@@ -264,29 +382,45 @@ def _kv_plan(config: Config, session: str, sig: Signature, problems: Problems) -
     pairs, fmt = _match_cache(spec, sig)
     if not pairs:
         if spec.format != "auto" and any("past" in n for n in sig.input_names):
-            problems.add(f'kv_cache format "{spec.format}" was asked for, but session "{session}" inputs '
-                         f"({one_of(sig.input_names)}) match none of its name patterns. Set "
-                         "state.kv_cache.past_key_pattern etc., or use \"format\": \"auto\"")
+            problems.add(
+                f'kv_cache format "{spec.format}" was asked for, but session "{session}" inputs '
+                f"({one_of(sig.input_names)}) match none of its name patterns. Set "
+                'state.kv_cache.past_key_pattern etc., or use "format": "auto"'
+            )
         return None
     window = spec.sliding_window
     entries = []
     for layer, past, present in pairs:
         p_info, o_info = sig.input(past), sig.output(present)
         if o_info is None:
-            problems.add(f'Session "{session}" has cache input "{past}" but no matching output "{present}" '
-                         f"(outputs: {one_of(sig.output_names)}). Set state.kv_cache.present_*_pattern")
+            problems.add(
+                f'Session "{session}" has cache input "{past}" but no matching output "{present}" '
+                f"(outputs: {one_of(sig.output_names)}). Set state.kv_cache.present_*_pattern"
+            )
             continue
         batch_axis, seq_axis = (1, 3) if fmt == "combined" else (0, 2)
         shape = _cache_shape(config, session, p_info, batch_axis, seq_axis, problems)
         windowed = window and (window.layers is None or layer in window.layers)
-        entries.append(CacheEntry(past, present, layer, p_info.dtype, shape, batch_axis, seq_axis,
-                                  window.window_size if windowed else None))
+        entries.append(
+            CacheEntry(
+                past,
+                present,
+                layer,
+                p_info.dtype,
+                shape,
+                batch_axis,
+                seq_axis,
+                window.window_size if windowed else None,
+            )
+        )
     return KVPlan(fmt, spec.share_buffer and fmt == "separate", tuple(entries))
 
 
 def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str, str]], str]:
     """[(layer, past input, present output)] for the first pattern family that matches any input."""
-    separate = [(spec.past_key_pattern, spec.present_key_pattern, spec.past_value_pattern, spec.present_value_pattern)]
+    separate = [
+        (spec.past_key_pattern, spec.present_key_pattern, spec.past_value_pattern, spec.present_value_pattern)
+    ]
     combined = [(spec.past_pattern, spec.present_pattern)]
     families: list[tuple[str, tuple[str | None, ...]]] = []
     if spec.format in ("auto", "separate"):
@@ -295,7 +429,7 @@ def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str
         families += [("combined", p) for p in (combined if combined[0][0] else COMBINED_PATTERNS)]
     for fmt, patterns in families:
         pairs = []
-        for past_pat, present_pat in zip(patterns[::2], patterns[1::2]):
+        for past_pat, present_pat in zip(patterns[::2], patterns[1::2], strict=True):
             if past_pat is None or present_pat is None:
                 continue
             regex = re.compile(re.escape(past_pat).replace(re.escape("{layer}"), r"(\d+)") + "$")
@@ -308,8 +442,9 @@ def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str
     return [], "separate"
 
 
-def _cache_shape(config: Config, session: str, t: TensorInfo, batch_axis: int, seq_axis: int,
-                 problems: Problems) -> tuple[int | None, ...]:
+def _cache_shape(
+    config: Config, session: str, t: TensorInfo, batch_axis: int, seq_axis: int, problems: Problems
+) -> tuple[int | None, ...]:
     """The cache's fixed dims from the signature; unnamed ones from the config's metadata."""
     meta = config.metadata
     fallback = {seq_axis + 1: meta.get("head_size"), seq_axis - 1: meta.get("num_key_value_heads")}
@@ -322,19 +457,23 @@ def _cache_shape(config: Config, session: str, t: TensorInfo, batch_axis: int, s
         elif isinstance(fallback.get(axis), int):
             shape.append(fallback[axis])
         else:
-            problems.add(f'Session "{session}" cache input "{t.name}" has a symbolic dimension {axis} ({dim!r}) '
-                         "that ortpipe cannot size. Export the graph with fixed head counts and sizes, or set "
-                         "metadata.num_key_value_heads and metadata.head_size in genai_config.json")
+            problems.add(
+                f'Session "{session}" cache input "{t.name}" has a symbolic dimension {axis} ({dim!r}) '
+                "that ortpipe cannot size. Export the graph with fixed head counts and sizes, or set "
+                "metadata.num_key_value_heads and metadata.head_size in genai_config.json"
+            )
             shape.append(0)
     return tuple(shape)
 
 
-def _levels(steps: list[StepPlan]) -> tuple[tuple[StepPlan, ...], ...]:
+def _levels(steps: list[FlowStepPlan]) -> tuple[tuple[FlowStepPlan, ...], ...]:
     """Init steps grouped into levels: a step runs after every step it depends on (after or data)."""
-    deps = {s.session: set(s.step.after) | {f.source.split(".")[0] for f in s.feeds if f.kind == VALUE}
-            for s in steps}
+    deps = {
+        s.session: set(s.step.after) | {f.source.split(".")[0] for f in s.feeds if f.kind == FROM_OUTPUT}
+        for s in steps
+    }
     names = {s.session for s in steps}
-    levels: list[tuple[StepPlan, ...]] = []
+    levels: list[tuple[FlowStepPlan, ...]] = []
     done: set[str] = set()
     remaining = list(steps)
     while remaining:

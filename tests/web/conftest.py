@@ -137,7 +137,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) ->
 @pytest.fixture(scope="session")
 def base_url(bundle: Path) -> Iterator[str]:
     """pytest-playwright's base URL: `page.goto("/")` opens the bundle's demo page."""
-    from ortpipe.targets.web_server import serve_in_thread
+    from ortpipe.static_server import serve_in_thread
 
     server, url = serve_in_thread(bundle)
     yield url
@@ -148,7 +148,7 @@ def base_url(bundle: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def isolated_url(bundle: Path) -> Iterator[str]:
     """The bundle served with COOP/COEP headers: a cross-origin isolated page, threaded wasm."""
-    from ortpipe.targets.web_server import serve_in_thread
+    from ortpipe.static_server import serve_in_thread
 
     server, url = serve_in_thread(bundle, coop=True)
     yield url

@@ -17,7 +17,6 @@ import pytest
 from build import references
 
 import ortpipe
-from ortpipe.targets.cpython import JinjaChatTemplate
 
 PROMPT = [5, 17, 42, 8, 23, 61, 30, 12, 77, 40, 9, 55, 33]  # 13 ids: longer than the sliding window
 NEW_TOKENS = 24
@@ -158,8 +157,7 @@ def test_text_prompt_streams_the_text_of_cpython(page: Any, models: dict[str, Pa
 
 def test_chat_messages_render_like_jinja2(page: Any, models: dict[str, Path]) -> None:
     messages = [{"role": "user", "content": "Write def fib(n):"}]
-    template = JinjaChatTemplate(json.loads((models["v2"] / "tokenizer_config.json").read_text()))
-    expected = ortpipe.load(models["v2"]).generate(template.render(messages), max_new_tokens=8)
+    expected = ortpipe.load(models["v2"]).generate(messages=messages, max_new_tokens=8)  # rendered by jinja2
     got = generate(page, "v2", messages=messages, maxNewTokens=8)
     assert got["result"]["tokens"] == expected.tokens
 

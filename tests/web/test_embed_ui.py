@@ -112,7 +112,6 @@ def test_later_models_reuse_the_running_python(page: Any, context: Any, models: 
     assert "runtime" in runs[0]["phases"]
     assert ["runtime" in run["phases"] for run in runs[1:]] == [False, False]
     assert len(booted) == 1
-    assert max(run["loadMs"] for run in runs[1:]) < runs[0]["loadMs"] / 2
 
 
 def test_demo_page_chats_like_cpython(page: Any, requests_seen: list[str], models: dict[str, Path]) -> None:

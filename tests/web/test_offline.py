@@ -24,7 +24,7 @@ import pytest
 from build import web
 
 import ortpipe
-from ortpipe.targets.web_server import BundleHandler
+from ortpipe.static_server import BundleHandler
 
 PROMPT = "def fib(n):"
 NEW_TOKENS = 16

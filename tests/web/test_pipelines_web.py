@@ -108,7 +108,7 @@ def test_decoded_pixels_equal_pillows(page: Any, served: dict[str, Path], bundle
     for a PNG with transparency (laid over white)."""
     from PIL import Image
 
-    from ortpipe.targets.media import decode_image
+    from ortpipe.targets.cpython.media import decode_image
 
     rng = np.random.default_rng(9)
     rgba = rng.integers(0, 256, (7, 5, 4), dtype=np.uint8)

@@ -19,7 +19,7 @@ from build import web
 from tests.test_streaming import TEXT, byte_level_bpe
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ortpipe.targets.cpython import HFTokenizer
+from ortpipe.targets.cpython.text import HFTokenizer
 from ortpipe.tokenizer import TextStream
 
 # Runs under node: argv[2] is a JSON file {tokenizer, sequences}; prints each sequence's deltas (its
@@ -76,7 +76,7 @@ def twin_deltas(tmp_path: Path, tokenizer: Path, sequences: list[list[int]]) -> 
 @pytest.mark.parametrize("make", [byte_level, metaspace])
 def test_the_js_text_stream_gives_the_deltas_of_the_core(tmp_path: Path, make) -> None:  # noqa: ANN001
     path = make(tmp_path)
-    tokenizer = HFTokenizer(path)
+    tokenizer = HFTokenizer.from_file(path)
     vocab = Tokenizer.from_file(str(path)).get_vocab_size()
     rng = random.Random(0)
     sequences = [tokenizer.encode(" ".join([TEXT] * 3)), tokenizer.encode(TEXT)[::-1]]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
+import warnings
 from typing import Any
 
+from ..detect import detect_config
 from ..errors import ConfigError
 from ..folder import Folder
+from ..jsonfile import read_json
 from . import v1
 from .parse import parse_config
 from .presets import PRESETS
@@ -14,35 +16,33 @@ from .schema import Config
 
 CONFIG_FILE = "genai_config.json"
 
-__all__ = ["CONFIG_FILE", "PRESETS", "Config", "load_config", "parse_json", "raw_config"]
+__all__ = ["CONFIG_FILE", "PRESETS", "Config", "load_config", "raw_config"]
 
 
-def parse_json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-
-
-def raw_config(folder: Folder) -> tuple[dict[str, Any], str] | None:
-    """The folder's config as a raw v2 mapping and its source ("v2" or "v1"), or None without one."""
+def raw_config(folder: Folder) -> tuple[dict[str, Any], str, tuple[str, ...]] | None:
+    """The folder's config as a raw v2 mapping, its source ("v2" or "v1") and the translation's
+    notes; None without a genai_config.json."""
     if not folder.exists(CONFIG_FILE):
         return None
-    raw = parse_json(folder.read_text(CONFIG_FILE), folder.describe(CONFIG_FILE))
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{folder.describe(CONFIG_FILE)} must hold a JSON object, found {type(raw).__name__}")
+    raw = read_json(folder, CONFIG_FILE)
     if v1.is_v1(raw):
-        return v1.translate(raw), "v1"
+        translated, notes = v1.translate(raw)
+        return translated, "v1", notes
     if raw.get("version") != 2:
-        raise ConfigError(f'{folder.describe(CONFIG_FILE)} has "version": {raw.get("version")!r}; ortpipe reads '
-                          'version 2 (the pipeline schema) or the v1 layout with a "model" object')
-    return raw, "v2"
+        raise ConfigError(
+            f'{folder.describe(CONFIG_FILE)} has "version": {raw.get("version")!r:.40}; ortpipe '
+            'reads version 2 (the pipeline schema) or the v1 layout with a "model" object'
+        )
+    return raw, "v2", ()
 
 
-def load_config(folder: Folder) -> Config:
-    """The folder's Config; without genai_config.json, one detected from the folder's files."""
-    from ..detect import detect_config  # detect builds on config; imported here to keep the cycle out
-
+def load_config(folder: Folder, warn: bool = True) -> Config:
+    """The folder's Config; without genai_config.json, one detected from the folder's files.
+    `warn`: show the config's notes (unknown v1 keys, ...) as Python warnings."""
     found = raw_config(folder)
-    raw, source = found if found else (detect_config(folder), "detected")
-    return parse_config(raw, folder, source)
+    raw, source, notes = found if found else (detect_config(folder), "detected", ())
+    config = parse_config(raw, folder, source, notes)
+    if warn:
+        for note in config.notes:
+            warnings.warn(note, stacklevel=2)
+    return config

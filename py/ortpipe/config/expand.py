@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from .schema import Config, FlowStep, SessionSpec
+from .settings import SETTINGS
 
 
 def as_v2(config: Config) -> dict[str, Any]:
@@ -26,9 +27,24 @@ def as_v2(config: Config) -> dict[str, Any]:
         "version": 2,
         "pipeline": pipeline,
         "tokens": _clean(dataclasses.asdict(config.tokens)),
-        "generation": _clean(dataclasses.asdict(config.generation)),
+        "generation": _generation(config),
         "metadata": config.metadata,
     }
+
+
+def _generation(config: Config) -> dict[str, Any]:
+    gen = config.generation
+    out: dict[str, Any] = {"loop": gen.loop}
+    for s in SETTINGS:
+        value = gen.max_length if s.name == "max_length" else getattr(gen.settings, s.name, None)
+        if s.v2 is None or value is None:
+            continue
+        head, _, key = s.v2.rpartition(".")
+        (out.setdefault(head, {}) if head else out)[key] = list(value) if isinstance(value, tuple) else value
+    for key in ("num_steps", "scheduler", "guidance_scale"):
+        if getattr(gen, key) is not None:
+            out[key] = getattr(gen, key)
+    return out
 
 
 def _session(s: SessionSpec) -> dict[str, Any]:

@@ -1,16 +1,18 @@
 """Raw v2 mappings -> validated Config.
 
-Checks everything that can be checked without opening a model: field types, vocabularies, flow
-references, cycles, session files. Checks that need the graphs' signatures live in `plan`.
+Checks everything that can be checked without opening a model: field types, ranges, vocabularies,
+flow references, cycles, session files. Checks that need the graphs' signatures live in `plan`.
 All problems are collected and raised together as one ConfigError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import Problems, did_you_mean, one_of
-from ..folder import Folder, inside
+from ..folder import Folder
+from ..jsonfile import quote
 from . import presets
 from .schema import (
     GENERATION_LOOPS,
@@ -18,6 +20,7 @@ from .schema import (
     LOOP_MODES,
     MAX_FLOW_STEPS,
     POSITION_STRATEGIES,
+    SESSION_OPTIONS,
     WHEN,
     WHEN_ALIASES,
     Config,
@@ -28,89 +31,135 @@ from .schema import (
     KVCacheSpec,
     PipelineSpec,
     PositionIdsSpec,
-    Sampling,
     SessionSpec,
     SlidingWindow,
     StateSpec,
     Tokens,
     Wire,
 )
+from .settings import SearchSettings, by_v2
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                list: "a list", dict: "an object"}
+MAX_REPEAT = 64  # a flow step run more often than this per iteration is a plugin's job
+MAX_THREADS = 1024
 
 
 class Section:
-    """One JSON object of the config, with its dotted path for messages."""
+    """One JSON object of the config, with its dotted path for messages.
 
-    def __init__(self, raw: Any, path: str, problems: Problems):
-        self.path, self.problems = path, problems
+    `nulls`: whether JSON null means "not given" (the processor configs transformers writes use it
+    so); in ortpipe's own config a null is refused, since it would be a key accepted and ignored.
+    """
+
+    def __init__(self, raw: Any, path: str, problems: Problems, nulls: bool = True):
+        self.path, self.problems, self.nulls = path, problems, nulls
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
-            problems.add(f"{path} must be an object, found {type(raw).__name__} {raw!r}")
+            problems.add(f"{path} must be an object, found {type(raw).__name__} {quote(raw)}")
             raw = {}
         self.raw: dict[str, Any] = raw
 
     def allow(self, *keys: str) -> None:
         for key in self.raw:
             if key not in keys:
-                self.problems.add(f'Unknown key "{key}" in {self.path}.{did_you_mean(key, keys)} '
-                                  f"Allowed keys: {one_of(keys)}")
+                self.problems.add(
+                    f'Unknown key "{quote(key)[1:-1]}" in {self.path}.{did_you_mean(key, keys)} '
+                    f"Allowed keys: {one_of(keys)}"
+                )
 
     def get(self, key: str, kind: type, default: Any = None) -> Any:
         value = self.raw.get(key, default)
-        if value is default or value is None:
+        if value is default:
             return value
+        if value is None:
+            if not self.nulls:
+                self.problems.add(
+                    f"{self.path}.{key} must be {_TYPE_NAMES.get(kind, kind.__name__)}, found null "
+                    "(leave the key out for the default)"
+                )
+            return default
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            self.problems.add(f"{self.path}.{key} must be {_TYPE_NAMES.get(kind, kind.__name__)}, "
-                              f"found {value!r}")
+            self.problems.add(
+                f"{self.path}.{key} must be {_TYPE_NAMES.get(kind, kind.__name__)}, found {quote(value)}"
+            )
             return default
         return value
 
-    def choice(self, key: str, allowed: tuple[str, ...], default: str,
-               aliases: dict[str, str] | None = None, what: str | None = None) -> str:
+    def number(self, key: str, kind: type, default: Any, low: float, high: float | None = None) -> Any:
+        """An int or float in [low, high]."""
+        value = self.get(key, kind, default)
+        if value is default or value is None:
+            return value
+        if value != value or value < low or (high is not None and value > high):
+            limit = f"at least {low}" + (f" and at most {high}" if high is not None else "")
+            self.problems.add(f"{self.path}.{key} must be {limit}, found {quote(value)}")
+            return default
+        return value
+
+    def choice(
+        self,
+        key: str,
+        allowed: tuple[str, ...],
+        default: str,
+        aliases: dict[str, str] | None = None,
+        what: str | None = None,
+    ) -> str:
         value = self.get(key, str, default)
         value = (aliases or {}).get(value, value)
         if value not in allowed:
             names = list(allowed) + list(aliases or {})
-            self.problems.add(f'Unknown {what or key} "{value}" in {self.path}.{key}. '
-                              f"Valid options: {one_of(allowed)}.{did_you_mean(value, names)}")
+            self.problems.add(
+                f"Unknown {what or key} {quote(value)} in {self.path}.{key}. "
+                f"Valid options: {one_of(allowed)}.{did_you_mean(value, names)}"
+            )
             return default
         return value
 
     def sub(self, key: str) -> Section:
-        return Section(self.raw.get(key), f"{self.path}.{key}", self.problems)
+        return Section(self.raw.get(key), f"{self.path}.{key}", self.problems, self.nulls)
 
     def int_list(self, key: str) -> tuple[int, ...] | None:
         value = self.get(key, list)
         if value is None:
             return None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            self.problems.add(f"{self.path}.{key} must be a list of integers, found {value!r}")
+            self.problems.add(f"{self.path}.{key} must be a list of integers, found {quote(value)}")
             return None
         return tuple(value)
 
+    def str_list(self, key: str) -> tuple[str, ...]:
+        value = self.get(key, list, [])
+        if not all(isinstance(v, str) for v in value):
+            self.problems.add(f"{self.path}.{key} must be a list of strings, found {quote(value)}")
+            return ()
+        return tuple(value)
 
-def parse_config(raw: Any, folder: Folder, source: str = "v2") -> Config:
-    """Validate a raw v2 config (already translated when it came from v1)."""
+
+def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str, ...] = ()) -> Config:
+    """Validate a raw v2 config (already translated when it came from v1; `notes` are the
+    translation's warnings)."""
     problems = Problems()
-    top = Section(raw, "config", problems)
+    top = Section(raw, "config", problems, nulls=False)
     top.allow("version", "pipeline", "tokens", "generation", "metadata")
     pipe_raw = top.raw.get("pipeline")
     if not isinstance(pipe_raw, dict):
-        problems.add('The config has no "pipeline" object. Add "pipeline": {"extends": '
-                     '"autoregressive-decoder", "sessions": {"decoder": {"file": "model.onnx"}}}')
+        problems.add(
+            'The config has no "pipeline" object. Add "pipeline": {"extends": '
+            '"autoregressive-decoder", "sessions": {"decoder": {"file": "model.onnx"}}}'
+        )
         problems.raise_if_any()
     pipeline = _pipeline(_resolve_preset(pipe_raw, problems), folder, problems)
     config = Config(
         pipeline=pipeline,
         tokens=_tokens(top.sub("tokens")),
         generation=_generation(top.sub("generation")),
-        metadata=top.get("metadata", dict, {}),
+        metadata=_metadata(top.sub("metadata")),
         source=source,
+        notes=notes,
     )
     problems.raise_if_any()
     return config
@@ -120,15 +169,17 @@ def _resolve_preset(pipe_raw: dict[str, Any], problems: Problems) -> dict[str, A
     name = pipe_raw.get("extends")
     if name is None:
         return pipe_raw
-    if name not in presets.PRESETS:
-        problems.add(f'Unknown pipeline preset "{name}" in pipeline.extends. Built-in presets: '
-                     f"{one_of(presets.PRESETS)}.{did_you_mean(name, presets.PRESETS)}")
+    if not isinstance(name, str) or name not in presets.PRESETS:
+        problems.add(
+            f"Unknown pipeline preset {quote(name)} in pipeline.extends. Built-in presets: "
+            f"{one_of(presets.PRESETS)}.{did_you_mean(str(name), presets.PRESETS)}"
+        )
         return {k: v for k, v in pipe_raw.items() if k != "extends"}
     return presets.expand(pipe_raw, name)
 
 
 def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> PipelineSpec:
-    sec = Section(raw, "pipeline", problems)
+    sec = Section(raw, "pipeline", problems, nulls=False)
     sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin", "output")
     sessions = _sessions(sec.sub("sessions"), folder, problems)
     flow = _flow(sec.get("flow", list), sessions, problems)
@@ -138,8 +189,8 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
         sessions=sessions,
         flow=flow,
         dataflow=dataflow,
-        state=_state(sec.sub("state")),
-        preprocessing=sec.get("preprocessing", dict, {}),
+        state=_cross_attention(_state(sec.sub("state")), flow, sessions, problems),
+        preprocessing=_preprocessing(sec.sub("preprocessing"), folder),
         plugin=sec.get("plugin", dict),
         extends=sec.get("extends", str),
     )
@@ -147,73 +198,159 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
 
 def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, SessionSpec]:
     if not sec.raw:
-        problems.add('Pipeline config requires at least one session. Add "sessions": '
-                     '{"decoder": {"file": "model.onnx"}} to pipeline')
+        problems.add(
+            'Pipeline config requires at least one session. Add "sessions": '
+            '{"decoder": {"file": "model.onnx"}} to pipeline'
+        )
         return {}
     sessions = {}
     for name in sec.raw:
         s = sec.sub(name)
-        s.allow("file", "execution_provider", "provider_options", "session_options", "optional",
-                "inputs", "outputs")
+        s.allow(
+            "file",
+            "execution_provider",
+            "provider_options",
+            "session_options",
+            "optional",
+            "inputs",
+            "outputs",
+        )
         file = s.get("file", str)
         if file is None:
             problems.add(f'{s.path} has no "file". Add "file": "model.onnx" (a path inside the model folder)')
             continue
         optional = s.get("optional", bool, False)
         _check_file(s.path, file, folder, optional, problems)
-        providers = s.raw.get("execution_provider", "cpu")
-        providers = (providers,) if isinstance(providers, str) else tuple(providers)
-        if not providers or not all(isinstance(p, str) for p in providers):
-            problems.add(f"{s.path}.execution_provider must be a provider name or a list of names, "
-                         f"found {s.raw.get('execution_provider')!r}")
-            providers = ("cpu",)
         sessions[name] = SessionSpec(
-            name=name, file=file, providers=providers,
-            provider_options=s.get("provider_options", dict, {}),
-            session_options=s.get("session_options", dict, {}),
+            name=name,
+            file=file,
+            providers=_providers(s),
+            provider_options=_provider_options(s),
+            session_options=_session_options(s.sub("session_options")),
             optional=optional,
-            inputs=_role_map(s, "inputs"), outputs=_role_map(s, "outputs"),
+            inputs=_role_map(s, "inputs"),
+            outputs=_role_map(s, "outputs"),
         )
     return sessions
+
+
+def _providers(s: Section) -> tuple[str, ...]:
+    value = s.raw.get("execution_provider", "cpu")
+    providers = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
+    if not providers or not all(isinstance(p, str) and p for p in providers):
+        s.problems.add(
+            f"{s.path}.execution_provider must be a provider name or a list of names (a fallback "
+            f'order, e.g. ["openvino", "cpu"]), found {quote(value)}'
+        )
+        return ("cpu",)
+    return providers
+
+
+def _provider_options(s: Section) -> dict[str, dict[str, Any]]:
+    value = s.get("provider_options", dict, {})
+    for provider, options in value.items():
+        if not isinstance(options, dict):
+            s.problems.add(
+                f"{s.path}.provider_options.{provider} must be an object of option names and values, "
+                f"found {quote(options)}"
+            )
+            return {}
+    return dict(value)
+
+
+def _session_options(sec: Section) -> dict[str, Any]:
+    sec.allow(*SESSION_OPTIONS)
+    options = {}
+    for key, kind in SESSION_OPTIONS.items():
+        if key not in sec.raw:
+            continue
+        if kind is int:
+            value = sec.number(key, int, None, 0, MAX_THREADS)
+        elif isinstance(kind, tuple):
+            value = sec.choice(key, kind, kind[0])
+        else:
+            value = sec.get(key, kind)
+        if value is not None:
+            options[key] = value
+    entries = options.get("config_entries", {})
+    if not all(isinstance(v, str) for v in entries.values()):
+        sec.problems.add(
+            f"{sec.path}.config_entries maps onnxruntime session config keys to strings, "
+            f"found {quote(entries)}"
+        )
+        options.pop("config_entries")
+    return options
 
 
 def _role_map(sec: Section, key: str) -> dict[str, str]:
     value = sec.get(key, dict, {})
     if not all(isinstance(v, str) for v in value.values()):
-        sec.problems.add(f"{sec.path}.{key} maps roles to tensor names (strings), found {value!r}")
+        sec.problems.add(f"{sec.path}.{key} maps roles to tensor names (strings), found {quote(value)}")
         return {}
     return dict(value)
 
 
 def _check_file(path: str, file: str, folder: Folder, optional: bool, problems: Problems) -> None:
+    from ..errors import ConfigError
+    from ..folder import inside
+
     if not inside(file):
-        problems.add(f'{path}.file "{file}" points outside the model folder. Session files must be '
-                     "relative paths inside it, like \"model.onnx\" or \"decoder/model.onnx\"")
-    elif not optional and not folder.exists(file):
-        problems.add(f'{path}.file "{file}" does not exist (looked for {folder.describe(file)}). '
-                     "Fix the path, or mark the session \"optional\": true")
+        problems.add(
+            f'{path}.file "{file}" points outside the model folder. Session files must be '
+            'relative paths inside it, like "model.onnx" or "decoder/model.onnx"'
+        )
+        return
+    try:
+        found = folder.exists(file)
+    except ConfigError as e:  # a link leading out of the folder
+        problems.add(f"{path}.file: {e}")
+        return
+    if not optional and not found:
+        problems.add(
+            f'{path}.file "{file}" does not exist (looked for {folder.describe(file)}). '
+            'Fix the path, or mark the session "optional": true'
+        )
 
 
-def _flow(raw: list[Any] | None, sessions: dict[str, SessionSpec], problems: Problems) -> tuple[FlowStep, ...]:
+def _flow(
+    raw: list[Any] | None, sessions: dict[str, SessionSpec], problems: Problems
+) -> tuple[FlowStep, ...]:
     if raw is None:
-        problems.add('pipeline has no "flow". Add "flow": [{"run": "decoder", "when": "step"}] '
-                     'or "extends": "autoregressive-decoder"')
+        problems.add(
+            'pipeline has no "flow". Add "flow": [{"run": "decoder", "when": "step"}] '
+            'or "extends": "autoregressive-decoder"'
+        )
         return ()
     if len(raw) > MAX_FLOW_STEPS:
-        problems.add(f"pipeline.flow has {len(raw)} steps; at most {MAX_FLOW_STEPS} are allowed. "
-                     "Merge steps, or use a plugin for longer pipelines")
+        problems.add(
+            f"pipeline.flow has {len(raw)} steps; at most {MAX_FLOW_STEPS} are allowed. "
+            "Merge steps, or use a plugin for longer pipelines"
+        )
+        raw = raw[:MAX_FLOW_STEPS]
     steps = []
     for i, item in enumerate(raw):
-        s = Section(item, f"pipeline.flow[{i}]", problems)
-        s.allow("run", "when", "loop", "loop_over", "dynamic_shape", "repeat", "counter", "optional",
-                "after", "cross_attention_from")
+        s = Section(item, f"pipeline.flow[{i}]", problems, nulls=False)
+        s.allow(
+            "run",
+            "when",
+            "loop",
+            "loop_over",
+            "dynamic_shape",
+            "repeat",
+            "counter",
+            "optional",
+            "after",
+            "cross_attention_from",
+        )
         run = s.get("run", str)
         if run is None:
             problems.add(f'{s.path} has no "run": name the session this step runs')
             continue
         if sessions and run not in sessions:
-            problems.add(f'Flow step {i} ({s.path}) references session "{run}" but no such session is '
-                         f"declared in pipeline.sessions (declared: {one_of(sessions)}).{did_you_mean(run, sessions)}")
+            problems.add(
+                f'Flow step {i} ({s.path}) references session "{quote(run)[1:-1]}" but no such session is '
+                f"declared in pipeline.sessions (declared: {one_of(sessions)}).{did_you_mean(run, sessions)}"
+            )
         steps.append(_flow_step(s, run))
     _check_flow_refs(steps, problems)
     return tuple(steps)
@@ -226,23 +363,35 @@ def _flow_step(s: Section, run: str) -> FlowStep:
         d.allow("source", "apply_to_dims")
         source = d.get("source", str)
         if source is None:
-            s.problems.add(f'{d.path} needs "source": the input holding each item\'s sizes, e.g. "image_sizes"')
-        dyn = DynamicShape(source or "", d.int_list("apply_to_dims") or ())
+            s.problems.add(
+                f'{d.path} needs "source": the input holding each item\'s sizes, e.g. "image_sizes"'
+            )
+        dims = d.int_list("apply_to_dims") or ()
+        if any(x < 0 for x in dims):
+            s.problems.add(
+                f"{d.path}.apply_to_dims must be dimension indices (0 or more), found {list(dims)}"
+            )
+            dims = ()
+        dyn = DynamicShape(source or "", dims)
     loop = s.choice("loop", LOOP_MODES, "batched", what="loop mode")
-    repeat = s.get("repeat", int, 1)
-    if repeat < 1:
-        s.problems.add(f"{s.path}.repeat must be 1 or more, found {repeat}")
-    after = s.get("after", list, [])
-    if not all(isinstance(a, str) for a in after):
-        s.problems.add(f"{s.path}.after must be a list of session names, found {after!r}")
-        after = []
+    repeat = s.number("repeat", int, 1, 1, MAX_REPEAT)
     if loop == "per_image" and not s.get("loop_over", str):
-        s.problems.add(f'{s.path} has loop "per_image" but no "loop_over": name the input to iterate '
-                       'over, e.g. "loop_over": "pixel_values"')
+        s.problems.add(
+            f'{s.path} has loop "per_image" but no "loop_over": name the input to iterate '
+            'over, e.g. "loop_over": "pixel_values"'
+        )
     return FlowStep(
-        run=run, when=s.choice("when", WHEN, "step", WHEN_ALIASES, what="flow phase (when)"),
-        loop=loop, loop_over=s.get("loop_over", str), dynamic_shape=dyn, repeat=repeat,
-        counter=s.get("counter", str), optional=s.get("optional", bool, False), after=tuple(after))
+        run=run,
+        when=s.choice("when", WHEN, "step", WHEN_ALIASES, what="flow phase (when)"),
+        loop=loop,
+        loop_over=s.get("loop_over", str),
+        dynamic_shape=dyn,
+        repeat=repeat,
+        counter=s.get("counter", str),
+        optional=s.get("optional", bool, False),
+        after=s.str_list("after"),
+        cross_attention_from=s.get("cross_attention_from", str),
+    )
 
 
 def _check_flow_refs(steps: list[FlowStep], problems: Problems) -> None:
@@ -250,14 +399,24 @@ def _check_flow_refs(steps: list[FlowStep], problems: Problems) -> None:
     for i, step in enumerate(steps):
         for dep in step.after:
             if dep not in names:
-                problems.add(f'pipeline.flow[{i}].after names "{dep}", which no flow step runs '
-                             f"(steps run: {one_of(names)}).{did_you_mean(dep, names)}")
+                problems.add(
+                    f'pipeline.flow[{i}].after names "{dep}", which no flow step runs '
+                    f"(steps run: {one_of(names)}).{did_you_mean(dep, names)}"
+                )
+    seen: set[str] = set()
+    for step in steps:
+        if step.run in seen:
+            problems.add(
+                f'pipeline.flow runs session "{step.run}" twice; a session runs once per phase '
+                '(use "repeat" to run it several times in a row)'
+            )
+        seen.add(step.run)
 
 
 def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Problems) -> tuple[Wire, ...]:
     wires = []
     for i, item in enumerate(raw):
-        s = Section(item, f"pipeline.dataflow[{i}]", problems)
+        s = Section(item, f"pipeline.dataflow[{i}]", problems, nulls=False)
         s.allow("from", "to")
         ends = [_endpoint(s, key, sessions) for key in ("from", "to")]
         if ends[0] and ends[1]:
@@ -268,12 +427,14 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
 def _endpoint(s: Section, key: str, sessions: dict[str, SessionSpec]) -> tuple[str, str] | None:
     value = s.get(key, str)
     if value is None or "." not in value:
-        s.problems.add(f'{s.path}.{key} must be "session.tensor", found {value!r}')
+        s.problems.add(f'{s.path}.{key} must be "session.tensor", found {quote(value)}')
         return None
     session, tensor = value.split(".", 1)
     if sessions and session not in sessions:
-        s.problems.add(f'{s.path}.{key} names session "{session}", which is not declared in '
-                       f"pipeline.sessions (declared: {one_of(sessions)}).{did_you_mean(session, sessions)}")
+        s.problems.add(
+            f'{s.path}.{key} names session "{session}", which is not declared in '
+            f"pipeline.sessions (declared: {one_of(sessions)}).{did_you_mean(session, sessions)}"
+        )
         return None
     return session, tensor
 
@@ -289,8 +450,10 @@ def _check_cycles(flow: tuple[FlowStep, ...], wires: tuple[Wire, ...], problems:
             edges.setdefault(dep, set()).add(step.run)
     cycle = find_cycle(edges)
     if cycle:
-        problems.add(f"Circular dependency detected in dataflow/after: {' → '.join(cycle)}. "
-                     "Remove one of these wires or dependencies")
+        problems.add(
+            f"Circular dependency detected in dataflow/after: {' → '.join(cycle)}. "
+            "Remove one of these wires or dependencies"
+        )
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -303,7 +466,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -316,11 +479,14 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+PATTERN_KEYS = ("past_key_pattern", "present_key_pattern", "past_value_pattern", "present_value_pattern",
+                "past_pattern", "present_pattern")
+
+
 def _state(sec: Section) -> StateSpec:
-    sec.allow("kv_cache", "position_ids", "cross_cache", "type")
+    sec.allow("kv_cache", "position_ids", "cross_cache")
     kv = sec.sub("kv_cache")
-    kv.allow("format", "past_key_pattern", "present_key_pattern", "past_value_pattern",
-             "present_value_pattern", "past_pattern", "present_pattern", "share_buffer", "sliding_window")
+    kv.allow("format", *PATTERN_KEYS, "share_buffer", "sliding_window")
     pos = sec.sub("position_ids")
     pos.allow("strategy", "input_name", "grid_source", "spatial_merge_size")
     cross = None
@@ -328,11 +494,18 @@ def _state(sec: Section) -> StateSpec:
         c = sec.sub("cross_cache")
         c.allow("source", "frozen")
         cross = CrossCacheSpec(source=c.get("source", str, "encoder"), frozen=c.get("frozen", bool, True))
+    patterns = {k: kv.get(k, str) for k in PATTERN_KEYS}
+    for key, pattern in patterns.items():
+        if pattern is not None and pattern.count("{layer}") != 1:
+            kv.problems.add(
+                f'{kv.path}.{key} must hold "{{layer}}" once, where the layer number stands, '
+                f"found {quote(pattern)}"
+            )
+            patterns[key] = None
     return StateSpec(
         kv_cache=KVCacheSpec(
             format=kv.choice("format", KV_FORMATS, "auto", what="kv_cache format"),
-            **{k: kv.get(k, str) for k in ("past_key_pattern", "present_key_pattern", "past_value_pattern",
-                                             "present_value_pattern", "past_pattern", "present_pattern")},
+            **patterns,
             share_buffer=kv.get("share_buffer", bool, False),
             sliding_window=_sliding(kv),
         ),
@@ -340,70 +513,115 @@ def _state(sec: Section) -> StateSpec:
             strategy=pos.choice("strategy", POSITION_STRATEGIES, "auto", what="position_ids strategy"),
             input_name=pos.get("input_name", str, "position_ids"),
             grid_source=pos.get("grid_source", str),
-            spatial_merge_size=pos.get("spatial_merge_size", int, 2),
+            spatial_merge_size=pos.number("spatial_merge_size", int, 2, 1, 64),
         ),
         cross_cache=cross,
     )
 
 
+def _cross_attention(
+    state: StateSpec, flow: tuple[FlowStep, ...], sessions: dict[str, SessionSpec], problems: Problems
+) -> StateSpec:
+    """A flow step's `cross_attention_from` names the session whose cross cache it reads: the same as
+    state.cross_cache.source (seed 000, section 4.3), which it sets when state leaves it out."""
+    for i, step in enumerate(flow):
+        source = step.cross_attention_from
+        if source is None:
+            continue
+        if sessions and source not in sessions:
+            problems.add(
+                f'pipeline.flow[{i}].cross_attention_from names session "{source}", which is not declared '
+                f"(declared: {one_of(sessions)}).{did_you_mean(source, sessions)}"
+            )
+        elif state.cross_cache is None:
+            state = dataclasses.replace(state, cross_cache=CrossCacheSpec(source=source))
+        elif state.cross_cache.source != source:
+            problems.add(
+                f'pipeline.flow[{i}].cross_attention_from is "{source}" but state.cross_cache.source is '
+                f'"{state.cross_cache.source}": name the same session in both, or leave one out'
+            )
+    return state
+
+
 def _sliding(kv: Section) -> SlidingWindow | None:
-    if kv.raw.get("sliding_window") is None:
+    if "sliding_window" not in kv.raw:
         return None
     sw = kv.sub("sliding_window")
     sw.allow("window_size", "layers")
     size = sw.get("window_size", int)
     if size is None or size < 1:
-        sw.problems.add(f"{sw.path}.window_size must be a positive integer, found {size!r}")
+        sw.problems.add(f"{sw.path}.window_size must be a positive integer, found {quote(size)}")
         return None
     return SlidingWindow(window_size=size, layers=sw.int_list("layers"))
+
+
+def _preprocessing(sec: Section, folder: Folder) -> dict[str, Any]:
+    sec.allow("image", "audio")
+    found = {}
+    for kind in ("image", "audio"):
+        if kind not in sec.raw:
+            continue
+        s = sec.sub(kind)
+        s.allow("config")
+        name = s.get("config", str)
+        if name is not None:
+            from ..errors import ConfigError
+
+            try:
+                folder.exists(name)  # the containment check: a path or link out of the folder is refused
+            except ConfigError as e:
+                s.problems.add(f"{s.path}.config: {e}")
+                continue
+        found[kind] = dict(s.raw)
+    return found
+
+
+# metadata is for people and logs, but for the sizes the runtime reads when a graph leaves them symbolic
+METADATA_SIZES = ("context_length", "head_size", "num_key_value_heads", "num_attention_heads", "vocab_size")
+
+
+def _metadata(sec: Section) -> dict[str, Any]:
+    for key in METADATA_SIZES:
+        if key in sec.raw:
+            sec.number(key, int, None, 1)
+    return dict(sec.raw)
 
 
 def _tokens(sec: Section) -> Tokens:
     sec.allow("eos", "pad", "bos", "image_token", "audio_token", "decoder_start")
     eos = sec.raw.get("eos", [])
     eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
-    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        sec.problems.add(f"{sec.path}.eos must be a token id or a list of token ids, found {eos!r}")
+    if not isinstance(eos, list) or not all(
+        isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos
+    ):
+        sec.problems.add(f"{sec.path}.eos must be a token id or a list of token ids, found {quote(eos)}")
         eos = []
     names = ("pad", "bos", "image_token", "audio_token", "decoder_start")
-    return Tokens(eos=tuple(eos), **{k: sec.get(k, int) for k in names})
+    values = {k: sec.number(k, int, None, 0) for k in names}
+    return Tokens(eos=tuple(eos), **values)
 
 
 def _generation(sec: Section) -> Generation:
-    sec.allow("loop", "max_length", "min_length", "sampling", "num_beams", "length_penalty", "num_steps",
-              "scheduler", "guidance_scale", "stop", "early_stopping", "num_return_sequences",
-              "no_repeat_ngram_size", "suppress_tokens")
     samp = sec.sub("sampling")
-    samp.allow("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-    stop = sec.get("stop", list, [])
-    if not all(isinstance(x, str) for x in stop):
-        sec.problems.add(f"{sec.path}.stop must be a list of strings, found {stop!r}")
-        stop = []
-    max_length = sec.get("max_length", int)
-    if max_length is not None and max_length < 1:
-        sec.problems.add(f"{sec.path}.max_length must be a positive integer, found {max_length}")
-        max_length = None
+    top_keys = [key for key, _ in by_v2()]
+    sec.allow("loop", "sampling", "num_steps", "scheduler", "guidance_scale", *top_keys)
+    samp.allow(*(key for key, _ in by_v2("sampling")))
+    values: dict[str, Any] = {}
+    for section, where in ((sec, ""), (samp, "sampling")):
+        for key, setting in by_v2(where):
+            if key not in section.raw:
+                continue
+            checked, problem = setting.check(section.raw[key])
+            if problem:
+                sec.problems.add(f"{section.path}.{key} {problem}")
+            elif checked is not None:
+                values[setting.name] = checked
+    max_length = values.pop("max_length", None)
     return Generation(
         loop=sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop"),
         max_length=max_length,
-        min_length=sec.get("min_length", int, 0),
-        sampling=Sampling(
-            do_sample=samp.get("do_sample", bool, False),
-            temperature=samp.get("temperature", float, 1.0),
-            top_k=samp.get("top_k", int, 0),
-            top_p=samp.get("top_p", float, 1.0),
-            min_p=samp.get("min_p", float, 0.0),
-            repetition_penalty=samp.get("repetition_penalty", float, 1.0),
-            seed=samp.get("seed", int),
-        ),
-        num_beams=sec.get("num_beams", int, 1),
-        length_penalty=sec.get("length_penalty", float, 1.0),
-        early_stopping=sec.get("early_stopping", bool, False),
-        num_return_sequences=sec.get("num_return_sequences", int, 1),
-        no_repeat_ngram_size=sec.get("no_repeat_ngram_size", int, 0),
-        suppress_tokens=sec.int_list("suppress_tokens") or (),
-        stop=tuple(stop),
-        num_steps=sec.get("num_steps", int),
+        settings=SearchSettings(**values),
+        num_steps=sec.number("num_steps", int, None, 1, 10_000),
         scheduler=sec.get("scheduler", str),
-        guidance_scale=sec.get("guidance_scale", float),
+        guidance_scale=sec.number("guidance_scale", float, None, 0.0, 1000.0),
     )

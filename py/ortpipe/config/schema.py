@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .settings import SearchSettings
+
 WHEN = ("init", "step", "final")
 WHEN_ALIASES = {"once": "init", "prompt": "init", "always": "step"}
 LOOP_MODES = ("batched", "per_image")
@@ -16,6 +18,19 @@ KV_FORMATS = ("auto", "separate", "combined")
 POSITION_STRATEGIES = ("auto", "default", "mrope_3d", "windowed")
 GENERATION_LOOPS = ("autoregressive", "single_pass", "denoising")
 MAX_FLOW_STEPS = 10
+# session_options a session may set, and what each takes (a tuple: the allowed names, default first).
+# They become onnxruntime SessionOptions on CPython; the browser's sessions take none of them.
+SESSION_OPTIONS: dict[str, Any] = {
+    "intra_op_num_threads": int,
+    "inter_op_num_threads": int,
+    "graph_optimization_level": ("all", "extended", "basic", "disable"),
+    "execution_mode": ("sequential", "parallel"),
+    "enable_cpu_mem_arena": bool,
+    "enable_mem_pattern": bool,
+    "enable_mem_reuse": bool,
+    # onnxruntime session config entries, e.g. {"session.use_device_allocator_for_initializers": "1"}
+    "config_entries": dict,
+}
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,7 @@ class FlowStep:
     counter: str | None = None
     optional: bool = False
     after: tuple[str, ...] = ()
+    cross_attention_from: str | None = None  # the session whose cross cache this step reads
 
 
 @dataclass(frozen=True)
@@ -122,29 +138,10 @@ class Tokens:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
 class Generation:
     loop: str = "autoregressive"
     max_length: int | None = None
-    min_length: int = 0
-    sampling: Sampling = field(default_factory=Sampling)
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-    num_return_sequences: int = 1
-    no_repeat_ngram_size: int = 0
-    suppress_tokens: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
+    settings: SearchSettings = field(default_factory=SearchSettings)  # the request defaults (settings.py)
     num_steps: int | None = None
     scheduler: str | None = None
     guidance_scale: float | None = None
@@ -158,6 +155,7 @@ class Config:
     metadata: dict[str, Any] = field(default_factory=dict)
     source: str = "v2"  # where it came from: "v2", "v1" (translated) or "detected"
     version: int = 2
+    notes: tuple[str, ...] = ()  # warnings for the user (a v1 key ortpipe does not know, ...)
 
     def session_of(self, step: FlowStep) -> SessionSpec:
         return self.pipeline.sessions[step.run]

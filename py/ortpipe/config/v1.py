@@ -1,13 +1,18 @@
 """Translate onnxruntime-genai's v1 genai_config.json (what its model builder writes) to v2.
 
-`model.type` becomes metadata: it is never dispatched on, so an unknown type still runs.
+`model.type` becomes metadata: it is never dispatched on, so an unknown type still runs. The v1
+keys are checked against what onnxruntime-genai reads: a known key with a wrong type is a problem
+(a ConfigError); an unknown key, or one ortpipe has no use for, is a note (a warning naming the
+closest known key): configs written by newer builders keep loading.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, Problems, did_you_mean
+from ..jsonfile import quote
+from .settings import SETTINGS, V1_OTHER_SEARCH_KEYS
 
 # v1 decoder input/output keys that name a single tensor, kept as role maps on the session.
 _INPUT_ROLES = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
@@ -17,33 +22,153 @@ _KV_KEYS = {
     "present_key_names": "present_key_pattern", "present_value_names": "present_value_pattern",
     "past_names": "past_pattern", "present_names": "present_pattern",
 }
-_SEARCH_TO_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 # Sections that become init sessions, in the order they run, and whether a request may omit their input.
 _ENCODERS = (("vision", True), ("speech", True), ("encoder", False), ("embedding", False))
+
+# What onnxruntime-genai reads, and the type of each: (type or types, whether ortpipe uses it).
+_TOP = {"model": (dict, True), "search": (dict, True)}
+_MODEL = {
+    "type": (str, True),
+    "bos_token_id": (int, True),
+    "eos_token_id": ((int, list), True),
+    "pad_token_id": (int, True),
+    "decoder_start_token_id": (int, True),
+    "image_token_id": (int, True),
+    "context_length": (int, True),
+    "vocab_size": (int, True),
+    "sep_token_id": (int, False),
+    "video_token_id": (int, False),
+    "vision_start_token_id": (int, False),
+    "decoder": (dict, True),
+    "encoder": (dict, True),
+    "embedding": (dict, True),
+    "vision": (dict, True),
+    "speech": (dict, True),
+}
+_SECTION = {
+    "filename": (str, True),
+    "session_options": (dict, True),
+    "inputs": (dict, True),
+    "outputs": (dict, True),
+    "head_size": (int, True),
+    "hidden_size": (int, True),
+    "num_attention_heads": (int, True),
+    "num_hidden_layers": (int, True),
+    "num_key_value_heads": (int, True),
+    "sliding_window": (dict, True),
+    "pipeline": (list, True),
+    "run_options": (dict, False),
+    "config_filename": (str, False),
+    "adapter_filename": (str, False),
+    "spatial_merge_size": (int, False),
+}
+# sliding_window keys besides window_size and layers describe onnxruntime-genai's own cache
+# mechanics (slack, alignment), which ortpipe derives from the graph: known, not used.
+_SLIDING = {
+    "window_size": (int, True),
+    "layers": (list, True),
+    "cache_slack": (int, True),
+    "slide_inputs": (bool, True),
+    "slide_key_value_cache": (bool, True),
+    "alignment": (str, True),
+}
+# v1 session_options -> v2 session_options, and the v1 names of graph_optimization_level's values.
+_SESSION_OPTIONS = {
+    "intra_op_num_threads": "intra_op_num_threads",
+    "inter_op_num_threads": "inter_op_num_threads",
+    "enable_cpu_mem_arena": "enable_cpu_mem_arena",
+    "enable_mem_pattern": "enable_mem_pattern",
+    "graph_optimization_level": "graph_optimization_level",
+    "config_entries": "config_entries",
+}
+_OPT_LEVELS = {
+    "ORT_DISABLE_ALL": "disable",
+    "ORT_ENABLE_BASIC": "basic",
+    "ORT_ENABLE_EXTENDED": "extended",
+    "ORT_ENABLE_ALL": "all",
+}
+_SESSION_KEYS = {
+    "log_id": (str, True),
+    "provider_options": (list, True),
+    "log_severity_level": (int, False),
+    "ep_context_enable": (bool, False),
+    "ep_context_embed_mode": (bool, False),
+    "ep_context_file_path": (str, False),
+    "custom_ops_library": (str, False),
+    "disable_cpu_ep_fallback": (bool, False),
+    "disable_quant_qdq": (bool, False),
+    "enable_quant_qdq_cleanup": (bool, False),
+    "use_env_allocators": (bool, False),
+    "enable_profiling": (str, False),
+    **{
+        k: (
+            (
+                dict
+                if k == "config_entries"
+                else str
+                if k == "graph_optimization_level"
+                else bool
+                if k.startswith("enable")
+                else int
+            ),
+            True,
+        )
+        for k in _SESSION_OPTIONS
+    },
+}
+_SEARCH = {
+    **{
+        s.v1: ((bool if s.kind == "bool" else int if s.kind == "int" else (int, float)), True)
+        for s in SETTINGS
+        if s.v1
+    },
+    **{k: ((bool, int, float), k != "batch_size") for k in V1_OTHER_SEARCH_KEYS},
+}
 
 
 def is_v1(raw: Any) -> bool:
     return isinstance(raw, dict) and "version" not in raw and "model" in raw
 
 
-def translate(raw: dict[str, Any]) -> dict[str, Any]:
+def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(the v2 mapping, notes for the user); a ConfigError lists every mistyped key."""
+    problems, notes = Problems(), []
+    _check(raw, _TOP, "genai_config.json", problems, notes)
     model = raw.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("decoder"), dict):
-        raise ConfigError('genai_config.json (v1) needs a "model.decoder" object with at least '
-                          '"filename"; or write a v2 config ("version": 2)')
+        raise ConfigError(
+            'genai_config.json (v1) needs a "model.decoder" object with at least '
+            '"filename"; or write a v2 config ("version": 2)'
+        )
+    _check(model, _MODEL, "model", problems, notes)
     decoder = model["decoder"]
-    search = raw.get("search", {}) if isinstance(raw.get("search"), dict) else {}
+    search = raw.get("search") if isinstance(raw.get("search"), dict) else {}
+    _check(search, _SEARCH, "search", problems, notes)
+    if search.get("diversity_penalty", 0) not in (0, 0.0, None):
+        problems.add(
+            "search.diversity_penalty asks for group beam search, which ortpipe does not run; set it to 0"
+        )
     sections = {name: model[name] for name, _ in _ENCODERS if isinstance(model.get(name), dict)}
+    for name, sec in {**sections, "decoder": decoder}.items():
+        _check(sec, _SECTION, f"model.{name}", problems, notes)
+        if isinstance(sec.get("session_options"), dict):
+            _check(sec["session_options"], _SESSION_KEYS, f"model.{name}.session_options", problems, notes)
+        if isinstance(sec.get("sliding_window"), dict):
+            _check(sec["sliding_window"], _SLIDING, f"model.{name}.sliding_window", problems, notes)
+    problems.raise_if_any()
     if isinstance(decoder.get("pipeline"), list):
         sessions, flow = _decoder_pipeline(decoder)
     else:
         sessions, flow = {"decoder": _session(decoder)}, [{"run": "decoder", "when": "step"}]
-    init = [{"run": name, "when": "init", **({"optional": True} if optional else {})}
-            for name, optional in _ENCODERS if name in sections]
+    init = [
+        {"run": name, "when": "init", **({"optional": True} if optional else {})}
+        for name, optional in _ENCODERS
+        if name in sections
+    ]
     state: dict[str, Any] = {"kv_cache": _kv_cache(decoder, search)}
     if "encoder" in sections:
         state["cross_cache"] = {"source": "encoder", "frozen": True}
-    return {
+    v2 = {
         "version": 2,
         "pipeline": {
             "sessions": {**{name: _session(sec) for name, sec in sections.items()}, **sessions},
@@ -55,19 +180,56 @@ def translate(raw: dict[str, Any]) -> dict[str, Any]:
         "generation": _generation(search),
         "metadata": _metadata(model),
     }
+    return v2, tuple(notes)
+
+
+def _check(
+    section: dict[str, Any],
+    known: dict[str, tuple[Any, bool]],
+    path: str,
+    problems: Problems,
+    notes: list[str],
+) -> None:
+    for key, value in section.items():
+        if key not in known:
+            notes.append(
+                f'genai_config.json: unknown key "{quote(key)[1:-1]}" in {path}, not used.'
+                f"{did_you_mean(key, known)}"
+            )
+            continue
+        kind, used = known[key]
+        if value is None:
+            continue  # onnxruntime-genai writes null for an unset id
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            problems.add(f"genai_config.json: {path}.{key} has the wrong type: {quote(value)}")
+        elif not used and value not in (False, 0, "", [], {}):
+            notes.append(
+                f"genai_config.json: {path}.{key} is an onnxruntime-genai setting that ortpipe does not apply"
+            )
 
 
 def _decoder_pipeline(decoder: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """model.decoder.pipeline[]: stages that each run at every step, chained by forwarded names."""
     sessions, flow = {}, []
     for entry in decoder["pipeline"]:
-        for name, stage in (entry or {}).items():
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"genai_config.json: model.decoder.pipeline holds objects, found {quote(entry)}"
+            )
+        for name, stage in entry.items():
+            if not isinstance(stage, dict):
+                raise ConfigError(
+                    f"genai_config.json: model.decoder.pipeline stage {quote(name)} must be an object"
+                )
             if not (stage.get("run_on_prompt", True) and stage.get("run_on_token_gen", True)):
-                raise ConfigError(f"genai_config.json (v1) decoder pipeline stage {name!r} runs only on the prompt "
-                                  "or only on generated tokens; such split pipelines are not translated yet. "
-                                  "Write the pipeline as a v2 config")
-            sessions[name] = _session({**stage, "session_options": stage.get("session_options",
-                                                                              decoder.get("session_options"))})
+                raise ConfigError(
+                    f"genai_config.json (v1) decoder pipeline stage {name!r} runs only on the prompt "
+                    "or only on generated tokens; such split pipelines are not translated yet. "
+                    "Write the pipeline as a v2 config"
+                )
+            sessions[name] = _session(
+                {**stage, "session_options": stage.get("session_options", decoder.get("session_options"))}
+            )
             flow.append({"run": name, "when": "step"})
     return sessions, flow
 
@@ -82,27 +244,40 @@ def _renamed_wires(sections: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
                 continue
             for dst, other in sections.items():
                 in_name = (other.get("inputs") or {}).get(role, role if dst != src else None)
-                if dst != src and isinstance(in_name, str) and in_name != out_name and role in (other.get("inputs") or {}):
+                if (
+                    dst != src
+                    and isinstance(in_name, str)
+                    and in_name != out_name
+                    and role in (other.get("inputs") or {})
+                ):
                     wires.append({"from": f"{src}.{out_name}", "to": f"{dst}.{in_name}"})
     return wires
 
 
-def _session(decoder: dict[str, Any]) -> dict[str, Any]:
-    options = dict(decoder.get("session_options") or {})
-    provider_list = options.pop("provider_options", []) or []
-    options.pop("log_id", None)
-    session: dict[str, Any] = {"file": decoder.get("filename", "model.onnx"), "session_options": options}
+def _session(section: dict[str, Any]) -> dict[str, Any]:
+    v1_options = section.get("session_options") or {}
+    options = {v2: v1_options[v1] for v1, v2 in _SESSION_OPTIONS.items() if v1_options.get(v1) is not None}
+    if "graph_optimization_level" in options:
+        options["graph_optimization_level"] = _OPT_LEVELS.get(
+            options["graph_optimization_level"], options["graph_optimization_level"]
+        )
+    session: dict[str, Any] = {"file": section.get("filename", "model.onnx"), "session_options": options}
     providers, provider_options = [], {}
-    for entry in provider_list:
-        for name, opts in (entry or {}).items():
+    for entry in v1_options.get("provider_options") or []:
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"genai_config.json: session_options.provider_options holds objects like "
+                f'{{"cuda": {{}}}}, found {quote(entry)}'
+            )
+        for name, opts in entry.items():
             providers.append(name)
-            provider_options[name] = opts
+            provider_options[name] = opts if isinstance(opts, dict) else {}
     if providers:
         session["execution_provider"] = providers + ["cpu"]
         session["provider_options"] = provider_options
-    inputs, outputs = decoder.get("inputs") or {}, decoder.get("outputs") or {}
-    session["inputs"] = {k: inputs[k] for k in _INPUT_ROLES if k in inputs}
-    session["outputs"] = {k: outputs[k] for k in _OUTPUT_ROLES if k in outputs}
+    inputs, outputs = section.get("inputs") or {}, section.get("outputs") or {}
+    session["inputs"] = {k: inputs[k] for k in _INPUT_ROLES if isinstance(inputs.get(k), str)}
+    session["outputs"] = {k: outputs[k] for k in _OUTPUT_ROLES if isinstance(outputs.get(k), str)}
     return session
 
 
@@ -122,23 +297,29 @@ def _kv_cache(decoder: dict[str, Any], search: dict[str, Any]) -> dict[str, Any]
 
 
 def _tokens(model: dict[str, Any]) -> dict[str, Any]:
-    eos = model.get("eos_token_id", [])
-    tokens: dict[str, Any] = {"eos": eos if isinstance(eos, list) else [eos]}
-    for v1_key, v2_key in (("pad_token_id", "pad"), ("bos_token_id", "bos"),
-                           ("decoder_start_token_id", "decoder_start"), ("image_token_id", "image_token")):
-        if isinstance(model.get(v1_key), int):
+    eos = model.get("eos_token_id")
+    tokens: dict[str, Any] = {"eos": [] if eos is None else eos if isinstance(eos, list) else [eos]}
+    for v1_key, v2_key in (
+        ("pad_token_id", "pad"),
+        ("bos_token_id", "bos"),
+        ("decoder_start_token_id", "decoder_start"),
+        ("image_token_id", "image_token"),
+    ):
+        if isinstance(model.get(v1_key), int) and model[v1_key] >= 0:
             tokens[v2_key] = model[v1_key]
     return tokens
 
 
 def _generation(search: dict[str, Any]) -> dict[str, Any]:
-    gen: dict[str, Any] = {"sampling": {k: search[k] for k in _SEARCH_TO_SAMPLING if k in search}}
-    if "random_seed" in search and isinstance(search["random_seed"], int) and search["random_seed"] >= 0:
-        gen["sampling"]["seed"] = search["random_seed"]
-    for key in ("max_length", "min_length", "num_beams", "length_penalty", "early_stopping",
-                "num_return_sequences", "no_repeat_ngram_size"):
-        if key in search:
-            gen[key] = search[key]
+    gen: dict[str, Any] = {}
+    for s in SETTINGS:
+        if s.v1 is None or s.v2 is None or search.get(s.v1) is None:
+            continue
+        value = search[s.v1]
+        if s.name == "seed" and value < 0:
+            continue  # onnxruntime-genai's random_seed -1: a fresh seed per run, ortpipe's default
+        head, _, key = s.v2.rpartition(".")
+        (gen.setdefault(head, {}) if head else gen)[key] = value
     return gen
 
 
@@ -148,7 +329,13 @@ def _metadata(model: dict[str, Any]) -> dict[str, Any]:
         if key in model:
             meta[key] = model[key]
     decoder = model["decoder"]
-    for key in ("head_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads"):
+    for key in (
+        "head_size",
+        "hidden_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "num_key_value_heads",
+    ):
         if key in decoder:
             meta[key] = decoder[key]
     return meta

@@ -1,31 +1,60 @@
-"""The work the sans-IO core asks a target to do, and the target's small tensor interface.
+"""The work the sans-IO core asks a target to do, the answers it expects, and the loop between them.
 
-Core generators yield `Run` / `RunAll` and receive the outputs (psycopg's generators.py shape):
-the CPython driver answers with InferenceSession.run, the browser driver with onnxruntime-web.
+Core generators yield work items and receive their answers (psycopg's generators.py shape): the
+CPython driver answers with onnxruntime, the browser's with onnxruntime-web. Work items are
+immutable values; what changes hands (a KV cache after fused steps) comes back in the answer.
+
+| work      | answer                                   |
+| --------- | ---------------------------------------- |
+| `Open`    | `Opened`: the session and its signature  |
+| `Run`     | {output name: tensor}                    |
+| `RunAll`  | a list of those, in order                |
+| `Decode`  | `Decoded`: token ids and the cache after |
+
 Tensors are opaque handles owned by the target; the core only creates small integer tensors and
 reads small integer results through `Backend`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-Handle = Any  # a target's tensor (numpy array, OrtValue, ort.Tensor proxy)
+from ..config.schema import SessionSpec
+from ..signature import Signature
+
+Handle = Any  # a target's tensor (numpy array, ort.Tensor proxy)
 
 KERNEL = "kernel:"  # session names starting with this are ortpipe's kernel graphs
 
 
+@dataclass(frozen=True)
+class Open:
+    """Create the session of `spec` (its providers and options) from its graph file, which the target
+    finds at `path` (a checked real path, or a URL); `shown` names it in messages."""
+
+    spec: SessionSpec
+    path: str
+    shown: str
+
+
+class Opened(NamedTuple):
+    session: Any  # the target's session object
+    signature: Signature
+
+
 @dataclass(slots=True)
 class Run:
-    """Run one session. `inplace` maps an output to the input whose buffer it must be written into."""
+    """Run one session. `inplace` maps an output to the input whose buffer it must be written into
+    (a shared-buffer KV cache); a target that cannot write in place answers that output like any
+    other, and the core takes it as the new buffer."""
 
     session: str
     feeds: dict[str, Handle]
     outputs: tuple[str, ...]
     inplace: dict[str, str] | None = None
-    label: str = ""  # the phase or step this run belongs to, for traces
+    label: str = ""  # the phase or iteration this run belongs to, for traces
 
 
 @dataclass(slots=True)
@@ -35,46 +64,64 @@ class RunAll:
     runs: list[Run]
 
 
-@dataclass(slots=True)
-class Decode:
-    """Greedy decode steps that a target may run fused (see `fused_decode` below).
+@dataclass(frozen=True)
+class FusedStep:
+    """How one iteration of the step phase runs as a single fused greedy decode step; the plan
+    decides once per model whether it can (plan.fused_step).
 
-    One step: feed `token` to `ids` at position `past` (the attention mask all ones over
-    `past + 1` positions, 1D position ids `past`), run `session` with the cache `cache` (`presents`:
-    present output -> past input), and select the argmax of the last row of `logits`.
-    With `shared` the present is written into the past's buffer in place (a shared buffer); else
-    the present, one position longer, is the next past (concat), and the target keeps `cache`
-    current: by the time the core reads `cache[past]` again it must be the latest present.
-
-    The target may run up to `limit` such steps in a row, each feeding the token the step before
-    selected at the next position, and must stop after a token in `eos`. It answers the selected
-    tokens as a list of ints, at least one. The flow yields one object per request and updates
-    `token`, `past` and `limit`.
+    One step feeds a token to `ids` at a position (the attention mask all ones up to it, 1D
+    position ids), runs `session` with the KV cache, whose `presents` (present output -> past
+    input) become the next pasts, and selects the argmax of the last row of `logits`. `layout`
+    "shared": the present is written into the past's buffer in place; "concat": the present, one
+    position longer, is the next past.
     """
 
     session: str
     ids: tuple[str, str]  # (input name, dtype)
     mask: tuple[str, str] | None
     positions: tuple[str, str] | None
-    cache: dict[str, Handle]
-    presents: dict[str, str]
-    shared: bool
+    presents: Mapping[str, str]
+    layout: str
     outputs: tuple[str, ...]
     logits: str
     logits_shape: tuple[int, ...]  # of one decode run: (1, 1, vocab) or (1, vocab)
-    capacity: int  # the most positions a request's mask can cover
-    eos: frozenset[int] = frozenset()
-    token: int = 0
-    past: int = 0
-    limit: int = 1
-    label: str = ""
 
 
-Work = Generator[Run | RunAll | Decode, Any, Any]
+class Decode(NamedTuple):
+    """Up to `limit` fused greedy decode steps (see FusedStep), the first feeding `token` at
+    `position`, each later one the token the step before selected. The target must stop after a
+    token in `eos` and answers a `Decoded` with 1 to `limit` tokens. `cache` is the KV cache as the
+    core holds it (past input -> tensor): the target reads it and must not change the mapping;
+    `capacity` is the most positions the request's mask can cover."""
+
+    step: FusedStep
+    cache: Mapping[str, Handle]
+    capacity: int
+    eos: frozenset[int]
+    token: int
+    position: int
+    limit: int
+    label: str
+
+
+class Decoded(NamedTuple):
+    tokens: list[int]
+    cache: Mapping[str, Handle]  # the cache after the steps, which the core holds from now on
+
+
+Work = Generator[Any, Any, Any]
 
 
 class Backend(Protocol):
-    """The few tensor operations the core needs from a target."""
+    """The few tensor operations the core needs from a target.
+
+    `fused_layouts`: the cache layouts ("shared", "concat") whose `Decode` the target carries out;
+    empty: the core never yields one. `decode_burst`: the most steps one `Decode` asks for (running
+    several per answer saves the core's work per token and, in the browser, a crossing into Python).
+    """
+
+    fused_layouts: frozenset[str]
+    decode_burst: int
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> Handle: ...
 
@@ -86,12 +133,27 @@ class Backend(Protocol):
 
     def to_list(self, handle: Handle) -> list[int]: ...
 
-    # A backend whose driver carries out `Decode` names the cache layouts it fuses in
-    # `fused_decode`: a set of "shared" and "concat". Without it the core never yields one.
-    # `decode_burst` (default 1) is the most steps one `Decode` asks for: running several steps
-    # per answer saves the core's work per token, and in the browser a crossing (Python <-> JS).
-
 
 def kernel(name: str, dtype: str) -> str:
     """The session name of a kernel graph specialised for one element type."""
     return f"{KERNEL}{name}_{dtype}"
+
+
+def drive(work: Work, execute: Callable[[Any], Any]) -> Any:
+    """Answer a core generator's work items with `execute` until it returns; its return value.
+
+    When `execute` raises (Ctrl-C included), the exception is thrown into the generator at the
+    yield that asked for the work, so the core can record the failure (lifecycle ERROR) before it
+    propagates.
+    """
+    try:
+        item = next(work)
+        while True:
+            try:
+                answer = execute(item)
+            except BaseException as e:
+                item = work.throw(e)
+                continue
+            item = work.send(answer)
+    except StopIteration as stop:
+        return stop.value

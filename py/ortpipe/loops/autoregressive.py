@@ -1,13 +1,13 @@
 """The autoregressive loop as a step-wise, sans-IO generator of tokens.
 
-`append_tokens` queues ids; `next_token` runs the flow on what is queued (the init phase first,
-on the first call) and selects one token from the logits. The selected token is queued, not run:
-N new tokens cost one prefill and N-1 decode runs. Appending after generation continues from the
-cache (continuous decoding).
+`append_tokens` queues ids; `next_tokens` runs the flow on what is queued (the init phase first,
+on the first call) and selects a token from the logits. The selected token is queued, not run: N
+new tokens cost one prefill and N-1 decode runs. Appending after generation continues from the
+cache (continuous decoding). The generator's lifecycle (lifecycle.py) says what may happen when.
 
-`next_tokens` may return several: a target that fuses greedy decode steps may answer one `Decode`
-with a burst of tokens, up to the `limit` the generator sets from the length limit and the
-caller's budget.
+Plain greedy decoding on a plan whose step phase can be fused (plan.fused), on a target that
+fuses its cache layout, runs every iteration after the first as a `Decode`: the target may answer
+one with a burst of tokens, up to the `limit` set from the length limit and the caller's budget.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..config.settings import SearchSettings
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
-from ..execute.work import Backend, Decode, Handle, Work
+from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Work
+from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, REWIND, STOP, Lifecycle
 from ..plan import Plan
 from ..sampling.sampler import Sampler
-from ..sampling.settings import SearchSettings
 
 
 @dataclass(frozen=True)
@@ -28,34 +29,58 @@ class Limits:
     max_length: int  # prompt + generated, never more
     eos: frozenset[int] = field(default_factory=frozenset)
     grows: bool = False  # set by max_new_tokens: expanding the prompt's placeholders raises max_length
+    vocab: int | None = None  # prompt ids must be below it, when the graph says
+
+
+def check_ids(ids: list[int], vocab: int | None) -> None:
+    """Token ids a graph can take: integers from 0, below the vocabulary size when the graph fixes it."""
+    if (
+        not ids
+        or not isinstance(ids, list)
+        or not all(type(i) is int and 0 <= i and (vocab is None or i < vocab) for i in ids)
+    ):
+        bound = f" below the vocabulary size {vocab}" if vocab else ""
+        shown = repr(ids) if len(repr(ids)) < 200 else f"{repr(ids)[:200]}..."
+        raise GenerationError(f"token ids must be a non-empty list of integers from 0{bound}, found {shown}")
 
 
 class TokenGenerator:
-    def __init__(self, plan: Plan, backend: Backend, limits: Limits, settings: SearchSettings | None = None,
-                 inputs: dict[str, Handle] | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        backend: Backend,
+        limits: Limits,
+        settings: SearchSettings | None = None,
+        inputs: dict[str, Handle] | None = None,
+    ):
         self.plan, self.backend, self.limits = plan, backend, limits
         self.flow = FlowRun(plan, backend, 1, limits.max_length, inputs)
         gen = plan.generator
         dtype = plan.signatures[gen.session].output(gen.logits).dtype
         self.sampler = Sampler(backend, dtype, settings or SearchSettings(), limits.eos)
+        self.life = Lifecycle()
         self.tokens: list[int] = []  # every id so far: prompts and generated
         self.generated = 0  # since the last append
-        self._pending: list[int] = []
-        self._started = False
+        self._pending: list[int] = []  # ids the graph has not seen yet
         self.interrupted = False
         self.fused_steps = 0  # decode steps the target ran as `Decode`s
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
-        # Plain greedy decoding on a target that fuses decode steps: once the first step ran, each
-        # later one is a single `Decode` (None: not yet decided; False: this request cannot).
-        self._fuse = bool(getattr(backend, "fused_decode", False)) and self.sampler.settings.plain_greedy
-        self._decode: Decode | bool | None = None if self._fuse else False
+        fused = plan.fused
+        fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
+        self._fused: FusedStep | None = fused if fusable and self.sampler.settings.plain_greedy else None
+
+    @property
+    def state(self) -> str:
+        return self.life.state
 
     def append_tokens(self, ids: list[int]) -> None:
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise GenerationError(f"token ids must be a non-empty list of non-negative integers, found {ids!r}")
+        check_ids(ids, self.limits.vocab)
         if len(self.tokens) + len(ids) > self.limits.max_length:
-            raise GenerationError(f"{len(self.tokens) + len(ids)} tokens do not fit in max_length "
-                                  f"{self.limits.max_length}; raise max_length or shorten the prompt")
+            raise GenerationError(
+                f"{len(self.tokens) + len(ids)} tokens do not fit in max_length "
+                f"{self.limits.max_length}; raise max_length or shorten the prompt"
+            )
+        self.life.fire(APPEND)
         self.tokens.extend(ids)
         self._pending.extend(ids)
         self.generated = 0
@@ -72,17 +97,21 @@ class TokenGenerator:
         return len(self._pending)
 
     def rewind(self, length: int) -> Work:
-        """Keep only the first `length` ids, and the cache positions among them (a chat rewind)."""
+        """Keep only the first `length` ids, and the cache positions among them (a chat rewind; from
+        ERROR, the way back to a sequence that can run)."""
         if not 0 <= length <= len(self.tokens):
             raise GenerationError(f"cannot rewind {len(self.tokens)} tokens to {length}")
-        seen = min(self.flow.length, length)
+        self.life.fire(REWIND)
+        seen = min(self.flow.position, length)
         for cache in self.flow.caches.values():
-            yield from cache.truncate(seen, self.backend)
-        self.flow.length = seen
+            yield from cache.truncate(min(seen, cache.length), self.backend)
+        self.flow.position = seen
         self._pending = self.tokens[seen:length]
         del self.tokens[length:]
         self.generated = 0
         self.interrupted = False
+        if not self._pending:
+            self.life.fire(EMPTY)
 
     def next_token(self) -> Work:
         """The next token."""
@@ -92,49 +121,73 @@ class TokenGenerator:
         """The next token, or several when the target runs a burst of fused decode steps. `budget`:
         how many the caller takes at most (a request's max_new_tokens left, 1 while stop strings are
         watched); never more than max_length leaves room for, and none after an eos."""
-        if not self._pending:
-            raise GenerationError("append tokens (a prompt) before asking for the next token")
-        if self.done:
-            raise GenerationError("generation is done (eos, max_length or interrupt); append tokens to go on")
-        if not self._started:
-            expanded = yield from self.flow.run_init(self._pending)
-            self._started = True
-            if expanded != self._pending:  # placeholders became one id per feature row
-                del self.tokens[len(self.tokens) - len(self._pending):]
-                self.tokens.extend(expanded)
-                if self.limits.grows:
-                    extra = len(expanded) - len(self._pending)
-                    self.limits = dataclasses.replace(self.limits, max_length=self.limits.max_length + extra)
-                    self.flow.resize(self.limits.max_length)
-                self._pending = expanded
-                if len(self.tokens) > self.limits.max_length:
-                    raise GenerationError(f"with its images or audio expanded the prompt is {len(self.tokens)} "
-                                          f"tokens, more than max_length {self.limits.max_length}")
-        decode = self._decode
-        if decode is None and self.flow.steps_run:
-            decode = self._decode = self.flow.decode_step() or False
-            if decode:
-                decode.eos = self.limits.eos
-        if decode and len(self._pending) == 1:
-            room = self.limits.max_length - len(self.tokens)
-            decode.token, decode.past = self._pending[0], self.flow.length
-            decode.limit = max(1, min(self._burst, room, room if budget is None else budget))
-            decode.label = f"step {self.flow.steps_run}"
-            tokens = yield decode
-            self._check_burst(tokens, decode.limit)
-            self.flow.advance(len(tokens))
-            self.fused_steps += len(tokens)
-        else:
-            logits = yield from self.flow.run_step(self._pending)
-            tokens = [(yield from self.sampler.select(logits, self.tokens, self.generated))]
+        if self.life.state == READY and self.done:  # interrupted since the last step, or no room left
+            self.life.fire(STOP)
+        self.life.fire(BEGIN)
+        try:
+            tokens = yield from self._iterate(budget)
+        except BaseException as e:  # the target failed (or Ctrl-C) mid-step: the cache cannot be trusted
+            self.life.fail(e)
+            raise
         self.tokens.extend(tokens)
         self._pending = [tokens[-1]]
         self.generated += len(tokens)
+        self.life.fire(FINISH if self.done else END)
         return tokens
 
-    def _check_burst(self, tokens: list[int], limit: int) -> None:
+    def _iterate(self, budget: int | None) -> Work:
+        if self.flow.iterations == 0:
+            yield from self._init_phase()
+        fused = self._fused
+        if fused is not None and self.flow.iterations and len(self._pending) == 1:
+            room = self.limits.max_length - len(self.tokens)
+            limit = max(1, min(self._burst, room, room if budget is None else budget))
+            cache = self.flow.caches[fused.session]
+            answer = yield Decode(
+                fused,
+                cache.feeds,
+                self.flow.max_length,
+                self.limits.eos,
+                self._pending[0],
+                self.flow.position,
+                limit,
+                f"step {self.flow.iterations}",
+            )
+            tokens = self._check_burst(answer, limit)
+            self.flow.advance(fused.session, answer.cache, len(tokens))
+            self.fused_steps += len(tokens)
+            return tokens
+        logits = yield from self.flow.run_iteration(self._pending)
+        return [(yield from self.sampler.select(logits, self.tokens, self.generated))]
+
+    def _init_phase(self) -> Work:
+        expanded = yield from self.flow.run_init(self._pending)
+        if expanded == self._pending:
+            return
+        # placeholders became one id per feature row
+        del self.tokens[len(self.tokens) - len(self._pending) :]
+        self.tokens.extend(expanded)
+        if self.limits.grows:
+            extra = len(expanded) - len(self._pending)
+            self.limits = dataclasses.replace(self.limits, max_length=self.limits.max_length + extra)
+            self.flow.resize(self.limits.max_length)
+        self._pending = expanded
+        if len(self.tokens) > self.limits.max_length:
+            raise GenerationError(
+                f"with its images or audio expanded the prompt is {len(self.tokens)} "
+                f"tokens, more than max_length {self.limits.max_length}"
+            )
+
+    def _check_burst(self, answer: object, limit: int) -> list[int]:
         """A target's answer to a Decode: 1 to `limit` ids, none but the last an eos."""
-        if type(tokens) is not list or not 1 <= len(tokens) <= limit \
-                or (len(tokens) > 1 and not self.limits.eos.isdisjoint(tokens[:-1])):
-            raise GenerationError(f"the target answered a decode of at most {limit} steps with {tokens!r}: "
-                                  "it must answer 1 to that many token ids, stopping after an eos")
+        tokens = answer.tokens if type(answer) is Decoded else None
+        if (
+            type(tokens) is not list
+            or not 1 <= len(tokens) <= limit
+            or (len(tokens) > 1 and not self.limits.eos.isdisjoint(tokens[:-1]))
+        ):
+            raise GenerationError(
+                f"the target answered a decode of at most {limit} steps with {tokens or answer!r:.200}: "
+                "it must answer 1 to that many token ids, stopping after an eos"
+            )
+        return tokens

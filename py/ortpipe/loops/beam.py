@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.settings import SearchSettings
 from ..execute.flow import FlowRun
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..plan import Plan
-from ..sampling.settings import SearchSettings
 
 PENALTY = -1.0e9  # transformers' stand-in for "impossible"
 
@@ -44,49 +44,72 @@ class BeamSearch:
         finished = [Hypothesis([], PENALTY) for _ in range(beams)]
         done_flags = [False] * beams
         cur_len, prompt_len = len(prompt), len(prompt)
-        logits = yield from self.flow.run_step(prompt)
+        logits = yield from self.flow.run_iteration(prompt)
         improvable = True
         while True:
-            out = yield Run(self.kernel, {"logits": logits, "running": b.tensor([h.score for h in running], (beams,),
-                                                                                "float32"),
-                                          "k": b.tensor([self.keep], (1,), "int64")}, ("values", "indices"))
+            out = yield Run(
+                self.kernel,
+                {
+                    "logits": logits,
+                    "running": b.tensor([h.score for h in running], (beams,), "float32"),
+                    "k": b.tensor([self.keep], (1,), "int64"),
+                },
+                ("values", "indices"),
+            )
             vocab = b.shape(logits)[-1]
-            cands = [(score, index // vocab, index % vocab)
-                     for score, index in zip(b.to_list(out["values"]), b.to_list(out["indices"]))]
+            cands = [
+                (score, index // vocab, index % vocab)
+                for score, index in zip(b.to_list(out["values"]), b.to_list(out["indices"]), strict=True)
+            ]
             ends = [token in self.eos or cur_len + 1 >= self.max_length for _, _, token in cands]
-            finished, done_flags = self._finish(cands, ends, running, finished, done_flags, cur_len - prompt_len + 1,
-                                                improvable)
-            order = sorted(range(len(cands)), key=lambda i: -(cands[i][0] + (PENALTY if ends[i] else 0.0)))[:beams]
+            finished, done_flags = self._finish(
+                cands, ends, running, finished, done_flags, cur_len - prompt_len + 1, improvable
+            )
+            order = sorted(range(len(cands)), key=lambda i: -(cands[i][0] + (PENALTY if ends[i] else 0.0)))[
+                :beams
+            ]
             sources = [cands[i][1] for i in order]
-            running = [Hypothesis(running[cands[i][1]].tokens + [cands[i][2]],
-                                  cands[i][0] + (PENALTY if ends[i] else 0.0)) for i in order]
+            running = [
+                Hypothesis(
+                    running[cands[i][1]].tokens + [cands[i][2]], cands[i][0] + (PENALTY if ends[i] else 0.0)
+                )
+                for i in order
+            ]
             cur_len += 1
             improvable = improvable and self._improvable(running, finished, done_flags, cur_len - prompt_len)
             early_full = all(done_flags) and self.settings.early_stopping
             if not improvable or early_full or all(ends):
                 break
             yield from self.flow.reorder(sources)
-            logits = yield from self.flow.run_step([], [[h.tokens[-1]] for h in running])
+            logits = yield from self.flow.run_iteration([], [[h.tokens[-1]] for h in running])
         n = self.settings.num_return_sequences
-        return [h for h, flag in zip(finished, done_flags) if flag][:n] or running[:n]
+        return [h for h, flag in zip(finished, done_flags, strict=True) if flag][:n] or running[:n]
 
-    def _finish(self, cands: list[tuple[float, int, int]], ends: list[bool], running: list[Hypothesis],
-                finished: list[Hypothesis], flags: list[bool], generated: int, improvable: bool
-                ) -> tuple[list[Hypothesis], list[bool]]:
+    def _finish(
+        self,
+        cands: list[tuple[float, int, int]],
+        ends: list[bool],
+        running: list[Hypothesis],
+        finished: list[Hypothesis],
+        flags: list[bool],
+        generated: int,
+        improvable: bool,
+    ) -> tuple[list[Hypothesis], list[bool]]:
         full = all(flags) and self.settings.early_stopping
-        merged = list(zip(finished, flags))
+        merged = list(zip(finished, flags, strict=True))
         for i, (score, beam, token) in enumerate(cands):
             top = i < self.beams
             just_done = ends[i] and top
-            normalized = score / (generated ** self.settings.length_penalty)
+            normalized = score / (generated**self.settings.length_penalty)
             normalized += (PENALTY if full else 0.0) + (0.0 if improvable else PENALTY)
             normalized += 0.0 if just_done else PENALTY
             merged.append((Hypothesis(running[beam].tokens + [token], normalized), just_done))
-        best = sorted(range(len(merged)), key=lambda i: -merged[i][0].score)[:self.beams]
+        best = sorted(range(len(merged)), key=lambda i: -merged[i][0].score)[: self.beams]
         return [merged[i][0] for i in best], [merged[i][1] for i in best]
 
-    def _improvable(self, running: list[Hypothesis], finished: list[Hypothesis], flags: list[bool],
-                    generated: int) -> bool:
-        best_running = max(h.score for h in running) / (generated ** self.settings.length_penalty)
+    def _improvable(
+        self, running: list[Hypothesis], finished: list[Hypothesis], flags: list[bool], generated: int
+    ) -> bool:
+        best_running = max(h.score for h in running) / (generated**self.settings.length_penalty)
         worst_finished = min(h.score for h in finished) if all(flags) else PENALTY
         return best_running > worst_finished

@@ -8,7 +8,6 @@ transformers class it names. Every problem is collected and raised as one Config
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from ..config.parse import Section
 from ..errors import ConfigError, Problems, did_you_mean, one_of
 from ..folder import Folder
+from ..jsonfile import read_json
 
 IMAGE_FILES = ("image_processor.json", "preprocessor_config.json", "processor_config.json")
 AUDIO_FILES = ("audio_processor.json", "preprocessor_config.json", "processor_config.json")
@@ -137,23 +137,13 @@ def _find(folder: Folder, name: str | None, names: tuple[str, ...], pick: Picker
                 raise ConfigError(f"the preprocessing config {folder.describe(candidate)} does not exist")
             continue
         source = folder.describe(candidate)
-        data = _read_json(folder, candidate, source)
+        data = read_json(folder, candidate)
         section = pick(data)
         if section is not None:
             return section, source
         if name:
             raise ConfigError(f"{source} does not describe {what}{_hint(data)}")
     raise ConfigError(f"{folder.describe()} has no config for {what}: expected one of {one_of(names)}")
-
-
-def _read_json(folder: Folder, name: str, source: str) -> dict[str, Any]:
-    try:
-        data = json.loads(folder.read_text(name))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{source} could not be read as JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source} must hold a JSON object, found {type(data).__name__}")
-    return data
 
 
 def _hint(data: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import GenerationError
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..folder import Folder
-from ..plan import REQUEST, Plan
+from ..plan import FROM_REQUEST, Plan
 from .audio import audio_features
 from .config import load_audio_config, load_image_config
 from .image import image_features
@@ -23,16 +23,20 @@ ALIASES = {"input_features": ("input_features", "audio_features"), "pixel_values
 Image = tuple[Handle, int, int]  # uint8 [h, w, 3], h, w
 
 
-def media_inputs(plan: Plan, folder: Folder, backend: Backend, images: list[Image], audios: list[Handle]) -> Work:
+def media_inputs(
+    plan: Plan, folder: Folder, backend: Backend, images: list[Image], audios: list[Handle]
+) -> Work:
     """The request inputs made from images and waveforms, named as the plan's sessions read them."""
-    wanted = {f.input: f.dtype for level in plan.init for s in level for f in s.feeds if f.kind == REQUEST}
+    wanted = {f.input: f.dtype for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
     made: dict[str, list[Handle]] = {}
     values: dict[str, list[tuple[int, ...]]] = {}
     prep = plan.config.pipeline.preprocessing
     if images:
         config = load_image_config(folder, _config_name(prep, "image"))
         for image, height, width in images:
-            f = yield from image_features(backend, config, image, height, width, _dtype(wanted, "pixel_values"))
+            f = yield from image_features(
+                backend, config, image, height, width, _dtype(wanted, "pixel_values")
+            )
             made.setdefault("pixel_values", []).append(f.tensors["pixel_values"])
             for key, value in f.values.items():
                 values.setdefault(key, []).append(value)
@@ -46,7 +50,9 @@ def media_inputs(plan: Plan, folder: Folder, backend: Backend, images: list[Imag
         inputs[_target(name, wanted)] = yield from _joined(backend, parts, _dtype(wanted, name))
     for name, rows in values.items():
         if name in wanted:
-            inputs[name] = backend.tensor([v for row in rows for v in row], (len(rows), len(rows[0])), "int64")
+            inputs[name] = backend.tensor(
+                [v for row in rows for v in row], (len(rows), len(rows[0])), "int64"
+            )
     return inputs
 
 
@@ -60,8 +66,10 @@ def _target(name: str, wanted: dict[str, str]) -> str:
         if alias in wanted:
             return alias
     kind = "images" if name == "pixel_values" else "audio"
-    raise GenerationError(f"the request has {kind}, but no session of this pipeline reads "
-                          f"{' or '.join(ALIASES.get(name, (name,)))} (request inputs: {', '.join(wanted) or 'none'})")
+    raise GenerationError(
+        f"the request has {kind}, but no session of this pipeline reads "
+        f"{' or '.join(ALIASES.get(name, (name,)))} (request inputs: {', '.join(wanted) or 'none'})"
+    )
 
 
 def _dtype(wanted: dict[str, str], name: str) -> str:
@@ -72,8 +80,10 @@ def _dtype(wanted: dict[str, str], name: str) -> str:
 def _joined(b: Backend, parts: list[Handle], dtype: str) -> Work:
     shapes = {tuple(b.shape(p)[1:]) for p in parts}
     if len(shapes) > 1:
-        raise GenerationError(f"the request's items have different shapes after preprocessing ({sorted(shapes)}); "
-                              "this pipeline's preprocessing must make them equal to batch them")
+        raise GenerationError(
+            f"the request's items have different shapes after preprocessing ({sorted(shapes)}); "
+            "this pipeline's preprocessing must make them equal to batch them"
+        )
     joined = parts[0]
     for part in parts[1:]:
         joined = (yield Run(kernel("concat0", dtype), {"a": joined, "b": part}, ("y",)))["y"]

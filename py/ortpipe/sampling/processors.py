@@ -5,7 +5,7 @@ The scores themselves never reach Python: banned ids go to the `process` kernel.
 
 from __future__ import annotations
 
-from .settings import SearchSettings
+from ..config.settings import SearchSettings
 
 
 def banned_ids(s: SearchSettings, tokens: list[int], generated: int, eos: frozenset[int]) -> list[int]:

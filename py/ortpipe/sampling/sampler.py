@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
+from ..config.settings import SearchSettings
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from .processors import banned_ids
-from .settings import SearchSettings
 
 
 class Sampler:
@@ -24,7 +24,7 @@ class Sampler:
     def select(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         s, b = self.settings, self.backend
         banned = banned_ids(s, tokens, generated, self.eos)
-        if not s.sampling and not banned and s.repetition_penalty == 1.0:
+        if s.argmax_only and not banned:
             out = yield Run(kernel("argmax_last", self.dtype), {"logits": logits}, ("token",))
             return b.to_list(out["token"])[0]
         if not self._vocab:
@@ -33,8 +33,11 @@ class Sampler:
         if not s.sampling:
             out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",))
             return b.to_list(out["token"])[0]
-        out = yield Run(kernel("sample", "float32"),
-                        {"scores": scores, "u": b.tensor([1.0 - self.rng.random()], (1,), "float32")}, ("token",))
+        out = yield Run(
+            kernel("sample", "float32"),
+            {"scores": scores, "u": b.tensor([1.0 - self.rng.random()], (1,), "float32")},
+            ("token",),
+        )
         return b.to_list(out["token"])[0]
 
     def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]]) -> Work:
@@ -42,26 +45,49 @@ class Sampler:
         s, b, vocab = self.settings, self.backend, self._vocab
         penalize = s.repetition_penalty != 1.0
         temperature = s.temperature if s.sampling else 1.0
-        out = yield Run(kernel("process", self.dtype), {
-            "logits": logits,
-            "banned": _padded(banned, vocab, b),
-            "seen": _padded(seen if penalize else [[] for _ in seen], vocab, b),
-            "penalty": b.tensor([s.repetition_penalty], (1,), "float32"),
-            "temperature": b.tensor([temperature], (1,), "float32")}, ("scores",))
+        out = yield Run(
+            kernel("process", self.dtype),
+            {
+                "logits": logits,
+                "banned": _padded(banned, vocab, b),
+                "seen": _padded(seen if penalize else [[] for _ in seen], vocab, b),
+                "penalty": b.tensor([s.repetition_penalty], (1,), "float32"),
+                "temperature": b.tensor([temperature], (1,), "float32"),
+            },
+            ("scores",),
+        )
         scores = out["scores"]
         if not s.sampling:
             return scores
         k = min(s.top_k, vocab) if s.top_k else vocab
         if s.top_k and k < vocab:
-            scores = (yield Run(kernel("top_k", "float32"),
-                                {"scores": scores, "k": b.tensor([k], (1,), "int64")}, ("kept",)))["kept"]
+            scores = (
+                yield Run(
+                    kernel("top_k", "float32"),
+                    {"scores": scores, "k": b.tensor([k], (1,), "int64")},
+                    ("kept",),
+                )
+            )["kept"]
         if s.top_p < 1.0:
-            scores = (yield Run(kernel("top_p", "float32"), {
-                "scores": scores, "p": b.tensor([s.top_p], (1,), "float32"),
-                "k": b.tensor([k], (1,), "int64")}, ("kept",)))["kept"]
+            scores = (
+                yield Run(
+                    kernel("top_p", "float32"),
+                    {
+                        "scores": scores,
+                        "p": b.tensor([s.top_p], (1,), "float32"),
+                        "k": b.tensor([k], (1,), "int64"),
+                    },
+                    ("kept",),
+                )
+            )["kept"]
         if s.min_p > 0.0:
-            scores = (yield Run(kernel("min_p", "float32"),
-                                {"scores": scores, "min_p": b.tensor([s.min_p], (1,), "float32")}, ("kept",)))["kept"]
+            scores = (
+                yield Run(
+                    kernel("min_p", "float32"),
+                    {"scores": scores, "min_p": b.tensor([s.min_p], (1,), "float32")},
+                    ("kept",),
+                )
+            )["kept"]
         return scores
 
 

@@ -11,6 +11,8 @@ kernel; a shared buffer is sized to the window and the graph's attention keeps i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..errors import GenerationError
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..plan import CacheEntry, KVPlan
@@ -21,53 +23,77 @@ class KVCache:
         self.plan = plan
         self.length = 0  # positions the graph has seen
         self.feeds: dict[str, Handle] = {
-            e.past: backend.full(_shape(e, batch, _capacity(e, plan.share_buffer, max_length)), 0, e.dtype)
-            for e in plan.entries}
-        self.inplace = {e.present: e.past for e in plan.entries} if plan.share_buffer else None
+            e.past_input: backend.full(
+                _shape(e, batch, _capacity(e, plan.share_buffer, max_length)), 0, e.dtype
+            )
+            for e in plan.entries
+        }
+        self.inplace = {e.present_output: e.past_input for e in plan.entries} if plan.share_buffer else None
         self._windowed = [e for e in plan.entries if e.window is not None and not plan.share_buffer]
 
     def update(self, outputs: dict[str, Handle], new: int, backend: Backend) -> Work:
-        """Take the run's presents as the next pasts (nothing to do for a shared buffer)."""
+        """Take the run's presents as the next pasts. A shared buffer was written in place, unless the
+        target could not: then it answered the present, which becomes the buffer."""
         self.length += new
         if self.plan.share_buffer:
+            for e in self.plan.entries:
+                if e.present_output in outputs:
+                    self.feeds[e.past_input] = outputs[e.present_output]
             return
         feeds = self.feeds
         for e in self.plan.entries:
-            feeds[e.past] = outputs[e.present]
+            feeds[e.past_input] = outputs[e.present_output]
         for e in self._windowed:
-            if backend.shape(feeds[e.past])[e.seq_axis] > e.window:
-                feeds[e.past] = yield from _narrow(backend, e, feeds[e.past], -e.window, END)
+            if backend.shape(feeds[e.past_input])[e.seq_axis] > e.window:
+                feeds[e.past_input] = yield from _narrow(backend, e, feeds[e.past_input], -e.window, END)
+
+    def take(self, cache: Mapping[str, Handle], steps: int) -> None:
+        """After `steps` fused decode steps: the cache the target answered is this cache from now on."""
+        if cache is not self.feeds:
+            self.feeds = dict(cache)
+        self.length += steps
 
     def truncate(self, length: int, backend: Backend) -> Work:
         """Forget every position from `length` on (a chat rewind)."""
         if length > self.length:
             raise GenerationError(f"cannot truncate a {self.length}-position cache to {length}")
         if self._windowed and self.length > min(e.window for e in self._windowed):
-            raise GenerationError("a sliding-window cache cannot be rewound once it has slid; start over instead")
+            raise GenerationError(
+                "a sliding-window cache cannot be rewound once it has slid; start over instead"
+            )
         if not self.plan.share_buffer:
             for e in self.plan.entries:
-                self.feeds[e.past] = yield from _narrow(backend, e, self.feeds[e.past], 0, length)
+                self.feeds[e.past_input] = yield from _narrow(backend, e, self.feeds[e.past_input], 0, length)
         self.length = length
-
 
     def reorder(self, rows: list[int], backend: Backend) -> Work:
         """Rebuild the cache from the given batch rows, in order (beam search follows its beams)."""
         index = backend.tensor(rows, (len(rows),), "int64")
         for e in self.plan.entries:
-            out = yield Run(kernel(f"gather_rows{e.batch_axis}", e.dtype), {"x": self.feeds[e.past], "rows": index},
-                            ("y",))
-            self.feeds[e.past] = out["y"]
+            out = yield Run(
+                kernel(f"gather_rows{e.batch_axis}", e.dtype),
+                {"x": self.feeds[e.past_input], "rows": index},
+                ("y",),
+            )
+            self.feeds[e.past_input] = out["y"]
         if self.plan.share_buffer:  # new buffers: bind the presents to them
-            self.inplace = {e.present: e.past for e in self.plan.entries}
+            self.inplace = {e.present_output: e.past_input for e in self.plan.entries}
 
 
 END = 2**62  # "to the end" for the narrow kernel
 
 
 def _narrow(backend: Backend, e: CacheEntry, x: Handle, start: int, end: int) -> Work:
-    out = yield Run(kernel("narrow", e.dtype), {
-        "x": x, "start": backend.tensor([start], (1,), "int64"), "end": backend.tensor([end], (1,), "int64"),
-        "axis": backend.tensor([e.seq_axis], (1,), "int64")}, ("y",))
+    out = yield Run(
+        kernel("narrow", e.dtype),
+        {
+            "x": x,
+            "start": backend.tensor([start], (1,), "int64"),
+            "end": backend.tensor([end], (1,), "int64"),
+            "axis": backend.tensor([e.seq_axis], (1,), "int64"),
+        },
+        ("y",),
+    )
     return out["y"]
 
 

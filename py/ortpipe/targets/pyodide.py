@@ -1,59 +1,49 @@
-"""The browser target: the core's work carried out by onnxruntime-web, from Python inside Pyodide.
+"""The browser target: the core driven by onnxruntime-web, from Python inside Pyodide.
 
-The Web Worker (web/worker.js) boots Pyodide and hands `load` a bridge (web/bridge.js) over
-onnxruntime-web, fetch, tokenizers.js and jinja. Tensors are ort.Tensor proxies wrapped in
-`Tensor`; only small integer results (the selected token) are copied into Python.
+The Web Worker (web/worker.js) boots Pyodide and calls `task(...)` here once per message it gets
+(load, generate, chat, say, rewind). A `Task` turns the core's work into typed JSON answers, and
+the worker is its one pump: it awaits what each answer asks for (a session run, a session to open,
+a burst of fused decode steps of the JS `Decoder`) and hands the result back, until the answer is
+`done` or an `error` ({type, message}). Python never awaits, and the worker never reads a traceback.
 
-Images arrive decoded by the worker (web/images.js): uint8 [h, w, 3] RGB ort.Tensors, which the
-core's preprocessing kernels turn into the vision session's inputs, as under CPython.
+Tensors are ort.Tensor proxies wrapped in `Tensor`; only small integer results (the selected
+token) are copied into Python. Images arrive decoded by the worker (web/images.js): uint8
+[h, w, 3] RGB ort.Tensors, which the core's preprocessing kernels turn into model inputs.
 
-onnxruntime-web has no IOBinding, so a shared-buffer KV cache (Run.inplace) is not updated in
-place: the buffer is fed as past and the present output, the same size, becomes the buffer for
-the next run. The tokens are the same; the cost is one buffer allocation per layer and step.
-
-Plain greedy decode steps run fused (the core's `Decode`): a JS `Decoder` (web/bridge.js) keeps
-the cache between steps and answers with the token ids, so Python wraps no tensor per cache entry
-and step. It runs several steps per answer (a burst of at most `BURST_MS` in bridge.js), since each
-crossing into Python and back costs about as much as the core's work on a token. The core's cache
-dict then holds `CacheSlot`s that read the JS side's current tensors, for the generic runs that
-may follow (a chat turn, a rewind).
+onnxruntime-web has no IOBinding: a shared-buffer KV cache's present comes back as a new tensor,
+which the core takes as the buffer for the next run (the same tokens; one buffer allocation per
+layer and step). Plain greedy decode steps run fused in a JS `Decoder` (web/bridge.js) that keeps
+the cache between steps and answers with the token ids, several steps per answer; the core's cache
+then holds `CacheSlot`s that read the Decoder's current tensors, for the generic runs that may
+follow (a chat turn, a rewind).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import struct
-import time
-from pathlib import Path
+import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import js
 from pyodide.ffi import JsException, JsProxy, to_js
 
-from ..chat import Chat
-from ..config import CONFIG_FILE, load_config
-from ..config.schema import SessionSpec
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Decode, Run, RunAll, Work
-from ..pipeline import Chunk, Pipeline, Request
-from ..plan import make_plan
-from ..preprocess.request import media_inputs
+from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, Run, RunAll, Work
+from ..folder import decode_text, inside
+from ..kernels import CPU_ONLY, kernel_file
+from ..model import Model, load_model
+from ..request import Chunk, Request
 from ..signature import Signature, TensorInfo
+from ..templates import Renderer, TemplateFailure
 from ..tokenizer import TextStream
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-# Small text files fetched up front (in parallel); any other file is fetched or probed on demand.
-TEXT_FILES = (CONFIG_FILE, "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 # Weights stored beside a graph: the model builder's name, then Optimum's.
 EXTERNAL_DATA = ("{file}.data", "{file}_data")
 # JS twins (web/bridge.js) of kernel graphs that run on every token, for CPU tensors: a session run
 # costs more than the work. The browser tests compare their tokens with the CPython target's.
 NATIVE_KERNELS = {f"{KERNEL}argmax_last_float32": "argmaxLast"}
-# Preprocessing kernels run on wasm whatever the device: their inputs (decoded pixels, samples) are
-# on the CPU, and they compute in float64, which neither WebGPU nor the CPU kernels of the WebGPU
-# build have (the bridge makes them with the wasm build); on wasm they equal CPython's bit for bit.
-CPU_KERNELS = tuple(f"{KERNEL}{name}" for name in ("resize_", "normalize_", "patchify_", "log_mel_"))
 
 
 class Tensor:
@@ -66,18 +56,9 @@ class Tensor:
         self.js: JsProxy | None = tensor
         self.gpu = gpu
 
-    def take(self, other: Tensor) -> None:
-        """Become `other` (a shared-buffer cache's present becomes its next past)."""
-        self._release()
-        self.js, self.gpu = other.js, other.gpu
-        other.js = None
-
-    def _release(self) -> None:
+    def __del__(self) -> None:
         if self.gpu and self.js is not None:
             self.js.dispose()
-
-    def __del__(self) -> None:
-        self._release()
 
 
 class CacheSlot:
@@ -94,11 +75,6 @@ class CacheSlot:
     def js(self) -> JsProxy:
         return self.decoder.current(self.name)
 
-    def take(self, other: Tensor) -> None:
-        """Become `other` (a generic run's shared-buffer present)."""
-        self.decoder.put(self.name, other.js)
-        other.js = None
-
     def __del__(self) -> None:
         self.decoder.drop(self.name)
 
@@ -110,7 +86,7 @@ def _half_bits(value: float) -> int:
 class WebBackend:
     """The core's tensor operations on ort.Tensor, through the bridge."""
 
-    fused_decode = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver runs
+    fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the worker runs
     decode_burst = 64  # steps per Decode at most; the JS Decoder also stops after BURST_MS
 
     def __init__(self, bridge: JsProxy):
@@ -138,45 +114,43 @@ class WebBackend:
 class RemoteFolder:
     """A model folder at a URL prefix (the Folder protocol of ortpipe.folder).
 
-    The usual text files are fetched up front, where a 404 means absent; files the core asks about
-    later (the ONNX files a config names, detection's candidates) are probed with synchronous
-    requests, which a worker may make.
+    Files the core asks about are probed and fetched with synchronous requests, which a worker may
+    make; the worker's early downloads (web/prefetch.js) answer the probes they already know.
     """
 
-    def __init__(self, bridge: JsProxy, url: str, texts: dict[str, str | None]):
-        self.bridge, self.base = bridge, url
-        self._texts = dict(texts)
+    def __init__(self, bridge: JsProxy, url: str):
+        self.bridge = bridge
+        self.base = url if url.endswith("/") else url + "/"
+        self._texts: dict[str, str | None] = {}
         self._exists: dict[str, bool] = {}
 
-    @classmethod
-    async def fetch(cls, bridge: JsProxy, url: str) -> RemoteFolder:
-        base = url if url.endswith("/") else url + "/"
-        try:
-            texts = await asyncio.gather(*(bridge.fetchText(base + name) for name in TEXT_FILES))
-        except JsException as e:
-            raise ConfigError(f"cannot read the model folder {base}: {e.message}") from None
-        return cls(bridge, base, dict(zip(TEXT_FILES, texts, strict=True)))
-
-    def url(self, name: str) -> str:
+    def locate(self, name: str) -> str:
+        if not inside(name):
+            raise ConfigError(f'"{name}" is not a path inside the model folder {self.base}')
         return self.base + name
 
     def exists(self, name: str) -> bool:
         if name in self._texts:
             return self._texts[name] is not None
         if name not in self._exists:
-            self._exists[name] = bool(self.bridge.existsSync(self.url(name)))
+            self._exists[name] = bool(self.bridge.existsSync(self.locate(name)))
         return self._exists[name]
 
     def read_text(self, name: str) -> str:
         if name not in self._texts:
-            self._texts[name] = self.bridge.fetchTextSync(self.url(name))
+            url = self.locate(name)
+            try:
+                data = self.bridge.fetchBytesSync(url)
+            except JsException as e:
+                raise ConfigError(f"cannot read {url}: {e.message}") from None
+            self._texts[name] = None if data is None else decode_text(data.to_bytes(), url)
         text = self._texts[name]
         if text is None:
-            raise ConfigError(f"{self.url(name)} does not exist")
+            raise ConfigError(f"{self.locate(name)} does not exist")
         return text
 
     def describe(self, name: str = "") -> str:
-        return self.url(name)
+        return self.base + name
 
 
 class JsTokenizer:
@@ -217,90 +191,150 @@ class JsTextStream:
         return self._flush()
 
 
-class JsChatTemplate:
-    """tokenizer_config.json's chat_template, rendered by @huggingface/jinja."""
+class WebPlatform:
+    name = "pyodide"
 
-    def __init__(self, bridge: JsProxy, tokenizer_config: dict[str, Any]):
-        source = tokenizer_config.get("chat_template")
-        if isinstance(source, list):  # named templates: take the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        if not isinstance(source, str):
-            raise GenerationError("tokenizer_config.json has no chat_template, which messages and chat need: "
-                                  "give a prompt instead, or add the model's chat_template")
-        tokens = {k: _token_text(tokenizer_config.get(k)) for k in ("bos_token", "eos_token")}
-        try:
-            self._render = bridge.chatTemplate(source, json.dumps(tokens))
-        except JsException as e:
-            raise GenerationError(f"the chat template does not parse: {e.message}") from None
+    def __init__(self, bridge: JsProxy):
+        self.bridge = bridge
+        self.backend = WebBackend(bridge)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        try:
-            return self._render(json.dumps(messages), add_generation_prompt)
-        except JsException as e:
-            raise GenerationError(f"the chat template refused the conversation: {e.message}") from None
+    def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> JsTokenizer:
+        return JsTokenizer(self.bridge.tokenizer(tokenizer_json, tokenizer_config), self.bridge)
 
+    def compile_template(self, source: str) -> Renderer:
+        """@huggingface/jinja: the bridge answers {text} or {error: {kind, message}} as JSON."""
+        compiled = json.loads(self.bridge.chatTemplate(source))
+        if "error" in compiled:
+            raise TemplateFailure(compiled["error"]["kind"], compiled["error"]["message"])
+        render = self.bridge.renderTemplate
 
-def _token_text(value: Any) -> str:
-    return value.get("content", "") if isinstance(value, dict) else (value or "")
+        def rendered(context: dict[str, Any]) -> str:
+            answer = json.loads(render(compiled["id"], json.dumps(context)))
+            if "error" in answer:
+                raise TemplateFailure(answer["error"]["kind"], answer["error"]["message"])
+            return answer["text"]
+
+        return rendered
 
 
 def _js_object(mapping: dict[str, Any]) -> JsProxy:
     return to_js(mapping, dict_converter=js.Object.fromEntries)
 
 
+def _dims(t: Any) -> tuple[int, ...]:
+    return tuple(t.js.dims) if t.js is not None else ()
+
+
 class Driver:
-    """Carries out the core's Run / RunAll requests on onnxruntime-web sessions.
+    """Starts the core's work on onnxruntime-web and takes the results back (`start`, `finish`);
+    the worker awaits in between. One run at a time: onnxruntime-web refuses overlapping runs of a
+    session, and its WebGPU build suspends wasm calls (asyncify), which must not interleave."""
 
-    One run at a time: onnxruntime-web refuses overlapping runs of a session, and its WebGPU build
-    suspends wasm calls (asyncify), which must not interleave; so a RunAll's runs go one after another.
-    """
-
-    def __init__(self, bridge: JsProxy, sessions: dict[str, JsProxy], device: str):
-        self.bridge, self.device = bridge, device
-        self.sessions = dict(sessions)
+    def __init__(self, bridge: JsProxy, folder: RemoteFolder, device: str):
+        self.bridge, self.folder, self.device = bridge, folder, device
+        self.sessions: dict[str, JsProxy] = {}
         self._gpu = device == "webgpu"
-        self._decoders: dict[str, tuple[JsProxy, dict[str, Any], CacheSlot]] = {}
+        self._decoders: dict[str, tuple[JsProxy, Mapping[str, Any], CacheSlot]] = {}
+        self._kernels_sent: set[str] = set()
 
-    async def drive(self, gen: Work) -> Any:
-        """Answer a core generator's requests until it returns; its return value is ours."""
-        try:
-            work = next(gen)
-            while True:
-                work = gen.send(await self.execute(work))
-        except StopIteration as stop:
-            return stop.value
+    def start(self, work: Any) -> tuple[bool, Any]:
+        """(True, the answer) for work done at once; (False, a JS promise) for work to await."""
+        kind = type(work)
+        if kind is Run:
+            twin = None if self._gpu else NATIVE_KERNELS.get(work.session)
+            if twin is not None:
+                out = getattr(self.bridge, twin)(*(t.js for t in work.feeds.values()))
+                return True, {work.outputs[0]: Tensor(out)}
+            return False, self._run(work)
+        if kind is RunAll:
+            return False, js.Promise.all(to_js([self._run(r) for r in work.runs]))
+        if kind is Open:
+            return False, self._open(work)
+        raise OrtpipeError(f"the browser driver got work it does not know: {type(work).__name__}")
 
-    async def execute(self, work: Run | RunAll | Decode) -> Any:
-        if type(work) is Decode:
-            return await self.decode(work)
-        if isinstance(work, Run):
-            return await self.run(work)
-        return [await self.run(r) for r in work.runs]
+    def finish(self, work: Any, raw: JsProxy) -> Any:
+        """The answer the core expects, from what the awaited promise gave."""
+        kind = type(work)
+        if kind is Run:
+            return self._outputs(work, raw)
+        if kind is RunAll:
+            return [self._outputs(r, out) for r, out in zip(work.runs, raw, strict=True)]
+        session = raw
+        self.sessions[work.spec.name] = session
+        return Opened(session, signature_of(self.bridge, session))
 
-    def decoder(self, d: Decode) -> JsProxy:
-        """The JS Decoder of `d`'s request and session, started (taking over the cache) if needed."""
-        decoder, cache, first = self._decoders.get(d.session) or (None, None, None)
+    def failure(self, work: Any, message: str) -> OrtpipeError:
+        """What a JS failure while awaiting `work` means, with the context the message lacks."""
+        if type(work) is Open:
+            return ConfigError(
+                f'session "{work.spec.name}" could not be created from {work.shown} on '
+                f"{self.device}: {message}"
+            )
+        if type(work) is Run:
+            shapes = ", ".join(f"{k} {list(_dims(v))}" for k, v in work.feeds.items())
+            return OrtpipeError(f'session "{work.session}" failed: {message}\n  inputs: {shapes}')
+        return OrtpipeError(message)  # RunAll's and the Decoder's messages name their session
+
+    def _run(self, work: Run) -> JsProxy:
+        """A promise of the run's outputs; a kernel's session is made on its first run."""
+        session = self.sessions.get(work.session)
+        names, tensors = to_js(list(work.feeds)), to_js([t.js for t in work.feeds.values()])
+        if session is None:
+            first = work.session not in self._kernels_sent
+            self._kernels_sent.add(work.session)
+            device = "wasm" if work.session.startswith(CPU_ONLY) else self.device
+            graph = to_js(kernel_file(work.session).read_bytes()) if first else None
+            return self.bridge.runKernel(work.session, graph, device, names, tensors, to_js(work.outputs))
+        return self.bridge.run(session, names, tensors, to_js(work.outputs))
+
+    def _outputs(self, work: Run, values: JsProxy) -> dict[str, Tensor]:
+        gpu = self._gpu and not work.session.startswith(KERNEL)
+        return {name: Tensor(value, gpu) for name, value in zip(work.outputs, values, strict=True)}
+
+    def _open(self, work: Open) -> JsProxy:
+        """A session on the worker's device for every model session (the config's execution providers
+        are for CPython)."""
+        file = work.spec.file
+        weights = [
+            self.folder.locate(n)
+            for n in (p.format(file=file) for p in EXTERNAL_DATA)
+            if self.folder.exists(n)
+        ]
+        options = {"name": file, "device": self.device, "gpuOutputs": self._gpu, "externalData": weights}
+        return self.bridge.createSession(work.path, _js_object(options))
+
+    # fused decode steps
+
+    def decoder(self, d: Decode) -> tuple[JsProxy, bool]:
+        """The JS Decoder of `d`'s session holding `d.cache`, and whether it was just started."""
+        decoder, cache, first = self._decoders.get(d.step.session) or (None, None, None)
         # The core's KVCache replaces all its entries at once (a generic step, a rewind): the first
         # entry tells whether the decoder still holds the cache.
-        if cache is not d.cache or d.cache[next(iter(d.presents.values()))] is not first:
-            decoder = self._start_decoder(d)
-        return decoder
+        if cache is d.cache and d.cache[next(iter(d.step.presents.values()))] is first:
+            return decoder, False
+        return self._start_decoder(d), True
 
-    async def decode(self, d: Decode) -> list[int]:
-        """Greedy decode steps run by the session's JS Decoder, which holds the cache."""
-        try:
-            return (await self.decoder(d).burst(d.token, d.past, d.limit)).to_py()
-        except JsException as e:
-            raise OrtpipeError(e.message) from None  # the Decoder's message names the session and position
+    def decoded(self, d: Decode, tokens: list[int]) -> Decoded:
+        return Decoded(tokens, self._decoders[d.step.session][1])
 
     def _start_decoder(self, d: Decode) -> JsProxy:
         """A JS Decoder for the request whose cache is `d.cache`, holding that cache from now on."""
-        spec = {"name": d.session, "ids": list(d.ids), "mask": list(d.mask) if d.mask else None,
-                "positions": list(d.positions) if d.positions else None, "presents": d.presents,
-                "outputs": list(d.outputs), "logits": d.logits, "vocab": d.logits_shape[-1],
-                "capacity": d.capacity, "eos": sorted(d.eos), "gpu": self._gpu}
-        decoder = self.bridge.decoder(self.sessions[d.session], _js_object(spec))
-        names = list(d.presents.values())
+        step = d.step
+        spec = {
+            "name": step.session,
+            "ids": list(step.ids),
+            "mask": list(step.mask) if step.mask else None,
+            "positions": list(step.positions) if step.positions else None,
+            "presents": dict(step.presents),
+            "outputs": list(step.outputs),
+            "logits": step.logits,
+            "vocab": step.logits_shape[-1],
+            "capacity": d.capacity,
+            "eos": sorted(d.eos),
+            "gpu": self._gpu,
+        }
+        decoder = self.bridge.decoder(self.sessions[step.session], _js_object(spec))
+        names = list(step.presents.values())
         tensors = []
         for name in names:
             entry = d.cache[name]
@@ -310,48 +344,9 @@ class Driver:
             else:
                 entry.js = None
         decoder.seed(to_js(names), to_js(tensors))
-        slots = {name: CacheSlot(decoder, name) for name in names}
-        d.cache.update(slots)
-        self._decoders[d.session] = (decoder, d.cache, slots[names[0]])
+        slots = {**d.cache, **{name: CacheSlot(decoder, name) for name in names}}
+        self._decoders[step.session] = (decoder, slots, slots[names[0]])
         return decoder
-
-    async def run(self, work: Run) -> dict[str, Tensor]:
-        twin = None if self._gpu else NATIVE_KERNELS.get(work.session)
-        if twin is not None:
-            return {work.outputs[0]: Tensor(getattr(self.bridge, twin)(*(t.js for t in work.feeds.values())))}
-        session = self.sessions.get(work.session) or await self._kernel(work.session)
-        values = await self._run_session(session, work)
-        gpu = self._gpu and not work.session.startswith(KERNEL)
-        outputs = {name: Tensor(value, gpu) for name, value in zip(work.outputs, values, strict=True)}
-        for present, past in (work.inplace or {}).items():
-            work.feeds[past].take(outputs.pop(present))
-        return outputs
-
-    async def _run_session(self, session: JsProxy, work: Run) -> JsProxy:
-        names, tensors = to_js(list(work.feeds)), to_js([t.js for t in work.feeds.values()])
-        try:
-            return await self.bridge.run(session, names, tensors, to_js(work.outputs))
-        except JsException as e:
-            shapes = ", ".join(f"{k} {list(_dims(v))}" for k, v in work.feeds.items())
-            raise OrtpipeError(f'session "{work.session}" failed: {e.message}\n  inputs: {shapes}') from None
-
-    async def _kernel(self, name: str) -> JsProxy:
-        if not name.startswith(KERNEL):
-            raise OrtpipeError(f'no session "{name}" is loaded')
-        path = KERNEL_DIR / f"{name[len(KERNEL):]}.onnx"
-        device = "wasm" if name.startswith(CPU_KERNELS) else self.device
-        options = {"name": name, "device": device, "gpuOutputs": False, "externalData": []}
-        session = await self.bridge.createSession(to_js(path.read_bytes()), _js_object(options))
-        self.sessions[name] = session
-        return session
-
-
-def _answer_json(chunks: list[Chunk], **answer: Any) -> str:
-    return json.dumps({"chunks": [{"token": c.token, "text": c.text} for c in chunks], **answer})
-
-
-def _dims(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.js.dims) if t.js is not None else ()
 
 
 def signature_of(bridge: JsProxy, session: JsProxy) -> Signature:
@@ -363,173 +358,201 @@ def signature_of(bridge: JsProxy, session: JsProxy) -> Signature:
     return Signature(tuple(map(info, raw["inputs"])), tuple(map(info, raw["outputs"])))
 
 
-async def open_session(bridge: JsProxy, folder: RemoteFolder, spec: SessionSpec, device: str) -> JsProxy:
-    """A session on `device` for every model session; the config's execution providers are for CPython."""
-    weights = [folder.url(n) for n in (p.format(file=spec.file) for p in EXTERNAL_DATA) if folder.exists(n)]
-    options = {"name": spec.file, "device": device, "gpuOutputs": device == "webgpu", "externalData": weights}
-    try:
-        return await bridge.createSession(folder.url(spec.file), _js_object(options))
-    except JsException as e:
-        raise ConfigError(f'session "{spec.name}" could not be created from {folder.url(spec.file)} '
-                          f"on {device}: {e.message}") from None
+class Emit:
+    """Chunks a task has for the page; the Task collects them into its next answer."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: list[Chunk]):
+        self.chunks = chunks
 
 
-class WebPipeline:
-    """A loaded model, driven by the worker: `request_json`, then `step_begin` and what it answers.
+class Task:
+    """One message's work, pumped by the worker: every call answers JSON, one of
+    {"chunks", "next": "wait"}: await `pending`, then `advance(result)`;
+    {"chunks", "next": "decode", "decode": [token, position, limit], "fresh"}: run a burst of the JS
+      Decoder (`decoder`, read again when fresh), then `decoded(...tokens)`;
+    {"chunks", "next": "done", "value"}; or {"chunks", "error": {"type", "message"}}.
+    A JS failure while awaiting is handed back with `fail(message)`: the core sees it where it asked."""
 
-    Generation settings (do_sample, temperature, top_k, top_p, seed, stop, num_beams, ...) default
-    to the config's and can be given per request, as in the CPython target.
-    """
+    def __init__(self, work: Work, driver: Driver | None):
+        self.work, self.driver = work, driver
+        self.pending: JsProxy | None = None
+        self.decoder: JsProxy | None = None
+        self._item: Any = None
 
-    def __init__(self, core: Pipeline, driver: Driver, folder: RemoteFolder, load_ms: float):
-        self.core, self.driver, self.folder, self.load_ms = core, driver, folder, load_ms
-        self.plan, self.config, self.tokenizer = core.plan, core.config, core.tokenizer
-        self.decoder: JsProxy | None = None  # the JS Decoder the worker runs (see step_begin)
-        self._request: Request | None = None  # the request being generated (see step_begin)
-        self._step: Work | None = None  # its step being pumped, and that step's pending work
-        self._work: Run | RunAll | Decode | None = None
+    def advance(self, raw: Any = None) -> str:
+        item = self._item
+        if item is None:
+            return self._answer(lambda: next(self.work))
+        return self._answer(lambda: self.work.send(self.driver.finish(item, raw)))
 
-    async def request(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                      messages: list[dict[str, str]] | None = None, max_new_tokens: int | None = None,
-                      max_length: int | None = None, images: list[Tensor] | None = None,
-                      **settings: Any) -> Request:
-        """`images`: decoded images, uint8 [h, w, 3] RGB tensors, preprocessed into the inputs the
-        pipeline's sessions read."""
-        if messages is not None:
-            if prompt is not None or prompt_ids is not None:
-                raise GenerationError("give one of prompt, prompt_ids and messages")
-            prompt = self.chat_template().render(messages)
-        ids = self.core.prompt_ids(prompt, prompt_ids)
-        inputs = None
-        if images:
-            backend = self.core.backend
-            decoded = [(image, *backend.shape(image)[:2]) for image in images]
-            inputs = await self.driver.drive(media_inputs(self.plan, self.folder, backend, decoded, []))
-        request = self.core.request(ids, max_new_tokens, max_length, inputs, **settings)
-        request.timings.load_ms = self.load_ms
-        return request
+    def decoded(self, *tokens: int) -> str:
+        item = self._item
+        return self._answer(lambda: self.work.send(self.driver.decoded(item, list(tokens))))
 
-    def chat_template(self) -> JsChatTemplate:
-        if not self.folder.exists("tokenizer_config.json"):
-            raise GenerationError(f"{self.folder.url('tokenizer_config.json')} is missing: messages need its "
-                                  "chat_template")
-        config = json.loads(self.folder.read_text("tokenizer_config.json"))
-        return JsChatTemplate(self.driver.bridge, config)
+    def fail(self, message: str) -> str:
+        error = self.driver.failure(self._item, message)
+        return self._answer(lambda: self.work.throw(error))
 
-    def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
-        """A multi-turn chat over one KV cache, with the folder's chat template (see ortpipe.chat)."""
-        if self.tokenizer is None:
-            raise GenerationError(f"{self.folder.url('tokenizer.json')} is missing: chat needs the tokenizer")
-        return Chat(self.core, self.chat_template(), max_length, **settings)
+    def _answer(self, resume: Any) -> str:
+        chunks: list[dict[str, Any]] = []
+        try:
+            item = resume()
+            while True:
+                if type(item) is Emit:
+                    chunks += [{"token": c.token, "text": c.text} for c in item.chunks]
+                    item = self.work.send(None)
+                elif type(item) is Decode:
+                    self._item = item
+                    self.decoder, fresh = self.driver.decoder(item)
+                    return json.dumps(
+                        {
+                            "chunks": chunks,
+                            "next": "decode",
+                            "fresh": fresh,
+                            "decode": [item.token, item.position, item.limit],
+                        }
+                    )
+                else:
+                    now, value = self.driver.start(item)
+                    if not now:
+                        self._item, self.pending = item, value
+                        return json.dumps({"chunks": chunks, "next": "wait"})
+                    item = self.work.send(value)
+        except StopIteration as stop:
+            return json.dumps({"chunks": chunks, "next": "done", "value": stop.value})
+        except OrtpipeError as e:
+            return json.dumps({"chunks": chunks, "error": {"type": type(e).__name__, "message": str(e)}})
+        except Exception as e:  # a bug: the page gets the traceback to report
+            return json.dumps(
+                {
+                    "chunks": chunks,
+                    "error": {
+                        "type": "InternalError",
+                        "message": (f"{type(e).__name__}: {e}\n{traceback.format_exc()}"),
+                    },
+                }
+            )
 
-    # The worker's side (web/worker.js): JSON in and out, so no proxies outlive a call.
 
-    def chat_json(self, options: str) -> Chat:
-        return self.chat(**json.loads(options))
+class Worker:
+    """The Python half of web/worker.js: the loaded model, its chats, and a Task per message."""
 
-    def say_json(self, chat: Chat, options: str) -> Request:
-        """The request of a user turn, {"content", "max_new_tokens"}: the worker streams it."""
-        settings = json.loads(options)
-        content = settings.pop("content", None)
-        unknown = sorted(set(settings) - {"max_new_tokens"})
+    def __init__(self, bridge: JsProxy):
+        self.bridge = bridge
+        self.model: Model | None = None
+        self.driver: Driver | None = None
+        self.chats: dict[int, Any] = {}
+        self._chats_made = 0
+        self.active: Request | None = None
+        self._interrupted = False  # an interrupt that came before the running task made its request
+
+    def task(self, kind: str, options: str, images: JsProxy | None = None) -> Task:
+        """A Task for the worker's message `kind` with its JSON `options` (and decoded images)."""
+        return Task(self._work(kind, json.loads(options), images), self.driver)
+
+    def _work(self, kind: str, options: dict[str, Any], images: JsProxy | None) -> Work:
+        if kind == "load":
+            folder = RemoteFolder(self.bridge, options["url"])
+            self.driver = Driver(self.bridge, folder, options["device"])
+            return self._load(folder)
+        if kind == "generate":
+            tensors = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
+            return self._generate(options, tensors)
+        if kind == "chat":
+            return self._open_chat(options)
+        if kind == "say":
+            return self._say(options)
+        if kind == "rewind":
+            return self._rewind(options.get("chat"))
+        return _failing(OrtpipeError(f"the worker asked for an unknown task {kind!r}"))
+
+    def _load(self, folder: RemoteFolder) -> Work:
+        self.model, _ = yield from load_model(folder, WebPlatform(self.bridge))
+        return self.info()
+
+    def _generate(self, options: dict[str, Any], images: list[Any] | None) -> Work:
+        self._interrupted = bool(options.pop("interrupted", False))
+        request = yield from self._loaded().request(**options, images=images)
+        return (yield from self._run(request))
+
+    def _say(self, options: dict[str, Any]) -> Work:
+        self._interrupted = bool(options.pop("interrupted", False))
+        chat = self._chat(options.pop("chat", None))
+        content = options.pop("content", None)
+        unknown = sorted(set(options) - {"max_new_tokens"})
         if not isinstance(content, str):
             raise GenerationError("a chat turn needs its content: a string")
         if unknown:
-            raise GenerationError(f"a chat turn takes content and max_new_tokens, not {', '.join(unknown)}; "
-                                  "give the other settings when the chat is made")
-        request = chat.say(content, settings.get("max_new_tokens"))
-        request.timings.load_ms = self.load_ms
-        return request
+            raise GenerationError(
+                f"a chat turn takes content and max_new_tokens, not {', '.join(unknown)}; "
+                "give the other settings when the chat is made"
+            )
+        return (yield from self._run(chat.say(content, options.get("max_new_tokens"))))
 
-    async def rewind(self, chat: Chat) -> None:
-        """Drop the chat's last turn (the user's message and the reply)."""
-        await self.driver.drive(chat.rewind())
-
-    def chat_tokens_json(self, chat: Chat) -> str:
-        return json.dumps(chat.gen.tokens)
-
-    def info_json(self) -> str:
-        tokens = self.config.tokens
-        return json.dumps({
-            "device": self.driver.device, "sessions": sorted(self.plan.signatures), "eos": list(tokens.eos),
-            "tokenizer": self.tokenizer is not None, "max_length": self.config.generation.max_length,
-            "model_type": self.config.metadata.get("model_type"), "load_ms": round(self.load_ms, 1)})
-
-    async def request_json(self, options: str, images: JsProxy | None = None) -> Request:
-        """`images`: the worker's decoded images (uint8 [h, w, 3] ort.Tensors), in prompt order."""
-        tensors = [Tensor(image) for image in images] if images else None
-        return await self.request(**json.loads(options), images=tensors)
-
-    # The worker's generation loop. Steps whose work is fused decode steps are pumped with
-    # synchronous calls, which cost far less than an awaited coroutine per token: an answer
-    # {"chunks", "decode": [token, past, limit]} has the worker run a burst of the JS Decoder
-    # (`decoder`) and hand the ids to `step_decoded`, whose answer carries their chunks and the next
-    # burst's decode. Other work answers {"chunks", "async": true}: the worker awaits `step_rest`,
-    # which drives it. {"chunks", "done": true} ends the request.
-
-    def step_begin(self, request: Request) -> str:
-        self._request = request
-        self.decoder = None  # the worker's loop starts without one: its first decode is fresh
-        return self._answer(None, [], start=True)
-
-    def step_decoded(self, *tokens: int) -> str:
-        return self._answer(list(tokens), [], start=False)
-
-    async def step_rest(self) -> str:
-        gen, work = self._step, self._work
+    def _run(self, request: Request) -> Work:
+        """The request run to its end, its chunks emitted as they come; returns the result."""
+        if self._interrupted:
+            request.interrupt()
+        self.active = request
         try:
-            while True:
-                work = gen.send(await self.driver.execute(work))
-        except StopIteration as stop:
-            return self._answer(None, list(stop.value), start=True)
+            while not request.done:
+                yield Emit((yield from request.advance()))
+        finally:
+            self.active = None
+        return request.result().as_dict()
 
-    def _answer(self, value: list[int] | None, chunks: list[Chunk], start: bool) -> str:
-        """Run the request's steps until one needs a Decode or async work, or the request ends."""
-        while True:
-            if start:
-                if self._request.done:
-                    self._request = self._step = self._work = None  # the worker holds the request
-                    return _answer_json(chunks, done=True)
-                self._step, value = self._request.step(), None
-            try:
-                work = self._step.send(value)
-            except StopIteration as stop:
-                chunks += stop.value
-                start = True
-                continue
-            self._work = work
-            if type(work) is not Decode:
-                return _answer_json(chunks, **{"async": True})
-            decoder = self.driver.decoder(work)
-            fresh = decoder is not self.decoder
-            self.decoder = decoder
-            return _answer_json(chunks, decode=[work.token, work.past, work.limit], fresh=fresh)
+    def _open_chat(self, options: dict[str, Any]) -> Work:
+        chat = self._loaded().chat(**options)
+        self._chats_made += 1
+        self.chats[self._chats_made] = chat
+        return self._chats_made
+        yield  # a generator, like every task's work
 
-    def result_json(self, request: Request) -> str:
-        return json.dumps(request.result().as_dict())
+    def _rewind(self, number: Any) -> Work:
+        chat = self._chat(number)
+        yield from chat.rewind()
+        return list(chat.tokens)
 
+    def _loaded(self) -> Model:
+        if self.model is None:
+            raise OrtpipeError("no model is loaded")
+        return self.model
 
-async def load(bridge: JsProxy, model_url: str, device: str) -> WebPipeline:
-    """Load the model folder at `model_url` (v1 or v2 genai_config.json, or a detected export)
-    on `device`, "wasm" or "webgpu"."""
-    start = time.perf_counter()
-    folder = await RemoteFolder.fetch(bridge, model_url)
-    config = load_config(folder)
-    used = {s.run for s in config.pipeline.flow}
-    sessions = {}
-    for name, spec in config.pipeline.sessions.items():
-        if name in used and folder.exists(spec.file):
-            sessions[name] = await open_session(bridge, folder, spec, device)
-    plan = make_plan(config, {n: signature_of(bridge, s) for n, s in sessions.items()})
-    core = Pipeline(plan, WebBackend(bridge), _tokenizer(bridge, folder))
-    return WebPipeline(core, Driver(bridge, sessions, device), folder, (time.perf_counter() - start) * 1000)
+    def _chat(self, number: Any) -> Any:
+        self._loaded()
+        chat = self.chats.get(number)
+        if chat is None:
+            raise OrtpipeError("this chat was disposed")
+        return chat
 
+    def close_chat(self, number: int) -> None:
+        self.chats.pop(number, None)
 
-def _tokenizer(bridge: JsProxy, folder: RemoteFolder) -> JsTokenizer | None:
-    if not folder.exists("tokenizer.json"):
-        return None
-    config = folder.read_text("tokenizer_config.json") if folder.exists("tokenizer_config.json") else None
-    return JsTokenizer(bridge.tokenizer(folder.read_text("tokenizer.json"), config), bridge)
+    def interrupt(self) -> None:
+        if self.active is not None:
+            self.active.interrupt()
+        else:
+            self._interrupted = True
+
+    def info(self) -> dict[str, Any]:
+        model = self._loaded()
+        return {
+            "device": self.driver.device,
+            "sessions": sorted(model.plan.signatures),
+            "eos": list(model.config.tokens.eos),
+            "tokenizer": model.tokenizer is not None,
+            "max_length": model.config.generation.max_length,
+            "model_type": model.config.metadata.get("model_type"),
+            "load_ms": round(model.load_ms, 1),
+            "notes": list(model.config.notes),
+        }
 
 
-__all__ = ["Driver", "RemoteFolder", "WebBackend", "WebPipeline", "load"]
+def _failing(error: OrtpipeError) -> Work:
+    raise error
+    yield  # a generator, like every task's work
+
+
+__all__ = ["Driver", "RemoteFolder", "Task", "WebBackend", "Worker"]

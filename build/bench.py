@@ -1,4 +1,4 @@
-"""`ortpipe bench`: ortpipe's decode speed beside onnxruntime-genai and a hand-written floor.
+"""`python -m build.bench MODEL_DIR`: decode speed beside onnxruntime-genai and a hand-written floor.
 
 The engines run one genai_config.json v1 folder with the same prompt ids, greedy (but `sampled`),
 and the same intra-op thread count; rounds are interleaved with the engine order rotated each
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import ConfigError, GenerationError
+from ortpipe.errors import ConfigError, GenerationError, OrtpipeError
 
 ENGINES = ("ortpipe", "genai", "floor", "sampled")
 SAMPLING = {"do_sample": True, "top_k": 50, "top_p": 0.9, "seed": 0}  # the "sampled" engine's settings
@@ -76,10 +76,14 @@ class Stats:
     round_tokens_per_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prefill_ms": round(self.prefill_ms, 3),
-                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-                "step_mean_us": round(self.step_mean_us, 1), "step_median_us": round(self.step_median_us, 1),
-                "steps": self.steps, "round_tokens_per_s": [round(x, 2) for x in self.round_tokens_per_s]}
+        return {
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "step_mean_us": round(self.step_mean_us, 1),
+            "step_median_us": round(self.step_median_us, 1),
+            "steps": self.steps,
+            "round_tokens_per_s": [round(x, 2) for x in self.round_tokens_per_s],
+        }
 
 
 Engine = Callable[[list[int], int], Trace]  # (prompt ids, new tokens) -> trace
@@ -87,12 +91,21 @@ Engine = Callable[[list[int], int], Trace]  # (prompt ids, new tokens) -> trace
 
 # --- the model folder -----------------------------------------------------------------------------
 
+
 def pinned_folder(src: Path, threads: int, dst: Path) -> Path:
     """A copy of `src` whose genai_config.json pins the decoder's intra-op threads (genai defaults to
-    half the cores); every other file is a symlink."""
+    half the cores); every other file is a hard link where the file system allows (ortpipe opens no
+    symbolic link that leads out of a model folder), else a copy."""
     for item in src.iterdir():
-        if item.name != CONFIG:
-            os.symlink(item.resolve(), dst / item.name)
+        if item.name == CONFIG:
+            continue
+        if item.is_dir():
+            shutil.copytree(item, dst / item.name)
+            continue
+        try:
+            os.link(item.resolve(), dst / item.name)
+        except OSError:
+            shutil.copy2(item, dst / item.name)
     config = json.loads((src / CONFIG).read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
     options["intra_op_num_threads"] = threads
@@ -106,8 +119,10 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"no {CONFIG}: the bench needs a folder written by the model builder (v1 config)")
     config = json.loads(path.read_text())
     if config.get("version") == 2 or "decoder" not in config.get("model", {}):
-        raise ConfigError(f"{CONFIG} is not a v1 (model builder) config with model.decoder: the bench "
-                          "compares against onnxruntime-genai, which reads only those")
+        raise ConfigError(
+            f"{CONFIG} is not a v1 (model builder) config with model.decoder: the bench "
+            "compares against onnxruntime-genai, which reads only those"
+        )
     return config
 
 
@@ -133,8 +148,9 @@ def eos_ids(config: dict[str, Any]) -> frozenset[int]:
 
 # --- engines --------------------------------------------------------------------------------------
 
+
 def ortpipe_engine(folder: Path, threads: int, **settings: Any) -> Engine:
-    from .cpython import load
+    from ortpipe import load
 
     pipe = load(folder, threads=threads)
 
@@ -188,8 +204,9 @@ class Floor:
         decoder = config["model"]["decoder"]
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(folder / decoder["filename"]), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            str(folder / decoder["filename"]), options, providers=["CPUExecutionProvider"]
+        )
         self.eos = eos_ids(config)
         names = decoder.get("inputs", {})
         outs = decoder.get("outputs", {})
@@ -208,8 +225,9 @@ class Floor:
             self.vocab = config["model"]["vocab_size"]
 
     @staticmethod
-    def _kv_pairs(inputs: dict[str, Any], names: dict[str, str], outs: dict[str, str],
-                  decoder: dict[str, Any]) -> list[tuple[str, str, tuple[int, int], Any]]:
+    def _kv_pairs(
+        inputs: dict[str, Any], names: dict[str, str], outs: dict[str, str], decoder: dict[str, Any]
+    ) -> list[tuple[str, str, tuple[int, int], Any]]:
         """(past name, present name, (kv heads, head size), dtype) per cache entry.
 
         Sizes come from the signature; the builder leaves the head size symbolic ("kv_cache_dim"),
@@ -282,8 +300,12 @@ class _Bound:
 
 
 def _np_type(ort_type: str) -> Any:
-    return {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-            "tensor(int32)": np.int32}[ort_type]
+    return {
+        "tensor(float)": np.float32,
+        "tensor(float16)": np.float16,
+        "tensor(int64)": np.int64,
+        "tensor(int32)": np.int32,
+    }[ort_type]
 
 
 def floor_engine(folder: Path, threads: int) -> Engine:
@@ -296,13 +318,19 @@ def sampled_engine(folder: Path, threads: int) -> Engine:
 
 
 FACTORIES: dict[str, Callable[[Path, int], Engine]] = {
-    "ortpipe": ortpipe_engine, "genai": genai_engine, "floor": floor_engine, "sampled": sampled_engine}
+    "ortpipe": ortpipe_engine,
+    "genai": genai_engine,
+    "floor": floor_engine,
+    "sampled": sampled_engine,
+}
 
 
 # --- measuring ------------------------------------------------------------------------------------
 
-def start(names: list[str], folder: Path, threads: int, prompt: list[int], new_tokens: int,
-          failed: dict[str, str]) -> dict[str, Engine]:
+
+def start(
+    names: list[str], folder: Path, threads: int, prompt: list[int], new_tokens: int, failed: dict[str, str]
+) -> dict[str, Engine]:
     """Load each engine and run one untimed warm-up generation.
 
     An engine that fails to load or to warm up is left out and its error put in `failed`: one
@@ -318,8 +346,9 @@ def start(names: list[str], folder: Path, threads: int, prompt: list[int], new_t
     return engines
 
 
-def measure(engines: dict[str, Engine], prompt: list[int], new_tokens: int,
-            rounds: int) -> dict[str, list[Trace]]:
+def measure(
+    engines: dict[str, Engine], prompt: list[int], new_tokens: int, rounds: int
+) -> dict[str, list[Trace]]:
     """`rounds` rounds, the engine order rotated each round."""
     names = list(engines)
     traces: dict[str, list[Trace]] = {name: [] for name in names}
@@ -351,16 +380,37 @@ def load_orders(names: list[str], loads: int | None) -> list[list[str]]:
     return [cycle[i % len(cycle)] for i in range(len(cycle) if loads is None else loads)]
 
 
-def measure_in_process(order: list[str], folder: Path, threads: int, prompt: list[int], new_tokens: int,
-                       rounds: int, failed: dict[str, str]) -> dict[str, list[Trace]]:
+def measure_in_process(
+    order: list[str],
+    folder: Path,
+    threads: int,
+    prompt: list[int],
+    new_tokens: int,
+    rounds: int,
+    failed: dict[str, str],
+) -> dict[str, list[Trace]]:
     """Load the engines in `order` in a fresh Python process and measure them there."""
-    job = {"order": order, "folder": str(folder), "threads": threads, "prompt": prompt,
-           "new_tokens": new_tokens, "rounds": rounds}
-    done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(job), capture_output=True,
-                          text=True, check=False)
+    job = {
+        "order": order,
+        "folder": str(folder),
+        "threads": threads,
+        "prompt": prompt,
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "build.bench", "--child"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     if done.returncode != 0:
-        raise GenerationError(f"bench: the process measuring {', '.join(order)} failed (exit "
-                              f"{done.returncode}):\n{done.stderr.strip()[-2000:]}")
+        raise GenerationError(
+            f"bench: the process measuring {', '.join(order)} failed (exit "
+            f"{done.returncode}):\n{done.stderr.strip()[-2000:]}"
+        )
     sys.stderr.write(done.stderr)  # the engines' own warnings
     answer = json.loads(done.stdout)
     failed.update(answer["failed"])
@@ -382,11 +432,14 @@ def summarize(traces: list[Trace]) -> Stats:
     steps = [s for t in traces for s in t.steps_us]
     per_round = [len(t.steps_us) * 1e6 / sum(t.steps_us) if t.steps_us else 0.0 for t in traces]
     total = sum(steps)
-    return Stats(prefill_ms=statistics.median(t.prefill_ms for t in traces),
-                 decode_tokens_per_s=len(steps) * 1e6 / total if total else 0.0,
-                 step_mean_us=statistics.fmean(steps) if steps else 0.0,
-                 step_median_us=statistics.median(steps) if steps else 0.0,
-                 steps=len(steps), round_tokens_per_s=per_round)
+    return Stats(
+        prefill_ms=statistics.median(t.prefill_ms for t in traces),
+        decode_tokens_per_s=len(steps) * 1e6 / total if total else 0.0,
+        step_mean_us=statistics.fmean(steps) if steps else 0.0,
+        step_median_us=statistics.median(steps) if steps else 0.0,
+        steps=len(steps),
+        round_tokens_per_s=per_round,
+    )
 
 
 def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
@@ -399,19 +452,55 @@ def first_mismatch(traces: dict[str, list[Trace]]) -> dict[str, Any] | None:
     for name, runs in greedy.items():
         for r, trace in enumerate(runs):
             if trace.tokens != ref:
-                at = next((i for i, (a, b) in enumerate(zip(ref, trace.tokens, strict=False)) if a != b),
-                          min(len(ref), len(trace.tokens)))
-                return {"reference": ref_name, "engine": name, "round": r, "position": at,
-                        "expected": ref[at] if at < len(ref) else None,
-                        "found": trace.tokens[at] if at < len(trace.tokens) else None,
-                        "lengths": [len(ref), len(trace.tokens)]}
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(ref, trace.tokens, strict=False)) if a != b),
+                    min(len(ref), len(trace.tokens)),
+                )
+                return {
+                    "reference": ref_name,
+                    "engine": name,
+                    "round": r,
+                    "position": at,
+                    "expected": ref[at] if at < len(ref) else None,
+                    "found": trace.tokens[at] if at < len(trace.tokens) else None,
+                    "lengths": [len(ref), len(trace.tokens)],
+                }
     return None
 
 
 # t distribution, two-sided 95%: the 0.975 quantile for 1 to 30 degrees of freedom
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 PAIRS = (("ortpipe", "genai"), ("floor", "genai"), ("ortpipe", "floor"))  # the per-load ratios reported
 
 
@@ -430,7 +519,7 @@ def interval(values: list[float]) -> dict[str, Any]:
     if len(values) > 1:
         df = len(values) - 1
         z = 1.959964
-        t = _T975[df - 1] if df <= len(_T975) else z + (z ** 3 + z) / (4 * df)
+        t = _T975[df - 1] if df <= len(_T975) else z + (z**3 + z) / (4 * df)
         half = t * statistics.stdev(values) / len(values) ** 0.5
         out["ci95"] = [round(mean - half, 4), round(mean + half, 4)]
     return out
@@ -439,8 +528,9 @@ def interval(values: list[float]) -> dict[str, Any]:
 def ratios(stats: dict[str, Stats]) -> dict[str, float]:
     out = {}
     if "ortpipe" in stats and "genai" in stats and stats["genai"].decode_tokens_per_s:
-        out["ortpipe_vs_genai_decode"] = (stats["ortpipe"].decode_tokens_per_s
-                                          / stats["genai"].decode_tokens_per_s)
+        out["ortpipe_vs_genai_decode"] = (
+            stats["ortpipe"].decode_tokens_per_s / stats["genai"].decode_tokens_per_s
+        )
     if "ortpipe" in stats and "floor" in stats:
         out["ortpipe_overhead_us"] = stats["ortpipe"].step_median_us - stats["floor"].step_median_us
     if "genai" in stats and "floor" in stats:
@@ -459,8 +549,11 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2)
-            if hasattr(os, "getloadavg") else None}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
 
 
 def versions() -> dict[str, str]:
@@ -477,21 +570,38 @@ def versions() -> dict[str, str]:
 
 # --- reporting ------------------------------------------------------------------------------------
 
+
 def table(report: dict[str, Any]) -> str:
     m = report["machine"]
-    head = (f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
-            f"{report['threads']} thread(s), {report['rounds']} round(s) after each of "
-            f"{len(report['loads'])} load(s), greedy\n"
-            f"{m['cpu']}, {m['cores']} cores, load {m['load_1min']} at the start")
-    rows = [("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs",
-             "steps")]
+    head = (
+        f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens, "
+        f"{report['threads']} thread(s), {report['rounds']} round(s) after each of "
+        f"{len(report['loads'])} load(s), greedy\n"
+        f"{m['cpu']}, {m['cores']} cores, load {m['load_1min']} at the start"
+    )
+    rows = [
+        ("engine", "prefill ms", "decode tok/s", "rounds tok/s", "mean step µs", "median step µs", "steps")
+    ]
     for name, s in report["engines"].items():
         spread = f"{min(s['round_tokens_per_s']):.1f}-{max(s['round_tokens_per_s']):.1f}"
-        rows.append((name, f"{s['prefill_ms']:.2f}", f"{s['decode_tokens_per_s']:.1f}", spread,
-                     f"{s['step_mean_us']:.1f}", f"{s['step_median_us']:.1f}", str(s["steps"])))
+        rows.append(
+            (
+                name,
+                f"{s['prefill_ms']:.2f}",
+                f"{s['decode_tokens_per_s']:.1f}",
+                spread,
+                f"{s['step_mean_us']:.1f}",
+                f"{s['step_median_us']:.1f}",
+                str(s["steps"]),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [head, ""] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                                    enumerate(zip(r, widths, strict=True))) for r in rows]
+    lines = [head, ""] + [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
     r = report["ratios"]
     if "ortpipe_vs_genai_decode" in r:
         lines.append(f"\nortpipe decode ÷ genai decode: {r['ortpipe_vs_genai_decode']:.3f}×")
@@ -501,12 +611,15 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"genai per-step overhead over the floor (median): {r['genai_overhead_us']:+.1f} µs")
     for key, v in report["per_load"].items():
         a, b = key.split("_vs_")
-        spread = (f" (95% interval {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f})" if "ci95" in v else "")
-        lines.append(f"{a} ÷ {b} within each load: mean {v['mean']:.3f}{spread}, "
-                     f"{min(v['values']):.3f}-{max(v['values']):.3f} over {len(v['values'])} loads")
+        spread = f" (95% interval {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f})" if "ci95" in v else ""
+        lines.append(
+            f"{a} ÷ {b} within each load: mean {v['mean']:.3f}{spread}, "
+            f"{min(v['values']):.3f}-{max(v['values']):.3f} over {len(v['values'])} loads"
+        )
     if "sampled_step_vs_greedy" in r:
-        lines.append("sampled (top-k 50, top-p 0.9) step ÷ greedy step (median): "
-                     f"{r['sampled_step_vs_greedy']:.3f}×")
+        lines.append(
+            f"sampled (top-k 50, top-p 0.9) step ÷ greedy step (median): {r['sampled_step_vs_greedy']:.3f}×"
+        )
     for name, error in report["failed"].items():
         lines.append(f"{name}: FAILED ({error.splitlines()[0][:160]})")
     match = "all greedy engines equal" if report["tokens_match"] else "MISMATCH (see warning)"
@@ -516,18 +629,22 @@ def table(report: dict[str, Any]) -> str:
 
 def warn_mismatch(m: dict[str, Any]) -> None:
     bar = "!" * 78
-    print(f"{bar}\nWARNING: the engines generated different tokens: {m['engine']} (round {m['round']}) "
-          f"differs from {m['reference']} at generated position {m['position']}: expected {m['expected']}, "
-          f"found {m['found']} (lengths {m['lengths'][0]} and {m['lengths'][1]}). The timings do not compare "
-          f"like with like.\n{bar}", file=sys.stderr)
+    print(
+        f"{bar}\nWARNING: the engines generated different tokens: {m['engine']} (round {m['round']}) "
+        f"differs from {m['reference']} at generated position {m['position']}: expected {m['expected']}, "
+        f"found {m['found']} (lengths {m['lengths'][0]} and {m['lengths'][1]}). The timings do not compare "
+        f"like with like.\n{bar}",
+        file=sys.stderr,
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown or not names:
-        raise GenerationError(f"bench: unknown engine(s) {', '.join(unknown) or '(none)'}; "
-                              f"choose from {', '.join(ENGINES)}")
+        raise GenerationError(
+            f"bench: unknown engine(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(ENGINES)}"
+        )
     if min(args.prompt_tokens, args.new_tokens, args.rounds, args.threads) < 1:
         raise GenerationError("bench: --prompt-tokens, --new-tokens, --rounds and --threads must be >= 1")
     if args.loads is not None and args.loads < 1:
@@ -551,10 +668,14 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             traces = {}
             for i, order in enumerate(orders, 1):
-                print(f"ortpipe bench: load {i}/{len(orders)} ({', '.join(order)}), {args.rounds} round(s)",
-                      file=sys.stderr, flush=True)
-                load = measure_in_process(order, folder, args.threads, prompt, args.new_tokens, args.rounds,
-                                          failed)
+                print(
+                    f"bench: load {i}/{len(orders)} ({', '.join(order)}), {args.rounds} round(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                load = measure_in_process(
+                    order, folder, args.threads, prompt, args.new_tokens, args.rounds, failed
+                )
                 loads.append(load)
                 for name, runs in load.items():
                     traces.setdefault(name, []).extend(runs)
@@ -568,20 +689,66 @@ def run_bench(args: argparse.Namespace) -> int:
         if values:
             per_load[f"{a}_vs_{b}"] = interval(values)
     mismatch = first_mismatch(traces) if traces else None
-    report = {"model": str(src), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "rounds": args.rounds, "loads": orders, "threads": args.threads, "versions": versions(),
-              "machine": host,
-              "engines": {n: s.as_dict() for n, s in stats.items()}, "failed": failed,
-              "ratios": {k: round(v, 4) for k, v in ratios(stats).items()}, "per_load": per_load,
-              "tokens_match": mismatch is None, "mismatch": mismatch,
-              "generated": {n: len(runs[0].tokens) for n, runs in traces.items()}}
+    report = {
+        "model": str(src),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "loads": orders,
+        "threads": args.threads,
+        "versions": versions(),
+        "machine": host,
+        "engines": {n: s.as_dict() for n, s in stats.items()},
+        "failed": failed,
+        "ratios": {k: round(v, 4) for k, v in ratios(stats).items()},
+        "per_load": per_load,
+        "tokens_match": mismatch is None,
+        "mismatch": mismatch,
+        "generated": {n: len(runs[0].tokens) for n, runs in traces.items()},
+    }
     for name, error in failed.items():
-        print(f"ortpipe bench: engine {name} failed and is left out: {error}", file=sys.stderr)
+        print(f"bench: engine {name} failed and is left out: {error}", file=sys.stderr)
     if mismatch:
         warn_mismatch(mismatch)
     print(json.dumps(report) if args.json else table(report))
     return 1 if mismatch or failed else 0
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m build.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", metavar="MODEL_DIR", help="a folder written by onnxruntime-genai's model builder")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine after each load")
+    p.add_argument(
+        "--loads",
+        type=int,
+        default=None,
+        help="load the engines this many times, each in a fresh process, cycling through load orders "
+        "in which every engine comes first, and before each other engine, equally often "
+        "(default: one cycle, 6 orders for 3 engines; 1: once, in this process)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads, the same for every engine")
+    p.add_argument(
+        "--engines",
+        default="ortpipe,genai,floor",
+        help="comma-separated: ortpipe, genai, floor, sampled (ortpipe with top-k 50 / top-p 0.9)",
+    )
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--child"]:
+        _measure_job()
+        return 0
+    try:
+        return run_bench(parser().parse_args(argv))
+    except OrtpipeError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    _measure_job()
+    sys.exit(main())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import GenerationError
+from ...errors import GenerationError
 
 WHISPER_RATE = 16000
 

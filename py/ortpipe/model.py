@@ -1,0 +1,289 @@
+"""A loaded model, whatever the target: loading a folder, and turning what a caller asks into requests.
+
+This is the part of a target that is the same everywhere (micropip's _compat is the model): a
+target supplies a `Platform` (tensors, a tokenizer, a chat-template compiler) and a driver that
+carries out work items; `load_model` and `Model` do the rest, so both targets behave the same by
+construction. The public APIs (targets/cpython.py's Pipeline, the browser worker) are thin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .chat import Chat
+from .config import load_config
+from .errors import ConfigError, GenerationError
+from .execute.work import Backend, Handle, Open, Opened, Work
+from .folder import Folder
+from .jsonfile import quote
+from .loops.autoregressive import Limits, TokenGenerator, check_ids
+from .loops.beam import BeamSearch
+from .plan import FROM_REQUEST, Plan, make_plan
+from .preprocess import load_audio_config
+from .preprocess.request import Image, media_inputs
+from .request import BeamRequest, Request
+from .sampling.settings import SearchSettings, check_setting, settings_for
+from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
+from .tokenizer import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class Platform(Protocol):
+    """What a target supplies besides its driver."""
+
+    name: str  # "cpython" or "pyodide", for messages
+    backend: Backend
+
+    def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> Tokenizer: ...
+
+    @property
+    def compile_template(self) -> Compiler: ...
+
+
+Progress = Callable[[str], None]
+
+
+def load_model(folder: Folder, platform: Platform) -> Work:
+    """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
+    `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
+    (Model, {session name: the target's session})."""
+    start = time.perf_counter()
+    config = load_config(folder)
+    used = {s.run for s in config.pipeline.flow}
+    wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
+    sessions, signatures = {}, {}
+    for spec in wanted:
+        opened: Opened = yield Open(spec, folder.locate(spec.file), folder.describe(spec.file))
+        sessions[spec.name], signatures[spec.name] = opened.session, opened.signature
+    plan = make_plan(config, signatures)
+    tokenizer = load_tokenizer(folder, platform)
+    template = load_chat_template(folder, platform.compile_template)
+    model = Model(folder, plan, platform.backend, tokenizer, template)
+    model.load_ms = (time.perf_counter() - start) * 1000
+    return model, sessions
+
+
+def load_tokenizer(folder: Folder, platform: Platform) -> Tokenizer | None:
+    if not folder.exists(TOKENIZER_FILE):
+        return None
+    text = folder.read_text(TOKENIZER_FILE)
+    config = folder.read_text("tokenizer_config.json") if folder.exists("tokenizer_config.json") else None
+    try:
+        return platform.tokenizer(text, config)
+    except Exception as e:  # the tokenizer library's own errors, whatever their type
+        raise ConfigError(
+            f"{folder.describe(TOKENIZER_FILE)} cannot be read as a tokenizer: {str(e)[:300]}"
+        ) from None
+
+
+class Model:
+    """A loaded model: its config, plan and tokenizer; makes requests and chats."""
+
+    def __init__(
+        self,
+        folder: Folder,
+        plan: Plan,
+        backend: Backend,
+        tokenizer: Tokenizer | None,
+        template: ChatTemplate | None,
+    ):
+        self.folder, self.plan, self.backend = folder, plan, backend
+        self.config = plan.config
+        self.tokenizer, self.template = tokenizer, template
+        self.load_ms = 0.0
+        self.vocab = _vocab(plan)
+
+    # requests
+
+    def request(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        inputs: dict[str, Handle] | None = None,
+        images: list[Image] | None = None,
+        audios: list[Handle] | None = None,
+        **settings: Any,
+    ) -> Work:
+        """A Request for what the caller asks (work: images and audio are preprocessed by kernels).
+        `images`: decoded uint8 [h, w, 3] images with their height and width; `audios`: float32
+        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs."""
+        if messages is not None:
+            if prompt is not None or prompt_ids is not None:
+                raise GenerationError("give one of prompt, prompt_ids and messages")
+            prompt = self.chat_template().render(messages)
+        ids = self.prompt_ids(prompt, prompt_ids)
+        search = settings_for(self.config.generation.settings, settings)
+        if images or audios:
+            made = yield from media_inputs(
+                self.plan, self.folder, self.backend, list(images or []), list(audios or [])
+            )
+            inputs = {**made, **(inputs or {})}
+        check_inputs(self.plan, inputs or {}, self.backend)
+        limit = self.max_length(len(ids), max_new_tokens, max_length)
+        if search.num_beams > 1:
+            check_ids(ids, self.vocab)
+            return self._beam_request(ids, search, limit, inputs)
+        gen = TokenGenerator(
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+        )
+        gen.append_tokens(ids)
+        request = Request(gen, search, self.tokenizer, len(ids))
+        request.timings.load_ms = self.load_ms
+        return request
+
+    def generator(
+        self,
+        prompt_len: int = 0,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        inputs: dict[str, Handle] | None = None,
+        **settings: Any,
+    ) -> TokenGenerator:
+        """A step-wise generator sized for the request; its caches never exceed the requested length."""
+        search = settings_for(self.config.generation.settings, settings)
+        check_inputs(self.plan, inputs or {}, self.backend)
+        limit = self.max_length(prompt_len, max_new_tokens, max_length)
+        return TokenGenerator(
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+        )
+
+    def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
+        """A multi-turn chat over one KV cache, with the folder's chat template (see chat.py)."""
+        if self.tokenizer is None:
+            raise GenerationError(
+                f"{self.folder.describe(TOKENIZER_FILE)} is missing: chat needs the tokenizer"
+            )
+        return Chat(self, self.chat_template(), max_length, **settings)
+
+    def chat_template(self) -> ChatTemplate:
+        if self.template is None:
+            raise missing_template()
+        return self.template
+
+    def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
+        start = self.config.tokens.decoder_start
+        if prompt is None and prompt_ids is None and start is not None:
+            return [start]  # an encoder-decoder model starts from its decoder_start token
+        if prompt is None and prompt_ids is None and self.config.pipeline.state.cross_cache:
+            raise GenerationError(
+                "this encoder-decoder folder sets no decoder start token (tokens.decoder_start, "
+                "or model.decoder_start_token_id in v1): pass prompt_ids"
+            )
+        if (prompt is None) == (prompt_ids is None):
+            raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
+        if prompt_ids is not None:
+            if not isinstance(prompt_ids, (list, tuple)):
+                raise GenerationError(f"prompt_ids must be a list of token ids, found {quote(prompt_ids)}")
+            return list(prompt_ids)
+        if not isinstance(prompt, str):
+            raise GenerationError(f"prompt must be a string, found {quote(prompt)}")
+        if self.tokenizer is None:
+            raise GenerationError(
+                "this model folder has no tokenizer.json: pass prompt_ids instead of a prompt"
+            )
+        return self.tokenizer.encode(prompt)
+
+    def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
+        """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""
+        check_setting("max_new_tokens", max_new_tokens)
+        check_setting("max_length", max_length)
+        if max_new_tokens is not None and max_length is not None:
+            raise GenerationError("give max_new_tokens or max_length, not both")
+        configured = self.config.generation.max_length
+        if max_length is None:
+            if max_new_tokens is not None:
+                max_length = prompt_len + max_new_tokens
+            else:
+                max_length = configured or prompt_len + DEFAULT_MAX_NEW_TOKENS
+        context = self.config.metadata.get("context_length")
+        if isinstance(context, int) and max_length > context:
+            raise GenerationError(
+                f"max_length {max_length} is more than the model's context_length {context}; "
+                "lower max_length or max_new_tokens"
+            )
+        if max_length <= prompt_len:
+            raise GenerationError(
+                f"max_length {max_length} leaves no room to generate after a "
+                f"{prompt_len}-token prompt; raise max_length or use max_new_tokens"
+            )
+        return max_length
+
+    def sampling_rate(self) -> int:
+        prep = self.config.pipeline.preprocessing.get("audio")
+        return load_audio_config(self.folder, prep.get("config") if prep else None).sampling_rate
+
+    def _limits(self, limit: int, max_new_tokens: int | None, max_length: int | None) -> Limits:
+        return Limits(
+            limit,
+            frozenset(self.config.tokens.eos),
+            grows=max_length is None and max_new_tokens is not None,
+            vocab=self.vocab,
+        )
+
+    def _beam_request(
+        self, prompt_ids: list[int], search: SearchSettings, limit: int, inputs: dict[str, Handle] | None
+    ) -> BeamRequest:
+        unsupported = [
+            name
+            for name, on in (
+                ("repetition_penalty", search.repetition_penalty != 1.0),
+                ("no_repeat_ngram_size", search.no_repeat_ngram_size),
+                ("min_length", search.min_length),
+                ("min_new_tokens", search.min_new_tokens),
+                ("suppress_tokens", search.suppress_tokens),
+                ("stop", search.stop),
+            )
+            if on
+        ]
+        if unsupported:
+            raise GenerationError(
+                f"beam search does not apply {', '.join(unsupported)} yet; drop them or use num_beams 1"
+            )
+        beam = BeamSearch(self.plan, self.backend, search, limit, frozenset(self.config.tokens.eos), inputs)
+        request = BeamRequest(beam, list(prompt_ids), search, self.tokenizer)
+        request.timings.load_ms = self.load_ms
+        return request
+
+
+def _vocab(plan: Plan) -> int | None:
+    """The vocabulary size when the generator's logits fix it: prompt ids must be below it."""
+    gen = plan.generator
+    if gen is None:
+        return None
+    shape = plan.signatures[gen.session].output(gen.logits).shape
+    return shape[-1] if shape and isinstance(shape[-1], int) else None
+
+
+def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:
+    """Request inputs against the graphs that read them: known names, rank, element type, fixed dims."""
+    readers = {f.input: s for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
+    controls = {s.step.dynamic_shape.source for s in plan.init_steps if s.step.dynamic_shape}
+    grid = plan.config.pipeline.state.position_ids.grid_source
+    controls |= {grid.split(".", 1)[-1]} if grid else set()
+    for name, value in inputs.items():
+        s = readers.get(name)
+        if s is None and name in controls:
+            continue  # read by the executor itself (crop sizes, mRoPE grids)
+        if s is None:
+            known = ", ".join(sorted(readers)) or "none"
+            raise GenerationError(
+                f'no session reads a request input named "{name}" (request inputs: {known})'
+            )
+        info = plan.signatures[s.session].input(name)
+        shape, dtype = tuple(backend.shape(value)), backend.dtype(value)
+        fixed_ok = len(shape) == info.rank and all(
+            not isinstance(d, int) or d == n for d, n in zip(info.shape, shape, strict=True)
+        )
+        if not fixed_ok or dtype != info.dtype:
+            raise GenerationError(
+                f'input "{name}" of session "{s.session}": expected {info.dtype} {list(info.shape)}, '
+                f"got {dtype} {list(shape)}"
+            )

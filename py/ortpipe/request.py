@@ -1,0 +1,187 @@
+"""A request: one generation, as the user sees it.
+
+A Request wraps the token generator with the text stream (stop strings held back and honoured on
+the decoded text), timings and the finish reason. Targets drive `Request.advance()` with their
+driver until `done`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .config.settings import SearchSettings
+from .errors import GenerationError
+from .execute.work import Work
+from .lifecycle import ERROR
+from .loops.autoregressive import TokenGenerator
+from .loops.beam import BeamSearch
+from .tokenizer import TextStream, Tokenizer
+
+
+@dataclass
+class Timings:
+    load_ms: float = 0.0
+    prefill_ms: float = 0.0  # the first token: init phase, prefill run and selection
+    decode_ms: float = 0.0  # every later token
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    fused_steps: int = 0  # decode steps the target ran fused (plain greedy on one decoder session)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.new_tokens - 1
+        return n * 1000.0 / self.decode_ms if n > 0 and self.decode_ms > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"load_ms": round(self.load_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
+                "decode_ms": round(self.decode_ms, 3), "prompt_tokens": self.prompt_tokens,
+                "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "fused_steps": self.fused_steps}
+
+
+@dataclass
+class Result:
+    tokens: list[int]  # generated ids, prompt excluded
+    text: str
+    timings: Timings = field(default_factory=Timings)
+    finish_reason: str = "length"  # "eos", "length", "stop" or "interrupt"
+    sequences: list[list[int]] = field(default_factory=list)  # beam search: num_return_sequences, best first
+
+    def as_dict(self) -> dict[str, object]:
+        out = {"tokens": self.tokens, "text": self.text, "finish_reason": self.finish_reason,
+               "timings": self.timings.as_dict()}
+        if self.sequences:
+            out["sequences"] = self.sequences
+        return out
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token: int
+    text: str  # the text this token completes ("" while a character or a possible stop string is open)
+
+
+class Request:
+    """One generation, advanced by a target's driver: `while not r.done: chunks = drive(r.advance())`."""
+
+    def __init__(self, gen: TokenGenerator | None, settings: SearchSettings, tokenizer: Tokenizer | None,
+                 prompt_len: int, max_new_tokens: int | None = None):
+        if settings.stop and tokenizer is None:
+            raise GenerationError("stop strings need the folder's tokenizer.json to decode text")
+        self.gen, self.settings = gen, settings
+        self.stream = _text_stream(tokenizer) if tokenizer else None
+        self.timings = Timings(prompt_tokens=prompt_len)
+        self.tokens: list[int] = []
+        self.text = ""  # text sent so far
+        self._held = ""  # decoded text not sent yet: it may start a stop string
+        self.finish_reason: str | None = None
+        self.max_new_tokens = max_new_tokens  # a budget for this request alone (a chat turn)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def failed(self) -> bool:
+        """A step raised (lifecycle ERROR): the request cannot go on."""
+        return self.gen is not None and self.gen.state == ERROR
+
+    def advance(self) -> Work:
+        """The next token's chunk, or several: a burst of fused decode steps (see TokenGenerator)."""
+        start = time.perf_counter()
+        # A burst must not run past where this request may stop: its own budget, and any token while
+        # stop strings are watched (the text decides).
+        budget = 1 if self.settings.stop else (
+            None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens))
+        tokens = yield from self.gen.next_tokens(budget)
+        elapsed = (time.perf_counter() - start) * 1000
+        if self.timings.new_tokens == 0:
+            self.timings.prefill_ms = elapsed
+        else:
+            self.timings.decode_ms += elapsed
+        self.timings.new_tokens += len(tokens)
+        self.timings.fused_steps = self.gen.fused_steps
+        self.tokens.extend(tokens)
+        if self.gen.done:
+            self.finish_reason = "interrupt" if self.gen.interrupted else (
+                "eos" if tokens[-1] in self.gen.limits.eos else "length")
+        elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if self.stream is None:
+            return [Chunk(token, "") for token in tokens]
+        deltas = self.stream.push_many(tokens)
+        if self.done:
+            deltas[-1] += self.stream.flush()
+        return [Chunk(token, self._text(delta)) for token, delta in zip(tokens, deltas, strict=True)]
+
+    def interrupt(self) -> None:
+        self.gen.interrupted = True
+        self.finish_reason = self.finish_reason or "interrupt"
+
+    def _text(self, delta: str) -> str:
+        """What of the decoded `delta` can be sent: none of a stop string, nor what may start one."""
+        if self.finish_reason == "stop":
+            return ""  # a stop string ended the text (only one token a step while they are watched)
+        self._held += delta
+        for stop in self.settings.stop:
+            at = self._held.find(stop)
+            if at >= 0:
+                self._held = self._held[:at]
+                self.finish_reason = "stop"
+        keep = 0 if self.done else _open_stop_prefix(self._held, self.settings.stop)
+        out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        self.text += out
+        return out
+
+    def result(self) -> Result:
+        return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length")
+
+
+class BeamRequest(Request):
+    """Beam search: one advance runs the whole search; its chunks are the best hypothesis's tokens."""
+
+    def __init__(self, search: BeamSearch, prompt: list[int], settings: SearchSettings,
+                 tokenizer: Tokenizer | None):
+        super().__init__(None, settings, tokenizer, len(prompt))
+        self.search, self.prompt = search, prompt
+        self.sequences: list[list[int]] = []
+        self.tokenizer = tokenizer
+
+    def advance(self) -> Work:
+        start = time.perf_counter()
+        best = yield from self.search.run(self.prompt)
+        self.timings.prefill_ms = (time.perf_counter() - start) * 1000
+        self.sequences = [h.tokens for h in best]
+        tokens = self.sequences[0]
+        self.timings.new_tokens = len(tokens)
+        self.finish_reason = "eos" if tokens and tokens[-1] in self.search.eos else "length"
+        self.tokens = list(tokens)
+        text = self.tokenizer.decode(tokens) if self.tokenizer else ""
+        self.text = text
+        return [Chunk(t, text if i == len(tokens) - 1 else "") for i, t in enumerate(tokens)]
+
+    def interrupt(self) -> None:
+        self.finish_reason = self.finish_reason or "interrupt"
+
+    def result(self) -> Result:
+        result = super().result()
+        result.sequences = [list(s) for s in self.sequences]
+        return result
+
+
+def _text_stream(tokenizer: Tokenizer) -> TextStream:
+    """The tokenizer's own text stream when it has one (a target's faster twin), else the core's."""
+    make = getattr(tokenizer, "text_stream", None)
+    return make() if make is not None else TextStream(tokenizer)
+
+
+def _open_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

@@ -1,0 +1,222 @@
+"""The CPython target: the core driven by onnxruntime, tensors as numpy arrays.
+
+`load(folder)` gives a `Pipeline` with the Python API (generate, stream, the step-wise generator,
+chat). What is the same on every target (loading, requests, chats) is the core's `Model`; this
+package adds the platform (numpy tensors, Hugging Face tokenizers, jinja2) and the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...chat import Chat
+from ...errors import ConfigError, GenerationError
+from ...execute.work import Work
+from ...folder import LocalFolder
+from ...loops.autoregressive import TokenGenerator
+from ...model import Model, load_model
+from ...plan import Plan
+from ...request import Chunk, Request, Result
+from ...trace import Trace
+from .driver import Driver
+from .media import decode_image, read_wav
+from .text import HFTokenizer, compile_template
+
+
+class CpuBackend:
+    """Tensors as numpy arrays."""
+
+    fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver carries out
+    decode_burst = 64  # steps per Decode at most; the driver also stops a burst after BURST_SECONDS
+
+    def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.array(values, dtype=dtype).reshape(shape)
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
+        return np.full(shape, value, dtype=dtype)
+
+    def shape(self, handle: np.ndarray) -> tuple[int, ...]:
+        return handle.shape
+
+    def dtype(self, handle: np.ndarray) -> str:
+        return str(handle.dtype)
+
+    def to_list(self, handle: np.ndarray) -> list[int]:
+        return handle.ravel().tolist()
+
+
+class CpuPlatform:
+    name = "cpython"
+    compile_template = staticmethod(compile_template)
+
+    def __init__(self) -> None:
+        self.backend = CpuBackend()
+
+    def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> HFTokenizer:
+        return HFTokenizer.from_text(tokenizer_json)
+
+
+class StepGenerator:
+    """The step-wise API: append tokens, ask for the next one, check whether it is done."""
+
+    def __init__(self, core: TokenGenerator, driver: Driver):
+        self.core, self.driver = core, driver
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.core.tokens
+
+    @property
+    def done(self) -> bool:
+        return self.core.done
+
+    def append_tokens(self, ids: list[int]) -> None:
+        self.core.append_tokens(list(ids))
+
+    def next_token(self) -> int:
+        return self.driver.drive(self.core.next_tokens(1))[0]
+
+    def interrupt(self) -> None:
+        self.core.interrupted = True
+
+
+class Pipeline:
+    """A loaded model: `generate`, `stream`, `chat` and the step-wise `generator`.
+
+    Generation settings (see config/settings.py: do_sample, temperature, top_k, top_p, min_p,
+    repetition_penalty, seed, stop, num_beams, ...) default to the config's and can be given per call.
+    """
+
+    def __init__(self, model: Model, driver: Driver, folder: Path):
+        self.model, self.driver, self.folder = model, driver, folder
+        self.plan: Plan = model.plan
+        self.config = model.config
+        self.tokenizer = model.tokenizer
+
+    @property
+    def load_ms(self) -> float:
+        return self.model.load_ms
+
+    def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
+                  inputs: dict[str, Any] | None = None, **settings: Any) -> StepGenerator:
+        return StepGenerator(self.model.generator(prompt_len, max_new_tokens, max_length, inputs, **settings),
+                             self.driver)
+
+    def request(self, prompt: str | None = None, *, images: list[Any] | None = None,
+                audios: list[Any] | None = None, **options: Any) -> Request:
+        """A request to drive (`drive`): `prompt`, `prompt_ids` or `messages`; `images`: paths or uint8
+        [h, w, 3] arrays; `audios`: .wav paths or float32 mono arrays at the feature extractor's rate."""
+        decoded = [decode_image(i) if isinstance(i, (str, os.PathLike)) else np.asarray(i, np.uint8)
+                   for i in images or []]
+        waves = [read_wav(a, self.model.sampling_rate()) if isinstance(a, (str, os.PathLike))
+                 else np.asarray(a, np.float32) for a in audios or []]
+        return self.driver.drive(
+            self.model.request(
+                prompt, images=[(d, d.shape[0], d.shape[1]) for d in decoded], audios=waves, **options
+            )
+        )
+
+    def drive(self, request: Request, trace: Trace | None = None) -> Iterator[Chunk]:
+        """The chunks of a request, as its tokens are generated; `trace` collects its runs."""
+        self.driver.trace = trace
+        try:
+            while not request.done:
+                yield from self.driver.drive(request.advance())
+        finally:
+            self.driver.trace = None
+
+    def stream(
+        self, prompt: str | None = None, *, trace: str | None = None, **options: Any
+    ) -> Iterator[Chunk]:
+        """Chunks as they are generated; `trace` names a Chrome trace file to write at the end."""
+        collected = Trace() if trace else None
+        yield from self.drive(self.request(prompt, **options), collected)
+        if collected:
+            collected.write(trace)
+
+    def generate(self, prompt: str | None = None, *, trace: str | None = None, **options: Any) -> Result:
+        request = self.request(prompt, **options)
+        collected = Trace() if trace else None
+        for _ in self.drive(request, collected):
+            pass
+        if collected:
+            collected.write(trace)
+        return request.result()
+
+    def chat(self, max_length: int | None = None, **settings: Any) -> PipelineChat:
+        """A multi-turn chat over one KV cache, with the folder's chat template."""
+        return PipelineChat(self.model.chat(max_length, **settings), self)
+
+    def run(self, work: Work) -> Any:
+        """Drive any core work (a chat's rewind, preprocessing) to its result."""
+        return self.driver.drive(work)
+
+
+class PipelineChat:
+    """`say` streams a reply; `rewind` drops the last turn."""
+
+    def __init__(self, core: Chat, pipe: Pipeline):
+        self.core, self.pipe = core, pipe
+        self.last: Request | None = None
+
+    def say(self, content: str, max_new_tokens: int | None = None) -> Iterator[Chunk]:
+        self.last = self.core.say(content, max_new_tokens)
+        yield from self.pipe.drive(self.last)
+
+    def rewind(self) -> None:
+        self.pipe.driver.drive(self.core.rewind())
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.core.tokens
+
+
+def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:
+    """`NAME=FILE.npy` pairs (the CLI's --input) as arrays for named session inputs."""
+    inputs = {}
+    for spec in specs:
+        name, sep, file = spec.partition("=")
+        if not sep or not name or not file:
+            raise GenerationError(f"--input takes NAME=FILE.npy, found {spec!r}")
+        try:
+            inputs[name] = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise GenerationError(f"--input {name}: cannot read {file} as a .npy array: {e}") from None
+    return inputs
+
+
+Progress = Callable[[str], None]
+
+
+def load(
+    model_dir: str | os.PathLike[str],
+    *,
+    provider: str | None = None,
+    threads: int | None = None,
+    on_progress: Progress | None = None,
+) -> Pipeline:
+    """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime.
+
+    `on_progress` receives a line of text as each session starts and ends loading.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ConfigError(f"model folder {path} does not exist or is not a directory")
+    if threads is not None and (type(threads) is not int or not 0 <= threads <= 1024):
+        raise ConfigError(
+            f"threads must be an integer from 0 (onnxruntime's default) to 1024, found {threads!r}"
+        )
+    start = time.perf_counter()
+    driver = Driver(provider, threads, on_progress)
+    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform()))
+    model.load_ms = (time.perf_counter() - start) * 1000
+    return Pipeline(model, driver, path)
+
+
+__all__ = ["CpuBackend", "CpuPlatform", "Driver", "Pipeline", "load", "read_inputs"]

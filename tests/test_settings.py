@@ -1,0 +1,103 @@
+"""The settings table (config/settings.py) is the one list of generation settings: configs, v1
+translation, requests, the CLI and the embed API's declarations all follow it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from build import typescript
+
+from ortpipe.config import load_config
+from ortpipe.config.settings import SETTINGS, SearchSettings
+from ortpipe.errors import ConfigError, GenerationError
+from ortpipe.folder import LocalFolder
+from ortpipe.sampling.settings import settings_for
+
+# A value other than the default for each kind, and one the table refuses.
+GOOD = {"bool": True, "int": 3, "float": 0.5, "ids": [4, 7], "strings": ["\n\n"]}
+BAD = {"bool": "false", "int": 2.5, "float": float("inf"), "ids": [-1], "strings": [""]}
+
+
+def write(folder: Path, config: dict) -> LocalFolder:
+    folder.mkdir(exist_ok=True)
+    (folder / "model.onnx").write_bytes(b"")
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return LocalFolder(folder)
+
+
+def v2(generation: dict) -> dict:
+    return {"version": 2, "pipeline": {"extends": "autoregressive-decoder"}, "generation": generation}
+
+
+def nested(path: str, value: object) -> dict:
+    head, _, key = path.rpartition(".")
+    return {head: {key: value}} if head else {key: value}
+
+
+def test_typescript_declarations_follow_the_table() -> None:
+    text = typescript.DECLARATIONS.read_text()
+    assert typescript.declared(text) == typescript.typescript_options()
+    for s in SETTINGS:
+        assert f"  {s.camel}?: " in text
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.v2], ids=lambda s: s.name)
+def test_each_v2_key_reaches_the_request_defaults(tmp_path: Path, setting) -> None:
+    value = GOOD[setting.kind]
+    config = load_config(write(tmp_path, v2(nested(setting.v2, value))))
+    got = (
+        config.generation.max_length
+        if setting.name == "max_length"
+        else getattr(config.generation.settings, setting.name)
+    )
+    assert got == (tuple(value) if isinstance(value, list) else value)
+    with pytest.raises(ConfigError, match=f"generation.{setting.v2} "):
+        load_config(write(tmp_path, v2(nested(setting.v2, BAD[setting.kind]))))
+
+
+@pytest.mark.parametrize(
+    "setting", [s for s in SETTINGS if s.v1 and s.kind in ("bool", "int", "float")], ids=lambda s: s.name
+)
+def test_each_v1_search_key_is_translated(tmp_path: Path, setting) -> None:
+    value = GOOD[setting.kind]
+    v1 = {
+        "model": {"type": "x", "eos_token_id": 2, "decoder": {"filename": "model.onnx"}},
+        "search": {setting.v1: value},
+    }
+    config = load_config(write(tmp_path, v1))
+    got = (
+        config.generation.max_length
+        if setting.name == "max_length"
+        else getattr(config.generation.settings, setting.name)
+    )
+    assert got == value
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.search], ids=lambda s: s.name)
+def test_each_request_setting_is_checked(setting) -> None:
+    value = GOOD[setting.kind]
+    beams = {"num_beams": 3} if setting.name == "num_return_sequences" else {}  # a rule between settings
+    got = getattr(settings_for(SearchSettings(), {setting.name: value, **beams}), setting.name)
+    assert got == (tuple(value) if isinstance(value, list) else value)
+    with pytest.raises(GenerationError, match=f"^{setting.name} "):
+        settings_for(SearchSettings(), {setting.name: BAD[setting.kind]})
+
+
+def test_unknown_settings_name_the_closest() -> None:
+    with pytest.raises(
+        GenerationError, match='unknown generation setting "temprature". Did you mean "temperature"'
+    ):
+        settings_for(SearchSettings(), {"temprature": 0.5})
+
+
+def test_the_cli_has_a_flag_per_setting() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ortpipe.cli", "run", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0
+    for s in SETTINGS:
+        assert s.flag in out.stdout, s.name
