@@ -94,3 +94,42 @@ def test_short_request_below_the_sliding_window(gemma_builder: Path, gemma_hf: P
     ids = prompt_ids(gemma_builder)[:5]
     ours = ortpipe.load(gemma_builder, threads=1).generate(prompt_ids=ids, max_new_tokens=8).tokens
     assert ours == hf_greedy(gemma_hf, ids, 8)
+
+
+# The seed's section 4.1 config, as written there, with the model's own eos id.
+SEED_CONFIG = {
+    "version": 2,
+    "pipeline": {"extends": "autoregressive-decoder", "sessions": {"decoder": {"file": "model.onnx"}}},
+    "tokens": {"eos": [151645], "pad": 0},
+    "generation": {"max_length": 4096, "sampling": {"temperature": 0.7}},
+    "metadata": {"model_type": "qwen2", "source": "mobius"},
+}
+
+
+@pytest.mark.parametrize("builder", ["llama_builder_fp32", "llama_builder_int4", "qwen2_builder", "phi3_builder",
+                                     "gemma_builder"])
+def test_the_seed_config_runs_every_builder_export(builder: str, request: pytest.FixtureRequest,
+                                                   tmp_path: Path) -> None:
+    """"Detect, don't declare": the graph gives the head counts and sizes its cache dims leave symbolic
+    and the position limit; the seven-line config gives onnxruntime-genai's tokens."""
+    folder = request.getfixturevalue(builder)
+    seeded = shutil.copytree(folder, tmp_path / "seeded")
+    v1 = json.loads((folder / "genai_config.json").read_text())
+    config = json.loads(json.dumps(SEED_CONFIG))
+    config["tokens"]["eos"] = [v1["model"]["eos_token_id"]]
+    (seeded / "genai_config.json").write_text(json.dumps(config))
+    ids = prompt_ids(folder)
+    pipe = ortpipe.load(seeded, threads=1)
+    kv = pipe.plan.step_phase[0].kv
+    assert {e.shape[1] for e in kv.entries} == {v1["model"]["decoder"]["num_key_value_heads"]}
+    assert {e.shape[3] for e in kv.entries} == {v1["model"]["decoder"]["head_size"]}
+    assert pipe.plan.max_positions == v1["model"]["context_length"]
+    assert kv.share_buffer  # GroupQueryAttention writes in place, as the builder's own config says
+    window = v1["model"]["decoder"].get("sliding_window") or {}
+    assert {e.layer: e.window for e in kv.entries} == {
+        e.layer: window["window_size"] if e.layer in window.get("layers", ()) else None for e in kv.entries}
+
+    ours = pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    assert ours == genai_greedy(folder, ids, NEW, threads=1)
+    with pytest.raises(ortpipe.GenerationError, match="positions the model's graph can run"):
+        pipe.generate(prompt_ids=ids)  # the config's max_length, 4096, is past the graph's 512 positions

@@ -40,6 +40,7 @@ export class Bridge {
     this.prefetch = null; // the model folder's early downloads (web/prefetch.js), if the worker made them
     this.templates = []; // compiled chat templates, by id
     this.kernels = new Map(); // kernel name -> a promise of its session
+    this.graphs = new Map(); // graph URL -> its bytes, read by Python and waiting for createSession
   }
 
   /**
@@ -72,6 +73,16 @@ export class Bridge {
   }
 
   /**
+   * A graph's bytes, for Python to read its structure before the session is made; they are kept
+   * for that session (createSession with the same URL), so the graph is downloaded once.
+   */
+  async readGraph(url) {
+    const bytes = await this.fetchBytes(url, url.slice(url.lastIndexOf('/') + 1));
+    this.graphs.set(url, bytes);
+    return bytes;
+  }
+
+  /**
    * An InferenceSession from a model URL or from bytes (kernels).
    * @param {string|Uint8Array} source
    * @param {{name: string, device: string, gpuOutputs: boolean, externalData: string[]}} options
@@ -80,7 +91,11 @@ export class Bridge {
    */
   async createSession(source, options) {
     const ort = options.device === 'wasm' ? await this.wasmOrt() : this.ort;
-    const bytes = typeof source === 'string' ? await this.fetchBytes(source, options.name) : source;
+    let bytes = source;
+    if (typeof source === 'string') {
+      bytes = this.graphs.get(source) ?? await this.fetchBytes(source, options.name);
+      this.graphs.delete(source);
+    }
     this.onProgress({ phase: 'session', file: options.name });
     const sessionOptions = {
       executionProviders: [options.device],

@@ -8,6 +8,7 @@ construction. The public APIs (targets/cpython.py's Pipeline, the browser worker
 
 from __future__ import annotations
 
+import posixpath
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -15,11 +16,14 @@ from typing import Any, Protocol
 from .chat import Chat
 from .config import load_config
 from .errors import ConfigError, GenerationError
-from .execute.work import Backend, Handle, Open, Opened, Work
+from .execute.work import Backend, Handle, Open, Opened, ReadGraph, Work
 from .folder import Folder
+from .graphfacts import decoder_facts
 from .jsonfile import quote
 from .loops.autoregressive import Limits, TokenGenerator, check_ids
 from .loops.beam import BeamSearch
+from .onnxinfo import Model as OnnxModel
+from .onnxinfo import read_model
 from .plan import FROM_REQUEST, Plan, make_plan
 from .preprocess import load_audio_config
 from .preprocess.request import Image, media_inputs
@@ -55,16 +59,31 @@ def load_model(folder: Folder, platform: Platform) -> Work:
     config = load_config(folder)
     used = {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
-    sessions, signatures = {}, {}
+    sessions, signatures, facts = {}, {}, {}
     for spec in wanted:
-        opened: Opened = yield Open(spec, folder.locate(spec.file), folder.describe(spec.file))
+        path, shown = folder.locate(spec.file), folder.describe(spec.file)
+        graph = read_model((yield ReadGraph(path, shown)), shown)
+        check_external_data(folder, spec.file, graph)  # before onnxruntime opens what it names
+        opened: Opened = yield Open(spec, path, shown)
         sessions[spec.name], signatures[spec.name] = opened.session, opened.signature
-    plan = make_plan(config, signatures)
+        facts[spec.name] = decoder_facts(graph)
+    plan = make_plan(config, signatures, facts)
     tokenizer = load_tokenizer(folder, platform)
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
+
+
+def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
+    """Every external data file the graph names must lie inside the folder (links followed)."""
+    base = posixpath.dirname(file)
+    for location in sorted({t.location for t in graph.graph.initializers if t.external and t.location}):
+        try:
+            folder.locate(posixpath.normpath(posixpath.join(base, location)))
+        except ConfigError as e:
+            raise ConfigError(f"{folder.describe(file)} keeps weights in {location!r}, which ortpipe does "
+                              f"not open: {e}") from None
 
 
 def load_tokenizer(folder: Folder, platform: Platform) -> Tokenizer | None:
@@ -95,7 +114,7 @@ class Model:
         self.config = plan.config
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
-        self.vocab = _vocab(plan)
+        self.vocab = plan.vocab_size
 
     # requests
 
@@ -209,7 +228,13 @@ class Model:
                 f"max_length {max_length} is more than the model's context_length {context}; "
                 "lower max_length or max_new_tokens"
             )
+        positions = self.plan.max_positions
+        if positions is not None and max_length > positions:
+            raise GenerationError(f"max_length {max_length} is more than the {positions} positions the model's "
+                                  "graph can run (the size of its position tables); lower max_length or "
+                                  "max_new_tokens")
         if max_length <= prompt_len:
+
             raise GenerationError(
                 f"max_length {max_length} leaves no room to generate after a "
                 f"{prompt_len}-token prompt; raise max_length or use max_new_tokens"
@@ -251,15 +276,6 @@ class Model:
         request = BeamRequest(beam, list(prompt_ids), search, self.tokenizer)
         request.timings.load_ms = self.load_ms
         return request
-
-
-def _vocab(plan: Plan) -> int | None:
-    """The vocabulary size when the generator's logits fix it: prompt ids must be below it."""
-    gen = plan.generator
-    if gen is None:
-        return None
-    shape = plan.signatures[gen.session].output(gen.logits).shape
-    return shape[-1] if shape and isinstance(shape[-1], int) else None
 
 
 def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:

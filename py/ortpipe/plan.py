@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .config.schema import Config, FlowStep, KVCacheSpec
 from .errors import Problems, did_you_mean, one_of
 from .execute.work import FusedStep
+from .graphfacts import AttentionSite, DecoderFacts
 from .signature import Signature, TensorInfo
 
 # Feed kinds: where a graph input's value comes from on each run. The generation roles (input ids,
@@ -116,11 +117,31 @@ class Plan:
     step_phase: tuple[FlowStepPlan, ...]  # run at every iteration (every token)
     final_phase: tuple[FlowStepPlan, ...]  # run once after the loop
     fused: FusedStep | None = None  # the step phase as one fused greedy decode step, when it can be
+    facts: dict[str, DecoderFacts] = dataclasses.field(default_factory=dict)  # what each graph says
 
     @property
     def generator(self) -> FlowStepPlan | None:
         """The step whose logits drive generation: the last step-phase step with logits."""
         return next((s for s in reversed(self.step_phase) if s.logits), None)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The most positions the generator's graph can run (its rotary or position tables), if it says."""
+        gen = self.generator
+        facts = self.facts.get(gen.session) if gen else None
+        return facts.max_positions if facts else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The generator's vocabulary: its logits' last dim, else what its graph shows."""
+        gen = self.generator
+        if gen is None:
+            return None
+        shape = self.signatures[gen.session].output(gen.logits).shape
+        if shape and isinstance(shape[-1], int):
+            return shape[-1]
+        facts = self.facts.get(gen.session)
+        return facts.vocab_size if facts else None
 
     @property
     def init_steps(self) -> list[FlowStepPlan]:
@@ -131,11 +152,15 @@ class Plan:
         return [*self.init_steps, *self.step_phase, *self.final_phase]
 
 
-def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
+def make_plan(config: Config, signatures: dict[str, Signature],
+              facts: dict[str, DecoderFacts] | None = None) -> Plan:
+    """The plan of `config` over the sessions' signatures; `facts`: what each graph's nodes say of its
+    heads, head size, positions and vocabulary (graphfacts), for what the signatures leave symbolic."""
+    facts = facts or {}
     problems = Problems()
     _check_wires(config, signatures, problems)
     loaded = [s for s in config.pipeline.flow if s.run in signatures]
-    plans = {id(s): _step_plan(config, s, loaded, signatures, problems) for s in loaded}
+    plans = {id(s): _step_plan(config, s, loaded, signatures, facts.get(s.run), problems) for s in loaded}
     by_phase = {w: [plans[id(s)] for s in loaded if s.when == w] for w in ("init", "step", "final")}
     init = [_with_placeholder(config, s, by_phase["init"]) for s in by_phase["init"]]
     step = _embedding_stages(init, by_phase["step"]) + by_phase["step"]
@@ -146,6 +171,7 @@ def make_plan(config: Config, signatures: dict[str, Signature]) -> Plan:
         tuple(step),
         tuple(by_phase["final"]),
         _fused_step(step, by_phase["final"], signatures),
+        facts,
     )
     if config.generation.loop == "autoregressive" and plan.generator is None:
         steps = [s.run for s in config.pipeline.flow if s.when == "step"]
@@ -255,11 +281,10 @@ def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems)
             )
 
 
-def _step_plan(
-    config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature], problems: Problems
-) -> FlowStepPlan:
+def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
+               facts: DecoderFacts | None, problems: Problems) -> FlowStepPlan:
     spec, sig = config.session_of(step), sigs[step.run]
-    kv = _kv_plan(config, step.run, sig, problems)
+    kv = _kv_plan(config, step.run, sig, facts, problems)
     cache_inputs = {e.past_input for e in kv.entries} if kv else set()
     roles = {
         INPUT_IDS: spec.inputs.get("input_ids", "input_ids"),
@@ -377,7 +402,8 @@ def _position_strategy(config: Config, session: str, t: TensorInfo, problems: Pr
     return strategy
 
 
-def _kv_plan(config: Config, session: str, sig: Signature, problems: Problems) -> KVPlan | None:
+def _kv_plan(config: Config, session: str, sig: Signature, facts: DecoderFacts | None,
+             problems: Problems) -> KVPlan | None:
     spec = config.pipeline.state.kv_cache
     pairs, fmt = _match_cache(spec, sig)
     if not pairs:
@@ -389,6 +415,7 @@ def _kv_plan(config: Config, session: str, sig: Signature, problems: Problems) -
             )
         return None
     window = spec.sliding_window
+    sites = {past: facts.for_cache(past) if facts else None for _, past, _ in pairs}
     entries = []
     for layer, past, present in pairs:
         p_info, o_info = sig.input(past), sig.output(present)
@@ -399,21 +426,17 @@ def _kv_plan(config: Config, session: str, sig: Signature, problems: Problems) -
             )
             continue
         batch_axis, seq_axis = (1, 3) if fmt == "combined" else (0, 2)
-        shape = _cache_shape(config, session, p_info, batch_axis, seq_axis, problems)
-        windowed = window and (window.layers is None or layer in window.layers)
-        entries.append(
-            CacheEntry(
-                past,
-                present,
-                layer,
-                p_info.dtype,
-                shape,
-                batch_axis,
-                seq_axis,
-                window.window_size if windowed else None,
-            )
-        )
-    return KVPlan(fmt, spec.share_buffer and fmt == "separate", tuple(entries))
+        shape = _cache_shape(config, p_info, batch_axis, seq_axis, facts, problems)
+        if window is not None:
+            size = window.window_size if window.layers is None or layer in window.layers else None
+        else:  # the graph's attention says which layers slide (GroupQueryAttention's local_window_size)
+            size = getattr(sites[past], "sliding_window", None)
+        entries.append(CacheEntry(past, present, layer, p_info.dtype, shape, batch_axis, seq_axis, size))
+    share = spec.share_buffer
+    if share is None:  # the builder's GroupQueryAttention graphs write presents into their pasts' buffers
+        share = all(site is not None and site.op.endswith("GroupQueryAttention") for site in sites.values())
+    return KVPlan(fmt, share and fmt == "separate", tuple(entries))
+
 
 
 def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str, str]], str]:
@@ -442,28 +465,41 @@ def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str
     return [], "separate"
 
 
-def _cache_shape(
-    config: Config, session: str, t: TensorInfo, batch_axis: int, seq_axis: int, problems: Problems
-) -> tuple[int | None, ...]:
-    """The cache's fixed dims from the signature; unnamed ones from the config's metadata."""
-    meta = config.metadata
-    fallback = {seq_axis + 1: meta.get("head_size"), seq_axis - 1: meta.get("num_key_value_heads")}
+def _cache_shape(config: Config, t: TensorInfo, batch_axis: int, seq_axis: int, facts: DecoderFacts | None,
+                 problems: Problems) -> tuple[int | None, ...]:
+    """The cache's dims: fixed ones from the signature; the heads and head size it leaves symbolic
+    from the graph's attention nodes (graphfacts), else from the config's metadata."""
+    site = facts.for_cache(t.name) if facts else None
+    found = {
+        seq_axis - 1: ("num_key_value_heads", _fact(site, facts, "kv_num_heads", "num_key_value_heads")),
+        seq_axis + 1: ("head_size", _fact(site, facts, "head_size", "head_size")),
+    }
     shape: list[int | None] = []
     for axis, dim in enumerate(t.shape):
         if axis in (batch_axis, seq_axis):
             shape.append(None)
-        elif isinstance(dim, int):
-            shape.append(dim)
-        elif isinstance(fallback.get(axis), int):
-            shape.append(fallback[axis])
-        else:
+            continue
+        key, graph = found.get(axis, (None, None))
+        declared = config.metadata.get(key) if key else None
+        size = dim if isinstance(dim, int) else graph if graph is not None else declared
+        if isinstance(declared, int) and isinstance(size, int) and declared != size:
+            problems.add(f'metadata.{key} is {declared}, but the graph\'s cache input "{t.name}" has {size} '
+                         f"there; fix or drop metadata.{key} (ortpipe reads it from the graph)")
+        if not isinstance(size, int):
             problems.add(
-                f'Session "{session}" cache input "{t.name}" has a symbolic dimension {axis} ({dim!r}) '
-                "that ortpipe cannot size. Export the graph with fixed head counts and sizes, or set "
-                "metadata.num_key_value_heads and metadata.head_size in genai_config.json"
+                f'Cache input "{t.name}" has a symbolic dimension {axis} ({dim!r}) that neither the '
+                "graph's attention nodes nor the config size. Export the graph with fixed head counts and "
+                "sizes, or set metadata.num_key_value_heads and metadata.head_size in genai_config.json"
             )
-            shape.append(0)
+            size = 0
+        shape.append(size)
     return tuple(shape)
+
+
+def _fact(site: AttentionSite | None, facts: DecoderFacts | None, site_key: str, key: str) -> int | None:
+    """A size the attention site that reads the cache shows, else the graph's agreed one."""
+    value = getattr(site, site_key, None) if site else None
+    return value if value is not None else getattr(facts, key, None) if facts else None
 
 
 def _levels(steps: list[FlowStepPlan]) -> tuple[tuple[FlowStepPlan, ...], ...]:

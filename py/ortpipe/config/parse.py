@@ -506,7 +506,8 @@ def _state(sec: Section) -> StateSpec:
         kv_cache=KVCacheSpec(
             format=kv.choice("format", KV_FORMATS, "auto", what="kv_cache format"),
             **patterns,
-            share_buffer=kv.get("share_buffer", bool, False),
+            share_buffer=kv.get("share_buffer", bool),
+
             sliding_window=_sliding(kv),
         ),
         position_ids=PositionIdsSpec(

@@ -91,7 +91,10 @@ class KVCacheSpec:
     present_value_pattern: str | None = None
     past_pattern: str | None = None  # combined format: key and value stacked in one tensor
     present_pattern: str | None = None
-    share_buffer: bool = False  # past and present are one buffer sized to max_length, updated in place
+    # past and present are one buffer sized to max_length, updated in place; None: as the graph's
+    # attention nodes say (GroupQueryAttention, the model builder's, writes in place)
+    share_buffer: bool | None = None
+
     sliding_window: SlidingWindow | None = None
 
 

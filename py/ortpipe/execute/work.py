@@ -6,6 +6,7 @@ immutable values; what changes hands (a KV cache after fused steps) comes back i
 
 | work      | answer                                   |
 | --------- | ---------------------------------------- |
+| `ReadGraph` | the graph file: a path, bytes or a seekable binary file (onnxinfo reads it) |
 | `Open`    | `Opened`: the session and its signature  |
 | `Run`     | {output name: tensor}                    |
 | `RunAll`  | a list of those, in order                |
@@ -27,6 +28,15 @@ from ..signature import Signature
 Handle = Any  # a target's tensor (numpy array, ort.Tensor proxy)
 
 KERNEL = "kernel:"  # session names starting with this are ortpipe's kernel graphs
+
+
+@dataclass(frozen=True)
+class ReadGraph:
+    """The graph file at `path` (a checked real path, or a URL), for the core to read its structure
+    before the session is made (what its external data names, what its attention nodes say)."""
+
+    path: str
+    shown: str
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import js
 from pyodide.ffi import JsException, JsProxy, to_js
 
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, Run, RunAll, Work
+from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
 from ..model import Model, load_model
@@ -250,6 +250,8 @@ class Driver:
             return False, js.Promise.all(to_js([self._run(r) for r in work.runs]))
         if kind is Open:
             return False, self._open(work)
+        if kind is ReadGraph:
+            return False, self.bridge.readGraph(work.path)
         raise OrtpipeError(f"the browser driver got work it does not know: {type(work).__name__}")
 
     def finish(self, work: Any, raw: JsProxy) -> Any:
@@ -259,6 +261,8 @@ class Driver:
             return self._outputs(work, raw)
         if kind is RunAll:
             return [self._outputs(r, out) for r, out in zip(work.runs, raw, strict=True)]
+        if kind is ReadGraph:
+            return JsBytesFile(raw, work.shown)
         session = raw
         self.sessions[work.spec.name] = session
         return Opened(session, signature_of(self.bridge, session))
@@ -347,6 +351,28 @@ class Driver:
         slots = {**d.cache, **{name: CacheSlot(decoder, name) for name in names}}
         self._decoders[step.session] = (decoder, slots, slots[names[0]])
         return decoder
+
+
+class JsBytesFile:
+    """A graph file's bytes, held in JS, read as a seekable binary file: the core's graph reader takes
+    the few fields it needs without copying the weights into Python."""
+
+    def __init__(self, data: JsProxy, name: str):
+        self.data, self.name = data, name
+        self.size, self.position = int(data.length), 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.position, self.size)[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n < 0 else min(self.size, self.position + n)
+        start, self.position = self.position, max(end, self.position)
+        return self.data.subarray(start, end).to_bytes() if end > start else b""
 
 
 def signature_of(bridge: JsProxy, session: JsProxy) -> Signature:

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import OrtpipeError
-from ...execute.work import Decode, Decoded, Open, Opened, Run, RunAll, drive
+from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, drive
 from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
 from .sessions import ORT_TYPES, open_session, signature_of
@@ -126,6 +126,8 @@ class Driver:
             return list(self._pool.map(self.run, work.runs))  # onnxruntime releases the GIL in run()
         if kind is Open:
             return self.open(work)
+        if kind is ReadGraph:
+            return work.path  # the core's reader opens it and reads only the graph's structure
         raise OrtpipeError(f"the CPython driver got work it does not know: {type(work).__name__}")
 
     def open(self, work: Open) -> Opened:
