@@ -106,8 +106,9 @@ SEED_CONFIG = {
 }
 
 
-@pytest.mark.parametrize("builder", ["llama_builder_fp32", "llama_builder_int4", "qwen2_builder", "phi3_builder",
-                                     "gemma_builder"])
+@pytest.mark.parametrize("builder", ["llama_builder_fp32", "llama_builder_int4", "qwen2_builder",
+                                     "phi3_builder", "gemma_builder"])
+
 def test_the_seed_config_runs_every_builder_export(builder: str, request: pytest.FixtureRequest,
                                                    tmp_path: Path) -> None:
     """"Detect, don't declare": the graph gives the head counts and sizes its cache dims leave symbolic

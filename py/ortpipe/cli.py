@@ -1,24 +1,31 @@
-"""The `ortpipe` command: run, inspect, validate, bench."""
+"""The `ortpipe` command: run, chat, inspect, validate, web."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
 
-from .config.settings import SETTINGS
-from .errors import ConfigError, GenerationError, OrtpipeError
+# Ctrl-C before main() is ready (imports, argument parsing) ends the command quietly, with no traceback.
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
+import argparse  # noqa: E402  (after the handler: a Ctrl-C while importing is quiet too)
+import json  # noqa: E402
+import os  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from .config.settings import SETTINGS  # noqa: E402
+from .errors import ConfigError, GenerationError, OrtpipeError  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        signal.signal(signal.SIGINT, _interrupt)  # from here on, Ctrl-C is a KeyboardInterrupt
         return int(args.func(args) or 0)
     except ConfigError as e:
+
         print(f"ortpipe: {args.model}: {e}", file=sys.stderr)
         return 2
     except GenerationError as e:
@@ -30,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a bug in ortpipe: say so plainly, keep the traceback one variable away
+        if _interrupted:
+            return 130  # Ctrl-C while a C extension was importing comes out as its own error
         if os.environ.get("ORTPIPE_DEBUG"):
             raise
         print(f"ortpipe: internal error: {type(e).__name__}: {e}\n"
@@ -38,7 +47,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
+_interrupted = False
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def _parser() -> argparse.ArgumentParser:
+
     parser = argparse.ArgumentParser(prog="ortpipe", description="Run generative ONNX models from a folder "
                                      "of ONNX files and one genai_config.json.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -150,8 +169,13 @@ def _run(args: argparse.Namespace) -> int:
     )
     trace = Trace() if args.trace or args.verbose else None
     if args.json:
-        for _ in pipe.drive(request, trace):
-            pass
+        try:
+            for _ in pipe.drive(request, trace):
+                pass
+        except OrtpipeError as e:  # what was generated before the failure still comes out
+            if e.partial is not None:
+                print(json.dumps(e.partial.as_dict()))
+            raise
         print(json.dumps(request.result().as_dict()))
     else:
         _stream(pipe, request, trace, args.prompt)
@@ -239,6 +263,8 @@ def _chat(args: argparse.Namespace) -> int:
         "ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
         file=sys.stderr,
     )
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # a line with bytes that are not UTF-8 is said so, not fatal
     while True:
         try:
             line = input("> ")
@@ -256,12 +282,23 @@ def _chat(args: argparse.Namespace) -> int:
             continue
         if not command:
             continue
+        if "\ufffd" in line:
+            print("[the line had bytes that are not UTF-8; they were replaced with \ufffd]", file=sys.stderr)
         _reply(chat, line, args.max_new_tokens)
 
 
 def _reply(chat: Any, line: str, max_new_tokens: int) -> None:
-    for chunk in chat.say(line, max_new_tokens):
-        print(chunk.text, end="", flush=True)
+    """One turn. Ctrl-C stops the reply and a failed turn is dropped (the chat goes on from the turn
+    before); the session goes on either way."""
+    try:
+        for chunk in chat.say(line, max_new_tokens):
+            print(chunk.text, end="", flush=True)
+    except KeyboardInterrupt:
+        print("\n[interrupted: the turn is dropped]", file=sys.stderr)
+        return
+    except OrtpipeError as e:
+        print(f"\n[{e}]", file=sys.stderr)
+        return
     t = chat.last.timings
     print(
         f"\n[prefill {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms, {t.new_tokens} new, "

@@ -12,7 +12,11 @@ from collections.abc import Iterable
 
 
 class OrtpipeError(Exception):
-    """Base of every error ortpipe raises on purpose."""
+    """Base of every error ortpipe raises on purpose. `partial`: when a request fails after it
+    generated tokens, what it had generated (a Result, finish_reason "error")."""
+
+    partial = None
+
 
 
 class ConfigError(OrtpipeError, ValueError):

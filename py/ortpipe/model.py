@@ -230,9 +230,10 @@ class Model:
             )
         positions = self.plan.max_positions
         if positions is not None and max_length > positions:
-            raise GenerationError(f"max_length {max_length} is more than the {positions} positions the model's "
-                                  "graph can run (the size of its position tables); lower max_length or "
-                                  "max_new_tokens")
+            raise GenerationError(f"max_length {max_length} is more than the {positions} positions the "
+                                  "model's graph can run (the size of its position tables); lower max_length "
+                                  "or max_new_tokens")
+
         if max_length <= prompt_len:
 
             raise GenerationError(

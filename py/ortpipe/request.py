@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config.settings import SearchSettings
-from .errors import GenerationError
+from .errors import GenerationError, OrtpipeError
 from .execute.work import Work
 from .lifecycle import ERROR
 from .loops.autoregressive import TokenGenerator
@@ -45,7 +45,7 @@ class Result:
     tokens: list[int]  # generated ids, prompt excluded
     text: str
     timings: Timings = field(default_factory=Timings)
-    finish_reason: str = "length"  # "eos", "length", "stop" or "interrupt"
+    finish_reason: str = "length"  # "eos", "length", "stop", "interrupt"; "error" for a failure's partial
     sequences: list[list[int]] = field(default_factory=list)  # beam search: num_return_sequences, best first
 
     def as_dict(self) -> dict[str, object]:
@@ -94,7 +94,13 @@ class Request:
         # stop strings are watched (the text decides).
         budget = 1 if self.settings.stop else (
             None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens))
-        tokens = yield from self.gen.next_tokens(budget)
+        try:
+            tokens = yield from self.gen.next_tokens(budget)
+        except OrtpipeError as e:
+            if self.tokens and e.partial is None:  # what was generated before the failure is the caller's
+                e.partial = Result(list(self.tokens), self.text + self._held, self.timings, "error")
+            raise
+
         elapsed = (time.perf_counter() - start) * 1000
         if self.timings.new_tokens == 0:
             self.timings.prefill_ms = elapsed

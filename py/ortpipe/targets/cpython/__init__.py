@@ -123,13 +123,14 @@ class Pipeline:
         )
 
     def drive(self, request: Request, trace: Trace | None = None) -> Iterator[Chunk]:
-        """The chunks of a request, as its tokens are generated; `trace` collects its runs."""
-        self.driver.trace = trace
-        try:
-            while not request.done:
-                yield from self.driver.drive(request.advance())
-        finally:
-            self.driver.trace = None
+        """The chunks of a request, as its tokens are generated; `trace` collects its runs.
+
+        A pipeline may be used from several threads: each step of a request holds the pipeline for
+        itself, so requests of different threads take turns step by step, each with its own cache.
+        """
+        while not request.done:
+            yield from self.driver.drive(request.advance(), trace)
+
 
     def stream(
         self, prompt: str | None = None, *, trace: str | None = None, **options: Any

@@ -109,10 +109,16 @@ class Driver:
         self.trace: Trace | None = None  # set while a traced request runs
         self._label = ""
 
-    def drive(self, work: Any) -> Any:
-        """Carry out a core generator's work until it returns; its return value."""
+    def drive(self, work: Any, trace: Trace | None = None) -> Any:
+        """Carry out a core generator's work until it returns; its return value. `trace` collects
+        the runs (each thread's request its own: the lock holds for the whole work)."""
         with self._lock:
-            return drive(work, self.execute)
+            self.trace = trace
+            try:
+                return drive(work, self.execute)
+            finally:
+                self.trace = None
+
 
     def execute(self, work: Any) -> Any:
         kind = type(work)

@@ -1,0 +1,171 @@
+"""Hostile inputs: files outside the model folder are never opened, a pipeline shared by threads gives
+each request what it gives alone, and Ctrl-C ends the command without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import ortpipe
+from build import graphs
+from ortpipe.errors import ConfigError
+from tests.handloop import hand_greedy
+
+PROMPT = [5, 17, 42, 8, 23, 61, 3, 77]
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    model = graphs.build_separate(tmp_path / "model", seed=0, config=True)
+    from tests.web.conftest import write_tokenizer
+
+    write_tokenizer(model)
+    return model
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory beside the model folder holding what a link may point at."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "secret.json").write_text(json.dumps({"chat_template": "SECRET-CONTENT"}))
+    return out
+
+
+class Opened:
+    """Every file Python opens while it is active (an audit hook: sys.addaudithook)."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.active = False
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if self.active and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            self.paths.append(os.path.realpath(os.fsdecode(args[0])))
+
+    def __enter__(self) -> Opened:
+        self.paths.clear()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+
+
+OPENED = Opened()
+
+
+def load_refused(folder: Path, outside: Path, *names: str) -> str:
+    with OPENED, pytest.raises(ConfigError) as info:
+        ortpipe.load(folder, threads=1)
+    message = str(info.value)
+    assert not [p for p in OPENED.paths if p.startswith(str(outside))], "a file outside the folder was opened"
+    assert "SECRET" not in message
+    for name in names:
+        assert name in message, message
+    return message
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "tokenizer.json", "genai_config.json", "tokenizer_config.json"])
+def test_a_file_that_links_out_of_the_folder_is_refused(folder: Path, outside: Path, name: str) -> None:
+    shutil.move(folder / name, outside / name)
+    (folder / name).symlink_to(outside / name)
+    message = load_refused(folder, outside, str(folder / name), "leads outside the model folder")
+    assert str(outside / name) in message  # the link and where it leads
+
+
+def test_a_sub_folder_that_links_out_is_refused(folder: Path, outside: Path) -> None:
+    (outside / "sub").mkdir()
+    shutil.move(folder / "model.onnx", outside / "sub" / "model.onnx")
+    (folder / "sub").symlink_to(outside / "sub")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["pipeline"]["sessions"]["decoder"]["file"] = "sub/model.onnx"
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    load_refused(folder, outside, "sub/model.onnx", "leads outside the model folder")
+
+
+def test_external_data_that_links_out_is_refused_before_onnxruntime_reads_it(folder: Path, outside: Path) -> None:
+    import onnx
+
+    model = onnx.load(folder / "model.onnx")
+    onnx.save(model, folder / "model.onnx", save_as_external_data=True, location="model.onnx.data",
+              size_threshold=256)  # weights out, small shape constants in
+    assert ortpipe.load(folder, threads=1).generate(prompt_ids=PROMPT, max_new_tokens=4).tokens
+    shutil.move(folder / "model.onnx.data", outside / "model.onnx.data")
+    (folder / "model.onnx.data").symlink_to(outside / "model.onnx.data")
+    load_refused(folder, outside, "model.onnx.data", "leads outside the model folder")
+
+
+@pytest.mark.parametrize("config", ["/etc/passwd", "../outside/secret.json", "link.json"])
+def test_preprocessing_configs_stay_in_the_folder(folder: Path, outside: Path, config: str) -> None:
+    (folder / "link.json").symlink_to(outside / "secret.json")
+    raw = json.loads((folder / "genai_config.json").read_text())
+    raw["pipeline"]["preprocessing"] = {"image": {"config": config}}
+    (folder / "genai_config.json").write_text(json.dumps(raw))
+    message = load_refused(folder, outside, "pipeline.preprocessing.image.config")
+    assert "passwd" not in message or "/etc/passwd" in message  # named, never read
+
+
+def test_a_link_inside_the_folder_is_fine(folder: Path) -> None:
+    shutil.move(folder / "model.onnx", folder / "real.onnx")
+    (folder / "model.onnx").symlink_to(folder / "real.onnx")
+    result = ortpipe.load(folder, threads=1).generate(prompt_ids=PROMPT, max_new_tokens=6)
+    assert result.tokens == hand_greedy(folder, PROMPT, 6, layout="separate")
+
+
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
+def test_eight_threads_on_one_pipeline_get_what_each_gets_alone(model: str, request: pytest.FixtureRequest) -> None:
+    pipe = ortpipe.load(request.getfixturevalue(model), threads=1)
+    jobs = [dict(prompt_ids=[5 + i, 17, 42, 8 + i], max_new_tokens=24 + i, **(
+        {"do_sample": True, "seed": i, "top_k": 20} if i % 2 else {})) for i in range(8)]
+    alone = [pipe.generate(**job).tokens for job in jobs]
+    results: list[list[int] | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            for _ in range(3):  # several rounds, so the steps of different threads interleave
+                tokens = pipe.generate(**jobs[i]).tokens
+                assert results[i] in (None, tokens)
+                results[i] = tokens
+        except BaseException as e:  # noqa: BLE001 (collected for the assertion below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert results == alone
+
+
+@pytest.mark.parametrize("when", ["starting", "generating"])
+def test_ctrl_c_ends_the_command_without_a_traceback(when: str) -> None:
+    """Starting: imports and the model's load; generating: after the first text came out (the
+    repetition penalty keeps decoding on the slower, generic path so that it lasts)."""
+    demo = Path(__file__).resolve().parent.parent / "models" / "demo"
+    command = [sys.executable, "-m", "ortpipe.cli", "run", str(demo), "--prompt", "def f(", "--max-new-tokens",
+               "480", "--repetition-penalty", "1.01", "--threads", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if when == "starting":
+        time.sleep(0.25)
+    else:
+        process.stdout.read(len("def f(") + 1)  # the prompt, then the first generated text
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+
