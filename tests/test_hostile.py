@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from build import graphs
 
 import ortpipe
-from build import graphs
 from ortpipe.errors import ConfigError
 from tests.handloop import hand_greedy
 
@@ -76,7 +76,9 @@ def load_refused(folder: Path, outside: Path, *names: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("name", ["model.onnx", "tokenizer.json", "genai_config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize(
+    "name", ["model.onnx", "tokenizer.json", "genai_config.json", "tokenizer_config.json"]
+)
 def test_a_file_that_links_out_of_the_folder_is_refused(folder: Path, outside: Path, name: str) -> None:
     shutil.move(folder / name, outside / name)
     (folder / name).symlink_to(outside / name)
@@ -94,12 +96,19 @@ def test_a_sub_folder_that_links_out_is_refused(folder: Path, outside: Path) -> 
     load_refused(folder, outside, "sub/model.onnx", "leads outside the model folder")
 
 
-def test_external_data_that_links_out_is_refused_before_onnxruntime_reads_it(folder: Path, outside: Path) -> None:
+def test_external_data_that_links_out_is_refused_before_onnxruntime_reads_it(
+    folder: Path, outside: Path
+) -> None:
     import onnx
 
     model = onnx.load(folder / "model.onnx")
-    onnx.save(model, folder / "model.onnx", save_as_external_data=True, location="model.onnx.data",
-              size_threshold=256)  # weights out, small shape constants in
+    onnx.save(
+        model,
+        folder / "model.onnx",
+        save_as_external_data=True,
+        location="model.onnx.data",
+        size_threshold=256,
+    )  # weights out, small shape constants in
     assert ortpipe.load(folder, threads=1).generate(prompt_ids=PROMPT, max_new_tokens=4).tokens
     shutil.move(folder / "model.onnx.data", outside / "model.onnx.data")
     (folder / "model.onnx.data").symlink_to(outside / "model.onnx.data")
@@ -124,10 +133,18 @@ def test_a_link_inside_the_folder_is_fine(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
-def test_eight_threads_on_one_pipeline_get_what_each_gets_alone(model: str, request: pytest.FixtureRequest) -> None:
+def test_eight_threads_on_one_pipeline_get_what_each_gets_alone(
+    model: str, request: pytest.FixtureRequest
+) -> None:
     pipe = ortpipe.load(request.getfixturevalue(model), threads=1)
-    jobs = [dict(prompt_ids=[5 + i, 17, 42, 8 + i], max_new_tokens=24 + i, **(
-        {"do_sample": True, "seed": i, "top_k": 20} if i % 2 else {})) for i in range(8)]
+    jobs = [
+        dict(
+            prompt_ids=[5 + i, 17, 42, 8 + i],
+            max_new_tokens=24 + i,
+            **({"do_sample": True, "seed": i, "top_k": 20} if i % 2 else {}),
+        )
+        for i in range(8)
+    ]
     alone = [pipe.generate(**job).tokens for job in jobs]
     results: list[list[int] | None] = [None] * len(jobs)
     errors: list[BaseException] = []
@@ -157,8 +174,21 @@ def test_ctrl_c_ends_the_command_without_a_traceback(when: str) -> None:
     """Starting: imports and the model's load; generating: after the first text came out (the
     repetition penalty keeps decoding on the slower, generic path so that it lasts)."""
     demo = Path(__file__).resolve().parent.parent / "models" / "demo"
-    command = [sys.executable, "-m", "ortpipe.cli", "run", str(demo), "--prompt", "def f(", "--max-new-tokens",
-               "480", "--repetition-penalty", "1.01", "--threads", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "ortpipe.cli",
+        "run",
+        str(demo),
+        "--prompt",
+        "def f(",
+        "--max-new-tokens",
+        "480",
+        "--repetition-penalty",
+        "1.01",
+        "--threads",
+        "1",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if when == "starting":
         time.sleep(0.25)
@@ -168,4 +198,3 @@ def test_ctrl_c_ends_the_command_without_a_traceback(when: str) -> None:
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err.decode()
     assert "Traceback" not in err.decode()
-
