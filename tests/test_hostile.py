@@ -198,3 +198,40 @@ def test_ctrl_c_ends_the_command_without_a_traceback(when: str) -> None:
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err.decode()
     assert "Traceback" not in err.decode()
+
+
+def nan_model(folder: Path) -> Path:
+    """The test decoder with a NaN in its output bias: every logit is NaN."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(folder / "model.onnx")
+    for init in model.graph.initializer:
+        if init.dims == [graphs.VOCAB]:
+            init.CopyFrom(numpy_helper.from_array(np.full(graphs.VOCAB, np.nan, np.float32), init.name))
+            break
+    else:
+        raise AssertionError("no output bias found")
+    onnx.save(model, folder / "model.onnx")
+    return folder
+
+
+def test_nan_logits_stop_generation_with_an_error_naming_the_step(folder: Path) -> None:
+    pipe = ortpipe.load(nan_model(folder), threads=1)
+    with pytest.raises(ortpipe.OrtpipeError, match=r"\(step 0\): the model's logits are NaN or infinite"):
+        pipe.generate(prompt_ids=PROMPT, max_new_tokens=4)
+
+
+def test_nan_logits_in_a_fused_step_name_the_session_and_position() -> None:
+    import numpy as np
+
+    from ortpipe.targets.cpython.driver import _checked
+
+    assert _checked(np.array([0.0, 2.0, 1.0], np.float32), "decoder", 7) == 1
+    for bad in ([0.0, np.nan, 1.0], [0.0, np.inf, 1.0], [-np.inf, -np.inf, -np.inf]):
+        with pytest.raises(
+            ortpipe.OrtpipeError,
+            match='session "decoder" gave NaN or infinite logits on the decode step at position 7',
+        ):
+            _checked(np.array(bad, np.float32), "decoder", 7)

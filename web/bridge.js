@@ -298,14 +298,25 @@ export async function downloadBytes(url, name, onProgress, signal = undefined) {
   return bytes;
 }
 
-/** The first index of the largest of `vocab` values from `start` (float16 as IEEE half bits). */
+/**
+ * The first index of the largest of `vocab` values from `start` (float16 as IEEE half bits). A NaN
+ * or an infinite maximum is an error, as under CPython (numpy's argmax picks the NaN).
+ */
 function argmaxRow(data, start, vocab) {
   const row = data.subarray(start, start + vocab);
   const values = row instanceof Uint16Array ? Float32Array.from(row, halfToFloat) : row;
   let best = 0;
-  for (let i = 1; i < vocab; i++) if (values[i] > values[best]) best = i;
+  let nan = values[0] !== values[0];
+  for (let i = 1; i < vocab; i++) {
+    if (values[i] > values[best]) best = i;
+    else if (values[i] !== values[i]) nan = true;
+  }
+  if (nan || !Number.isFinite(values[best])) throw new Error(NON_FINITE);
   return best;
 }
+
+const NON_FINITE = "the model's logits are NaN or infinite";
+
 
 function halfToFloat(bits) {
   const exponent = (bits >> 10) & 0x1f;
@@ -414,6 +425,14 @@ export class Decoder {
       logits.dispose();
       for (const name of this.others) result[name].dispose();
     }
-    return argmaxRow(data, data.length - this.spec.vocab, this.spec.vocab);
+    try {
+      return argmaxRow(data, data.length - this.spec.vocab, this.spec.vocab);
+    } catch (cause) {
+      const error = new Error(`session "${this.spec.name}" gave NaN or infinite logits on the decode step at `
+        + `position ${past}: the model's weights or inputs are broken`);
+      error.name = 'OrtpipeError';
+      throw error;
+    }
+
   }
 }

@@ -18,7 +18,7 @@ from .errors import GenerationError
 from .execute.work import Work
 from .request import Request
 from .sampling.settings import settings_for
-from .tokenizer import ChatTemplate
+from .tokenizer import ChatTemplate, encode
 
 if TYPE_CHECKING:
     from .model import Model
@@ -63,11 +63,11 @@ class Chat:
         tokenizer = self.model.tokenizer
         self.turns.append(Turn(length, len(self.messages), self.text))
         if self.text and rendered.startswith(self.text):
-            ids = tokenizer.encode(rendered[len(self.text):], add_special_tokens=False)
+            ids = encode(tokenizer, rendered[len(self.text):], add_special_tokens=False)
         else:  # first turn, or a template that rewrites earlier turns
             self.gen = self.model.generator(0, **self._options)
             recovery = None
-            ids = tokenizer.encode(rendered)
+            ids = encode(tokenizer, rendered)
         self.messages.append({"role": "user", "content": content})
         request = TurnRequest(self, ids, recovery[0] if recovery else None, max_new_tokens)
         self._open = (request, rendered)

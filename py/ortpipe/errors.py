@@ -19,20 +19,35 @@ class OrtpipeError(Exception):
 
 
 
+MAX_PROBLEM = 600  # characters of one problem's text; what a config quotes never makes a message long
+MAX_PROBLEMS = 30
+
+
+def bounded(text: str, limit: int = MAX_PROBLEM) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 class ConfigError(OrtpipeError, ValueError):
     """A config or model folder that cannot be run; `problems` lists every problem found."""
 
     def __init__(self, problems: str | Iterable[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.problems = [bounded(p) for p in ([problems] if isinstance(problems, str) else problems)]
         if len(self.problems) == 1:
             text = self.problems[0]
         else:
-            text = f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+            shown = self.problems[:MAX_PROBLEMS]
+            more = len(self.problems) - len(shown)
+            text = f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in shown)
+            text += f"\n  ... and {more} more" if more else ""
         super().__init__(text)
 
 
 class GenerationError(OrtpipeError, ValueError):
     """A request that cannot be served: bad settings or inputs, caught before any model runs."""
+
+    def __init__(self, message: str):
+        super().__init__(bounded(message, 2 * MAX_PROBLEM))
+
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

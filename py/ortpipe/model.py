@@ -30,7 +30,7 @@ from .preprocess.request import Image, media_inputs
 from .request import BeamRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, encode
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -208,7 +208,7 @@ class Model:
             raise GenerationError(
                 "this model folder has no tokenizer.json: pass prompt_ids instead of a prompt"
             )
-        return self.tokenizer.encode(prompt)
+        return encode(self.tokenizer, prompt)
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""

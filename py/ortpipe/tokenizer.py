@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from .errors import GenerationError
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -13,6 +15,18 @@ class Tokenizer(Protocol):
     # A tokenizer may also have `text_stream()`, giving an object that behaves like `TextStream(self)`
     # in what Request calls (push_many, flush) at less cost: the browser's runs in JS, next to
     # tokenizers.js.
+
+
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer.encode`, with what its library refuses (a lone surrogate, ...) a GenerationError."""
+    if not isinstance(text, str):
+        raise GenerationError(f"text to encode must be a string, found {type(text).__name__}")
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as e:  # the tokenizer library's own errors, whatever their type
+        raise GenerationError(
+            f"the tokenizer cannot encode this text: {type(e).__name__}: {str(e)[:200]}"
+        ) from None
 
 
 class ChatTemplate(Protocol):
@@ -43,20 +57,20 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids[self.start:])
+        text = self.tokenizer.decode(self.ids[self.start :])
         if text.endswith("\ufffd") or not text.startswith(self.sent):
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         if len(self.ids) - self.start > self.WINDOW:
             self.start = len(self.ids) - self.CONTEXT
-            self.sent = self.tokenizer.decode(self.ids[self.start:])
+            self.sent = self.tokenizer.decode(self.ids[self.start :])
         return delta
 
     def push_many(self, tokens: list[int]) -> list[str]:
         return [self.push(token) for token in tokens]
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids[self.start:])
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        text = self.tokenizer.decode(self.ids[self.start :])
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent = text
         return delta

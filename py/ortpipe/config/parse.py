@@ -180,7 +180,10 @@ def _resolve_preset(pipe_raw: dict[str, Any], problems: Problems) -> dict[str, A
 
 def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> PipelineSpec:
     sec = Section(raw, "pipeline", problems, nulls=False)
-    sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin", "output")
+    sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin")
+    if "plugin" in sec.raw:
+        sec.problems.add("pipeline.plugin: plugins are not run by this version yet; drop the key")
+
     sessions = _sessions(sec.sub("sessions"), folder, problems)
     flow = _flow(sec.get("flow", list), sessions, problems)
     dataflow = _dataflow(sec.get("dataflow", list, []), sessions, problems)
@@ -618,8 +621,15 @@ def _generation(sec: Section) -> Generation:
             elif checked is not None:
                 values[setting.name] = checked
     max_length = values.pop("max_length", None)
+    loop = sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop")
+    if loop != "autoregressive":
+        sec.problems.add(f'generation.loop "{loop}" is not run by this version yet; it runs "autoregressive"')
+    for key in ("num_steps", "scheduler", "guidance_scale"):
+        if key in sec.raw and loop != "denoising":
+            sec.problems.add(f'generation.{key} is a setting of the "denoising" loop; this config\'s loop is '
+                             f'"{loop}": drop it')
     return Generation(
-        loop=sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop"),
+        loop=loop,
         max_length=max_length,
         settings=SearchSettings(**values),
         num_steps=sec.number("num_steps", int, None, 1, 10_000),

@@ -158,6 +158,7 @@ class TokenGenerator:
             self.fused_steps += len(tokens)
             return tokens
         logits = yield from self.flow.run_iteration(self._pending)
+        self.sampler.label = self.flow.label
         return [(yield from self.sampler.select(logits, self.tokens, self.generated))]
 
     def _init_phase(self) -> Work:

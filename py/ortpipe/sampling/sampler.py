@@ -20,12 +20,15 @@ class Sampler:
         self.dtype = logits_dtype
         self.rng = random.Random(settings.seed)
         self._vocab = 0
+        self.label = ""  # the step the logits come from, for messages and traces
 
     def select(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         s, b = self.settings, self.backend
         banned = banned_ids(s, tokens, generated, self.eos)
         if s.argmax_only and not banned:
-            out = yield Run(kernel("argmax_last", self.dtype), {"logits": logits}, ("token",))
+            out = yield Run(
+                kernel("argmax_last", self.dtype), {"logits": logits}, ("token",), None, self.label
+            )
             return b.to_list(out["token"])[0]
         if not self._vocab:
             self._vocab = b.shape(logits)[-1]

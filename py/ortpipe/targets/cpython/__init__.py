@@ -108,17 +108,34 @@ class Pipeline:
         return StepGenerator(self.model.generator(prompt_len, max_new_tokens, max_length, inputs, **settings),
                              self.driver)
 
-    def request(self, prompt: str | None = None, *, images: list[Any] | None = None,
-                audios: list[Any] | None = None, **options: Any) -> Request:
+    def request(
+        self,
+        prompt: str | None = None,
+        *,
+        images: list[Any] | None = None,
+        audios: list[Any] | None = None,
+        inputs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Request:
         """A request to drive (`drive`): `prompt`, `prompt_ids` or `messages`; `images`: paths or uint8
-        [h, w, 3] arrays; `audios`: .wav paths or float32 mono arrays at the feature extractor's rate."""
-        decoded = [decode_image(i) if isinstance(i, (str, os.PathLike)) else np.asarray(i, np.uint8)
-                   for i in images or []]
-        waves = [read_wav(a, self.model.sampling_rate()) if isinstance(a, (str, os.PathLike))
-                 else np.asarray(a, np.float32) for a in audios or []]
+        [h, w, 3] arrays; `audios`: .wav paths or float32 mono arrays at the feature extractor's rate;
+        `inputs`: arrays for named session inputs."""
+        decoded = [_image(i) for i in _listed(images, "images")]
+        waves = [_waveform(a, self.model) for a in _listed(audios, "audios")]
+        if inputs is not None and (
+            not isinstance(inputs, dict)
+            or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in inputs.items())
+        ):
+            raise GenerationError(
+                f"inputs must map input names to numpy arrays, found {type(inputs).__name__}"
+            )
         return self.driver.drive(
             self.model.request(
-                prompt, images=[(d, d.shape[0], d.shape[1]) for d in decoded], audios=waves, **options
+                prompt,
+                images=[(d, d.shape[0], d.shape[1]) for d in decoded],
+                audios=waves,
+                inputs=inputs,
+                **options,
             )
         )
 
@@ -130,7 +147,6 @@ class Pipeline:
         """
         while not request.done:
             yield from self.driver.drive(request.advance(), trace)
-
 
     def stream(
         self, prompt: str | None = None, *, trace: str | None = None, **options: Any
@@ -176,6 +192,37 @@ class PipelineChat:
     @property
     def tokens(self) -> list[int]:
         return self.core.tokens
+
+
+def _listed(items: Any, name: str) -> list[Any]:
+    if items is None:
+        return []
+    if not isinstance(items, (list, tuple)):
+        raise GenerationError(f"{name} must be a list, found {type(items).__name__}")
+    return list(items)
+
+
+def _image(item: Any) -> np.ndarray:
+    """A path decoded, or a uint8 [h, w, 3] RGB array."""
+    if isinstance(item, (str, os.PathLike)):
+        return decode_image(item)
+    array = np.asarray(item) if isinstance(item, (np.ndarray, list)) else None
+    if array is None or array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3 or 0 in array.shape:
+        shape = list(array.shape) if array is not None else type(item).__name__
+        raise GenerationError(
+            f"an image must be a path or a uint8 [height, width, 3] RGB array, found {shape}"
+        )
+    return array
+
+
+def _waveform(item: Any, model: Model) -> np.ndarray:
+    """A .wav path read at the feature extractor's rate, or float32 mono samples."""
+    if isinstance(item, (str, os.PathLike)):
+        return read_wav(item, model.sampling_rate())
+    array = np.asarray(item) if isinstance(item, (np.ndarray, list)) else None
+    if array is None or array.ndim != 1 or array.dtype.kind != "f" or not array.size:
+        raise GenerationError("an audio clip must be a .wav path or a 1-D float array of mono samples")
+    return array.astype(np.float32, copy=False)
 
 
 def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:

@@ -29,7 +29,23 @@ BURST_SECONDS = 0.02
 
 
 def _argmax_last(logits: np.ndarray) -> list[np.ndarray]:
-    return [logits[:, -1].argmax(-1)]
+    rows = logits[:, -1]
+    tokens = rows.argmax(-1)
+    if not np.isfinite(rows[np.arange(len(rows)), tokens]).all():
+        raise FloatingPointError(NON_FINITE)
+    return [tokens]
+
+
+NON_FINITE = "the model's logits are NaN or infinite"
+
+
+def _checked(row: np.ndarray, session: str, position: int) -> int:
+    """The argmax of a row of logits, which must be finite there (NaN wins numpy's argmax)."""
+    token = int(row.argmax())
+    if not np.isfinite(row[token]):
+        raise OrtpipeError(f'session "{session}" gave NaN or infinite logits on the decode step at position '
+                           f"{position}: the model's weights or inputs are broken")
+    return token
 
 
 def _narrow(x: np.ndarray, start: np.ndarray, end: np.ndarray, axis: np.ndarray) -> list[np.ndarray]:
@@ -200,7 +216,7 @@ class Driver:
         if f.mask_name is not None:
             f.raw.bind_ortvalue_input(f.mask_name, f.mask(position + 1))
         self._fused_run(d, position, f.run, f.raw, None)
-        return int(f.flat.argmax())
+        return _checked(f.flat, d.step.session, position)
 
     def _concat_step(self, d: Decode, f: _Fused, cache: dict[str, Any], token: int, position: int) -> int:
         """A step over a concat cache: a plain run whose presents replace the pasts in `cache`."""
@@ -215,7 +231,7 @@ class Driver:
         for past, i in f.presents:
             cache[past] = values[i]
         logits = values[f.logits_at]
-        return int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+        return _checked(logits.reshape(-1, logits.shape[-1])[-1], d.step.session, position)
 
     def _fused_run(self, d: Decode, position: int, run: Any, *args: Any) -> Any:
         """`run(*args)`, the run of a fused step: its failure named, its span traced."""
@@ -314,7 +330,8 @@ class Driver:
             return dict(zip(work.outputs, session.run(work.outputs, work.feeds), strict=True))
         except Exception as e:
             shapes = ", ".join(f"{k} {list(getattr(v, 'shape', ()))}" for k, v in work.feeds.items())
-            raise OrtpipeError(f'session "{work.session}" failed: {e}\n  inputs: {shapes}') from e
+            where = f" ({work.label})" if work.label else ""
+            raise OrtpipeError(f'session "{work.session}" failed{where}: {e}\n  inputs: {shapes}') from e
 
     def _kernel(self, name: str) -> Any:
         native = NATIVE_KERNELS.get(kernel_kind(name))
