@@ -301,9 +301,9 @@ def test_refusals_do_not_depend_on_running(base: Path) -> None:
         write_json(folder / "genai_config.json", config)
         at_load = outcome(lambda: load_config(LocalFolder(folder), warn=False))
         if at_load == "ok" and setting.search:
-            at_run = outcome(
-                lambda: pipe.generate(prompt_ids=[5, 6], max_new_tokens=2, **{setting.name: value})
-            )
+            at_run = outcome(lambda: pipe.generate(prompt_ids=[5, 6], max_new_tokens=2,  # noqa: B023 (run at once)
+                                                   **{setting.name: value}))  # noqa: B023
+
             assert at_run == "ok" or setting.name in ("num_return_sequences", "do_sample"), (
                 setting.name,
                 value,
