@@ -11,6 +11,7 @@ environments fails on a missing or unexpected weight (PITFALLS: transformers 5 r
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def make_bert(spec: dict) -> None:
                                                model_max_length=spec["max_length"])
     config = transformers.BertConfig(vocab_size=len(tokenizer), **spec["config"])
     torch.manual_seed(SEED)
-    model = transformers.BertModel(config, add_pooling_layer=False)
+    model = transformers.BertModel(config)  # with its pooler, as MiniLM checkpoints are (unused by pooling)
     _redraw(model, SEED)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -77,6 +78,28 @@ def make_st(spec: dict) -> None:
     if spec["normalize"]:
         stack.append(modules.Normalize())
     SentenceTransformer(modules=stack, device="cpu").save(spec["out"])
+    if spec["legacy"]:
+        _legacy_layout(Path(spec["out"]), transformer.get_embedding_dimension(), spec["pooling"],
+                       spec["max_length"])
+
+
+LEGACY_POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+                        "weightedmean_tokens", "lasttoken")
+
+
+def _legacy_layout(folder: Path, dimension: int, pooling: str, max_length: int) -> None:
+    """Rewrite a sentence-transformers 6 folder in the layout of the 2.x-3.x folders most published models
+    have: modules under sentence_transformers.models, one boolean per pooling mode, no Normalize config."""
+    modules = json.loads((folder / "modules.json").read_text())
+    for module in modules:
+        module["type"] = "sentence_transformers.models." + module["type"].rsplit(".", 1)[1]
+    _write_json(folder / "modules.json", modules)
+    wanted = {"cls": "cls_token", "mean": "mean_tokens"}[pooling]
+    _write_json(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": dimension,
+        **{f"pooling_mode_{mode}": mode == wanted for mode in LEGACY_POOLING_MODES}, "include_prompt": True})
+    _write_json(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
+    shutil.rmtree(folder / "2_Normalize", ignore_errors=True)
 
 
 def _strict_weights(model, folder: Path) -> None:
@@ -175,9 +198,9 @@ def make_sd(spec: dict) -> None:
         vae.decoder.conv_out.bias.mul_(spec["vae_out_gain"])
     tokenizer = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"])
     scheduler = diffusers.EulerDiscreteScheduler.from_config(spec["scheduler"])
-    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                             scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                             requires_safety_checker=False)
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                             unet=unet, scheduler=scheduler, safety_checker=None,
+                                             feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(spec["out"], safe_serialization=True)
     print(json.dumps({"parameters": {name: sum(p.numel() for p in part.parameters())
                                      for name, part in (("text_encoder", text_encoder), ("unet", unet),
@@ -193,12 +216,14 @@ def _load_sd(hf: str):
                                                                            output_loading_info=True)),
         "unet": _strict(diffusers.UNet2DConditionModel.from_pretrained(hf, subfolder="unet",
                                                                        output_loading_info=True)),
-        "vae": _strict(diffusers.AutoencoderKL.from_pretrained(hf, subfolder="vae", output_loading_info=True)),
+        "vae": _strict(diffusers.AutoencoderKL.from_pretrained(hf, subfolder="vae",
+                                                               output_loading_info=True)),
     }
     tokenizer = transformers.CLIPTokenizer.from_pretrained(hf, subfolder="tokenizer")
     scheduler = diffusers.EulerDiscreteScheduler.from_pretrained(hf, subfolder="scheduler")
-    return diffusers.StableDiffusionPipeline(**parts, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
-                                             feature_extractor=None, requires_safety_checker=False)
+    return diffusers.StableDiffusionPipeline(**parts, tokenizer=tokenizer, scheduler=scheduler,
+                                             safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
 
 
 class _GivenNoise:
@@ -246,8 +271,9 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
     try:
         with torch.no_grad():
             image = pipe(case["prompt"], negative_prompt=case.get("negative_prompt"),
-                         num_inference_steps=case["num_inference_steps"], guidance_scale=case["guidance_scale"],
-                         latents=torch.from_numpy(latents), output_type="np", callback_on_step_end=keep).images
+                         num_inference_steps=case["num_inference_steps"],
+                         guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
+                         output_type="np", callback_on_step_end=keep).images
     finally:
         module.randn_tensor = original
     return {"image": image.astype(np.float32), "final_latents": steps[-1], "noise_draws": given.calls,
@@ -283,7 +309,7 @@ def sd_refs(spec: dict) -> None:
                       "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
                       "noise_draws": result["noise_draws"], "timesteps": result["timesteps"],
                       "prompt_ids": _ids(pipe.tokenizer, case["prompt"]),
-                      "negative_prompt_ids": _ids(pipe.tokenizer, negative) if case["guidance_scale"] > 1 else None})
+                      "negative_prompt_ids": _ids(pipe.tokenizer, negative)})
     _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor, "cases": index})
 
 
@@ -299,11 +325,13 @@ def draw_case_inputs(spec: dict) -> None:
         gen = torch.Generator().manual_seed(case["seed"])
         np.save(refs / case["latents"], torch.randn(shape, generator=gen).numpy())
         if case.get("noise"):
-            np.save(refs / case["noise"], torch.randn([case["num_inference_steps"], *shape], generator=gen).numpy())
+            noise = torch.randn([case["num_inference_steps"], *shape], generator=gen)
+            np.save(refs / case["noise"], noise.numpy())
 
 
 COMMANDS = {"make-bert": make_bert, "make-st": make_st, "st-refs": st_refs, "make-vits": make_vits,
-            "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs, "draw-case-inputs": draw_case_inputs}
+            "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs,
+            "draw-case-inputs": draw_case_inputs}
 
 if __name__ == "__main__":
     COMMANDS[sys.argv[1]](_spec(sys.argv[2]))

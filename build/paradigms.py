@@ -1,4 +1,4 @@
-"""Tiny random models for the single_pass and denoising loops (issue 16), exported to ONNX, with torch references.
+"""Tiny random models for the single_pass and denoising loops (issue 16): ONNX exports and torch references.
 
     python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
     python -m build.paradigms sd-bench                        # the benchmark UNet (~100M parameters)
@@ -51,12 +51,14 @@ def _torch(venv: Path, requirements: tuple[str, ...], command: str, spec: dict) 
         json.dump(spec, handle)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        proc = subprocess.run([str(python), "-m", "build.paradigm_torch", command, handle.name], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        proc = subprocess.run([str(python), "-m", "build.paradigm_torch", command, handle.name], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              check=False)
     finally:
         os.unlink(handle.name)
     if proc.returncode != 0:
-        raise RuntimeError(f"build.paradigm_torch {command} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
+        raise RuntimeError(f"build.paradigm_torch {command} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-6000:]}")
     return proc.stdout
 
 
@@ -190,11 +192,15 @@ def export_embedder(bert: Path, out: Path) -> Path:
     return out
 
 
-def make_st(out: Path, pooling: str, normalize: bool, onnx_from: Path | None = None) -> Path:
-    """A sentence-transformers folder over the tiny BERT, its ONNX graph at onnx/model.onnx, and references."""
+def make_st(out: Path, pooling: str, normalize: bool, legacy: bool = False,
+            onnx_from: Path | None = None) -> Path:
+    """A sentence-transformers folder over the tiny BERT, its ONNX graph at onnx/model.onnx, and references.
+
+    `legacy`: modules.json and 1_Pooling/config.json in sentence-transformers 2.x-3.x's keys, as most
+    published folders have them (sentence-transformers 6 still reads them)."""
     bert = get("st-bert-hf")
     _reference_env("make-st", {"transformer": str(bert), "out": str(out), "pooling": pooling,
-                               "normalize": normalize, "max_length": EMBED_MAX_LENGTH})
+                               "normalize": normalize, "legacy": legacy, "max_length": EMBED_MAX_LENGTH})
     if onnx_from is None:
         export_embedder(bert, out)
     else:  # the same weights: the graph of the first folder serves
@@ -206,10 +212,12 @@ def make_st(out: Path, pooling: str, normalize: bool, onnx_from: Path | None = N
 
 # --- VITS ----------------------------------------------------------------------------------------
 
-VITS_VOCAB = {"<pad>": 0, "<unk>": 1, " ": 2, "'": 3, "-": 4, **{c: 5 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
+VITS_VOCAB = {"<pad>": 0, "<unk>": 1, " ": 2, "'": 3, "-": 4,
+              **{c: 5 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
 VITS = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "window_size": 4, "ffn_dim": 32,
         "flow_size": 16, "spectrogram_bins": 17, "upsample_initial_channel": 16, "upsample_rates": [4, 4],
-        "upsample_kernel_sizes": [8, 8], "resblock_kernel_sizes": [3, 5], "resblock_dilation_sizes": [[1, 3], [1, 3]],
+        "upsample_kernel_sizes": [8, 8], "resblock_kernel_sizes": [3, 5],
+        "resblock_dilation_sizes": [[1, 3], [1, 3]],
         "duration_predictor_filter_channels": 16, "duration_predictor_num_flows": 2,
         "prior_encoder_num_flows": 2, "prior_encoder_num_wavenet_layers": 2,
         "posterior_encoder_num_wavenet_layers": 2, "depth_separable_num_layers": 2,
@@ -252,7 +260,8 @@ SD_CASES = (
     ("euler-v-leading-cfg", "EulerDiscreteScheduler", "v_prediction", "leading", 3, 7.5, NEGATIVE),
     ("euler-eps-trailing-cfg-noneg", "EulerDiscreteScheduler", "epsilon", "trailing", 3, 4.0, None),
     ("euler_a-eps-leading", "EulerAncestralDiscreteScheduler", "epsilon", "leading", 4, 1.0, None),
-    ("euler_a-v-trailing-cfg", "EulerAncestralDiscreteScheduler", "v_prediction", "trailing", 3, 5.0, NEGATIVE),
+    ("euler_a-v-trailing-cfg", "EulerAncestralDiscreteScheduler", "v_prediction", "trailing", 3, 5.0,
+     NEGATIVE),
     ("euler_a-eps-linspace", "EulerAncestralDiscreteScheduler", "epsilon", "linspace", 2, 1.0, None),
     ("ddim-eps-leading-cfg", "DDIMScheduler", "epsilon", "leading", 4, 7.5, NEGATIVE),
     ("ddim-v-trailing", "DDIMScheduler", "v_prediction", "trailing", 3, 1.0, None),
@@ -302,7 +311,8 @@ SD_SIZES = {
                  "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
                  "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "cross_attention_dim": 256,
                  "attention_head_dim": 8, "norm_num_groups": 32},
-        "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [32, 64, 64, 64],
+        "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 4,
+                "block_out_channels": [32, 64, 64, 64],
                 "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
                 "layers_per_block": 1, "norm_num_groups": 32, "sample_size": 256},
         "vae_out_gain": 1.0,
@@ -346,7 +356,7 @@ def make_sd(out: Path) -> Path:
 RECIPES: dict[str, Callable[[Path], Path]] = {
     "st-bert-hf": make_bert,
     "st-minilm": lambda out: make_st(out, "mean", normalize=True),
-    "st-minilm-cls": lambda out: make_st(out, "cls", normalize=True, onnx_from=get("st-minilm")),
+    "st-minilm-cls": lambda out: make_st(out, "cls", normalize=True, legacy=True, onnx_from=get("st-minilm")),
     "st-minilm-nonorm": lambda out: make_st(out, "mean", normalize=False, onnx_from=get("st-minilm")),
     "vits-hf": make_vits_hf,
     "vits-tiny": make_vits,
@@ -359,7 +369,7 @@ BENCH_ONLY = ("sd-bench-diffusers", "sd-bench")
 
 
 def _recipe_text() -> str:
-    """What decides a build beside hfmodels' fingerprint: both modules of this build and their environments."""
+    """What decides a build beside hfmodels' fingerprint: both modules of this build, their environments."""
     parts = [Path(__file__).read_text(encoding="utf-8"),
              (Path(__file__).parent / "paradigm_torch.py").read_text(encoding="utf-8"),
              *EXPORT_REQUIREMENTS, *REFERENCE_REQUIREMENTS]

@@ -47,7 +47,8 @@ def pooling_mode(folder: Path) -> str:
     config = json.loads((folder / pooling["path"] / "config.json").read_text())
     mode = config.get("pooling_mode")
     if mode is None:  # legacy: one boolean per mode
-        mode = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v]
+        mode = [k.removeprefix("pooling_mode_") for k, v in config.items()
+                if k.startswith("pooling_mode_") and v]
         mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(mode[0], mode[0]) if len(mode) == 1 else mode
     if mode not in ("mean", "cls"):
         raise ValueError(f"pooling {mode!r} is not written by hand here")
@@ -155,15 +156,18 @@ class Euler:
     """EulerDiscreteScheduler (s_churn 0) and, with `ancestral`, EulerAncestralDiscreteScheduler."""
 
     def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
-        _check(config, interpolation_type=("linear",), use_karras_sigmas=(False,), final_sigmas_type=("zero",),
-               timestep_type=("discrete",), use_exponential_sigmas=(False,), use_beta_sigmas=(False,))
+        _check(config, interpolation_type=("linear",), use_karras_sigmas=(False,),
+               final_sigmas_type=("zero",), timestep_type=("discrete",), use_exponential_sigmas=(False,),
+               use_beta_sigmas=(False,))
         self.config, self.ancestral = config, ancestral
         cumprod = alphas_cumprod(config)
         self.timesteps = spaced(config, steps).astype(np.float32).astype(np.float64)
         all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
         self.sigmas = np.append(np.interp(self.timesteps, np.arange(len(all_sigmas)), all_sigmas), 0.0)
         top = self.sigmas.max()
-        self.init_noise_sigma = top if config["timestep_spacing"] in ("linspace", "trailing") else (top**2 + 1) ** 0.5
+        # PITFALLS: linspace and trailing start from the largest sigma itself, leading from sqrt(sigma^2 + 1)
+        exact = config["timestep_spacing"] in ("linspace", "trailing")
+        self.init_noise_sigma = top if exact else (top**2 + 1) ** 0.5
         self.noise_steps = list(range(steps)) if ancestral else []
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
@@ -203,7 +207,9 @@ class DDIM:
             limit = self.config.get("clip_sample_range", 1.0)
             x0 = np.clip(x0, -limit, limit)
         # the model's own epsilon, even after clipping (the pipeline never asks for use_clipped_model_output)
-        eps = output if self.config["prediction_type"] == "epsilon" else a_t**0.5 * output + (1 - a_t) ** 0.5 * x
+        eps = output
+        if self.config["prediction_type"] == "v_prediction":
+            eps = a_t**0.5 * output + (1 - a_t) ** 0.5 * x
         return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
 
 
@@ -289,9 +295,10 @@ class DPMSolverMultistep:
         _, _, lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])
         h = lambda_t - lambda_s0
         d1 = (x0 - self.outputs[-2]) * h / (lambda_s0 - lambda_s1)
+        first = (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
         if config.get("solver_type", "midpoint") == "midpoint":
-            return (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0 - 0.5 * alpha_t * (decay - 1.0) * d1
-        return (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0 + alpha_t * ((decay - 1.0) / h + 1.0) * d1
+            return first - 0.5 * alpha_t * (decay - 1.0) * d1
+        return first + alpha_t * ((decay - 1.0) / h + 1.0) * d1
 
 
 SCHEDULERS = {
@@ -320,7 +327,8 @@ def encode_prompt(folder: Path, ids: Sequence[int]) -> np.ndarray:
 
 def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
                    prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
-                   guidance_scale: float = 1.0, noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   guidance_scale: float = 1.0,
+                   noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(image [batch, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionPipeline
     computes them from the same initial `latents` (before scaling by init_noise_sigma).
 
@@ -334,7 +342,8 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
         embeddings = np.concatenate([encode_prompt(folder, negative_prompt_ids), embeddings])
     scheduler = make_scheduler(scheduler_config, steps)
     if scheduler.noise_steps and noise is None:
-        raise ValueError(f"{scheduler_config['_class_name']} adds noise at steps {scheduler.noise_steps}: give it")
+        raise ValueError(f"{scheduler_config['_class_name']} adds noise at steps {scheduler.noise_steps}: "
+                         "give `noise`")
     unet = session(folder / "unet" / "model.onnx")
     x = latents.astype(np.float64) * scheduler.init_noise_sigma
     for i, t in enumerate(scheduler.timesteps):
