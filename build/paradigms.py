@@ -1,7 +1,7 @@
 """Tiny random models for the single_pass and denoising loops (issue 16): ONNX exports and torch references.
 
     python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
-    python -m build.paradigms sd-bench                        # the benchmark UNet (~100M parameters)
+    python -m build.paradigms sd-bench                        # the benchmark UNet (88M parameters)
 
 Three folders as people have them (docs/paradigm-models.md says what each holds):
 - `st-minilm` (and `-cls`, `-nonorm`): a sentence-transformers folder with optimum's `onnx/model.onnx`;

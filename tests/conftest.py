@@ -1,9 +1,9 @@
 """Shared fixtures: the test models of build/hfmodels.py and build/paradigms.py, built once into build/cache/
 (or $ORTPIPE_CACHE).
 
-A cold cache takes about a minute to build the first, plus a one-off virtualenv for Optimum; the second take
-about two minutes more and two virtualenvs of their own. Tests that use one of these fixtures are marked
-`slow` automatically (`-m "not slow"` skips them).
+A cold cache takes about a minute to build the first, plus a one-off virtualenv for Optimum; the second
+about a minute more, plus two virtualenvs of their own (another minute). Tests that use one of these
+fixtures are marked `slow` automatically (`-m "not slow"` skips them).
 """
 
 from __future__ import annotations

@@ -118,6 +118,19 @@ def test_image_matches_diffusers(name: str, sd_tiny: Path, sd_cases: dict[str, d
     assert drift <= 1e-5
 
 
+def test_a_folder_with_another_scheduler(sd_tiny: Path, sd_cases: dict[str, dict], tmp_path: Path) -> None:
+    """with_scheduler puts a case's scheduler into a copy of the folder; read back, it gives its image."""
+    case = sd_cases["dpm-v-trailing"]
+    folder = refs.with_scheduler(sd_tiny, case["scheduler"], tmp_path / "sd")
+    config = _json(folder / "scheduler" / "scheduler_config.json")
+    assert config["_class_name"] == "DPMSolverMultistepScheduler"
+    references = sd_tiny / "references"
+    latents = np.load(references / case["latents"])
+    image, _ = refs.generate_image(folder, config, case["num_inference_steps"], latents,
+                                   prompt_ids=case["prompt_ids"])
+    assert np.abs(image - np.load(references / case["image"])).max() <= IMAGE_TOLERANCE
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["euler_a-eps-leading", "lcm-eps-4"])
 def test_noisy_schedulers_use_the_given_noise(name: str, sd_tiny: Path, sd_cases: dict[str, dict]) -> None:
