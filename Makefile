@@ -43,4 +43,4 @@ kernels: $(VENV)/.base
 	$(PY) -m build.kernels
 
 clean:
-	rm -rf $(VENV) .venv-optimum build/cache dist
+	rm -rf $(VENV) .venv-optimum .venv-paradigms-export .venv-paradigms-ref build/cache dist

@@ -361,18 +361,23 @@ def export_builder(hf_dir: str | Path, out_dir: str | Path, precision: str = "fp
 
 # --- Optimum (separate virtualenv) -------------------------------------------------------------
 
-def ensure_optimum_venv(venv: Path = OPTIMUM_VENV) -> Path:
-    """Create (once) the virtualenv Optimum runs in; returns its python."""
+def ensure_venv(venv: Path, requirements: tuple[str, ...], what: str) -> Path:
+    """Create (once) a virtualenv holding exactly `requirements`; returns its python."""
     python = venv / "bin" / "python"
     stamp = venv / ".ortpipe-requirements"
-    wanted = "\n".join(OPTIMUM_REQUIREMENTS)
+    wanted = "\n".join(requirements)
     if python.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return python
-    _run([sys.executable, "-m", "venv", str(venv)], "creating the Optimum virtualenv")
-    _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *OPTIMUM_REQUIREMENTS],
-         "installing Optimum")
+    _run([sys.executable, "-m", "venv", str(venv)], f"creating the {what} virtualenv")
+    _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *requirements],
+         f"installing {what}")
     stamp.write_text(wanted)
     return python
+
+
+def ensure_optimum_venv(venv: Path = OPTIMUM_VENV) -> Path:
+    """Create (once) the virtualenv Optimum runs in; returns its python."""
+    return ensure_venv(venv, OPTIMUM_REQUIREMENTS, "Optimum")
 
 
 def _legacy_config(config: dict) -> dict:

@@ -1,19 +1,22 @@
-"""Shared fixtures: the test models of build/hfmodels.py, built once into build/cache/ (or $ORTPIPE_CACHE).
+"""Shared fixtures: the test models of build/hfmodels.py and build/paradigms.py, built once into build/cache/
+(or $ORTPIPE_CACHE).
 
-A cold cache takes about a minute to build all of them, plus a one-off virtualenv for Optimum;
-tests that use one of these fixtures are marked `slow` automatically (`-m "not slow"` skips them).
+A cold cache takes about a minute to build the first, plus a one-off virtualenv for Optimum; the second
+about a minute more, plus two virtualenvs of their own (another minute). Tests that use one of these
+fixtures are marked `slow` automatically (`-m "not slow"` skips them).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `import build.hfmodels`
 
-from build import hfmodels  # noqa: E402
+from build import hfmodels, paradigms  # noqa: E402
 
 MODEL_FIXTURES = {
     "llama_hf": "llama-hf", "qwen2_hf": "qwen2-hf", "phi3_hf": "phi3-hf", "gemma_hf": "gemma2-hf",
@@ -24,22 +27,28 @@ MODEL_FIXTURES = {
     "llama_concat": "llama-concat", "gpt2_optimum": "gpt2-optimum",
     "whisper_hf": "whisper-hf", "whisper_builder": "whisper-builder-fp32",
 }
+PARADIGM_FIXTURES = {
+    "st_minilm": "st-minilm", "st_minilm_cls": "st-minilm-cls", "st_minilm_nonorm": "st-minilm-nonorm",
+    "vits_tiny": "vits-tiny", "sd_tiny": "sd-tiny",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if MODEL_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+        if (MODEL_FIXTURES.keys() | PARADIGM_FIXTURES.keys()) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
-def _model_fixture(fixture_name: str, model: str):
+def _model_fixture(fixture_name: str, model: str, builder: ModuleType = hfmodels):
     def fixture() -> Path:
-        return hfmodels.get(model)
+        return builder.get(model)
 
-    fixture.__doc__ = f"The folder of the {model!r} test model (build/hfmodels.py)."
+    fixture.__doc__ = f"The folder of the {model!r} test model ({builder.__name__.replace('.', '/')}.py)."
     return pytest.fixture(fixture, scope="session", name=fixture_name)
 
 
 for _fixture_name, _model in MODEL_FIXTURES.items():
     globals()[_fixture_name] = _model_fixture(_fixture_name, _model)
+for _fixture_name, _model in PARADIGM_FIXTURES.items():
+    globals()[_fixture_name] = _model_fixture(_fixture_name, _model, paradigms)

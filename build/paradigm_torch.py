@@ -1,0 +1,337 @@
+"""The torch side of build/paradigms.py: makes the tiny models and computes the torch references.
+
+It runs only inside the build's own virtualenvs, never the project's (see build/paradigms.py):
+    <venv>/bin/python -m build.paradigm_torch COMMAND SPEC.json
+`make-*` commands run in the export environment (transformers 4.57, diffusers 0.39), so every
+checkpoint is written in the format older and newer versions both read; `*-refs` and `make-st` run in
+the reference environment (transformers 5, diffusers 0.42, sentence-transformers). Every load across
+environments fails on a missing or unexpected weight (PITFALLS: transformers 5 renames CLIP's keys).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from build.hfmodels import _redraw
+
+SEED = 0
+
+
+def _spec(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _write_json(path: Path, value) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+def _strict(loaded) -> object:
+    """A from_pretrained(..., output_loading_info=True) result, or an error naming the bad keys."""
+    model, info = loaded
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise RuntimeError(f"{type(model).__name__} did not load exactly: {bad}")
+    return model.eval()
+
+
+def _noisy_vectors(module, seed: int, scale: float = 0.1) -> None:
+    """Noise on every 1-D parameter (norm weights, biases): diffusers and transformers start them constant."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(module.named_parameters()):
+            if param.ndim == 1:
+                param.add_(scale * torch.randn(param.shape, generator=gen))
+
+
+# --- sentence embeddings -------------------------------------------------------------------------
+
+def make_bert(spec: dict) -> None:
+    """A tiny BertModel (matrices redrawn, norms and biases noisy) with the WordPiece tokenizer."""
+    import torch
+    import transformers
+
+    out = Path(spec["out"])
+    tokenizer = transformers.BertTokenizerFast(vocab_file=spec["vocab"], do_lower_case=True,
+                                               model_max_length=spec["max_length"])
+    config = transformers.BertConfig(vocab_size=len(tokenizer), **spec["config"])
+    torch.manual_seed(SEED)
+    model = transformers.BertModel(config)  # with its pooler, as MiniLM checkpoints are (unused by pooling)
+    _redraw(model, SEED)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def make_st(spec: dict) -> None:
+    """A sentence-transformers folder around a transformers model: Transformer, Pooling, [Normalize]."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    transformer = modules.Transformer(spec["transformer"], max_seq_length=spec["max_length"])
+    _strict_weights(transformer.auto_model, Path(spec["transformer"]))
+    stack = [transformer, modules.Pooling(transformer.get_embedding_dimension(), spec["pooling"])]
+    if spec["normalize"]:
+        stack.append(modules.Normalize())
+    SentenceTransformer(modules=stack, device="cpu").save(spec["out"])
+    if spec["legacy"]:
+        _legacy_layout(Path(spec["out"]), transformer.get_embedding_dimension(), spec["pooling"],
+                       spec["max_length"])
+
+
+LEGACY_POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+                        "weightedmean_tokens", "lasttoken")
+
+
+def _legacy_layout(folder: Path, dimension: int, pooling: str, max_length: int) -> None:
+    """Rewrite a sentence-transformers 6 folder in the layout of the 2.x-3.x folders most published models
+    have: modules under sentence_transformers.models, one boolean per pooling mode, no Normalize config."""
+    modules = json.loads((folder / "modules.json").read_text())
+    for module in modules:
+        module["type"] = "sentence_transformers.models." + module["type"].rsplit(".", 1)[1]
+    _write_json(folder / "modules.json", modules)
+    wanted = {"cls": "cls_token", "mean": "mean_tokens"}[pooling]
+    _write_json(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": dimension,
+        **{f"pooling_mode_{mode}": mode == wanted for mode in LEGACY_POOLING_MODES}, "include_prompt": True})
+    _write_json(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
+    shutil.rmtree(folder / "2_Normalize", ignore_errors=True)
+
+
+def _strict_weights(model, folder: Path) -> None:
+    """Every tensor of folder/model.safetensors is in the model, equal, and the model has no other."""
+    import torch
+    from safetensors.torch import load_file
+
+    saved = load_file(folder / "model.safetensors")
+    state = model.state_dict()
+    if set(saved) != set(state):
+        raise RuntimeError(f"weights differ in name: missing {set(saved) - set(state)}, "
+                           f"unexpected {set(state) - set(saved)}")
+    different = [k for k in saved if not torch.equal(saved[k], state[k])]
+    if different:
+        raise RuntimeError(f"weights differ in value: {different}")
+
+
+def st_refs(spec: dict) -> None:
+    """The folder's embeddings of spec["texts"] as one padded batch, and the tokenizer's inputs."""
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    folder = Path(spec["folder"])
+    model = SentenceTransformer(str(folder), device="cpu", backend="torch")
+    _strict_weights(model[0].auto_model, folder)
+    texts = spec["texts"]
+    features = model.tokenize(texts)
+    with torch.no_grad():
+        embeddings = model.encode(texts, batch_size=len(texts), convert_to_numpy=True)
+    refs = folder / "references"
+    refs.mkdir(parents=True, exist_ok=True)
+    np.save(refs / "embeddings.npy", embeddings.astype(np.float32))
+    inputs = {name: features[name].tolist() for name in ("input_ids", "attention_mask", "token_type_ids")}
+    _write_json(refs / "inputs.json", {"texts": texts, **inputs})
+
+
+# --- VITS ----------------------------------------------------------------------------------------
+
+def make_vits(spec: dict) -> None:
+    """A tiny VitsModel with deterministic inference (noise scales 0) and a character tokenizer."""
+    import torch
+    import transformers
+
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "vocab.json", spec["vocab"])
+    tokenizer = transformers.VitsTokenizer(vocab_file=str(out / "vocab.json"), language="eng", add_blank=True,
+                                           normalize=True, phonemize=False)
+    config = transformers.VitsConfig(vocab_size=len(spec["vocab"]), **spec["config"])
+    torch.manual_seed(SEED)
+    model = transformers.VitsModel(config)
+    _noisy_vectors(model, SEED, spec["vector_noise"])
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def vits_refs(spec: dict) -> None:
+    """transformers' waveform for each text alone (batch 1), with the ids it was given."""
+    import numpy as np
+    import torch
+    import transformers
+
+    hf = spec["hf"]
+    model = _strict(transformers.VitsModel.from_pretrained(hf, output_loading_info=True))
+    tokenizer = transformers.VitsTokenizer.from_pretrained(hf)
+    refs = Path(spec["out"]) / "references"
+    refs.mkdir(parents=True, exist_ok=True)
+    cases = []
+    for i, text in enumerate(spec["texts"]):
+        encoded = tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            waveform = model(**encoded).waveform
+        np.save(refs / f"waveform_{i}.npy", waveform.numpy().astype(np.float32))
+        cases.append({"text": text, "input_ids": encoded["input_ids"][0].tolist(),
+                      "waveform": f"waveform_{i}.npy", "samples": int(waveform.shape[1])})
+    _write_json(refs / "inputs.json", {"sampling_rate": model.config.sampling_rate, "cases": cases})
+
+
+# --- Stable Diffusion ----------------------------------------------------------------------------
+
+def make_sd(spec: dict) -> None:
+    """A StableDiffusionPipeline of tiny random parts (no safety checker), saved with save_pretrained."""
+    import diffusers
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    text_encoder = transformers.CLIPTextModel(transformers.CLIPTextConfig(**spec["text_encoder"]))
+    unet = diffusers.UNet2DConditionModel(**spec["unet"])
+    vae = diffusers.AutoencoderKL(**spec["vae"])
+    for seed, part in enumerate((text_encoder, unet, vae)):
+        _noisy_vectors(part, SEED + seed, spec["vector_noise"])
+    with torch.no_grad():  # keep the decoded image inside [-1, 1] mostly: see docs/paradigm-models.md
+        vae.decoder.conv_out.weight.mul_(spec["vae_out_gain"])
+        vae.decoder.conv_out.bias.mul_(spec["vae_out_gain"])
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"])
+    scheduler = diffusers.EulerDiscreteScheduler.from_config(spec["scheduler"])
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                             unet=unet, scheduler=scheduler, safety_checker=None,
+                                             feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(spec["out"], safe_serialization=True)
+    print(json.dumps({"parameters": {name: sum(p.numel() for p in part.parameters())
+                                     for name, part in (("text_encoder", text_encoder), ("unet", unet),
+                                                        ("vae", vae))}}))
+
+
+def _load_sd(hf: str):
+    import diffusers
+    import transformers
+
+    parts = {
+        "text_encoder": _strict(transformers.CLIPTextModel.from_pretrained(hf, subfolder="text_encoder",
+                                                                           output_loading_info=True)),
+        "unet": _strict(diffusers.UNet2DConditionModel.from_pretrained(hf, subfolder="unet",
+                                                                       output_loading_info=True)),
+        "vae": _strict(diffusers.AutoencoderKL.from_pretrained(hf, subfolder="vae",
+                                                               output_loading_info=True)),
+    }
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(hf, subfolder="tokenizer")
+    scheduler = diffusers.EulerDiscreteScheduler.from_pretrained(hf, subfolder="scheduler")
+    return diffusers.StableDiffusionPipeline(**parts, tokenizer=tokenizer, scheduler=scheduler,
+                                             safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+
+
+class _GivenNoise:
+    """Stands in for diffusers' randn_tensor inside a scheduler module: hands out noise[0], noise[1], ..."""
+
+    def __init__(self, noise):
+        self.noise, self.calls = noise, 0
+
+    def __call__(self, shape, **_):
+        import torch
+
+        if self.noise is None or self.calls >= len(self.noise):
+            raise RuntimeError(f"the scheduler drew noise #{self.calls}; the case gives "
+                               f"{0 if self.noise is None else len(self.noise)}")
+        sample = torch.from_numpy(self.noise[self.calls])
+        if tuple(sample.shape) != tuple(shape):
+            raise RuntimeError(f"noise of shape {tuple(sample.shape)} given, {tuple(shape)} asked")
+        self.calls += 1
+        return sample
+
+
+def _run_case(pipe, case: dict, folder: Path) -> dict:
+    """One StableDiffusionPipeline call with the case's scheduler, initial latents and per-step noise."""
+    import importlib
+
+    import diffusers
+    import numpy as np
+    import torch
+
+    config = case["scheduler"]
+    cls = getattr(diffusers, config["_class_name"])
+    pipe.scheduler = cls.from_config(config)
+    latents = np.load(folder / case["latents"])
+    noise = np.load(folder / case["noise"]) if case.get("noise") else None
+    given = _GivenNoise(noise)
+    module = importlib.import_module(cls.__module__)
+    original = module.randn_tensor
+    module.randn_tensor = given
+    steps: list[np.ndarray] = []
+
+    def keep(_pipe, _step, _t, kwargs):
+        steps.append(kwargs["latents"].numpy().copy())
+        return kwargs
+
+    try:
+        with torch.no_grad():
+            image = pipe(case["prompt"], negative_prompt=case.get("negative_prompt"),
+                         num_inference_steps=case["num_inference_steps"],
+                         guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
+                         output_type="np", callback_on_step_end=keep).images
+    finally:
+        module.randn_tensor = original
+    return {"image": image.astype(np.float32), "final_latents": steps[-1], "noise_draws": given.calls,
+            "timesteps": [float(t) for t in pipe.scheduler.timesteps],
+            "scheduler": json.loads(pipe.scheduler.to_json_string())}
+
+
+def _ids(tokenizer, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    return tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True
+                     ).input_ids
+
+
+def sd_refs(spec: dict) -> None:
+    """Each case through diffusers' StableDiffusionPipeline: image (float, before uint8) and final latents."""
+    import numpy as np
+
+    pipe = _load_sd(spec["hf"])
+    pipe.set_progress_bar_config(disable=True)
+    folder = Path(spec["out"])
+    refs = folder / "references"
+    index = []
+    for case in spec["cases"]:
+        result = _run_case(pipe, case, refs)
+        name = case["name"]
+        np.save(refs / f"{name}.image.npy", result["image"])
+        np.save(refs / f"{name}.final_latents.npy", result["final_latents"])
+        negative = case.get("negative_prompt")
+        if negative is None and case["guidance_scale"] > 1:
+            negative = ""  # what diffusers feeds the unconditional row when no negative prompt is given
+        index.append({**case, "scheduler": result["scheduler"],
+                      "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
+                      "noise_draws": result["noise_draws"], "timesteps": result["timesteps"],
+                      "prompt_ids": _ids(pipe.tokenizer, case["prompt"]),
+                      "negative_prompt_ids": _ids(pipe.tokenizer, negative)})
+    _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor, "cases": index})
+
+
+def draw_case_inputs(spec: dict) -> None:
+    """Initial latents and per-step noise for each case, from torch.Generator().manual_seed(case seed)."""
+    import numpy as np
+    import torch
+
+    refs = Path(spec["out"]) / "references"
+    refs.mkdir(parents=True, exist_ok=True)
+    shape = spec["latent_shape"]
+    for case in spec["cases"]:
+        gen = torch.Generator().manual_seed(case["seed"])
+        np.save(refs / case["latents"], torch.randn(shape, generator=gen).numpy())
+        if case.get("noise"):
+            noise = torch.randn([case["num_inference_steps"], *shape], generator=gen)
+            np.save(refs / case["noise"], noise.numpy())
+
+
+COMMANDS = {"make-bert": make_bert, "make-st": make_st, "st-refs": st_refs, "make-vits": make_vits,
+            "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs,
+            "draw-case-inputs": draw_case_inputs}
+
+if __name__ == "__main__":
+    COMMANDS[sys.argv[1]](_spec(sys.argv[2]))

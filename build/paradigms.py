@@ -1,0 +1,402 @@
+"""Tiny random models for the single_pass and denoising loops (issue 16): ONNX exports and torch references.
+
+    python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
+    python -m build.paradigms sd-bench                        # the benchmark UNet (88M parameters)
+
+Three folders as people have them (docs/paradigm-models.md says what each holds):
+- `st-minilm` (and `-cls`, `-nonorm`): a sentence-transformers folder with optimum's `onnx/model.onnx`;
+- `vits-tiny`: a transformers.js-style VITS folder (optimum's text-to-audio export);
+- `sd-tiny`: optimum's Stable Diffusion export (`model_index.json`, `text_encoder/`, `unet/`, ...).
+Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
+StableDiffusionPipeline computed (torch, fp32) from the same weights.
+
+The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
+the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
+makes the models and exports them; the reference environment (transformers 5, diffusers 0.42,
+sentence-transformers; $ORTPIPE_PARADIGMS_REFERENCE_VENV) computes the references. The two cannot be one:
+diffusers 0.42 and optimum-onnx 0.1 want incompatible huggingface_hub versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from build import hfmodels
+
+REPO = hfmodels.REPO
+TORCH = "torch==2.13.0"  # any other version pulls CUDA wheels
+EXPORT_VENV = Path(os.environ.get("ORTPIPE_PARADIGMS_EXPORT_VENV", REPO / ".venv-paradigms-export"))
+EXPORT_REQUIREMENTS = (*hfmodels.OPTIMUM_REQUIREMENTS, "diffusers==0.39.0")
+REFERENCE_VENV = Path(os.environ.get("ORTPIPE_PARADIGMS_REFERENCE_VENV", REPO / ".venv-paradigms-ref"))
+REFERENCE_REQUIREMENTS = (TORCH, "transformers==5.23.0", "diffusers==0.42.1", "sentence-transformers==6.2.0",
+                          "numpy>=1.24")
+
+
+def _torch(venv: Path, requirements: tuple[str, ...], command: str, spec: dict) -> str:
+    """Run one build.paradigm_torch command in a virtualenv; returns its stdout."""
+    python = hfmodels.ensure_venv(venv, requirements, venv.name)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        proc = subprocess.run([str(python), "-m", "build.paradigm_torch", command, handle.name], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              check=False)
+    finally:
+        os.unlink(handle.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"build.paradigm_torch {command} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-6000:]}")
+    return proc.stdout
+
+
+def _export_env(command: str, spec: dict) -> str:
+    return _torch(EXPORT_VENV, EXPORT_REQUIREMENTS, command, spec)
+
+
+def _reference_env(command: str, spec: dict) -> str:
+    return _torch(REFERENCE_VENV, REFERENCE_REQUIREMENTS, command, spec)
+
+
+def _optimum(model: Path, out: Path, task: str, *extra: str) -> Path:
+    """optimum's ONNX exporter (python -m optimum.exporters.onnx) in the export environment."""
+    python = hfmodels.ensure_venv(EXPORT_VENV, EXPORT_REQUIREMENTS, EXPORT_VENV.name)
+    hfmodels._run([str(python), "-m", "optimum.exporters.onnx", "--model", str(model), "--task", task, *extra,
+                   str(out)], f"optimum export ({task})")
+    return out
+
+
+# --- tokenizers ----------------------------------------------------------------------------------
+
+def _words(limit: int) -> Counter[str]:
+    """The `limit` most frequent lower-case words of the standard-library training text (hfmodels)."""
+    counts = Counter(w for text in hfmodels._corpus() for w in re.findall(r"[a-z]+", text.lower()))
+    return Counter(dict(counts.most_common(limit)))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's and CLIP's map of the 256 bytes to printable characters, in CLIP's vocabulary order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = list(keep)
+    extra = [byte for byte in range(256) if byte not in keep]
+    keep += extra
+    codes += [256 + i for i in range(len(extra))]
+    return dict(zip(keep, map(chr, codes), strict=True))
+
+
+def _learn_merges(words: Counter[str], count: int) -> list[tuple[str, str]]:
+    """Plain BPE over word frequencies with CLIP's end-of-word marker; ties go to the larger pair."""
+    chars = _bytes_to_unicode()
+    seqs = {}
+    for word in words:
+        symbols = [chars[b] for b in word.encode()]
+        symbols[-1] += "</w>"
+        seqs[word] = symbols
+    merges = []
+    for _ in range(count):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, seq in seqs.items():
+            for pair in zip(seq, seq[1:], strict=False):
+                pairs[pair] += words[word]
+        if not pairs:
+            break
+        best = max(pairs.items(), key=lambda item: (item[1], item[0]))[0]
+        merges.append(best)
+        for word, seq in seqs.items():
+            i, merged = 0, []
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
+                    merged.append(seq[i] + seq[i + 1])
+                    i += 2
+                else:
+                    merged.append(seq[i])
+                    i += 1
+            seqs[word] = merged
+    return merges
+
+
+CLIP_MERGES = 300
+CLIP_LENGTH = 77  # diffusers pads every prompt to the tokenizer's model_max_length
+
+
+def clip_tokenizer(out: Path) -> Path:
+    """vocab.json + merges.txt in CLIP's format (bytes, bytes + </w>, merges, then the two specials)."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = list(_bytes_to_unicode().values())
+    merges = _learn_merges(_words(2000), CLIP_MERGES)
+    tokens = [*base, *(c + "</w>" for c in base), *("".join(m) for m in merges),
+              "<|startoftext|>", "<|endoftext|>"]
+    (out / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}, ensure_ascii=False))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    config = {"tokenizer_class": "CLIPTokenizer", "model_max_length": CLIP_LENGTH, "do_lower_case": True,
+              "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+              "pad_token": "<|endoftext|>", "errors": "replace"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def wordpiece_vocab(out: Path, size: int) -> Path:
+    """A lower-cased WordPiece vocab.txt ([PAD] [UNK] [CLS] [SEP] [MASK] first) trained on the same text."""
+    from tokenizers import BertWordPieceTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = BertWordPieceTokenizer(lowercase=True)
+    tokenizer.train_from_iterator(hfmodels._corpus(), vocab_size=size, show_progress=False,
+                                  special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    tokenizer.save_model(str(out))
+    return out / "vocab.txt"
+
+
+# --- sentence embeddings -------------------------------------------------------------------------
+
+EMBED_TEXTS = (
+    "Hello world.",
+    "A",
+    "Sorting is stable: equal keys keep their original order.",
+    "The parser reads each line of the file, splits it on commas and keeps the fields it needs.",
+    "def count_words(path): return a dictionary that maps every word in the file to its number of "
+    "occurrences, ignoring case and punctuation; 42 files were read in 3.5 seconds.",
+)
+BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+        "max_position_embeddings": 128, "type_vocab_size": 2}
+EMBED_MAX_LENGTH = 128
+WORDPIECE_SIZE = 1000
+
+
+def make_bert(out: Path) -> Path:
+    with tempfile.TemporaryDirectory(prefix="ortpipe-wordpiece-") as scratch:
+        vocab = wordpiece_vocab(Path(scratch), WORDPIECE_SIZE)
+        _export_env("make-bert", {"out": str(out), "vocab": str(vocab), "config": BERT,
+                                  "max_length": EMBED_MAX_LENGTH})
+    return out
+
+
+def export_embedder(bert: Path, out: Path) -> Path:
+    """optimum's feature-extraction export of the plain transformers model: last_hidden_state, not pooled."""
+    with tempfile.TemporaryDirectory(prefix="ortpipe-optimum-") as scratch:
+        _optimum(bert, Path(scratch), "feature-extraction", "--library-name", "transformers")
+        (out / "onnx").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(scratch) / "model.onnx", out / "onnx" / "model.onnx")
+    return out
+
+
+def make_st(out: Path, pooling: str, normalize: bool, legacy: bool = False,
+            onnx_from: Path | None = None) -> Path:
+    """A sentence-transformers folder over the tiny BERT, its ONNX graph at onnx/model.onnx, and references.
+
+    `legacy`: modules.json and 1_Pooling/config.json in sentence-transformers 2.x-3.x's keys, as most
+    published folders have them (sentence-transformers 6 still reads them)."""
+    bert = get("st-bert-hf")
+    _reference_env("make-st", {"transformer": str(bert), "out": str(out), "pooling": pooling,
+                               "normalize": normalize, "legacy": legacy, "max_length": EMBED_MAX_LENGTH})
+    if onnx_from is None:
+        export_embedder(bert, out)
+    else:  # the same weights: the graph of the first folder serves
+        (out / "onnx").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(onnx_from / "onnx" / "model.onnx", out / "onnx" / "model.onnx")
+    _reference_env("st-refs", {"folder": str(out), "texts": list(EMBED_TEXTS)})
+    return out
+
+
+# --- VITS ----------------------------------------------------------------------------------------
+
+VITS_VOCAB = {"<pad>": 0, "<unk>": 1, " ": 2, "'": 3, "-": 4,
+              **{c: 5 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
+VITS = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "window_size": 4, "ffn_dim": 32,
+        "flow_size": 16, "spectrogram_bins": 17, "upsample_initial_channel": 16, "upsample_rates": [4, 4],
+        "upsample_kernel_sizes": [8, 8], "resblock_kernel_sizes": [3, 5],
+        "resblock_dilation_sizes": [[1, 3], [1, 3]],
+        "duration_predictor_filter_channels": 16, "duration_predictor_num_flows": 2,
+        "prior_encoder_num_flows": 2, "prior_encoder_num_wavenet_layers": 2,
+        "posterior_encoder_num_wavenet_layers": 2, "depth_separable_num_layers": 2,
+        "noise_scale": 0.0, "noise_scale_duration": 0.0, "sampling_rate": 16000}
+VITS_TEXTS = ("Hello world.", "A", "The quick brown fox jumps over the lazy dog, doesn't it?")
+
+
+def make_vits_hf(out: Path) -> Path:
+    _export_env("make-vits", {"out": str(out), "vocab": VITS_VOCAB, "config": VITS, "vector_noise": 0.1})
+    return out
+
+
+def make_vits(out: Path) -> Path:
+    """optimum's text-to-audio export at onnx/model.onnx beside config.json and the tokenizer files."""
+    hf = get("vits-hf")
+    with tempfile.TemporaryDirectory(prefix="ortpipe-optimum-") as scratch:
+        _optimum(hf, Path(scratch), "text-to-audio")
+        (out / "onnx").mkdir(parents=True)
+        shutil.copy2(Path(scratch) / "model.onnx", out / "onnx" / "model.onnx")
+    for file in hf.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy2(file, out / file.name)
+    _reference_env("vits-refs", {"hf": str(hf), "out": str(out), "texts": list(VITS_TEXTS)})
+    return out
+
+
+# --- Stable Diffusion ----------------------------------------------------------------------------
+
+# Stable Diffusion 1.x's training schedule; each case sets the class, prediction type and spacing.
+SCHEDULER_BASE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+                  "beta_schedule": "scaled_linear", "steps_offset": 1, "clip_sample": False,
+                  "set_alpha_to_one": False}
+FOLDER_SCHEDULER = {**SCHEDULER_BASE, "prediction_type": "epsilon", "timestep_spacing": "leading"}  # Euler
+PROMPT, NEGATIVE = "a red cube on a wooden table", "blurry, low quality"
+NOISY_SCHEDULERS = ("EulerAncestralDiscreteScheduler", "LCMScheduler")  # they draw noise inside step()
+
+# (name, scheduler class, prediction_type, timestep_spacing, steps, guidance_scale, negative prompt)
+SD_CASES = (
+    ("euler-eps-linspace", "EulerDiscreteScheduler", "epsilon", "linspace", 4, 1.0, None),
+    ("euler-v-leading-cfg", "EulerDiscreteScheduler", "v_prediction", "leading", 3, 7.5, NEGATIVE),
+    ("euler-eps-trailing-cfg-noneg", "EulerDiscreteScheduler", "epsilon", "trailing", 3, 4.0, None),
+    ("euler_a-eps-leading", "EulerAncestralDiscreteScheduler", "epsilon", "leading", 4, 1.0, None),
+    ("euler_a-v-trailing-cfg", "EulerAncestralDiscreteScheduler", "v_prediction", "trailing", 3, 5.0,
+     NEGATIVE),
+    ("euler_a-eps-linspace", "EulerAncestralDiscreteScheduler", "epsilon", "linspace", 2, 1.0, None),
+    ("ddim-eps-leading-cfg", "DDIMScheduler", "epsilon", "leading", 4, 7.5, NEGATIVE),
+    ("ddim-v-trailing", "DDIMScheduler", "v_prediction", "trailing", 3, 1.0, None),
+    ("ddim-eps-linspace", "DDIMScheduler", "epsilon", "linspace", 5, 1.0, None),
+    ("lcm-eps-4", "LCMScheduler", "epsilon", "leading", 4, 1.0, None),
+    ("lcm-v-cfg", "LCMScheduler", "v_prediction", "leading", 2, 3.0, NEGATIVE),
+    ("lcm-eps-1", "LCMScheduler", "epsilon", "leading", 1, 1.0, None),
+    ("dpm-eps-leading-cfg", "DPMSolverMultistepScheduler", "epsilon", "leading", 5, 7.5, NEGATIVE),
+    ("dpm-v-trailing", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("dpm-eps-linspace", "DPMSolverMultistepScheduler", "epsilon", "linspace", 6, 1.0, None),
+)
+
+
+def sd_cases() -> list[dict]:
+    """The cases as the reference environment takes them; latents and noise are drawn there from `seed`."""
+    cases = []
+    for seed, (name, cls, prediction, spacing, steps, guidance, negative) in enumerate(SD_CASES):
+        scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
+                     "timestep_spacing": spacing}
+        cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
+                      "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
+                      "latents": f"{name}.latents.npy",
+                      "noise": f"{name}.noise.npy" if cls in NOISY_SCHEDULERS else None})
+    return cases
+
+
+SD_SIZES = {
+    # 32 x 32 images, 8 x 8 latents (three VAE blocks: a factor of 4).
+    "tiny": {
+        "text_encoder": {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+                         "num_attention_heads": 4},
+        "unet": {"sample_size": 8, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+                 "block_out_channels": [16, 32], "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+                 "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 32,
+                 "attention_head_dim": 8, "norm_num_groups": 8},
+        "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [8, 16, 16],
+                "down_block_types": ["DownEncoderBlock2D"] * 3, "up_block_types": ["UpDecoderBlock2D"] * 3,
+                "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 32},
+        "vae_out_gain": 1.0,
+    },
+    # For benchmarks only: a UNet of SD 1.x's shape at ~0.35x its width, 32 x 32 latents, 256 x 256 images.
+    "bench": {
+        "text_encoder": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
+                         "num_attention_heads": 4},
+        "unet": {"sample_size": 32, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+                 "block_out_channels": [128, 256, 384, 384],
+                 "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+                 "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, "cross_attention_dim": 256,
+                 "attention_head_dim": 8, "norm_num_groups": 32},
+        "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 4,
+                "block_out_channels": [32, 64, 64, 64],
+                "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+                "layers_per_block": 1, "norm_num_groups": 32, "sample_size": 256},
+        "vae_out_gain": 1.0,
+    },
+}
+
+
+def make_sd_diffusers(out: Path, size: str) -> Path:
+    """The diffusers pipeline (save_pretrained), made in the export environment."""
+    with tempfile.TemporaryDirectory(prefix="ortpipe-clip-") as scratch:
+        tokenizer = clip_tokenizer(Path(scratch))
+        vocab = json.loads((tokenizer / "vocab.json").read_text())
+        ids = {"vocab_size": len(vocab), "max_position_embeddings": CLIP_LENGTH,
+               "bos_token_id": vocab["<|startoftext|>"], "eos_token_id": vocab["<|endoftext|>"],
+               "pad_token_id": vocab["<|endoftext|>"]}
+        sizes = SD_SIZES[size]
+        printed = _export_env("make-sd", {
+            "out": str(out), "tokenizer": str(tokenizer), "text_encoder": {**sizes["text_encoder"], **ids},
+            "unet": sizes["unet"], "vae": sizes["vae"], "vae_out_gain": sizes["vae_out_gain"],
+            "vector_noise": 0.1, "scheduler": FOLDER_SCHEDULER})
+    print(printed.strip().splitlines()[-1])
+    return out
+
+
+def export_sd(hf: Path, out: Path) -> Path:
+    """optimum's text-to-image export: model_index.json, text_encoder/, unet/, vae_decoder/, vae_encoder/,
+    scheduler/, tokenizer/."""
+    return _optimum(hf, out, "text-to-image")
+
+
+def make_sd(out: Path) -> Path:
+    export_sd(get("sd-tiny-diffusers"), out)
+    cases = sd_cases()
+    _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": [1, 4, 8, 8]})
+    _reference_env("sd-refs", {"hf": str(get("sd-tiny-diffusers")), "out": str(out), "cases": cases})
+    return out
+
+
+# --- the named folders ---------------------------------------------------------------------------
+
+RECIPES: dict[str, Callable[[Path], Path]] = {
+    "st-bert-hf": make_bert,
+    "st-minilm": lambda out: make_st(out, "mean", normalize=True),
+    "st-minilm-cls": lambda out: make_st(out, "cls", normalize=True, legacy=True, onnx_from=get("st-minilm")),
+    "st-minilm-nonorm": lambda out: make_st(out, "mean", normalize=False, onnx_from=get("st-minilm")),
+    "vits-hf": make_vits_hf,
+    "vits-tiny": make_vits,
+    "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
+    "sd-tiny": make_sd,
+    "sd-bench-diffusers": lambda out: make_sd_diffusers(out, "bench"),
+    "sd-bench": lambda out: export_sd(get("sd-bench-diffusers"), out),
+}
+BENCH_ONLY = ("sd-bench-diffusers", "sd-bench")
+
+
+def _recipe_text() -> str:
+    """What decides a build beside hfmodels' fingerprint: both modules of this build, their environments."""
+    parts = [Path(__file__).read_text(encoding="utf-8"),
+             (Path(__file__).parent / "paradigm_torch.py").read_text(encoding="utf-8"),
+             *EXPORT_REQUIREMENTS, *REFERENCE_REQUIREMENTS]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def get(name: str) -> Path:
+    """The built folder of a named model (see RECIPES), building it on first use."""
+    if name not in RECIPES:
+        raise KeyError(f"unknown paradigm model {name!r}; known: {', '.join(RECIPES)}")
+    return hfmodels.cached(name, RECIPES[name], recipe=_recipe_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m build.paradigms", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"folders to build: {', '.join(RECIPES)}")
+    parser.add_argument("--all", action="store_true", help="build every test folder (not the benchmark's)")
+    args = parser.parse_args(argv)
+    names = [n for n in RECIPES if n not in BENCH_ONLY] if args.all else args.names
+    if not names:
+        parser.error("name at least one folder, or pass --all")
+    for name in names:
+        start = time.perf_counter()
+        path = get(name)
+        print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

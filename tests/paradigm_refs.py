@@ -1,0 +1,376 @@
+"""Plain onnxruntime loops over the folders of build/paradigms.py, written by hand with numpy: what ortpipe's
+single_pass and denoising loops are tested against (issue 16).
+
+- `embed`: a sentence-transformers folder's onnx/model.onnx, then its pooling (mean or CLS) and optional
+  Normalize, as sentence-transformers computes them.
+- `speak`: a VITS folder's onnx/model.onnx, one run; `vits_ids` tokenizes as transformers' VitsTokenizer.
+- `generate_image`: Stable Diffusion over optimum's folder: the text encoder, the UNet once per step with
+  classifier-free guidance as one batch [unconditional, conditional], a scheduler, the VAE decoder.
+  The schedulers are numpy ports of diffusers 0.42's (`make_scheduler`): Euler, Euler ancestral, DDIM
+  (eta 0), LCM and DPM-Solver++ multistep (orders 1-2), with epsilon and v_prediction and the three
+  timestep spacings. The ancestral and LCM schedulers take their per-step noise as an argument.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+Arrays = Mapping[str, np.ndarray]
+
+
+def session(path: Path | str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run(s: ort.InferenceSession, feeds: Arrays) -> dict[str, np.ndarray]:
+    """Runs with the feeds the graph takes (others are dropped); every output by name."""
+    names = {i.name for i in s.get_inputs()}
+    outputs = [o.name for o in s.get_outputs()]
+    return dict(zip(outputs, s.run(outputs, {k: v for k, v in feeds.items() if k in names}), strict=True))
+
+
+# --- sentence embeddings -------------------------------------------------------------------------
+
+def pooling_mode(folder: Path) -> str:
+    """"mean" or "cls" from 1_Pooling/config.json, in sentence-transformers' current or legacy keys."""
+    modules = json.loads((folder / "modules.json").read_text())
+    pooling = next(m for m in modules if m["type"].endswith("Pooling"))
+    config = json.loads((folder / pooling["path"] / "config.json").read_text())
+    mode = config.get("pooling_mode")
+    if mode is None:  # legacy: one boolean per mode
+        mode = [k.removeprefix("pooling_mode_") for k, v in config.items()
+                if k.startswith("pooling_mode_") and v]
+        mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(mode[0], mode[0]) if len(mode) == 1 else mode
+    if mode not in ("mean", "cls"):
+        raise ValueError(f"pooling {mode!r} is not written by hand here")
+    return mode
+
+
+def normalizes(folder: Path) -> bool:
+    return any(m["type"].endswith("Normalize") for m in json.loads((folder / "modules.json").read_text()))
+
+
+def embed(folder: Path | str, inputs: Arrays) -> np.ndarray:
+    """Pooled (and normalised, if the folder says so) embeddings [batch, hidden] of a padded batch."""
+    folder = Path(folder)
+    hidden = run(session(folder / "onnx" / "model.onnx"), inputs)["last_hidden_state"].astype(np.float64)
+    mask = np.asarray(inputs["attention_mask"], dtype=np.float64)[:, :, None]
+    if pooling_mode(folder) == "mean":
+        pooled = (hidden * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
+    else:
+        pooled = hidden[:, 0]
+    if normalizes(folder):  # torch.nn.functional.normalize: x / max(||x||, 1e-12)
+        pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+    return pooled.astype(np.float32)
+
+
+# --- VITS ----------------------------------------------------------------------------------------
+
+def vits_ids(folder: Path | str, text: str) -> list[int]:
+    """transformers' VitsTokenizer without phonemizer or uroman: lower-case, keep the characters in the
+    vocabulary, strip, then (add_blank) the blank id 0 before, between and after them."""
+    folder = Path(folder)
+    vocab = json.loads((folder / "vocab.json").read_text())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if config.get("phonemize") or config.get("is_uroman"):
+        raise ValueError("phonemized or romanised VITS tokenizers are not written by hand here")
+    if config.get("normalize", True):
+        text = "".join(c for c in text.lower() if c in vocab).strip()
+    ids = [vocab[c] for c in text]
+    if config.get("add_blank", True):
+        ids = [i for token in ids for i in (0, token)] + [0]
+    return ids
+
+
+def speak(folder: Path | str, input_ids: Sequence[int]) -> np.ndarray:
+    """The waveform [1, samples] of one text."""
+    ids = np.array([input_ids], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    return run(session(Path(folder) / "onnx" / "model.onnx"), feeds)["waveform"]
+
+
+# --- schedulers (numpy ports of diffusers 0.42) --------------------------------------------------
+
+def alphas_cumprod(config: Mapping) -> np.ndarray:
+    start, end, count = config["beta_start"], config["beta_end"], config["num_train_timesteps"]
+    if config.get("trained_betas"):
+        betas = np.asarray(config["trained_betas"], dtype=np.float64)
+    elif config["beta_schedule"] == "scaled_linear":
+        betas = np.linspace(start**0.5, end**0.5, count) ** 2
+    elif config["beta_schedule"] == "linear":
+        betas = np.linspace(start, end, count)
+    else:
+        raise ValueError(f"beta_schedule {config['beta_schedule']!r} is not written by hand here")
+    if config.get("rescale_betas_zero_snr"):
+        raise ValueError("rescale_betas_zero_snr is not written by hand here")
+    return np.cumprod(1.0 - betas)
+
+
+def spaced(config: Mapping, steps: int, spacing: str | None = None) -> np.ndarray:
+    """diffusers' timestep spacings (Table 2 of arXiv 2305.08891), float, descending, not rounded."""
+    count, spacing = config["num_train_timesteps"], spacing or config["timestep_spacing"]
+    if spacing == "linspace":
+        return np.linspace(0, count - 1, steps)[::-1].copy()
+    if spacing == "leading":
+        return (np.arange(steps) * (count // steps)).round()[::-1] + config.get("steps_offset", 0)
+    if spacing == "trailing":
+        return np.arange(count, 0, -count / steps).round() - 1
+    raise ValueError(f"timestep_spacing {spacing!r}; expected linspace, leading or trailing")
+
+
+def _check(config: Mapping, **allowed) -> None:
+    """Refuse a config field this port does not follow (diffusers' default first in each tuple)."""
+    for key, values in allowed.items():
+        if config.get(key, values[0]) not in values:
+            raise ValueError(f"{config['_class_name']}: {key}={config[key]!r} is not written by hand here")
+
+
+def _x0_from_sigma(config: Mapping, output: np.ndarray, x: np.ndarray, sigma: float) -> np.ndarray:
+    """The denoised sample in the sigma (variance-exploding) parametrisation of Euler."""
+    if config["prediction_type"] == "epsilon":
+        return x - sigma * output
+    if config["prediction_type"] == "v_prediction":
+        return output * (-sigma / (sigma**2 + 1) ** 0.5) + x / (sigma**2 + 1)
+    raise ValueError(f"prediction_type {config['prediction_type']!r}")
+
+
+def _x0_from_alpha(config: Mapping, output: np.ndarray, x: np.ndarray, alpha_prod: float) -> np.ndarray:
+    """The denoised sample in the alpha (variance-preserving) parametrisation of DDIM and LCM."""
+    if config["prediction_type"] == "epsilon":
+        return (x - (1 - alpha_prod) ** 0.5 * output) / alpha_prod**0.5
+    if config["prediction_type"] == "v_prediction":
+        return alpha_prod**0.5 * x - (1 - alpha_prod) ** 0.5 * output
+    raise ValueError(f"prediction_type {config['prediction_type']!r}")
+
+
+class Euler:
+    """EulerDiscreteScheduler (s_churn 0) and, with `ancestral`, EulerAncestralDiscreteScheduler."""
+
+    def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
+        _check(config, interpolation_type=("linear",), use_karras_sigmas=(False,),
+               final_sigmas_type=("zero",), timestep_type=("discrete",), use_exponential_sigmas=(False,),
+               use_beta_sigmas=(False,))
+        self.config, self.ancestral = config, ancestral
+        cumprod = alphas_cumprod(config)
+        self.timesteps = spaced(config, steps).astype(np.float32).astype(np.float64)
+        all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
+        self.sigmas = np.append(np.interp(self.timesteps, np.arange(len(all_sigmas)), all_sigmas), 0.0)
+        top = self.sigmas.max()
+        # PITFALLS: linspace and trailing start from the largest sigma itself, leading from sqrt(sigma^2 + 1)
+        exact = config["timestep_spacing"] in ("linspace", "trailing")
+        self.init_noise_sigma = top if exact else (top**2 + 1) ** 0.5
+        self.noise_steps = list(range(steps)) if ancestral else []
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x / (self.sigmas[i] ** 2 + 1) ** 0.5
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
+        derivative = (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma
+        if not self.ancestral:
+            return x + derivative * (sigma_next - sigma)
+        up = (sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2) ** 0.5
+        down = (sigma_next**2 - up**2) ** 0.5
+        return x + derivative * (down - sigma) + noise * up
+
+
+class DDIM:
+    """DDIMScheduler with eta 0 (no noise)."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, thresholding=(False,))
+        self.config, self.steps = config, steps
+        self.cumprod = alphas_cumprod(config)
+        self.final = 1.0 if config.get("set_alpha_to_one", True) else self.cumprod[0]
+        self.timesteps = spaced(config, steps).round().astype(np.int64)
+        self.init_noise_sigma, self.noise_steps = 1.0, []
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        t = self.timesteps[i]
+        prev = t - self.config["num_train_timesteps"] // self.steps  # whatever the spacing, as diffusers does
+        a_t = self.cumprod[t]
+        a_prev = self.cumprod[prev] if prev >= 0 else self.final
+        x0 = _x0_from_alpha(self.config, output, x, a_t)
+        if self.config.get("clip_sample", True):
+            limit = self.config.get("clip_sample_range", 1.0)
+            x0 = np.clip(x0, -limit, limit)
+        # the model's own epsilon, even after clipping (the pipeline never asks for use_clipped_model_output)
+        eps = output
+        if self.config["prediction_type"] == "v_prediction":
+            eps = a_t**0.5 * output + (1 - a_t) ** 0.5 * x
+        return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
+
+
+class LCM:
+    """LCMScheduler: the timesteps are a subset of its `original_inference_steps` schedule (no spacing)."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, thresholding=(False,), clip_sample=(False,))
+        self.config, self.steps = config, steps
+        self.cumprod = alphas_cumprod(config)
+        self.final = 1.0 if config.get("set_alpha_to_one", True) else self.cumprod[0]
+        original = config.get("original_inference_steps", 50)
+        origin = (np.arange(1, original + 1) * (config["num_train_timesteps"] // original) - 1)[::-1]
+        self.timesteps = origin[np.floor(np.linspace(0, len(origin), steps, endpoint=False)).astype(np.int64)]
+        self.init_noise_sigma = 1.0
+        self.noise_steps = list(range(steps - 1))  # no noise after the last step
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        t = self.timesteps[i]
+        prev = self.timesteps[i + 1] if i + 1 < self.steps else t
+        a_t, a_prev = self.cumprod[t], (self.cumprod[prev] if prev >= 0 else self.final)
+        scaled = t * self.config.get("timestep_scaling", 10.0)
+        c_skip, c_out = 0.25 / (scaled**2 + 0.25), scaled / (scaled**2 + 0.25) ** 0.5  # sigma_data 0.5
+        denoised = c_out * _x0_from_alpha(self.config, output, x, a_t) + c_skip * x
+        if i == self.steps - 1:
+            return denoised
+        return a_prev**0.5 * denoised + (1 - a_prev) ** 0.5 * noise
+
+
+class DPMSolverMultistep:
+    """DPMSolverMultistepScheduler, algorithm dpmsolver++ of order 1 or 2 (midpoint or heun), no noise."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, algorithm_type=("dpmsolver++",), solver_order=(2, 1), solver_type=("midpoint", "heun"),
+               final_sigmas_type=("zero", "sigma_min"), thresholding=(False,), use_karras_sigmas=(False,),
+               use_lu_lambdas=(False,), use_exponential_sigmas=(False,), use_beta_sigmas=(False,),
+               use_flow_sigmas=(False,), lambda_min_clipped=(-math.inf, None), variance_type=(None,))
+        self.config, self.steps = config, steps
+        cumprod = alphas_cumprod(config)
+        count = config["num_train_timesteps"]
+        if config["timestep_spacing"] == "linspace":  # steps + 1 points, the last (0) dropped
+            self.timesteps = np.linspace(0, count - 1, steps + 1).round()[::-1][:-1].astype(np.int64)
+        elif config["timestep_spacing"] == "leading":
+            ratio = count // (steps + 1)
+            self.timesteps = (np.arange(steps + 1) * ratio).round()[::-1][:-1].astype(np.int64)
+            self.timesteps += config.get("steps_offset", 0)
+        else:
+            self.timesteps = spaced(config, steps).astype(np.int64)
+        all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
+        last = all_sigmas[0] if config.get("final_sigmas_type", "zero") == "sigma_min" else 0.0
+        self.sigmas = np.append(np.interp(self.timesteps, np.arange(count), all_sigmas), last)
+        self.init_noise_sigma, self.noise_steps = 1.0, []
+        self.outputs: list[np.ndarray] = []
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    @staticmethod
+    def _alpha_sigma_lambda(sigma: float) -> tuple[float, float, float]:
+        alpha = 1 / (sigma**2 + 1) ** 0.5
+        return alpha, sigma * alpha, (math.inf if sigma == 0 else math.log(alpha) - math.log(sigma * alpha))
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        config = self.config
+        alpha_s0, sigma_s0, lambda_s0 = self._alpha_sigma_lambda(self.sigmas[i])
+        alpha_t, sigma_t, lambda_t = self._alpha_sigma_lambda(self.sigmas[i + 1])
+        if config["prediction_type"] == "epsilon":
+            x0 = (x - sigma_s0 * output) / alpha_s0
+        elif config["prediction_type"] == "v_prediction":
+            x0 = alpha_s0 * x - sigma_s0 * output
+        else:
+            raise ValueError(f"prediction_type {config['prediction_type']!r}")
+        self.outputs.append(x0)
+        few = config.get("lower_order_final", True) and self.steps < 15
+        final_first_order = i == self.steps - 1 and (
+            config.get("euler_at_final", False) or few or config.get("final_sigmas_type", "zero") == "zero")
+        decay = math.exp(-(lambda_t - lambda_s0))  # exp(-h); 0 when the next sigma is 0
+        if config.get("solver_order", 2) == 1 or len(self.outputs) < 2 or final_first_order:
+            return (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
+        _, _, lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])
+        h = lambda_t - lambda_s0
+        d1 = (x0 - self.outputs[-2]) * h / (lambda_s0 - lambda_s1)
+        first = (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
+        if config.get("solver_type", "midpoint") == "midpoint":
+            return first - 0.5 * alpha_t * (decay - 1.0) * d1
+        return first + alpha_t * ((decay - 1.0) / h + 1.0) * d1
+
+
+SCHEDULERS = {
+    "EulerDiscreteScheduler": Euler,
+    "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),
+    "DDIMScheduler": DDIM,
+    "LCMScheduler": LCM,
+    "DPMSolverMultistepScheduler": DPMSolverMultistep,
+}
+
+
+def make_scheduler(config: Mapping, steps: int):
+    """A scheduler of SCHEDULERS from a diffusers scheduler_config.json (its `_class_name` and fields)."""
+    name = config["_class_name"]
+    if name not in SCHEDULERS:
+        raise ValueError(f"scheduler {name!r} is not written by hand here; known: {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[name](config, steps)
+
+
+# --- Stable Diffusion ----------------------------------------------------------------------------
+
+def encode_prompt(folder: Path, ids: Sequence[int]) -> np.ndarray:
+    return run(session(folder / "text_encoder" / "model.onnx"),
+               {"input_ids": np.array([ids], dtype=np.int64)})["last_hidden_state"]
+
+
+def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
+                   prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
+                   guidance_scale: float = 1.0,
+                   noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(image [batch, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionPipeline
+    computes them from the same initial `latents` (before scaling by init_noise_sigma).
+
+    Guidance above 1 runs the UNet on [unconditional, conditional] in one batch; `noise[i]` is the noise
+    that step i of an ancestral or LCM scheduler adds.
+    """
+    folder = Path(folder)
+    guided = guidance_scale > 1
+    embeddings = encode_prompt(folder, prompt_ids)
+    if guided:
+        embeddings = np.concatenate([encode_prompt(folder, negative_prompt_ids), embeddings])
+    scheduler = make_scheduler(scheduler_config, steps)
+    if scheduler.noise_steps and noise is None:
+        raise ValueError(f"{scheduler_config['_class_name']} adds noise at steps {scheduler.noise_steps}: "
+                         "give `noise`")
+    unet = session(folder / "unet" / "model.onnx")
+    x = latents.astype(np.float64) * scheduler.init_noise_sigma
+    for i, t in enumerate(scheduler.timesteps):
+        batch = np.concatenate([x, x]) if guided else x
+        feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
+                 "timestep": np.array(t, dtype=np.float32), "encoder_hidden_states": embeddings}
+        output = run(unet, feeds)["out_sample"].astype(np.float64)
+        if guided:
+            uncond, cond = np.split(output, 2)
+            output = uncond + guidance_scale * (cond - uncond)
+        step_noise = noise[i].astype(np.float64) if i in scheduler.noise_steps else None
+        x = scheduler.step(output, i, x, step_noise).astype(np.float32).astype(np.float64)
+    scaling = json.loads((folder / "vae_decoder" / "config.json").read_text())["scaling_factor"]
+    decoded = run(session(folder / "vae_decoder" / "model.onnx"),
+                  {"latent_sample": (x / scaling).astype(np.float32)})["sample"]
+    image = np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1)
+    return image.astype(np.float32), x.astype(np.float32)
+
+
+def with_scheduler(folder: Path | str, config: Mapping, out: Path | str) -> Path:
+    """A copy of a diffusers folder whose scheduler/scheduler_config.json is `config` (the rest linked):
+    how a user switches schedulers, and how a test runs one folder under every case's scheduler."""
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name not in ("scheduler", "references"):
+            os.symlink(item.resolve(), out / item.name)
+    (out / "scheduler").mkdir()
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+    return out
