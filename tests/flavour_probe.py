@@ -5,7 +5,8 @@ print to stdout). Only ortpipe, numpy and the standard library.
     {"installed": true}                                         -> providers and onnxruntime's version
     {"open": PATH, "session": {SessionSpec fields}, "override": [..] or null}
                                                                 -> the Assignment, or the ConfigError
-    {"generate": FOLDER, "prompt_ids": [..], "inputs": NPZ or null, "new": N}   -> the tokens
+    {"generate": FOLDER, "prompt_ids": [..], "inputs": NPZ or null, "new": N, "provider": NAME or null}
+                                                                -> the tokens (ortpipe.load, ortpipe.generate)
 Every answer carries the warnings raised while it was made.
 """
 
@@ -37,9 +38,11 @@ def open_session(path: str, session: dict[str, Any], override: list[str] | None)
             "session_providers": opened.get_providers()}
 
 
-def generate(folder: str, prompt_ids: list[int], inputs: str | None, new: int) -> dict[str, Any]:
+def generate(folder: str, prompt_ids: list[int], inputs: str | None, new: int,
+             provider: str | None) -> dict[str, Any]:
     feeds = dict(np.load(inputs)) if inputs else {}
-    result = ortpipe.load(folder, threads=1).generate(prompt_ids=prompt_ids, max_new_tokens=new, inputs=feeds)
+    pipe = ortpipe.load(folder, threads=1, provider=provider)
+    result = pipe.generate(prompt_ids=prompt_ids, max_new_tokens=new, inputs=feeds)
     return {"tokens": result.tokens}
 
 
@@ -47,7 +50,8 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
     if "open" in request:
         return open_session(request["open"], request["session"], request.get("override"))
     if "generate" in request:
-        return generate(request["generate"], request["prompt_ids"], request.get("inputs"), request["new"])
+        return generate(request["generate"], request["prompt_ids"], request.get("inputs"), request["new"],
+                        request.get("provider"))
     return installed()
 
 

@@ -2,7 +2,7 @@
 
 ortpipe from this checkout runs there as a subprocess (tests/flavour_probe.py). A vision-language
 pipeline with its vision session on OpenVINO and the rest on the CPU gives the all-CPU reference's
-tokens; the placement report says where each session's nodes went; a graph OpenVINO claims and then
+tokens (so does `ortpipe.load(..., provider="openvino")`, every session on OpenVINO); the placement report says where each session's nodes went; a graph OpenVINO claims and then
 cannot compile (opset-23 Attention) falls back to the CPU along the session's list, with a warning; nodes
 OpenVINO leaves to the CPU are a warning unless the list accepts the CPU; a missing device is a warning.
 Skipped, with the reason, where the virtualenv cannot be made (no wheels for the platform, no network).
@@ -50,10 +50,10 @@ def test_vision_on_openvino_gives_the_all_cpu_tokens(openvino: Path, vl: dict[st
                                                      tmp_path: Path) -> None:
     r = pg.BUILDERS["phi3v"][1](0)
     expected = reference_tokens(vl["cpu"], r.prompt_ids, r.inputs, NEW)  # plain onnxruntime, CPU, this venv
-    for folder in ("cpu", "openvino"):
+    for folder, provider in (("cpu", None), ("openvino", None), ("cpu", "openvino")):
         answer = probe(openvino, {"generate": str(vl[folder]), "prompt_ids": r.prompt_ids,
-                                  "inputs": str(vl["inputs"]), "new": NEW}, tmp_path)
-        assert answer["tokens"] == expected, folder
+                                  "inputs": str(vl["inputs"]), "new": NEW, "provider": provider}, tmp_path)
+        assert answer["tokens"] == expected, (folder, provider)  # the last: every session on OpenVINO
         assert answer["warnings"] == []
 
 
