@@ -2,10 +2,11 @@
 
 ortpipe from this checkout runs there as a subprocess (tests/flavour_probe.py). A vision-language
 pipeline with its vision session on OpenVINO and the rest on the CPU gives the all-CPU reference's
-tokens (so does `ortpipe.load(..., provider="openvino")`, every session on OpenVINO); the placement report says where each session's nodes went; a graph OpenVINO claims and then
-cannot compile (opset-23 Attention) falls back to the CPU along the session's list, with a warning; nodes
-OpenVINO leaves to the CPU are a warning unless the list accepts the CPU; a missing device is a warning.
-Skipped, with the reason, where the virtualenv cannot be made (no wheels for the platform, no network).
+tokens (so does `ortpipe.load(..., provider="openvino")`, every session on OpenVINO); the placement
+report says where each session's nodes went; a graph OpenVINO claims and then cannot compile (opset-23
+Attention) falls back to the CPU along the session's list, with a warning; nodes OpenVINO leaves to the
+CPU are a warning unless the list accepts the CPU; a missing device is a warning. Skipped, with the
+reason, where the virtualenv cannot be made (no wheels for the platform, no network).
 """
 
 from __future__ import annotations
