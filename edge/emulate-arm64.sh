@@ -13,6 +13,7 @@
 # through /proc/self/fd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PATH=$PATH:/usr/sbin:/sbin  # debootstrap, chroot
 REPO=$PWD
 PYTHON=${PYTHON:-.venv/bin/python}
 CACHE=$(realpath -m "${ORTPIPE_CACHE:-build/cache}")/arm64
