@@ -100,16 +100,17 @@ pip_install() {
     in_root python3 -m venv --without-pip /opt/ortpipe/venv
     in_root /opt/ortpipe/venv/bin/python "/usr/share/python-wheels/$pip/pip" \
         install -q --no-compile "/opt/ortpipe/${whl}[cpu]" "onnxruntime==$ort"
-    in_root /opt/ortpipe/venv/bin/python -c 2>/dev/null \
-        "import platform, onnxruntime; print(platform.machine(), platform.python_version(), 'onnxruntime', onnxruntime.__version__)"
+    in_root /opt/ortpipe/venv/bin/python -c 2>/dev/null "import platform, onnxruntime as o; \
+print(platform.machine(), 'Python', platform.python_version(), 'onnxruntime', o.__version__)"
 }
 
-run() {  # writes run-{arm64,x86}-{ids,text}.json
+run() {  # writes run-{arm64,x86}-{ids,text}.json; the arm64 runs' stderr (cpuinfo's warnings) goes to a log
     local args=(--max-new-tokens "$NEW" --temperature 0 --json)
+    : >"$CACHE/run-arm64.log"
     in_root /opt/ortpipe/venv/bin/ortpipe run /opt/ortpipe/models/demo --prompt-ids "$PROMPT_IDS" "${args[@]}" \
-        >"$CACHE/run-arm64-ids.json" 2>"$CACHE/run-arm64.log"
+        >"$CACHE/run-arm64-ids.json" 2>>"$CACHE/run-arm64.log" || { tail -20 "$CACHE/run-arm64.log"; exit 1; }
     in_root /opt/ortpipe/venv/bin/ortpipe run /opt/ortpipe/models/demo --prompt "$PROMPT" "${args[@]}" \
-        >"$CACHE/run-arm64-text.json" 2>>"$CACHE/run-arm64.log"
+        >"$CACHE/run-arm64-text.json" 2>>"$CACHE/run-arm64.log" || { tail -20 "$CACHE/run-arm64.log"; exit 1; }
     PYTHONPATH="$REPO/py" "$PYTHON" -m ortpipe.cli run models/demo --prompt-ids "$PROMPT_IDS" "${args[@]}" \
         >"$CACHE/run-x86-ids.json"
     PYTHONPATH="$REPO/py" "$PYTHON" -m ortpipe.cli run models/demo --prompt "$PROMPT" "${args[@]}" \
