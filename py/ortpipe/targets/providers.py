@@ -196,8 +196,8 @@ def request_for(spec: SessionSpec, override: str | Sequence[str] | None = None) 
     problems = Problems()
     where = f"pipeline.sessions.{spec.name}"
     wanted = override if override else list(spec.providers)
-    providers = ep.provider_names(list(wanted) if not isinstance(wanted, str) else wanted,
-                                  "--provider" if override else f"{where}.execution_provider", problems)
+    label = "the override (--ep, --provider)" if override else f"{where}.execution_provider"
+    providers = ep.provider_names(list(wanted) if not isinstance(wanted, str) else wanted, label, problems)
     provider_options = ep.check_provider_options(spec.provider_options, f"{where}.provider_options", problems)
     settings = ep.check_session_options(spec.session_options, f"{where}.session_options", problems)
     problems.raise_if_any()
@@ -215,11 +215,11 @@ def open_session(path: str | Path, spec: SessionSpec, override: str | Sequence[s
     have = installed()
     skipped: list[Skipped] = []
     for i, key in enumerate(request.providers):
-        reason = _unavailable(key, have)
+        options = request.provider_options.get(key, {})
+        reason = _unavailable(key, have, options)
         if reason:
             skipped.append(Skipped(key, reason))
             continue
-        options = request.provider_options.get(key, {})
         chain = [key] + [k for k in request.providers[i + 1:] if have.get(k) == "built in"]
         try:
             session = _create(Path(path), request, chain, have, threads, record)
@@ -233,7 +233,7 @@ def open_session(path: str | Path, spec: SessionSpec, override: str | Sequence[s
     raise ConfigError(_none_left(request, skipped, have, spec.file))
 
 
-def _unavailable(key: str, have: dict[str, str]) -> str | None:
+def _unavailable(key: str, have: dict[str, str], options: dict[str, str]) -> str | None:
     where = have.get(key)
     if where is None:
         return f"it is not installed here: {_install_hint(key)}"
@@ -241,8 +241,9 @@ def _unavailable(key: str, have: dict[str, str]) -> str | None:
         reason = register_plugin(key)
         if reason:
             return reason
-        if not _plugin_devices(key, {}):
-            return f"its plugin ({where}) found no device it can use on this machine"
+        if not _plugin_devices(key, options):
+            device = options.get(_DEVICE_OPTION.get(key, ""), "")
+            return f"its plugin ({where}) found no {device + ' ' if device else ''}device on this machine"
     return None
 
 
