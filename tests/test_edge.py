@@ -26,7 +26,8 @@ from ortpipe.targets import flavours, providers
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo" / "model.onnx"
 VLM = {"version": 2, "pipeline": {"extends": "vision-language", "sessions": {
-    "vision": {"file": "vision.onnx", "provider_options": {"OpenVINO": {"num_streams": "2", "device_type": "GPU"}},
+    "vision": {"file": "vision.onnx",
+               "provider_options": {"OpenVINO": {"num_streams": "2", "device_type": "GPU"}},
                "session_options": {"intra_op_num_threads": 2, "config_entries": {"session.x": "1"}}},
     "embedding": {"file": "embedding.onnx"}, "decoder": {"file": "decoder.onnx"}}}}
 
@@ -61,7 +62,8 @@ def test_a_bad_profile_lists_every_problem() -> None:
     assert 'Did you mean "openvino"?' in problems[1]
     assert "enable_qdq_optimizer must be a string or a number" in problems[2]
     assert 'device_type "TPU" is not an OpenVINO device' in problems[3]
-    assert 'Unknown key "intra_op_threads"' in problems[4] and 'Did you mean "intra_op_num_threads"?' in problems[4]
+    assert 'Unknown key "intra_op_threads"' in problems[4]
+    assert 'Did you mean "intra_op_num_threads"?' in problems[4]
 
 
 def test_an_unknown_profile_suggests_the_closest_and_a_file_works(tmp_path: Path) -> None:
@@ -127,14 +129,16 @@ def test_session_options_apply_per_provider() -> None:
                                      "OpenVINO": {"intra_op_num_threads": 1, "config_entries": {"b": "2"}}},
                                     "session_options", problems)
     assert not problems
-    assert options_for(options, "openvino") == {"intra_op_num_threads": 1, "config_entries": {"a": "1", "b": "2"}}
+    assert options_for(options, "openvino") == {"intra_op_num_threads": 1,
+                                                "config_entries": {"a": "1", "b": "2"}}
     assert options_for(options, "cpu") == {"intra_op_num_threads": 4, "config_entries": {"a": "1"}}
 
 
 def test_session_options_reach_onnxruntime() -> None:
     options = providers.session_options({
-        "intra_op_num_threads": 3, "enable_cpu_mem_arena": False, "graph_optimization_level": "ORT_ENABLE_BASIC",
-        "execution_mode": "ORT_PARALLEL", "disable_cpu_ep_fallback": True, "log_id": "vision",
+        "intra_op_num_threads": 3, "enable_cpu_mem_arena": False,
+        "graph_optimization_level": "ORT_ENABLE_BASIC", "execution_mode": "ORT_PARALLEL",
+        "disable_cpu_ep_fallback": True, "log_id": "vision",
         "config_entries": {"session.intra_op.allow_spinning": "0"}})
     assert (options.intra_op_num_threads, options.enable_cpu_mem_arena, options.logid) == (3, False, "vision")
     assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -173,7 +177,7 @@ def test_the_override_replaces_the_sessions_list() -> None:
 
 
 def test_placement_counts_the_nodes_onnxruntime_partitioned(tmp_path: Path) -> None:
-    """Nodes are assigned after the basic optimizations: as many as onnxruntime's basic-optimized model holds."""
+    """Nodes are assigned after the basic optimizations: as many as the basic-optimized model holds."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(tmp_path / "basic.onnx")
@@ -200,7 +204,8 @@ def test_a_profile_reaches_the_session() -> None:
     session, _ = providers.open_session(DEMO, spec(*raw["execution_provider"],
                                                    session_options=raw["session_options"]))
     options = session.get_session_options()
-    assert (options.intra_op_num_threads, options.inter_op_num_threads, options.enable_cpu_mem_arena) == (4, 1, False)
+    assert options.intra_op_num_threads == 4 and options.inter_op_num_threads == 1
+    assert options.enable_cpu_mem_arena is False
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
@@ -234,13 +239,14 @@ def test_two_flavours_in_one_environment_say_what_to_uninstall(tmp_path: Path) -
     (tmp_path / "onnxruntime" / "capi" / "build_and_package_info.py").write_text(
         "package_name = 'onnxruntime-openvino'\n__version__ = '1.24.1'\n")
     found = flavours.installed(tmp_path)
-    assert found == [flavours.Flavour("onnxruntime", "1.31.1"), flavours.Flavour("onnxruntime-openvino", "1.24.1")]
+    assert found == [flavours.Flavour("onnxruntime", "1.31.1"),
+                     flavours.Flavour("onnxruntime-openvino", "1.24.1")]
     assert flavours.live(tmp_path / "onnxruntime") == "onnxruntime-openvino"
     assert flavours.mixed_message(found, "onnxruntime-openvino") == (
-        "onnxruntime 1.31.1 and onnxruntime-openvino 1.24.1 are installed in one environment: they install the "
-        "same `onnxruntime` module and overwrite each other's files (the files there now are "
-        "onnxruntime-openvino's). Keep one flavour: pip uninstall -y onnxruntime onnxruntime-openvino, then pip "
-        'install "ortpipe[cpu]" or "ortpipe[openvino]".')
+        "onnxruntime 1.31.1 and onnxruntime-openvino 1.24.1 are installed in one environment: they install "
+        "the same `onnxruntime` module and overwrite each other's files (the files there now are "
+        "onnxruntime-openvino's). Keep one flavour: pip uninstall -y onnxruntime onnxruntime-openvino, "
+        'then pip install "ortpipe[cpu]" or "ortpipe[openvino]".')
     assert flavours.mixed_message(found[:1], "onnxruntime") is None
 
 
