@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 DEMO_DIR := models/demo
 PROMPT ?= def main(
 
-.PHONY: demo test kernels clean web
+.PHONY: demo test kernels clean web emulate-arm64
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ web: $(VENV)/.base
 	npm ci --no-audit --no-fund
 	$(PY) -m build.web $(MODELS)
 	$(VENV)/bin/ortpipe web --coop
+
+# installs the wheel with ortpipe[cpu] from PyPI in an emulated Debian arm64 (the base of Raspberry Pi OS 64-bit)
+# and checks the demo model's tokens against this machine's; needs root (README, "On edge devices")
+emulate-arm64: $(VENV)/.base
+	PYTHON=$(PY) bash edge/emulate-arm64.sh
 
 kernels: $(VENV)/.base
 	$(PY) -m build.kernels
