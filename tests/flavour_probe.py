@@ -23,7 +23,7 @@ import onnxruntime as ort
 import ortpipe
 from ortpipe.config.schema import SessionSpec
 from ortpipe.errors import ConfigError
-from ortpipe.targets import providers
+from ortpipe.targets.cpython import providers
 
 
 def installed() -> dict[str, Any]:

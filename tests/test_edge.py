@@ -21,7 +21,7 @@ from ortpipe.config.profiles import layer_profile, load_profile, parse_profile, 
 from ortpipe.config.schema import SessionSpec
 from ortpipe.errors import ConfigError, Problems
 from ortpipe.folder import LocalFolder
-from ortpipe.targets import flavours, providers
+from ortpipe.targets.cpython import flavours, providers
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo" / "model.onnx"

@@ -8,14 +8,14 @@ import sys
 # Ctrl-C before main() is ready (imports, argument parsing) ends the command quietly, with no traceback.
 signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 
-import argparse  # noqa: E402  (after the handler: a Ctrl-C while importing is quiet too)
-import json  # noqa: E402
-import os  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
 
-from .config.settings import SETTINGS  # noqa: E402
-from .errors import ConfigError, GenerationError, OrtpipeError  # noqa: E402
+from .config.settings import SETTINGS
+from .errors import ConfigError, GenerationError, OrtpipeError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,10 @@ package adds the platform (numpy tensors, Hugging Face tokenizers, jinja2) and t
 
 from __future__ import annotations
 
+from .flavours import warn_if_mixed
+
+warn_if_mixed()  # before onnxruntime is imported: two flavours in one environment overwrite each other
+
 import os
 import time
 from collections.abc import Callable, Iterator

@@ -29,9 +29,9 @@ from typing import Any
 
 import onnxruntime as ort
 
-from ..config import ep
-from ..config.schema import SessionSpec
-from ..errors import ConfigError, Problems
+from ...config import ep
+from ...config.schema import SessionSpec
+from ...errors import ConfigError, Problems
 
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 # genai's boolean session_options that onnxruntime takes as session config entries
