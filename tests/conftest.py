@@ -36,7 +36,8 @@ PARADIGM_FIXTURES = {
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if (MODEL_FIXTURES.keys() | PARADIGM_FIXTURES.keys()) & set(getattr(item, "fixturenames", ())):
+        built = MODEL_FIXTURES.keys() | PARADIGM_FIXTURES.keys() | {"llama_variants"}
+        if built & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -52,3 +53,16 @@ for _fixture_name, _model in MODEL_FIXTURES.items():
     globals()[_fixture_name] = _model_fixture(_fixture_name, _model)
 for _fixture_name, _model in PARADIGM_FIXTURES.items():
     globals()[_fixture_name] = _model_fixture(_fixture_name, _model, paradigms)
+
+
+@pytest.fixture(scope="session")
+def llama_variants(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fp32 builder Llama with its variants beside it (build/variants.py): model_quantized.onnx
+    (q8), model_q4.onnx (accuracy level 0), model_fp16.onnx and model_q4f16.onnx."""
+    import shutil
+
+    from build.variants import write_variants
+
+    folder = shutil.copytree(llama_builder_fp32, tmp_path_factory.mktemp("variants") / "llama")
+    write_variants(folder / "model.onnx", ["q8", "q4", "fp16", "q4f16"])
+    return folder

@@ -24,7 +24,7 @@ from ortpipe.folder import LocalFolder
 from ortpipe.targets.cpython import flavours, providers
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO = REPO / "models" / "demo" / "model.onnx"
+DEMO = REPO / "models" / "demo" / "onnx" / "model_q4.onnx"
 VLM = {"version": 2, "pipeline": {"extends": "vision-language", "sessions": {
     "vision": {"file": "vision.onnx",
                "provider_options": {"OpenVINO": {"num_streams": "2", "device_type": "GPU"}},

@@ -33,6 +33,7 @@ from ortpipe.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo"
+DEMO_Q4 = DEMO / "onnx" / "model_q4.onnx"  # the model builder's int4 export
 BUILDER = ("llama-builder-fp32", "llama-builder-int4", "qwen2-builder-fp32", "phi3-builder-fp32",
            "gemma2-builder-fp32")
 OPTIMUM = ("llama-concat", "gpt2-optimum")
@@ -159,8 +160,8 @@ def test_every_graph_present_reads_like_onnx(path: Path) -> None:
 
 
 def test_demo_reads_like_onnx() -> None:
-    model = assert_reads_like_onnx(DEMO / "model.onnx")
-    assert all(t.external and t.location == "model.onnx.data" for t in model.graph.initializers
+    model = assert_reads_like_onnx(DEMO_Q4)
+    assert all(t.external and t.location == "model_q4.onnx.data" for t in model.graph.initializers
                if len(t.dims) == 2)
 
 
@@ -213,7 +214,7 @@ def test_attributes_of_every_kind_and_functions_read_like_onnx(tmp_path: Path) -
 
 
 def test_a_file_object_is_read_from_where_it_stands() -> None:
-    data = (DEMO / "model.onnx").read_bytes()
+    data = DEMO_Q4.read_bytes()
     f = io.BytesIO(b"junk" + data)
     f.seek(4)
     assert _model(onnxinfo.read_model(f)) == _model(onnxinfo.read_model(data))
@@ -358,7 +359,7 @@ def test_an_oversized_attribute_value_is_omitted_unread() -> None:
 
 
 def _seeds() -> list[bytes]:
-    seeds = [(DEMO / "model.onnx").read_bytes(), _decoder_model(_gqa_in_subgraphs()).SerializeToString(),
+    seeds = [DEMO_Q4.read_bytes(), _decoder_model(_gqa_in_subgraphs()).SerializeToString(),
              _decoder_model(_onnx_attention_3d()).SerializeToString()]
     return seeds + [_nested_graphs(5)]
 
@@ -778,7 +779,9 @@ def test_builder_exports_give_their_genai_config(name: str) -> None:
 
 
 def test_the_demo_gives_its_genai_config() -> None:
-    assert _facts(DEMO / "model.onnx") == _builder_expected(DEMO)
+    assert _facts(DEMO_Q4) == _builder_expected(DEMO, "onnx/model_q4.onnx")
+    # the int8 variant (build/variants.py) says the same
+    assert _facts(DEMO / "onnx" / "model_quantized.onnx") == _builder_expected(DEMO, "onnx/model_q4.onnx")
 
 
 @pytest.mark.slow

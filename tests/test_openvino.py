@@ -103,8 +103,8 @@ def test_a_graph_openvino_cannot_compile_falls_back_to_cpu(openvino: Path, tmp_p
 
 def test_nodes_openvino_leaves_to_the_cpu_are_a_warning(openvino: Path, tmp_path: Path) -> None:
     """The demo model's GroupQueryAttention and GatherBlockQuantized: contrib ops OpenVINO lacks."""
-    path = REPO / "models" / "demo" / "model.onnx"
-    session = {"name": "decoder", "file": "model.onnx", "providers": ["openvino"]}
+    path = REPO / "models" / "demo" / "onnx" / "model_q4.onnx"
+    session = {"name": "decoder", "file": "onnx/model_q4.onnx", "providers": ["openvino"]}
     answer = probe(openvino, {"open": str(path), "session": session}, tmp_path)
     assert answer["provider"] == "openvino" and set(answer["nodes"]) == {"openvino", "cpu"}
     assert "GroupQueryAttention" in answer["op_types"]["cpu"]

@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from . import variants
 from .config.settings import SETTINGS
 from .errors import ConfigError, GenerationError, OrtpipeError
 
@@ -125,6 +126,8 @@ def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ..."
     )
+    p.add_argument("--dtype", choices=variants.SUFFIXES, help="the model variant to run when the folder has "
+                   "several (model_q4.onnx, model_quantized.onnx, ...; default: the provider's fastest)")
 
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = None) -> None:
@@ -158,7 +161,8 @@ def _run(args: argparse.Namespace) -> int:
     from .targets.cpython import load, read_inputs
     from .trace import Trace
 
-    pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
+    pipe = load(args.model, provider=args.provider, threads=args.threads, dtype=args.dtype,
+                on_progress=_progress())
     request = pipe.request(
         args.prompt,
         prompt_ids=args.prompt_ids,
@@ -257,7 +261,8 @@ def _settings(args: argparse.Namespace, *leave_out: str) -> dict[str, Any]:
 def _chat(args: argparse.Namespace) -> int:
     from .targets.cpython import load
 
-    pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
+    pipe = load(args.model, provider=args.provider, threads=args.threads, dtype=args.dtype,
+                on_progress=_progress())
     chat = pipe.chat(**_settings(args, "max_new_tokens"))
     print(
         "ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",

@@ -8,6 +8,7 @@ construction. The public APIs (targets/cpython.py's Pipeline, the browser worker
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from .request import BeamRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
+from .variants import check_dtype, choose, present
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -51,12 +53,18 @@ class Platform(Protocol):
 Progress = Callable[[str], None]
 
 
-def load_model(folder: Folder, platform: Platform) -> Work:
+def load_model(
+    folder: Folder, platform: Platform, dtype: str | dict[str, str] | None = None, device: str | None = None
+) -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
     `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
-    (Model, {session name: the target's session})."""
+    (Model, {session name: the target's session}).
+
+    Each session runs the variant of its graph (variants.py) that `dtype` names (one for all, or
+    per session), else its config's "dtype", else the first of `device`'s defaults the folder has
+    (`device`: the target's, or None for each session's first execution provider)."""
     start = time.perf_counter()
-    config = load_config(folder)
+    config = with_variants(load_config(folder), folder, check_dtype(dtype), device)
     used = {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}
@@ -73,6 +81,22 @@ def load_model(folder: Folder, platform: Platform) -> Work:
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
+
+
+def with_variants(config: Any, folder: Folder, dtype: str | dict[str, str] | None, device: str | None) -> Any:
+    """`config` with each session's file replaced by the variant it runs."""
+    sessions = {}
+    for name, spec in config.pipeline.sessions.items():
+        wanted = dtype.get(name, spec.dtype) if isinstance(dtype, dict) else dtype or spec.dtype
+        if present(folder, spec.file):
+            file = choose(folder, spec.file, device or spec.providers[0], wanted, name)
+            spec = dataclasses.replace(spec, file=file)
+        sessions[name] = spec
+    if isinstance(dtype, dict) and set(dtype) - set(sessions):
+        unknown = ", ".join(sorted(set(dtype) - set(sessions)))
+        raise ConfigError(f"dtype names sessions this model does not have: {unknown} (its sessions: "
+                          f"{', '.join(sessions)})")
+    return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, sessions=sessions))
 
 
 def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:

@@ -49,7 +49,7 @@ def _generation(config: Config) -> dict[str, Any]:
 
 def _session(s: SessionSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"file": s.file, "execution_provider": list(s.providers)}
-    for key in ("provider_options", "session_options", "inputs", "outputs"):
+    for key in ("provider_options", "session_options", "inputs", "outputs", "dtype"):
         if getattr(s, key):
             out[key] = getattr(s, key)
     if s.optional:

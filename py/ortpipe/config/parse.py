@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..errors import Problems, did_you_mean, one_of
+from .. import variants
+from ..errors import ConfigError, Problems, did_you_mean, one_of
 from ..folder import Folder
 from ..jsonfile import quote
 from . import presets
@@ -217,6 +218,7 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             "optional",
             "inputs",
             "outputs",
+            "dtype",
         )
         file = s.get("file", str)
         if file is None:
@@ -233,8 +235,23 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             optional=optional,
             inputs=_role_map(s, "inputs"),
             outputs=_role_map(s, "outputs"),
+            dtype=_dtype(s),
         )
     return sessions
+
+
+def _dtype(s: Section) -> str | None:
+    """The session's model variant (variants.py), when the config picks one."""
+    value = s.raw.get("dtype")
+    try:
+        if isinstance(value, dict):
+            raise ConfigError(
+                f"{s.path}.dtype is one dtype ({', '.join(variants.SUFFIXES)}), found {quote(value)}"
+            )
+        return variants.check_dtype(value, f"{s.path}.dtype")
+    except ConfigError as e:
+        s.problems.add(str(e))
+        return None
 
 
 def _providers(s: Section) -> tuple[str, ...]:
@@ -304,7 +321,7 @@ def _check_file(path: str, file: str, folder: Folder, optional: bool, problems: 
         )
         return
     try:
-        found = folder.exists(file)
+        found = folder.exists(file) or bool(variants.present(folder, file))
     except ConfigError as e:  # a link leading out of the folder
         problems.add(f"{path}.file: {e}")
         return

@@ -43,6 +43,7 @@ class SessionSpec:
     optional: bool = False
     inputs: dict[str, str] = field(default_factory=dict)  # role -> graph input name
     outputs: dict[str, str] = field(default_factory=dict)  # role -> graph output name
+    dtype: str | None = None  # the model variant to run (variants.py); None: the device's default
 
 
 @dataclass(frozen=True)

@@ -252,10 +252,14 @@ def load(
     provider: str | None = None,
     threads: int | None = None,
     on_progress: Progress | None = None,
+    dtype: str | dict[str, str] | None = None,
 ) -> Pipeline:
     """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime.
 
-    `on_progress` receives a line of text as each session starts and ends loading.
+    `on_progress` receives a line of text as each session starts and ends loading. `dtype` picks
+    the model variant when the folder holds several exports of a graph (fp32, fp16, q8, q4, q4f16,
+    ...: transformers.js's names, model_q4.onnx and so on), for every session or per session name;
+    by default each session runs the first of its provider's defaults (ortpipe.variants.DEFAULTS).
     """
     path = Path(model_dir)
     if not path.is_dir():
@@ -266,7 +270,7 @@ def load(
         )
     start = time.perf_counter()
     driver = Driver(provider, threads, on_progress)
-    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform()))
+    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform(), dtype, provider))
     model.load_ms = (time.perf_counter() - start) * 1000
     return Pipeline(model, driver, path)
 

@@ -1,0 +1,175 @@
+"""Model variants (ortpipe/variants.py): which file of a folder's exports each device runs, the dtype
+option on load, the CLI and the config, and the variants build/variants.py writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortpipe
+from ortpipe import variants
+from ortpipe.errors import ConfigError
+from ortpipe.folder import LocalFolder
+
+ALL = {
+    "fp32": "onnx/model.onnx", "fp16": "onnx/model_fp16.onnx", "q8": "onnx/model_quantized.onnx",
+    "int8": "onnx/model_int8.onnx", "uint8": "onnx/model_uint8.onnx", "q4": "onnx/model_q4.onnx",
+    "q4f16": "onnx/model_q4f16.onnx", "bnb4": "onnx/model_bnb4.onnx",
+}
+
+
+class Files:
+    """A folder of empty files: what the chooser sees."""
+
+    def __init__(self, *names: str):
+        self.names = set(names)
+
+    def exists(self, name: str) -> bool:
+        return name in self.names
+
+    def describe(self, name: str = "") -> str:
+        return f"demo/{name}"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("onnx/model.onnx", ("onnx/model", "fp32")),
+    ("onnx/model_q4f16.onnx", ("onnx/model", "q4f16")),
+    ("model_quantized.onnx", ("model", "q8")),
+    ("decoder_model_merged_q4.onnx", ("decoder_model_merged", "q4")),
+    ("model_uint8.onnx", ("model", "uint8")),
+    ("model_int8.onnx", ("model", "int8")),
+    ("onnx/_q4.onnx", ("onnx/_q4", "fp32")),  # a suffix alone is a name, not a variant
+])
+def test_file_names_say_the_variant(name: str, expected: tuple[str, str]) -> None:
+    assert variants.split(name) == expected
+    assert variants.file_of(*expected) == name
+
+
+@pytest.mark.parametrize("device, files, expected", [
+    # wasm: q8 before fp32 (as fast, smaller, faster prefill), int4 MatMulNBits last
+    ("wasm", ("fp32", "fp16", "q8", "q4", "q4f16"), "q8"),
+    ("wasm", ("fp32", "fp16", "q4", "q4f16"), "fp32"),
+    ("wasm", ("q4f16", "q4"), "q4"),
+    # CPython's CPU provider, by any of its names; OpenVINO and unknown providers read the same row
+    ("cpu", ("fp32", "fp16", "q8", "q4", "q4f16"), "q8"),
+    ("CPUExecutionProvider", ("fp32", "q4", "q4f16"), "q4"),
+    ("openvino", ("fp32", "fp16", "q4f16"), "q4f16"),
+    ("someday", ("fp32", "fp16"), "fp32"),
+    # GPUs: fp16 first, int8 last
+    ("webgpu", ("fp32", "fp16", "q8", "q4", "q4f16"), "fp16"),
+    ("cuda", ("fp32", "q8"), "fp32"),
+    ("DmlExecutionProvider", ("q8", "q4"), "q4"),
+])
+def test_the_chooser_picks_what_the_table_says(device: str, files: tuple[str, ...], expected: str) -> None:
+    folder = Files(*(ALL[d] for d in files))
+    for configured in (ALL[files[0]], "onnx/model.onnx"):  # whichever the config names
+        assert variants.choose(folder, configured, device) == ALL[expected]
+
+
+def test_every_row_orders_every_dtype() -> None:
+    for row in variants.DEFAULTS.values():
+        assert sorted(row) == sorted(variants.SUFFIXES)
+
+
+def test_a_dtype_asked_for_wins_or_names_what_the_folder_has() -> None:
+    folder = Files(ALL["fp32"], ALL["q4"])
+    assert variants.choose(folder, "onnx/model.onnx", "wasm", "q4") == ALL["q4"]
+    with pytest.raises(ConfigError) as info:
+        variants.choose(folder, "onnx/model.onnx", "wasm", "fp16", "decoder")
+    assert str(info.value) == (
+        'session "decoder": dtype fp16 needs demo/onnx/model_fp16.onnx, which does not exist; the variants '
+        "of this graph in the folder: fp32 (onnx/model.onnx), q4 (onnx/model_q4.onnx)"
+    )
+    with pytest.raises(ConfigError, match='found "fp61". Did you mean "fp16"?'):
+        variants.check_dtype("fp61")
+    with pytest.raises(ConfigError, match="found 4"):
+        variants.check_dtype({"decoder": 4})
+
+
+# --- loading a folder of variants -------------------------------------------------------------------
+
+
+def _decoder_file(pipe: ortpipe.Pipeline) -> str:
+    return pipe.config.pipeline.sessions["decoder"].file
+
+
+def test_load_runs_the_variant_asked_for(llama_variants: Path) -> None:
+    ids = [5, 17, 42, 8]
+    for dtype, file in [("fp32", "model.onnx"), ("q8", "model_quantized.onnx"), ("q4", "model_q4.onnx"),
+                        ("fp16", "model_fp16.onnx"), ("q4f16", "model_q4f16.onnx")]:
+        pipe = ortpipe.load(llama_variants, dtype=dtype)
+        assert _decoder_file(pipe) == file
+        # plain onnxruntime on that file, greedy with a growing (concat) cache: the reference
+        assert pipe.generate(prompt_ids=ids, max_new_tokens=8).tokens == _greedy(llama_variants / file, ids, 8)
+    assert _decoder_file(ortpipe.load(llama_variants)) == "model_quantized.onnx"  # the cpu row's first
+    assert _decoder_file(ortpipe.load(llama_variants, dtype={"decoder": "q4"})) == "model_q4.onnx"
+    with pytest.raises(ConfigError, match="dtype names sessions this model does not have: vision"):
+        ortpipe.load(llama_variants, dtype={"vision": "q4"})
+    with pytest.raises(ConfigError, match="the variants of this graph in the folder: fp32"):
+        ortpipe.load(llama_variants, dtype="bnb4")
+
+
+def _greedy(path: Path, ids: list[int], new: int) -> list[int]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    decoder = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]
+    shape = (1, decoder["num_key_value_heads"], 0, decoder["head_size"])
+    past_type = np.float16 if "16" in path.name else np.float32
+    pasts = {i.name: np.zeros(shape, past_type) for i in session.get_inputs() if i.name.startswith("past_")}
+    names = [o.name for o in session.get_outputs()]
+    tokens, feed, length = [], ids, 0
+    for _ in range(new):
+        length += len(feed)
+        out = dict(zip(names, session.run(None, {"input_ids": np.array([feed], np.int64),
+                                                  "attention_mask": np.ones((1, length), np.int64), **pasts}),
+                       strict=True))
+        tokens.append(int(out["logits"][0, -1].astype(np.float32).argmax()))
+        pasts = {k: out[k.replace("past_key_values", "present")] for k in pasts}
+        feed = tokens[-1:]
+    return tokens
+
+
+def test_the_config_and_config_json_pick_a_variant(llama_variants: Path, tmp_path: Path) -> None:
+    v1 = shutil.copytree(llama_variants, tmp_path / "v1")
+    config = json.loads((v1 / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "model_q4f16.onnx"  # a variant's name: its siblings count too
+    (v1 / "genai_config.json").write_text(json.dumps(config))
+    assert _decoder_file(ortpipe.load(v1)) == "model_quantized.onnx"
+    v2 = {"version": 2, "pipeline": {"extends": "autoregressive-decoder",
+                                     "sessions": {"decoder": {"file": "model.onnx", "dtype": "fp16"}}}}
+    (v1 / "genai_config.json").write_text(json.dumps(v2))
+    assert _decoder_file(ortpipe.load(v1)) == "model_fp16.onnx"
+    assert _decoder_file(ortpipe.load(v1, dtype="q4")) == "model_q4.onnx"  # load's dtype comes first
+    v2["pipeline"]["sessions"]["decoder"]["dtype"] = "q3"
+    (v1 / "genai_config.json").write_text(json.dumps(v2))
+    with pytest.raises(ConfigError, match=r'pipeline.sessions.decoder.dtype must be one of fp32, .*found "q3"'):
+        ortpipe.load(v1)
+    # no genai_config.json: detection finds a variant alone, and reads transformers.js_config
+    detected = tmp_path / "detected"
+    (detected / "onnx").mkdir(parents=True)
+    for name in ("model_q4.onnx", "model_fp16.onnx"):
+        shutil.copy2(llama_variants / name, detected / "onnx" / name)
+    shutil.copy2(llama_variants / "tokenizer.json", detected)
+    assert _decoder_file(ortpipe.load(detected)) == "onnx/model_q4.onnx"
+    (detected / "config.json").write_text(json.dumps({"transformers.js_config": {"dtype": {"model": "fp16"}}}))
+    assert _decoder_file(ortpipe.load(detected)) == "onnx/model_fp16.onnx"
+    assert variants.present(LocalFolder(detected), "onnx/model.onnx") == {
+        "fp16": "onnx/model_fp16.onnx", "q4": "onnx/model_q4.onnx"}
+
+
+def test_the_cli_takes_a_dtype(llama_variants: Path) -> None:
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "ortpipe.cli", "run", str(llama_variants), "--prompt-ids", "5,17,42",
+                   "--max-new-tokens", "6", "--no-do-sample", "--json", *extra]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    expected = ortpipe.load(llama_variants, dtype="q4").generate(prompt_ids=[5, 17, 42], max_new_tokens=6)
+    assert json.loads(run("--dtype", "q4").stdout)["tokens"] == expected.tokens
+    refused = run("--dtype", "fp8")
+    assert refused.returncode == 2 and "invalid choice: 'fp8'" in refused.stderr
