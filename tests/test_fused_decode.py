@@ -2,8 +2,9 @@
 
 Plain greedy decoding on a single decoder session (a shared-buffer or a concat cache) skips the
 generic step (feeds dict, Run, argmax kernel) after the prefill. Its tokens must equal the generic
-path's (forced here with `min_length=1`, a processor that cannot change anything after a
-non-empty prompt) and onnxruntime-genai's, across everything that re-binds a session between steps.
+path's (forced here with GENERIC, an n-gram ban longer than any sequence here: the one processor
+fused steps do not apply, and it bans nothing) and onnxruntime-genai's, across everything that
+re-binds a session between steps. Sampled decoding fused: tests/test_fused_sampling.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ortpipe
 from ortpipe.targets.cpython import driver as cpu_driver
 
 NEW = 40
+GENERIC = {"no_repeat_ngram_size": 10_000}
 
 
 def counting(pipe: Any, decodes: bool = False) -> list[int]:
@@ -52,14 +54,14 @@ def test_greedy_decode_steps_are_fused_and_equal_the_generic_path(
     fused = counting(pipe)
     ours = pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
     assert fused == list(range(len(ids), len(ids) + NEW - 1)), "every decode step after the prefill is fused"
-    generic = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, min_length=1).tokens
-    assert len(fused) == NEW - 1, "min_length turns fusing off"
+    generic = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **GENERIC).tokens
+    assert len(fused) == NEW - 1, "an n-gram ban turns fusing off"
     assert ours == generic
     assert ours == genai_greedy(folder, ids, NEW, threads=1)
     # the next request rebinds the session (new cache buffers, a generic prefill) and fuses again
     assert (
         pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW).tokens
-        == pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW, min_length=1).tokens
+        == pipe.generate(prompt_ids=ids[:7], max_new_tokens=NEW, **GENERIC).tokens
     )
     assert len(fused) == 2 * (NEW - 1)
 
@@ -76,7 +78,7 @@ def test_interleaved_generators_and_continued_decoding(llama_builder_fp32: Path)
         return out + [gen.next_token() for _ in range(12)]
 
     first, second = (ids, [3, 4]), (ids[10:40], [5])
-    expected = [solo(*first, min_length=1), solo(*second, min_length=1)]
+    expected = [solo(*first, **GENERIC), solo(*second, **GENERIC)]
     fused = counting(pipe)
     gens = []
     for prompt, more in (first, second):
@@ -113,7 +115,7 @@ def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: P
     fused = counting(pipe)
     ours = pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
     assert fused == list(range(len(ids), len(ids) + NEW - 1))
-    assert ours == pipe.generate(prompt_ids=ids, max_new_tokens=NEW, min_length=1).tokens
+    assert ours == pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **GENERIC).tokens
 
     def continued(**settings: Any) -> list[int]:
         gen = pipe.generator(len(ids), max_length=len(ids) + 30, **settings)
@@ -122,7 +124,7 @@ def test_concat_cache_steps_are_fused_and_equal_the_generic_path(llama_concat: P
         gen.append_tokens([3, 4])
         return out + [gen.next_token() for _ in range(12)]
 
-    assert continued() == continued(min_length=1)
+    assert continued() == continued(**GENERIC)
 
 
 @pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
@@ -176,14 +178,12 @@ def test_what_cannot_be_fused_runs_the_generic_path(llama_builder_fp32: Path, sl
     assert fused == []
     shared = ortpipe.load(llama_builder_fp32, threads=1)
     fused = counting(shared)
-    for settings in (
-        {"do_sample": True, "seed": 1},
-        {"repetition_penalty": 1.3},
-        {"no_repeat_ngram_size": 2},
-        {"suppress_tokens": [5]},
-        {"min_new_tokens": 2},
-        {"num_beams": 2},
-    ):
+    for settings in ({"no_repeat_ngram_size": 2}, {"num_beams": 2}):
+        shared.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, **settings)
+        assert fused == [], settings
+    shared.model.backend.fused_sampling = False  # a target that fuses greedy steps only
+    for settings in ({"do_sample": True, "seed": 1}, {"repetition_penalty": 1.3}, {"suppress_tokens": [5]},
+                     {"min_new_tokens": 2}):
         shared.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, **settings)
         assert fused == [], settings
 

@@ -2,6 +2,8 @@
 // onnxruntime-web, the network and tokenizers.js. Python holds ort.Tensor and InferenceSession
 // objects as proxies; typed arrays are made and read here, where they are cheap.
 
+import { Picker, halfToFloat, NON_FINITE } from './sampling.js';
+
 // The longest text a chat template may render (py/ortpipe/templates.py MAX_RENDERED).
 const MAX_RENDERED = 1 << 20;
 
@@ -93,20 +95,16 @@ export class Bridge {
     const ort = options.device === 'wasm' ? await this.wasmOrt() : this.ort;
     let bytes = source;
     if (typeof source === 'string') {
-      bytes = this.graphs.get(source) ?? await this.fetchBytes(source, options.name);
+      const early = await this.prefetch?.session(source, options.externalData);
+      bytes = early ? null : this.graphs.get(source) ?? await this.fetchBytes(source, options.name);
       this.graphs.delete(source);
+      if (early) return early; // created while Python started, with these options
     }
-    this.onProgress({ phase: 'session', file: options.name });
-    const sessionOptions = {
-      executionProviders: [options.device],
-      graphOptimizationLevel: 'all',
-      logSeverityLevel: 3, // errors only: ortpipe reports what matters itself
-      externalData: await Promise.all(options.externalData.map(async (url) => ({
-        path: url.slice(url.lastIndexOf('/') + 1), data: await this.prefetch?.take(url) ?? url,
-      }))),
-    };
-    if (options.gpuOutputs) sessionOptions.preferredOutputLocation = 'gpu-buffer';
-    return ort.InferenceSession.create(bytes, sessionOptions);
+    if (!options.kernel) this.onProgress({ phase: 'session', file: options.name });
+    const externalData = await Promise.all(options.externalData.map(async (url) => ({
+      url, data: await this.prefetch?.take(url) ?? url,
+    })));
+    return ort.InferenceSession.create(bytes, sessionOptions(options.device, externalData, options.gpuOutputs));
   }
 
   /** The session's inputs and outputs as JSON: [{name, type, shape}], shape null when unknown. */
@@ -221,7 +219,7 @@ export class Bridge {
   async runKernel(name, graph, device, names, tensors, outputs) {
     if (!this.kernels.has(name)) {
       if (!graph) throw new Error(`kernel ${name} has no session and no graph`);
-      this.kernels.set(name, this.createSession(graph, { name, device, gpuOutputs: false, externalData: [] }));
+      this.kernels.set(name, this.createSession(graph, { name, device, gpuOutputs: false, externalData: [], kernel: true }));
     }
     return this.run(await this.kernels.get(name), names, tensors, outputs);
   }
@@ -274,6 +272,22 @@ export class TextStream {
   }
 }
 
+/**
+ * The options of every model session: `device`'s EP, all graph optimisations, the weight files
+ * ([{url, data}]: data a URL or the bytes), outputs on the GPU when `gpuOutputs` (WebGPU). The
+ * worker's early sessions (web/prefetch.js) are made with the same.
+ */
+export function sessionOptions(device, externalData, gpuOutputs) {
+  const options = {
+    executionProviders: [device],
+    graphOptimizationLevel: 'all',
+    logSeverityLevel: 3, // errors only: ortpipe reports what matters itself
+    externalData: externalData.map(({ url, data }) => ({ path: url.slice(url.lastIndexOf('/') + 1), data })),
+  };
+  if (gpuOutputs) options.preferredOutputLocation = 'gpu-buffer';
+  return options;
+}
+
 /** The bytes at `url`, reporting download progress to `onProgress` under `name`. */
 export async function downloadBytes(url, name, onProgress, signal = undefined) {
   const response = await fetch(url, { signal });
@@ -315,16 +329,6 @@ function argmaxRow(data, start, vocab) {
   return best;
 }
 
-const NON_FINITE = "the model's logits are NaN or infinite";
-
-
-function halfToFloat(bits) {
-  const exponent = (bits >> 10) & 0x1f;
-  const magnitude = exponent === 0 ? (bits & 0x3ff) * 2 ** -24
-    : exponent === 0x1f ? ((bits & 0x3ff) ? NaN : Infinity)
-      : (1 + (bits & 0x3ff) / 1024) * 2 ** (exponent - 15);
-  return bits & 0x8000 ? -magnitude : magnitude;
-}
 
 // How long one burst of decode steps may run before its tokens go back to Python (and on to the
 // page): few enough crossings per token that they cost next to nothing, and text still arrives
@@ -332,11 +336,12 @@ function halfToFloat(bits) {
 const BURST_MS = 50;
 
 /**
- * Greedy decode steps of one request on one decoder session, fused: the core's `Decode`
+ * Decode steps of one request on one decoder session, fused: the core's `Decode`
  * (py/ortpipe/execute/work.py). The KV cache lives here between steps (past name -> ort.Tensor,
  * each present becoming the next past, concat or shared buffer alike), so steps cross into
  * Python as token ids instead of a tensor proxy per cache entry, several steps at a time
- * (`burst`). The Python driver reads the cache back through `current` when a generic run needs it.
+ * (`burst`). Each step takes the argmax of its logits, or selects as the burst's pick says
+ * (sampling.js). The Python driver reads the cache back through `current` when a generic run needs it.
  */
 export class Decoder {
   /**
@@ -387,11 +392,13 @@ export class Decoder {
 
   /**
    * Steps from `token` at position `past`, each feeding the token the one before selected, until
-   * `limit` tokens, an eos or BURST_MS: the selected tokens.
+   * `limit` tokens, an eos or BURST_MS: the selected tokens. `pick`: how each step selects (the
+   * core's Pick), or null for the argmax.
    */
-  async burst(token, past, limit) {
+  async burst(token, past, limit, pick = null) {
     const tokens = [];
     const started = performance.now();
+    this.picker = pick ? new Picker(pick, this.spec.vocab) : null;
     for (;;) {
       token = await this.step(token, past);
       tokens.push(token);
@@ -401,7 +408,7 @@ export class Decoder {
     }
   }
 
-  /** One step: `token` at position `past`; the argmax of the logits' last row. */
+  /** One step: `token` at position `past`; the token selected from the logits' last row. */
   async step(token, past) {
     const { ids, mask, positions } = this.spec;
     const feeds = { ...this.cache };
@@ -426,7 +433,8 @@ export class Decoder {
       for (const name of this.others) result[name].dispose();
     }
     try {
-      return argmaxRow(data, data.length - this.spec.vocab, this.spec.vocab);
+      const start = data.length - this.spec.vocab;
+      return this.picker ? this.picker.select(data, start) : argmaxRow(data, start, this.spec.vocab);
     } catch (cause) {
       const error = new Error(`session "${this.spec.name}" gave NaN or infinite logits on the decode step at `
         + `position ${past}: the model's weights or inputs are broken`);

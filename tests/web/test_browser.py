@@ -65,15 +65,23 @@ def test_wasm_greedy_tokens_equal_cpython(page: Any, requests_seen: list[str], m
     assert_same_origin(requests_seen, page)
 
 
+# An n-gram ban longer than any sequence here bans nothing, and fused steps do not apply it: the
+# request runs the generic path, the sampler's kernel graphs step by step.
+GENERIC = {"noRepeatNgramSize": 10_000}
+SAMPLED = {"doSample": True, "seed": 4, "temperature": 1.5, "topK": 50}
+
+
 def test_webgpu_greedy_and_seeded_sampling_equal_cpython(page: Any, requests_seen: list[str],
                                                          models: dict[str, Path]) -> None:
-    """Greedy (fused decode steps, the cache on the GPU) and seeded sampling (the kernel graphs on
-    WebGPU) in one page, a few tokens each: SwiftShader's WebGPU is slow."""
+    """Greedy and seeded sampling, fused (the cache on the GPU, the logits read back), and sampling
+    by the generic path (the kernel graphs on WebGPU) in one page, a few tokens each: SwiftShader's
+    WebGPU is slow."""
     pipe = ortpipe.load(models["v2"])
     sampled = {"do_sample": True, "seed": 4, "temperature": 1.5, "top_k": 50}
     expected = [pipe.generate(prompt_ids=PROMPT, max_new_tokens=4).tokens,
                 pipe.generate(prompt_ids=PROMPT, max_new_tokens=4, **sampled).tokens]
     assert expected[0] != expected[1]
+    expected.append(expected[1])
     page.goto("/")
     got = page.evaluate("""async (requests) => {
       const {load} = await import('./ortpipe.js');
@@ -83,12 +91,11 @@ def test_webgpu_greedy_and_seeded_sampling_equal_cpython(page: Any, requests_see
       const info = pipe.info;
       pipe.dispose();
       return {info, results};
-    }""", [{"promptIds": PROMPT, "maxNewTokens": 4},
-           {"promptIds": PROMPT, "maxNewTokens": 4, "doSample": True, "seed": 4, "temperature": 1.5,
-            "topK": 50}])
+    }""", [{"promptIds": PROMPT, "maxNewTokens": 4}, {"promptIds": PROMPT, "maxNewTokens": 4, **SAMPLED},
+           {"promptIds": PROMPT, "maxNewTokens": 4, **SAMPLED, **GENERIC}])
     assert got["info"]["device"] == "webgpu"
     assert [r["tokens"] for r in got["results"]] == expected
-    assert [r["timings"]["fusedSteps"] for r in got["results"]] == [3, 0]
+    assert [r["timings"]["fusedSteps"] for r in got["results"]] == [3, 3, 0]
     assert_same_origin(requests_seen, page)
 
 
@@ -240,19 +247,36 @@ def test_builder_export_with_shared_buffer_cache_equals_onnxruntime_genai(
     assert_same_origin(requests_seen, page)
 
 
-def test_builder_export_seeded_sampling_equals_cpython(page: Any, serve_model: Any,
-                                                      llama_builder_fp32: Path) -> None:
-    """Sampling kernels over a shared-buffer cache that onnxruntime-web cannot update in place."""
-    settings = {"do_sample": True, "seed": 5, "temperature": 1.2, "top_k": 40, "top_p": 0.95}
+@pytest.mark.parametrize("settings", [
+    {"doSample": True, "seed": 5, "temperature": 1.2, "topK": 40, "topP": 0.95},
+    {"doSample": True, "seed": 6, "temperature": 0.8, "topP": 0.7, "minP": 0.02, "repetitionPenalty": 1.3},
+    {"repetitionPenalty": 1.6, "suppressTokens": [11, 12]},
+])
+def test_builder_export_fused_sampling_equals_the_generic_path(
+    page: Any, serve_model: Any, llama_builder_fp32: Path, settings: dict
+) -> None:
+    """Sampled (and penalised) decode steps over a shared-buffer cache: fused in the JS Decoder
+    (web/sampling.js), and by the generic path's kernel graphs; seeded, both give CPython's tokens."""
     ids = references.prompt_ids(llama_builder_fp32)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
-    expected = pipe.generate(prompt_ids=ids, max_new_tokens=16, **settings).tokens
-    assert expected != pipe.generate(prompt_ids=ids, max_new_tokens=16).tokens
-    serve_model("llama-builder", llama_builder_fp32)
-    got = generate(page, "llama-builder", promptIds=ids, maxNewTokens=16, doSample=True, seed=5,
-                   temperature=1.2, topK=40, topP=0.95)
-    assert got["result"]["tokens"] == expected
-    assert got["result"]["timings"]["fusedSteps"] == 0
+    snake = {re.sub("([A-Z])", lambda m: "_" + m[1].lower(), k): v for k, v in settings.items()}
+    expected = pipe.generate(prompt_ids=ids, max_new_tokens=24, **snake).tokens
+    assert expected != pipe.generate(prompt_ids=ids, max_new_tokens=24).tokens
+    pipe.model.backend.fused_sampling = False
+    assert expected == pipe.generate(prompt_ids=ids, max_new_tokens=24, **snake).tokens
+    url = serve_model("llama-builder", llama_builder_fp32)
+    page.goto("/")
+    got = page.evaluate("""async ({url, requests}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(url, {device: 'wasm'});
+      const results = [];
+      for (const r of requests) results.push(await pipe.generate(r));
+      pipe.dispose();
+      return results;
+    }""", {"url": url, "requests": [{"promptIds": ids, "maxNewTokens": 24, **settings},
+                                    {"promptIds": ids, "maxNewTokens": 24, **settings, **GENERIC}]})
+    assert [r["tokens"] for r in got] == [expected, expected]
+    assert [r["timings"]["fusedSteps"] for r in got] == [23, 0]
 
 
 CHAT = """async ({model, device, turns, reply}) => {

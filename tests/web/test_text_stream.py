@@ -27,7 +27,7 @@ from ortpipe.tokenizer import TextStream
 SCRIPT = """
 import { readFileSync } from 'node:fs';
 import { Tokenizer } from '@huggingface/tokenizers';
-import { TextStream } from './bridge.mjs';
+import { TextStream } from './bridge.js';
 const { tokenizer, window, context, sequences } = JSON.parse(readFileSync(process.argv[2], 'utf8'));
 const tok = new Tokenizer(JSON.parse(tokenizer), {});
 const out = sequences.map((ids) => {
@@ -61,7 +61,9 @@ def twin_deltas(tmp_path: Path, tokenizer: Path, sequences: list[list[int]]) -> 
     assert node, "node is missing: run tests/web/setup.sh (it installs Debian's nodejs)"
     work = tmp_path / "node"
     work.mkdir(exist_ok=True)
-    shutil.copy2(web.WEB / "bridge.js", work / "bridge.mjs")
+    for name in ("bridge.js", "sampling.js"):
+        shutil.copy2(web.WEB / name, work / name)
+    (work / "package.json").write_text('{"type": "module"}')  # .js files are ES modules
     (work / "twin.mjs").write_text(SCRIPT)
     (work / "node_modules").symlink_to(web.NODE_MODULES)
     (work / "input.json").write_text(json.dumps({

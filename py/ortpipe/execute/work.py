@@ -98,11 +98,12 @@ class FusedStep:
 
 
 class Decode(NamedTuple):
-    """Up to `limit` fused greedy decode steps (see FusedStep), the first feeding `token` at
-    `position`, each later one the token the step before selected. The target must stop after a
-    token in `eos` and answers a `Decoded` with 1 to `limit` tokens. `cache` is the KV cache as the
-    core holds it (past input -> tensor): the target reads it and must not change the mapping;
-    `capacity` is the most positions the request's mask can cover."""
+    """Up to `limit` fused decode steps (see FusedStep), the first feeding `token` at `position`,
+    each later one the token the step before selected. The target must stop after a token in `eos`
+    and answers a `Decoded` with 1 to `limit` tokens. `cache` is the KV cache as the core holds it
+    (past input -> tensor): the target reads it and must not change the mapping; `capacity` is the
+    most positions the request's mask can cover. `pick`: how each step selects its token when it is
+    not the argmax of the logits (sampling/sampler.py `Pick`), for targets with `fused_sampling`."""
 
     step: FusedStep
     cache: Mapping[str, Handle]
@@ -112,6 +113,7 @@ class Decode(NamedTuple):
     position: int
     limit: int
     label: str
+    pick: Any = None
 
 
 class Decoded(NamedTuple):
@@ -128,10 +130,13 @@ class Backend(Protocol):
     `fused_layouts`: the cache layouts ("shared", "concat") whose `Decode` the target carries out;
     empty: the core never yields one. `decode_burst`: the most steps one `Decode` asks for (running
     several per answer saves the core's work per token and, in the browser, a crossing into Python).
+    `fused_sampling`: the target selects tokens by a `Decode`'s `pick` (else only plain greedy
+    requests are fused).
     """
 
     fused_layouts: frozenset[str]
     decode_burst: int
+    fused_sampling: bool
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> Handle: ...
 

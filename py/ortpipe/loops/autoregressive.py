@@ -5,9 +5,11 @@ on the first call) and selects a token from the logits. The selected token is qu
 new tokens cost one prefill and N-1 decode runs. Appending after generation continues from the
 cache (continuous decoding). The generator's lifecycle (lifecycle.py) says what may happen when.
 
-Plain greedy decoding on a plan whose step phase can be fused (plan.fused), on a target that
-fuses its cache layout, runs every iteration after the first as a `Decode`: the target may answer
-one with a burst of tokens, up to the `limit` set from the length limit and the caller's budget.
+Decoding on a plan whose step phase can be fused (plan.fused), on a target that fuses its cache
+layout, runs every iteration after the first as a `Decode`: the target may answer one with a burst
+of tokens, up to the `limit` set from the length limit and the caller's budget. Plain greedy
+requests select the argmax; others (sampling, penalties, bans) are fused on targets that select as
+the sampler does (`Backend.fused_sampling`), with the sampler's `Pick` and its random numbers.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class TokenGenerator:
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
-        self._fused: FusedStep | None = fused if fusable and self.sampler.settings.plain_greedy else None
+        selects = self.sampler.settings.plain_greedy or (
+            getattr(backend, "fused_sampling", False) and self.sampler.fusable
+        )
+        self._fused: FusedStep | None = fused if fusable and selects else None
 
     @property
     def state(self) -> str:
@@ -142,6 +147,7 @@ class TokenGenerator:
         if fused is not None and self.flow.iterations and len(self._pending) == 1:
             room = self.limits.max_length - len(self.tokens)
             limit = max(1, min(self._burst, room, room if budget is None else budget))
+            pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
             cache = self.flow.caches[fused.session]
             answer = yield Decode(
                 fused,
@@ -152,8 +158,10 @@ class TokenGenerator:
                 self.flow.position,
                 limit,
                 f"step {self.flow.iterations}",
+                pick,
             )
             tokens = self._check_burst(answer, limit)
+            self.sampler.drew(len(tokens))
             self.flow.advance(fused.session, answer.cache, len(tokens))
             self.fused_steps += len(tokens)
             return tokens

@@ -3,15 +3,39 @@ min-p -> sample, or argmax. Plain greedy with no processor runs one argmax kerne
 
 Randomness comes from `random.Random(seed)` here and enters the `sample` kernel as an input, so a
 seeded run gives the same tokens on every target.
+
+Fused decode steps (execute/work.py `Decode`) select their tokens in the target, without a round
+trip to the core per token: `pick` describes the same chain for a burst of steps, with the
+uniform numbers the generator would have drawn for them (`drew` winds it to what the burst used).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from ..config.settings import SearchSettings
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from .processors import banned_ids
+
+
+@dataclass(frozen=True)
+class Pick:
+    """How a fused decode step selects its token from the last row of logits, as `Sampler.select`
+    would: scores in float32 (penalty over `seen`, `banned` ids out, divided by `temperature`),
+    then the argmax, or top-k, top-p and min-p and a draw with the step's number of `uniforms`.
+    The target adds each token it selects to `seen`. Targets: web/sampling.js, and
+    targets/cpython/sampling.py, whose module docstring gives the arithmetic."""
+
+    sample: bool  # draw (else the argmax of the scores)
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1: off
+    min_p: float  # 0: off
+    penalty: float  # the repetition penalty; 1: off (then `seen` is empty)
+    seen: tuple[int, ...]  # distinct ids so far
+    banned: tuple[int, ...]
+    uniforms: tuple[float, ...]  # one per step, in (0, 1], when sampling
 
 
 class Sampler:
@@ -20,7 +44,50 @@ class Sampler:
         self.dtype = logits_dtype
         self.rng = random.Random(settings.seed)
         self._vocab = 0
+        self._drawn: object = None  # the generator's state before a burst's draws
         self.label = ""  # the step the logits come from, for messages and traces
+
+    @property
+    def fusable(self) -> bool:
+        """Whether a target can select as `select` does, from `pick`: every ban but the n-gram
+        one is known before a burst."""
+        return not self.settings.no_repeat_ngram_size
+
+    def pick(self, tokens: list[int], generated: int, limit: int) -> tuple[Pick | None, int]:
+        """How a burst of at most `limit` fused steps after `tokens` selects (None: the argmax of the
+        logits), and the limit that keeps its bans the same throughout: eos stays banned until
+        min_length and min_new_tokens are reached, and a burst stops there."""
+        s = self.settings
+        if s.plain_greedy:
+            return None, limit
+        held = max(s.min_length - len(tokens), s.min_new_tokens - generated) if self.eos else 0
+        if held > 0:
+            limit = min(limit, held)
+        uniforms: tuple[float, ...] = ()
+        if s.sampling:
+            self._drawn = self.rng.getstate()
+            uniforms = tuple(1.0 - self.rng.random() for _ in range(limit))
+        penalty = s.repetition_penalty
+        pick = Pick(
+            s.sampling,
+            s.temperature if s.sampling else 1.0,
+            s.top_k,
+            s.top_p,
+            s.min_p,
+            penalty,
+            tuple(sorted(set(tokens))) if penalty != 1.0 else (),
+            tuple(banned_ids(s, tokens, generated, self.eos)),
+            uniforms,
+        )
+        return pick, limit
+
+    def drew(self, steps: int) -> None:
+        """A burst ran `steps` steps: the generator as if `select` had drawn for each of them."""
+        if self._drawn is not None:
+            self.rng.setstate(self._drawn)
+            self._drawn = None
+            for _ in range(steps):
+                self.rng.random()
 
     def select(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         s, b = self.settings, self.backend

@@ -38,6 +38,7 @@ class CpuBackend:
 
     fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver carries out
     decode_burst = 64  # steps per Decode at most; the driver also stops a burst after BURST_SECONDS
+    fused_sampling = True  # the driver selects by a Decode's pick (sampling.py)
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)

@@ -21,6 +21,7 @@ from ...errors import OrtpipeError
 from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, drive
 from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
+from .sampling import Picker
 from .sessions import ORT_TYPES, open_session, signature_of
 
 # A burst of fused decode steps (one `Decode`) stops once it has run this long, so that a stream's
@@ -52,6 +53,10 @@ def _narrow(x: np.ndarray, start: np.ndarray, end: np.ndarray, axis: np.ndarray)
     index = [slice(None)] * x.ndim
     index[int(axis[0])] = slice(int(start[0]), int(end[0]))
     return [np.ascontiguousarray(x[tuple(index)])]
+
+
+def _selected(row: np.ndarray, session: str, position: int, picker: Picker | None) -> int:
+    return _checked(row, session, position) if picker is None else picker.select(row, session, position)
 
 
 # numpy twins of kernel graphs whose onnxruntime call costs more than the work (about 50 µs a run
@@ -185,20 +190,22 @@ class Driver:
     # fused decode steps
 
     def decode(self, d: Decode) -> Decoded:
-        """`d.limit` greedy decode steps at most, stopping after an eos or once BURST_SECONDS have
-        passed. A traced request runs one step per Decode, so that every step has its own label."""
+        """`d.limit` decode steps at most, stopping after an eos or once BURST_SECONDS have passed;
+        each selects the argmax, or as `d.pick` says. A traced request runs one step per Decode, so
+        that every step has its own label."""
+        picker = Picker(d.pick, d.step.logits_shape[-1]) if d.pick is not None else None
         if d.step.layout == "shared":
             f = self._shared(d)
             cache = d.cache
 
             def step(token: int, position: int) -> int:
-                return self._shared_step(d, f, token, position)
+                return self._shared_step(d, f, picker, token, position)
         else:
             f = self._concat(d)
             cache = dict(d.cache)  # the core's stays as it was until the answer hands this one over
 
             def step(token: int, position: int) -> int:
-                return self._concat_step(d, f, cache, token, position)
+                return self._concat_step(d, f, cache, picker, token, position)
 
         burst = d.limit > 1 and self.trace is None
         end = time.perf_counter() + BURST_SECONDS if burst else 0.0  # one step: no clock read
@@ -207,7 +214,7 @@ class Driver:
             tokens.append(step(tokens[-1], d.position + len(tokens)))
         return Decoded(tokens, cache)
 
-    def _shared_step(self, d: Decode, f: _Fused, token: int, position: int) -> int:
+    def _shared_step(self, d: Decode, f: _Fused, picker: Picker | None, token: int, position: int) -> int:
         """A step over a shared buffer: the id written into the bound input array, a ready mask
         bound, and the argmax of logits that onnxruntime wrote into a preallocated array."""
         f.ids[0, 0] = token
@@ -216,9 +223,11 @@ class Driver:
         if f.mask_name is not None:
             f.raw.bind_ortvalue_input(f.mask_name, f.mask(position + 1))
         self._fused_run(d, position, f.run, f.raw, None)
-        return _checked(f.flat, d.step.session, position)
+        return _selected(f.flat, d.step.session, position, picker)
 
-    def _concat_step(self, d: Decode, f: _Fused, cache: dict[str, Any], token: int, position: int) -> int:
+    def _concat_step(
+        self, d: Decode, f: _Fused, cache: dict[str, Any], picker: Picker | None, token: int, position: int
+    ) -> int:
         """A step over a concat cache: a plain run whose presents replace the pasts in `cache`."""
         ids, mask, positions = d.step.ids, d.step.mask, d.step.positions
         feeds = dict(cache)
@@ -231,7 +240,7 @@ class Driver:
         for past, i in f.presents:
             cache[past] = values[i]
         logits = values[f.logits_at]
-        return _checked(logits.reshape(-1, logits.shape[-1])[-1], d.step.session, position)
+        return _selected(logits.reshape(-1, logits.shape[-1])[-1], d.step.session, position, picker)
 
     def _fused_run(self, d: Decode, position: int, run: Any, *args: Any) -> Any:
         """`run(*args)`, the run of a fused step: its failure named, its span traced."""

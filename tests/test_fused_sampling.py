@@ -1,0 +1,125 @@
+"""Fused decode steps that sample (or apply penalties and bans): the core hands the target a `Pick`
+(sampling/sampler.py) with its random numbers; the CPython driver selects with numpy
+(targets/cpython/sampling.py), the browser's Decoder with web/sampling.js (tests/web). Seeded, the
+tokens must equal the generic path's, which runs the sampler's kernel graphs step by step."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from build.references import prompt_ids
+
+import ortpipe
+from ortpipe.config.settings import SearchSettings
+from ortpipe.sampling.sampler import Pick, Sampler
+from ortpipe.targets.cpython import CpuBackend, Driver
+from ortpipe.targets.cpython import driver as cpu_driver
+from ortpipe.targets.cpython.sampling import Picker
+
+SETTINGS = [
+    {"do_sample": True, "seed": 1, "temperature": 0.7, "top_k": 40, "top_p": 0.95},
+    {"do_sample": True, "seed": 2, "temperature": 1.6},
+    {"do_sample": True, "seed": 3, "top_p": 0.6, "min_p": 0.05, "repetition_penalty": 1.4},
+    {"do_sample": True, "seed": 4, "top_k": 3, "suppress_tokens": [7, 8, 9]},
+    {"repetition_penalty": 1.5},
+    {"suppress_tokens": [5, 6], "min_new_tokens": 9},
+]
+NEW = 32
+
+
+def generic(folder: Path) -> ortpipe.Pipeline:
+    """A pipeline that fuses greedy steps only: the reference path."""
+    pipe = ortpipe.load(folder, threads=1)
+    pipe.model.backend.fused_sampling = False
+    return pipe
+
+
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
+def test_fused_sampled_steps_equal_the_generic_path(model: str, request: pytest.FixtureRequest,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = request.getfixturevalue(model)
+    ids = prompt_ids(folder)
+    reference = generic(folder)
+    expected = [reference.generate(prompt_ids=ids, max_new_tokens=NEW, **s) for s in SETTINGS]
+    assert all(r.timings.fused_steps == 0 for r in expected)
+    assert len({tuple(r.tokens) for r in expected}) == len(SETTINGS)
+    monkeypatch.setattr(cpu_driver, "BURST_SECONDS", 60.0)  # bursts end at their limit
+    for burst in (1, 8, 64):
+        pipe = ortpipe.load(folder, threads=1)
+        pipe.model.backend.decode_burst = burst
+        for settings, reference_result in zip(SETTINGS, expected, strict=True):
+            result = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **settings)
+            assert result.tokens == reference_result.tokens, (burst, settings)
+            assert result.timings.fused_steps == NEW - 1
+
+
+def test_a_burst_stops_where_the_eos_ban_lifts(llama_builder_fp32: Path) -> None:
+    """min_new_tokens bans eos for the first steps: a burst ends there, and the rest may stop at eos."""
+    ids = prompt_ids(llama_builder_fp32)
+    free = generic(llama_builder_fp32).generate(prompt_ids=ids, max_new_tokens=NEW, do_sample=True, seed=7)
+    eos = free.tokens[5]  # a token sampled early: with it as eos, the ban matters
+    settings = {"do_sample": True, "seed": 7, "min_new_tokens": 12}
+    sampler = Sampler(CpuBackend(), "float32", SearchSettings(**settings), frozenset({eos}))
+    pick, limit = sampler.pick(ids + free.tokens[:3], 3, 64)
+    assert limit == 9 and eos in pick.banned and len(pick.uniforms) == 9
+    after, limit = sampler.pick(ids + free.tokens[:12], 12, 64)
+    assert limit == 64 and eos not in after.banned
+
+
+def test_a_burst_draws_what_the_sampler_would() -> None:
+    """The uniform numbers of a burst are the sampler's next draws; after a burst of n steps the
+    generator is where n draws would have left it."""
+    settings = SearchSettings(do_sample=True, seed=11)
+    sampler = Sampler(CpuBackend(), "float32", settings, frozenset())
+    draws = random.Random(11)
+    pick, _ = sampler.pick([1, 2], 1, 8)
+    assert pick.uniforms == tuple(1.0 - draws.random() for _ in range(8))
+    sampler.drew(3)
+    again = random.Random(11)
+    for _ in range(3):
+        again.random()
+    assert sampler.rng.random() == again.random()
+
+
+def kernel_token(logits: np.ndarray, seen: list[int], u: float, **settings: Any) -> int:
+    """The generic path's token: the sampler's kernel chain, with `u` as its draw."""
+    sampler = Sampler(CpuBackend(), str(logits.dtype), SearchSettings(**settings), frozenset())
+    sampler.rng = type("Fixed", (), {"random": staticmethod(lambda: 1.0 - u)})()
+    return Driver().drive(sampler.select(logits[None, None], seen, 1))
+
+
+def test_the_picker_selects_what_the_kernel_graphs_select() -> None:
+    """numpy's float64 probabilities against the kernels' float32 ones: the same tokens on these
+    cases (a case whose draw fell within a rounding error of a boundary could differ; none does)."""
+    rng = np.random.default_rng(0)
+    checked = set()
+    for case in range(300):
+        vocab = int(rng.choice([10, 64, 500]))
+        scale = rng.choice([1.0, 4.0])
+        logits = (rng.standard_normal(vocab) * scale).astype(rng.choice([np.float32, np.float16]))
+        seen = rng.integers(0, vocab, 6).tolist()
+        settings = {
+            "do_sample": bool(case % 5), "temperature": float(rng.choice([0.5, 1.0, 1.5])),
+            "top_k": int(rng.choice([0, 1, 8, vocab])), "top_p": float(rng.choice([1.0, 0.9, 0.4])),
+            "min_p": float(rng.choice([0.0, 0.05])), "repetition_penalty": float(rng.choice([1.0, 1.3])),
+            "suppress_tokens": tuple(rng.integers(0, vocab, case % 3).tolist()),
+        }
+        u = float(1.0 - rng.random())
+        s = SearchSettings(**settings)
+        pick = Pick(s.sampling, s.temperature if s.sampling else 1.0, s.top_k, s.top_p, s.min_p,
+                    s.repetition_penalty, tuple(sorted(set(seen))) if s.repetition_penalty != 1.0 else (),
+                    s.suppress_tokens, (u,))
+        ours = Picker(pick, vocab).select(logits, "decoder", 0)
+        assert ours == kernel_token(logits, seen, u, **settings), (case, settings)
+        checked.add(ours)
+    assert len(checked) > 50
+
+
+def test_nan_logits_are_an_error() -> None:
+    pick = Pick(True, 1.0, 0, 1.0, 0.0, 1.0, (), (), (0.5,))
+    with pytest.raises(ortpipe.OrtpipeError, match='session "decoder" gave NaN or infinite logits'):
+        Picker(pick, 3).select(np.array([0.0, np.nan, 1.0], np.float32), "decoder", 4)
