@@ -73,6 +73,15 @@ def test_the_chooser_picks_what_the_table_says(device: str, files: tuple[str, ..
         assert variants.choose(folder, configured, device) == ALL[expected]
 
 
+def test_a_device_without_float16_skips_those_variants() -> None:
+    folder = Files(ALL["fp16"], ALL["q4f16"], ALL["q4"])
+    assert variants.choose(folder, "onnx/model.onnx", "webgpu") == ALL["fp16"]
+    assert variants.choose(folder, "onnx/model.onnx", "webgpu", f16=False) == ALL["q4"]
+    with pytest.raises(ConfigError, match=r"dtype q4f16 computes in float16, which this webgpu device "
+                                          r"cannot .*choose another: q4$"):
+        variants.choose(folder, "onnx/model.onnx", "webgpu", "q4f16", f16=False)
+
+
 def test_every_row_orders_every_dtype() -> None:
     for row in variants.DEFAULTS.values():
         assert sorted(row) == sorted(variants.SUFFIXES)
@@ -107,7 +116,8 @@ def test_load_runs_the_variant_asked_for(llama_variants: Path) -> None:
         pipe = ortpipe.load(llama_variants, dtype=dtype)
         assert _decoder_file(pipe) == file
         # plain onnxruntime on that file, greedy with a growing (concat) cache: the reference
-        assert pipe.generate(prompt_ids=ids, max_new_tokens=8).tokens == _greedy(llama_variants / file, ids, 8)
+        reference = _greedy(llama_variants / file, ids, 8)
+        assert pipe.generate(prompt_ids=ids, max_new_tokens=8).tokens == reference
     assert _decoder_file(ortpipe.load(llama_variants)) == "model_quantized.onnx"  # the cpu row's first
     assert _decoder_file(ortpipe.load(llama_variants, dtype={"decoder": "q4"})) == "model_q4.onnx"
     with pytest.raises(ConfigError, match="dtype names sessions this model does not have: vision"):
@@ -148,7 +158,7 @@ def test_the_config_and_config_json_pick_a_variant(llama_variants: Path, tmp_pat
     assert _decoder_file(ortpipe.load(v1, dtype="q4")) == "model_q4.onnx"  # load's dtype comes first
     v2["pipeline"]["sessions"]["decoder"]["dtype"] = "q3"
     (v1 / "genai_config.json").write_text(json.dumps(v2))
-    with pytest.raises(ConfigError, match=r'pipeline.sessions.decoder.dtype must be one of fp32, .*found "q3"'):
+    with pytest.raises(ConfigError, match=r'sessions.decoder.dtype must be one of fp32, .*found "q3"'):
         ortpipe.load(v1)
     # no genai_config.json: detection finds a variant alone, and reads transformers.js_config
     detected = tmp_path / "detected"
@@ -157,7 +167,8 @@ def test_the_config_and_config_json_pick_a_variant(llama_variants: Path, tmp_pat
         shutil.copy2(llama_variants / name, detected / "onnx" / name)
     shutil.copy2(llama_variants / "tokenizer.json", detected)
     assert _decoder_file(ortpipe.load(detected)) == "onnx/model_q4.onnx"
-    (detected / "config.json").write_text(json.dumps({"transformers.js_config": {"dtype": {"model": "fp16"}}}))
+    transformers_js = {"transformers.js_config": {"dtype": {"model": "fp16"}}}
+    (detected / "config.json").write_text(json.dumps(transformers_js))
     assert _decoder_file(ortpipe.load(detected)) == "onnx/model_fp16.onnx"
     assert variants.present(LocalFolder(detected), "onnx/model.onnx") == {
         "fp16": "onnx/model_fp16.onnx", "q4": "onnx/model_q4.onnx"}

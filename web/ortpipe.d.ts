@@ -11,11 +11,18 @@ export interface Progress {
   /** Bytes downloaded so far, and in all (0 when the server does not say). */
   loaded?: number;
   total?: number;
+  /** A session made from the early downloads, while Python started. */
+  early?: boolean;
   message?: string;
 }
 
+/** A model variant, as transformers.js names them (model.onnx fp32, model_quantized.onnx q8, model_q4.onnx, ...). */
+export type Dtype = 'fp32' | 'fp16' | 'q8' | 'int8' | 'uint8' | 'q4' | 'q4f16' | 'bnb4';
+
 export interface LoadOptions {
   device?: Device;
+  /** The variant to run, for every session or per session name; by default the device's fastest the folder has. */
+  dtype?: Dtype | Record<string, Dtype>;
   onProgress?: (progress: Progress) => void;
 }
 
@@ -121,6 +128,9 @@ export interface GenerateResult {
 export interface PipelineInfo {
   device: 'webgpu' | 'wasm';
   sessions: string[];
+  /** The file each session runs, and its variant. */
+  files: Record<string, string>;
+  dtypes: Record<string, Dtype>;
   eos: number[];
   tokenizer: boolean;
   max_length: number | null;

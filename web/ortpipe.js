@@ -29,16 +29,20 @@ export class OrtpipeError extends Error {
  * Load a model folder: a URL prefix holding genai_config.json (v1 or v2) and its ONNX files, or
  * an Optimum / transformers.js export (model.onnx or onnx/model.onnx beside config.json).
  * @param {string} modelUrl the folder's URL, relative to the page or absolute
- * @param {{device?: 'auto'|'webgpu'|'wasm', onProgress?: (p: Progress) => void}} [options]
+ * @param {{device?: 'auto'|'webgpu'|'wasm', dtype?: string|Object<string, string>,
+ *   onProgress?: (p: Progress) => void}} [options]
  *   device: "auto" (the default) takes WebGPU when the browser has an adapter, else wasm.
+ *   dtype: the model variant when the folder holds several exports of a graph (transformers.js's
+ *   names: "fp32" model.onnx, "q8" model_quantized.onnx, "q4" model_q4.onnx, "fp16", "q4f16", ...),
+ *   for every session or per session name; by default the device's fastest the folder has.
  * @returns {Promise<Pipeline>}
  * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
  */
-export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
+export async function load(modelUrl, { device = 'auto', dtype = null, onProgress } = {}) {
   const pipe = new Pipeline(takeWorker(), onProgress);
   const url = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, globalThis.location?.href).href;
   try {
-    pipe.info = await pipe._call('load', { modelUrl: url, device });
+    pipe.info = await pipe._call('load', { modelUrl: url, device, dtype });
   } catch (error) {
     pipe.dispose();
     throw error;
@@ -77,7 +81,7 @@ export async function webgpuAvailable() {
 /** A loaded model. Create it with `load()`. Generations queue: one runs at a time. */
 export class Pipeline {
   constructor(worker, onProgress) {
-    /** What was loaded: {device, sessions, eos, tokenizer, max_length, model_type, load_ms}. */
+    /** What was loaded: {device, sessions, files, dtypes, eos, tokenizer, max_length, model_type, load_ms}. */
     this.info = null;
     this._worker = worker;
     this._onProgress = onProgress;

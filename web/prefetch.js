@@ -1,12 +1,16 @@
 // Early downloads of a model folder's graphs, started by the worker while Python starts.
 //
-// Which graphs a folder needs is the core's decision (py/ortpipe/config, py/ortpipe/detect.py),
-// made once Python runs, a second or more after the page asked for the model. Meanwhile this
-// guesses the same files: every name in genai_config.json that ends in ".onnx", or, with no
-// genai_config.json, the first of detection's candidates that exists; then the weight files beside
-// each. Bridge.fetchBytes and Bridge.createSession take a download from here when the core asks for
-// its URL, and Bridge.existsSync the answers of the probes. A wrong guess costs a download nobody
-// takes, which `drop` aborts; it never changes what is loaded.
+// Which graphs a folder needs is the core's decision (py/ortpipe/config, py/ortpipe/detect.py,
+// py/ortpipe/variants.py), made once Python runs, a second or more after the page asked for the
+// model. Meanwhile this guesses the same files: every name in genai_config.json that ends in
+// ".onnx", or, with no genai_config.json, the first of detection's candidates that exists; of each,
+// the variant the core will choose for the device (variants.js); then the weight files beside it.
+// Once a graph and its weights are here, its session is created as well (`open`), with the options
+// the core will ask for. Bridge.fetchBytes, Bridge.createSession and Bridge.existsSync take the
+// downloads, the sessions and the probes' answers from here. A wrong guess costs a download or a
+// session nobody takes, which `drop` aborts or releases; it never changes what is loaded.
+
+import { chooseVariant, variantFiles } from './variants.js';
 
 // py/ortpipe/detect.py's DECODER_FILES, in its order (tests/web/test_prefetch.py compares them).
 export const DECODER_FILES = [
@@ -21,32 +25,83 @@ export class Prefetch {
    * @param {string} base the model folder's URL, ending in "/"
    * @param {(url: string, name: string, signal: AbortSignal) => Promise<Uint8Array>} download
    *   fetches a file's bytes, reporting progress under `name`
+   * @param {{device?: Promise<{device: string, f16: boolean}>, dtype?: string|Object<string, string>,
+   *   open?: (file: string, bytes: Uint8Array, weights: {url: string, data: Uint8Array}[]) => Promise<object>}} [options]
+   *   the device the model will run on, the dtype load() was given, and how to create a session
    */
-  constructor(base, download) {
+  constructor(base, download, { device = Promise.resolve({ device: 'wasm', f16: true }), dtype = null, open = null } = {}) {
     this.base = base;
     this.download = download;
+    this.device = device;
+    this.dtype = dtype;
+    this.open = open;
     this.downloads = new Map(); // url -> Promise<Uint8Array | undefined>
+    this.sessions = new Map(); // graph url -> {weights: [url], session: Promise<session | undefined>}
     this.probed = new Map(); // url -> whether it exists
     this.abort = new AbortController();
-    this.start().catch(() => {}); // a failed guess is no error: the core fetches what it needs itself
+    this.started = this.start().catch(() => {}); // a failed guess is no error: the core fetches what it needs
   }
 
   async start() {
     const config = await fetch(this.base + 'genai_config.json', { signal: this.abort.signal });
     let graphs;
     if (config.ok) {
-      graphs = [...new Set(onnxNames(JSON.parse(await config.text())))];
+      graphs = configGraphs(JSON.parse(await config.text()));
     } else {
-      const found = await Promise.all(DECODER_FILES.map((file) => this.exists(file)));
-      graphs = DECODER_FILES.filter((_, i) => found[i]).slice(0, 1);
+      const candidates = await Promise.all(DECODER_FILES.map((file) => this.variants(file)));
+      const first = candidates.findIndex((found) => Object.keys(found).length);
+      graphs = first < 0 ? [] : [{ file: DECODER_FILES[first], dtype: await this.configDtype(DECODER_FILES[first]) }];
     }
-    await Promise.all(graphs.map(async (file) => {
-      if (!(this.known(this.base + file) ?? await this.exists(file))) return;
-      this.fetch(file);
-      const weights = EXTERNAL_DATA.map((suffix) => file + suffix);
-      const found = await Promise.all(weights.map((name) => this.exists(name)));
-      weights.filter((_, i) => found[i]).forEach((name) => this.fetch(name));
+    const { device, f16 } = await this.device;
+    await Promise.all(graphs.map(async ({ file, session, dtype }) => {
+      const asked = typeof this.dtype === 'string' ? this.dtype : this.dtype?.[session];
+      const chosen = chooseVariant(await this.variants(file), device, asked ?? dtype, f16);
+      if (!chosen) return;
+      const bytes = this.fetch(chosen);
+      const names = EXTERNAL_DATA.map((suffix) => chosen + suffix);
+      const found = await Promise.all(names.map((name) => this.exists(name)));
+      const weights = names.filter((_, i) => found[i]).map((name) => ({ url: this.base + name, data: this.fetch(name) }));
+      if (this.open) this.openEarly(chosen, bytes, weights);
     }));
+  }
+
+  /** Every variant of `file`'s graph that exists: dtype -> name. */
+  async variants(file) {
+    const names = Object.entries(variantFiles(file));
+    const found = await Promise.all(names.map(([, name]) => this.known(this.base + name) ?? this.exists(name)));
+    return Object.fromEntries(names.filter((_, i) => found[i]));
+  }
+
+  /** The dtype config.json's transformers.js_config names for a detected graph (as detect.py reads it). */
+  async configDtype(file) {
+    const response = await fetch(this.base + 'config.json', { signal: this.abort.signal });
+    let dtype = response.ok ? (await response.json().catch(() => ({})))?.['transformers.js_config']?.dtype : undefined;
+    if (dtype && typeof dtype === 'object') dtype = dtype[variantFiles(file).fp32.slice(0, -5).split('/').pop()];
+    return typeof dtype === 'string' && dtype !== 'auto' ? dtype : undefined;
+  }
+
+  /** Create the session of the downloaded graph `file` while Python starts (see `session`). */
+  openEarly(file, bytes, weights) {
+    const session = (async () => {
+      const graph = await bytes;
+      const data = await Promise.all(weights.map(async ({ url, data }) => ({ url, data: await data })));
+      if (!graph || data.some(({ data: d }) => !d) || this.abort.signal.aborted) return undefined;
+      return this.open(file, graph, data);
+    })().catch(() => undefined); // the core creates it again, and reports what fails
+    this.sessions.set(this.base + file, { weights: weights.map(({ url }) => url), session });
+  }
+
+  /**
+   * The session created early for the graph at `url` with these weight files, once; undefined
+   * when there is none (or it was made with other weights: then it is released).
+   */
+  async session(url, weights) {
+    const early = this.sessions.get(url);
+    if (!early) return undefined;
+    this.sessions.delete(url);
+    if (early.weights.join() === weights.join()) return early.session;
+    (await early.session)?.release();
+    return undefined;
   }
 
   /** Whether `file` exists (a HEAD request), remembered for `known`. */
@@ -57,10 +112,12 @@ export class Prefetch {
     return response.ok;
   }
 
+  /** Start downloading `file`: the promise of its bytes (undefined if the download fails). */
   fetch(file) {
     const url = this.base + file;
     const bytes = this.download(url, file, this.abort.signal).catch(() => undefined);
     this.downloads.set(url, bytes);
+    return bytes;
   }
 
   /** Whether `url` exists, if a probe here found out; else undefined. */
@@ -75,11 +132,24 @@ export class Prefetch {
     return bytes;
   }
 
-  /** Abort what nobody took. */
-  drop() {
+  /** Abort what nobody took, and release the sessions nobody took. */
+  async drop() {
     this.abort.abort();
     this.downloads.clear();
+    const sessions = [...this.sessions.values()];
+    this.sessions.clear();
+    await Promise.all(sessions.map(async ({ session }) => (await session)?.release()));
   }
+}
+
+/** The graphs a parsed genai_config.json names: [{file, session, dtype}] (v2: its sessions' files
+ * and dtypes; v1: every string naming an ONNX file). */
+function configGraphs(config) {
+  const sessions = config?.version === 2 ? config.pipeline?.sessions : null;
+  const named = Object.entries(sessions && typeof sessions === 'object' ? sessions : {})
+    .filter(([, spec]) => onnxNames(spec?.file).length)
+    .map(([session, spec]) => ({ file: spec.file, session, dtype: typeof spec.dtype === 'string' ? spec.dtype : undefined }));
+  return named.length ? named : [...new Set(onnxNames(config))].map((file) => ({ file }));
 }
 
 /** Every string in a parsed genai_config.json that names an ONNX file. */

@@ -7,7 +7,7 @@
 // the message it answers. After `unload` the worker can load another model without starting Python
 // and onnxruntime-web again.
 
-import { Bridge, downloadBytes } from './bridge.js';
+import { Bridge, downloadBytes, sessionOptions } from './bridge.js';
 import { decodeImages } from './images.js';
 import { Prefetch } from './prefetch.js';
 
@@ -31,7 +31,7 @@ const here = (path) => new URL(path, import.meta.url).href;
 const progress = (event) => self.postMessage({ type: 'progress', ...event });
 
 self.onmessage = ({ data }) => {
-  if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device));
+  if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device, data.dtype));
   else if (data.type === 'generate') answer(data.id, () => generate(data.id, data.options, data.interrupted));
   else if (data.type === 'say') {
     answer(data.id, () => run(data.id, 'say', { ...data.options, chat: data.chat, interrupted: data.interrupted }));
@@ -75,13 +75,18 @@ async function answer(id, work) {
   }
 }
 
-async function load(modelUrl, device) {
+async function load(modelUrl, device, dtype) {
   if (worker) throw new Error('this worker already holds a model; load() another pipeline instead');
   // The model's graphs start downloading now, while Python and onnxruntime-web start (modelUrl is
-  // absolute and ends in "/": ortpipe.js's load made it so).
-  const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal));
+  // absolute and ends in "/": ortpipe.js's load made it so), and their sessions are created as
+  // soon as they are here.
+  const resolving = resolveDevice(device);
+  const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal), {
+    device: resolving.catch(() => ({ device: 'wasm', f16: true })), dtype,
+    open: async (file, bytes, weights) => openEarly(file, bytes, weights, (await resolving).device),
+  });
   try {
-    const resolved = await resolveDevice(device);
+    const { device: resolved, f16 } = await resolving;
     const [python, ort, tokenizers, jinja] = await runtime(resolved);
     const modelBridge = new ModelBridge(ort, tokenizers, jinja, progress, () => ortBuild('wasm'));
     modelBridge.prefetch = prefetch;
@@ -89,7 +94,8 @@ async function load(modelUrl, device) {
     const loading = target.Worker(modelBridge);
     target.destroy();
     try {
-      const info = await pump(loading.task('load', JSON.stringify({ url: modelUrl, device: resolved })));
+      const options = { url: modelUrl, device: resolved, dtype, f16 };
+      const info = await pump(loading.task('load', JSON.stringify(options)));
       for (const note of info.notes) console.warn(`ortpipe: ${note}`);
       [worker, bridge] = [loading, modelBridge];
       progress({ phase: 'ready', message: 'Ready' });
@@ -100,8 +106,15 @@ async function load(modelUrl, device) {
       throw error;
     }
   } finally {
-    prefetch.drop(); // what the core did not take; its probes' answers stay true
+    await prefetch.drop(); // what the core did not take; its probes' answers stay true
   }
+}
+
+/** A model session made from early downloads, with the options the core asks for (bridge.js). */
+async function openEarly(file, bytes, weights, device) {
+  const ort = await ortBuild(device);
+  progress({ phase: 'session', file, early: true });
+  return ort.InferenceSession.create(bytes, sessionOptions(device, weights, device === 'webgpu'));
 }
 
 /** Run the Python task `kind` to its end: its value. */
@@ -212,18 +225,21 @@ function forgetOnFailure(promise, forget) {
   return promise;
 }
 
-/** "wasm" or "webgpu": "auto" takes WebGPU when the browser has an adapter. */
+/**
+ * {device: "wasm" or "webgpu", f16: whether it runs float16 graphs}: "auto" takes WebGPU when the
+ * browser has an adapter. A WebGPU adapter without the shader-f16 feature cannot run them.
+ */
 async function resolveDevice(device) {
   if (!['auto', 'wasm', 'webgpu'].includes(device)) {
     throw new Error(`device must be "auto", "webgpu" or "wasm", not ${JSON.stringify(device)}`);
   }
-  if (device === 'wasm') return 'wasm';
+  if (device === 'wasm') return { device: 'wasm', f16: true };
   const adapter = await navigator.gpu?.requestAdapter().catch(() => null);
-  if (adapter) return 'webgpu';
+  if (adapter) return { device: 'webgpu', f16: adapter.features.has('shader-f16') };
   if (device === 'webgpu') {
     throw new Error('WebGPU is not available in this browser (no GPU adapter); use device "wasm" or "auto"');
   }
-  return 'wasm';
+  return { device: 'wasm', f16: true };
 }
 
 /** Pyodide with ortpipe's package unpacked into its site-packages, started from the bundle's memory

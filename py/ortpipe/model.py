@@ -54,7 +54,11 @@ Progress = Callable[[str], None]
 
 
 def load_model(
-    folder: Folder, platform: Platform, dtype: str | dict[str, str] | None = None, device: str | None = None
+    folder: Folder,
+    platform: Platform,
+    dtype: str | dict[str, str] | None = None,
+    device: str | None = None,
+    f16: bool = True,
 ) -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
     `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
@@ -62,9 +66,10 @@ def load_model(
 
     Each session runs the variant of its graph (variants.py) that `dtype` names (one for all, or
     per session), else its config's "dtype", else the first of `device`'s defaults the folder has
-    (`device`: the target's, or None for each session's first execution provider)."""
+    (`device`: the target's, or None for each session's first execution provider; `f16`: whether
+    the device runs float16 graphs)."""
     start = time.perf_counter()
-    config = with_variants(load_config(folder), folder, check_dtype(dtype), device)
+    config = with_variants(load_config(folder), folder, check_dtype(dtype), device, f16)
     used = {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}
@@ -83,13 +88,15 @@ def load_model(
     return model, sessions
 
 
-def with_variants(config: Any, folder: Folder, dtype: str | dict[str, str] | None, device: str | None) -> Any:
+def with_variants(
+    config: Any, folder: Folder, dtype: str | dict[str, str] | None, device: str | None, f16: bool = True
+) -> Any:
     """`config` with each session's file replaced by the variant it runs."""
     sessions = {}
     for name, spec in config.pipeline.sessions.items():
         wanted = dtype.get(name, spec.dtype) if isinstance(dtype, dict) else dtype or spec.dtype
         if present(folder, spec.file):
-            file = choose(folder, spec.file, device or spec.providers[0], wanted, name)
+            file = choose(folder, spec.file, device or spec.providers[0], wanted, name, f16)
             spec = dataclasses.replace(spec, file=file)
         sessions[name] = spec
     if isinstance(dtype, dict) and set(dtype) - set(sessions):

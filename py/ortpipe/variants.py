@@ -45,6 +45,8 @@ DEFAULTS: dict[str, tuple[str, ...]] = {
     "cpu": ("q8", "int8", "uint8", "q4", "q4f16", "fp32", "fp16", "bnb4"),
     "gpu": ("fp16", "fp32", "q4f16", "q4", "bnb4", "q8", "int8", "uint8"),
 }
+# Variants that compute in float16: a WebGPU adapter without the shader-f16 feature cannot run them.
+HALF = ("fp16", "q4f16")
 # Which row each device and execution provider reads (an unknown provider: "cpu").
 ROWS = {
     "wasm": "wasm",
@@ -110,21 +112,27 @@ def check_dtype(dtype: Any, where: str = "dtype") -> str | dict[str, str] | None
     return dtype
 
 
-def choose(folder: Folder, file: str, device: str, dtype: str | None = None, session: str = "") -> str:
-    """The file the session runs: the variant `dtype` names, else the device's first the folder has.
-    A ConfigError names the variants the folder has when the one asked for is missing."""
+def choose(folder: Folder, file: str, device: str, dtype: str | None = None, session: str = "",
+           f16: bool = True) -> str:
+    """The file the session runs: the variant `dtype` names, else the device's first the folder has
+    (without float16 graphs unless the device runs them: `f16`). A ConfigError names the variants
+    the folder has when the one asked for is missing or cannot run."""
     found = present(folder, file)
+    who = f'session "{session}": ' if session else ""
+    if dtype in HALF and not f16:
+        raise ConfigError(f"{who}dtype {dtype} computes in float16, which this {device} device cannot (a "
+                          "WebGPU adapter without shader-f16); choose another: "
+                          f"{', '.join(d for d in found if d not in HALF) or 'none is in the folder'}")
     if dtype is not None:
         if dtype in found:
             return found[dtype]
         have = ", ".join(f"{d} ({f})" for d, f in found.items()) or "none"
-        who = f'session "{session}": ' if session else ""
         raise ConfigError(
             f"{who}dtype {dtype} needs {folder.describe(file_of(split(file)[0], dtype))}, which does not "
             f"exist; the variants of this graph in the folder: {have}"
         )
     for candidate in device_row(device):
-        if candidate in found:
+        if candidate in found and (f16 or candidate not in HALF):
             return found[candidate]
     return file  # none at all: the config's check reports the missing file
 

@@ -20,6 +20,7 @@ follow (a chat turn, a rewind).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import traceback
@@ -38,6 +39,7 @@ from ..request import Chunk, Request
 from ..signature import Signature, TensorInfo
 from ..templates import Renderer, TemplateFailure
 from ..tokenizer import TextStream
+from ..variants import dtype_of
 
 # Weights stored beside a graph: the model builder's name, then Optimum's.
 EXTERNAL_DATA = ("{file}.data", "{file}_data")
@@ -88,6 +90,7 @@ class WebBackend:
 
     fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the worker runs
     decode_burst = 64  # steps per Decode at most; the JS Decoder also stops after BURST_MS
+    fused_sampling = True  # the Decoder selects by a Decode's pick (web/sampling.js)
 
     def __init__(self, bridge: JsProxy):
         self.bridge = bridge
@@ -396,8 +399,9 @@ class Emit:
 class Task:
     """One message's work, pumped by the worker: every call answers JSON, one of
     {"chunks", "next": "wait"}: await `pending`, then `advance(result)`;
-    {"chunks", "next": "decode", "decode": [token, position, limit], "fresh"}: run a burst of the JS
-      Decoder (`decoder`, read again when fresh), then `decoded(...tokens)`;
+    {"chunks", "next": "decode", "decode": [token, position, limit, pick], "fresh"}: run a burst of
+      the JS Decoder (`decoder`, read again when fresh; `pick`: how it selects, or null for the
+      argmax), then `decoded(...tokens)`;
     {"chunks", "next": "done", "value"}; or {"chunks", "error": {"type", "message"}}.
     A JS failure while awaiting is handed back with `fail(message)`: the core sees it where it asked."""
 
@@ -432,12 +436,13 @@ class Task:
                 elif type(item) is Decode:
                     self._item = item
                     self.decoder, fresh = self.driver.decoder(item)
+                    pick = dataclasses.asdict(item.pick) if item.pick is not None else None
                     return json.dumps(
                         {
                             "chunks": chunks,
                             "next": "decode",
                             "fresh": fresh,
-                            "decode": [item.token, item.position, item.limit],
+                            "decode": [item.token, item.position, item.limit, pick],
                         }
                     )
                 else:
@@ -482,7 +487,7 @@ class Worker:
         if kind == "load":
             folder = RemoteFolder(self.bridge, options["url"])
             self.driver = Driver(self.bridge, folder, options["device"])
-            return self._load(folder)
+            return self._load(folder, options.get("dtype"), options.get("f16", True))
         if kind == "generate":
             tensors = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
             return self._generate(options, tensors)
@@ -494,8 +499,9 @@ class Worker:
             return self._rewind(options.get("chat"))
         return _failing(OrtpipeError(f"the worker asked for an unknown task {kind!r}"))
 
-    def _load(self, folder: RemoteFolder) -> Work:
-        self.model, _ = yield from load_model(folder, WebPlatform(self.bridge))
+    def _load(self, folder: RemoteFolder, dtype: Any, f16: bool) -> Work:
+        platform = WebPlatform(self.bridge)
+        self.model, _ = yield from load_model(folder, platform, dtype, self.driver.device, f16)
         return self.info()
 
     def _generate(self, options: dict[str, Any], images: list[Any] | None) -> Work:
@@ -564,9 +570,12 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         model = self._loaded()
+        files = {name: model.config.pipeline.sessions[name].file for name in sorted(model.plan.signatures)}
         return {
             "device": self.driver.device,
             "sessions": sorted(model.plan.signatures),
+            "files": files,  # the variant each session runs
+            "dtypes": {name: dtype_of(file) for name, file in files.items()},
             "eos": list(model.config.tokens.eos),
             "tokenizer": model.tokenizer is not None,
             "max_length": model.config.generation.max_length,
