@@ -1,14 +1,17 @@
-// The demo page (index.html): load a model folder, stream a generation, show its speed. Once a
-// model has loaded it registers the service worker (sw.js) that keeps the whole bundle for offline
-// use: precaching tens of megabytes must not slow down the first load, which fills the browser's
-// HTTP cache with most of them anyway.
+// The demo page (index.html): load a model folder (a device, a variant), stream a generation with
+// the sampling settings of its panel, show its speed. The status line follows the work at hand and
+// ends with it: loading progress while a model loads, then what the generation did. Once a model
+// has loaded it registers the service worker (sw.js) that keeps the whole bundle for offline use:
+// precaching tens of megabytes must not slow down the first load, which fills the browser's HTTP
+// cache with most of them anyway.
 
 import { load, webgpuAvailable } from './ortpipe.js';
 
 const $ = (id) => document.getElementById(id);
 let pipe = null;
 let chat = null; // chat mode's conversation with `pipe`, from its first message
-let loadedKey = null; // "url|device" of the loaded pipeline
+let loadedKey = null; // "url|device|dtype" of the loaded pipeline
+let loading = false; // a load is running: its progress events update the status
 let offlineEnabled = false; // whether sw.js was registered
 
 async function init() {
@@ -36,37 +39,48 @@ async function json(url) {
 async function ensureLoaded() {
   const url = $('model-url').value.trim();
   const device = $('device').value;
+  const dtype = $('dtype').value || null;
   if (!url) throw new Error('Enter the URL of a model folder, for example models/NAME/');
-  if (pipe && loadedKey === `${url}|${device}`) return pipe;
+  if (pipe && loadedKey === `${url}|${device}|${dtype}`) return pipe;
   pipe?.dispose();
   pipe = null;
   chat = null; // it belonged to the pipeline just disposed
+  $('model-info').textContent = '';
   const started = performance.now();
   showProgress(0, 'Starting…');
+  loading = true;
   try {
-    pipe = await load(url, { device, onProgress });
-  } catch (error) {
-    $('status').textContent = '';
-    throw error;
+    pipe = await load(url, { device, dtype, onProgress });
   } finally {
-    $('progress').hidden = true;
+    loading = false;
+    endProgress('');
   }
-  loadedKey = `${url}|${device}`;
+  loadedKey = `${url}|${device}|${dtype}`;
   enableOffline();
   const seconds = ((performance.now() - started) / 1000).toFixed(1);
   $('stat-load').textContent = `${seconds} s`;
-  $('status').textContent = `Loaded ${url} on ${pipe.info.device === 'webgpu' ? 'WebGPU' : 'WebAssembly'}` +
-    (pipe.info.tokenizer ? '' : ' (no tokenizer.json: give the prompt as token ids)');
+  $('model-info').textContent = describe(url, pipe.info);
+  showDefaults(pipe.info.defaults);
+  endProgress(`Loaded in ${seconds} s`);
   return pipe;
 }
 
-function onProgress({ phase, file, loaded, total, message }) {
+/** What was loaded: the folder, the device (and wasm threads), the variant of each session. */
+function describe(url, { device, threads, files, dtypes, tokenizer }) {
+  const where = device === 'webgpu' ? 'WebGPU' : `WebAssembly, ${threads} thread${threads === 1 ? '' : 's'}`;
+  const variants = Object.entries(files).map(([session, file]) => `${dtypes[session]} (${file})`);
+  return `${url} on ${where} · ${[...new Set(variants)].join(', ')}` +
+    (tokenizer ? '' : ' · no tokenizer.json: give the prompt as token ids');
+}
+
+function onProgress({ phase, file, loaded, total, message, early }) {
+  if (!loading) return; // a kernel opened during a generation, or a late event: not the user's wait
   if (phase === 'download') {
     const mb = (n) => (n / 1e6).toFixed(1);
     showProgress(total ? loaded / total : null, `Downloading ${file}: ${mb(loaded)}${total ? ` of ${mb(total)}` : ''} MB`);
   } else if (phase === 'session') {
-    showProgress(null, `Preparing ${file}…`);
-  } else {
+    showProgress(null, `Preparing ${file}${early ? ' while Python starts' : ''}…`);
+  } else if (phase !== 'ready') {
     showProgress(null, message);
   }
 }
@@ -77,6 +91,39 @@ function showProgress(fraction, text) {
   if (fraction === null) bar.removeAttribute('value');
   else bar.value = fraction;
   $('status').textContent = text;
+}
+
+/** The work is over: no progress bar, and `text` says how it ended. */
+function endProgress(text) {
+  $('progress').hidden = true;
+  $('status').textContent = text;
+}
+
+/** The sampling panel's options: the fields that are filled in, with the embed API's names. */
+function samplingOptions() {
+  const options = {};
+  if ($('do-sample').value) options.doSample = $('do-sample').value === 'true';
+  for (const input of document.querySelectorAll('#settings input[data-setting]')) {
+    if (input.value !== '') options[input.dataset.setting] = Number(input.value);
+  }
+  return options;
+}
+
+/** The model's defaults as the panel's placeholders, and in its summary line. */
+function showDefaults(defaults) {
+  const names = { temperature: 'temperature', topK: 'top_k', topP: 'top_p', minP: 'min_p',
+    repetitionPenalty: 'repetition_penalty', seed: 'seed' };
+  for (const input of document.querySelectorAll('#settings input[data-setting]')) {
+    const value = defaults?.[names[input.dataset.setting]];
+    input.placeholder = value === null || value === undefined ? '' : String(value);
+  }
+  $('do-sample').options[0].textContent = `Model default (${defaults?.do_sample ? 'sample' : 'greedy'})`;
+  updateSummary();
+}
+
+function updateSummary() {
+  const chosen = Object.entries(samplingOptions()).map(([k, v]) => `${k} ${v}`);
+  $('settings-summary').textContent = chosen.length ? `(${chosen.join(', ')})` : '(the model\'s defaults)';
 }
 
 function promptOptions() {
@@ -93,6 +140,7 @@ async function generate(event) {
   event.preventDefault();
   $('error').textContent = '';
   setRunning(true);
+  let tokens = [];
   const output = $('output');
   const chatting = $('chat-mode').checked;
   if (!chatting) output.replaceChildren();
@@ -109,22 +157,23 @@ async function generate(event) {
       const model = await ensureLoaded();
       if (!chat) { // a new conversation (chat mode just started, or another model was loaded)
         output.replaceChildren();
-        chat = await model.chat();
+        chat = await model.chat(samplingOptions()); // a chat keeps its settings: "New chat" takes new ones
       }
       const message = $('prompt').value;
       target = Object.assign(document.createElement('div'), { className: 'turn assistant' });
       output.append(Object.assign(document.createElement('div'), { className: 'turn user', textContent: message }),
         target);
+      $('status').textContent = 'Generating…';
       stream = chat.stream(message, { maxNewTokens });
       $('prompt').value = '';
     } else {
-      const options = { ...promptOptions(), maxNewTokens };
+      const options = { ...promptOptions(), ...samplingOptions(), maxNewTokens };
       if ($('images').files.length) options.images = [...$('images').files];
       const model = await ensureLoaded();
       output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
+      $('status').textContent = 'Generating…';
       stream = model.stream(options);
     }
-    const tokens = [];
     let step = await stream.next();
     while (!step.done) {
       tokens.push(step.value.token);
@@ -133,8 +182,10 @@ async function generate(event) {
       step = await stream.next();
     }
     showResult(step.value);
+    endProgress(`Generated ${step.value.tokens.length} tokens (${step.value.finishReason})`);
   } catch (error) {
     $('error').textContent = `${error.name}: ${error.message}`;
+    endProgress(tokens.length ? `Stopped after ${tokens.length} tokens` : '');
   } finally {
     setRunning(false);
   }
@@ -188,6 +239,7 @@ $('load-form').addEventListener('submit', async (event) => {
     await ensureLoaded();
   } catch (error) {
     $('error').textContent = `${error.name}: ${error.message}`;
+    endProgress('');
   } finally {
     setRunning(false);
     $('stop').disabled = true;
@@ -195,8 +247,10 @@ $('load-form').addEventListener('submit', async (event) => {
 });
 
 $('generate-form').addEventListener('submit', generate);
+$('settings').addEventListener('input', updateSummary);
 $('stop').addEventListener('click', () => pipe?.interrupt());
 $('chat-mode').addEventListener('change', resetChat);
 $('new-chat').addEventListener('click', resetChat);
 init();
+updateSummary();
 if (navigator.serviceWorker?.controller) enableOffline(); // installed on an earlier visit: look for updates

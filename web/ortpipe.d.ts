@@ -131,6 +131,10 @@ export interface PipelineInfo {
   /** The file each session runs, and its variant. */
   files: Record<string, string>;
   dtypes: Record<string, Dtype>;
+  /** onnxruntime-web's wasm threads (more than one needs a cross-origin isolated page). */
+  threads: number;
+  /** The generation settings a request gets unless it gives its own (the folder's config). */
+  defaults: Record<string, unknown>;
   eos: number[];
   tokenizer: boolean;
   max_length: number | null;

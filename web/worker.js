@@ -96,6 +96,7 @@ async function load(modelUrl, device, dtype) {
     try {
       const options = { url: modelUrl, device: resolved, dtype, f16 };
       const info = await pump(loading.task('load', JSON.stringify(options)));
+      info.threads = ort.env.wasm.numThreads; // wasm threads: more than one needs a cross-origin isolated page
       for (const note of info.notes) console.warn(`ortpipe: ${note}`);
       [worker, bridge] = [loading, modelBridge];
       progress({ phase: 'ready', message: 'Ready' });

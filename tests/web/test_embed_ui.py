@@ -147,3 +147,50 @@ def test_demo_page_chats_like_cpython(page: Any, requests_seen: list[str], model
     page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
     assert page.get_attribute("#output", "data-tokens") == ",".join(str(c.token) for c in expected[0])
     assert_same_origin(requests_seen, page)
+
+
+def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str], serve_model: Any) -> None:
+    """The demo model on wasm with the sampling panel: the device and variant are shown after load, and
+    once a generation ends the status says so, with no progress bar left (a sampling kernel opened
+    during the generation used to leave "Preparing kernel:..." and a half-filled bar)."""
+    demo = ROOT / "models" / "demo"
+    url = serve_model("demo", demo)
+    settings = {"do_sample": True, "temperature": 0.8, "top_k": 20, "seed": 3}
+    expected = ortpipe.load(demo, dtype="q8").generate(PROMPT, max_new_tokens=NEW_TOKENS, **settings)
+    greedy = ortpipe.load(demo, dtype="q8").generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert expected.tokens != greedy.tokens
+    page.set_viewport_size({"width": 1100, "height": 1000})
+    page.goto("/")
+    page.fill("#model-url", url)
+    page.select_option("#device", "wasm")
+    page.fill("#prompt", PROMPT)
+    page.fill("#max-new-tokens", str(NEW_TOKENS))
+    page.click("#settings summary")
+    page.select_option("#do-sample", "true")
+    page.fill("#temperature", "0.8")
+    page.fill("#top-k", "20")
+    page.fill("#seed", "3")
+    statuses: list[str] = []
+    page.expose_function("noteStatus", lambda text: statuses.append(text))
+    page.evaluate("""() => new MutationObserver(() => noteStatus(document.getElementById('status').textContent))
+      .observe(document.getElementById('status'), {childList: true, characterData: true, subtree: true})""")
+    page.click("#generate")
+    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+    assert page.text_content("#error") == ""
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected.tokens))
+    assert page.text_content("#model-info") == f"{url} on WebAssembly, 1 thread · q8 (onnx/model_quantized.onnx)"
+    assert page.text_content("#status") == f"Generated {NEW_TOKENS} tokens (length)"
+    assert page.is_hidden("#progress")
+    assert page.get_attribute("#temperature", "placeholder") == "0.7"  # the folder's default, for the next one
+    assert "Preparing onnx/model_quantized.onnx while Python starts…" in statuses
+    loaded = statuses.index(next(s for s in statuses if s.startswith("Loaded in")))
+    assert statuses[loaded + 1:] == ["Generating…", f"Generated {NEW_TOKENS} tokens (length)"], statuses
+    page.select_option("#do-sample", "false")
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('Generated')")
+    page.wait_for_selector("#output[data-tokens]")
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, greedy.tokens))
+    assert page.is_hidden("#progress")
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT.with_name("demo-status.png")), full_page=True)
+    assert_same_origin(requests_seen, page)

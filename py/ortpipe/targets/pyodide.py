@@ -31,6 +31,7 @@ import js
 from pyodide.ffi import JsException, JsProxy, to_js
 
 from ..errors import ConfigError, GenerationError, OrtpipeError
+from ..config.settings import SEARCH
 from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
@@ -582,7 +583,13 @@ class Worker:
             "model_type": model.config.metadata.get("model_type"),
             "load_ms": round(model.load_ms, 1),
             "notes": list(model.config.notes),
+            # the generation settings a request gets unless it says otherwise (the page's placeholders)
+            "defaults": {s.name: _plain(getattr(model.config.generation.settings, s.name)) for s in SEARCH},
         }
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _failing(error: OrtpipeError) -> Work:
