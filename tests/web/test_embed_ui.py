@@ -172,16 +172,20 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     page.fill("#seed", "3")
     statuses: list[str] = []
     page.expose_function("noteStatus", lambda text: statuses.append(text))
-    page.evaluate("""() => new MutationObserver(() => noteStatus(document.getElementById('status').textContent))
-      .observe(document.getElementById('status'), {childList: true, characterData: true, subtree: true})""")
+    page.evaluate("""() => {
+      const status = document.getElementById('status');
+      new MutationObserver(() => noteStatus(status.textContent))
+        .observe(status, {childList: true, characterData: true, subtree: true});
+    }""")
     page.click("#generate")
     page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
     assert page.text_content("#error") == ""
     assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected.tokens))
-    assert page.text_content("#model-info") == f"{url} on WebAssembly, 1 thread · q8 (onnx/model_quantized.onnx)"
+    info = f"{url} on WebAssembly, 1 thread · q8 (onnx/model_quantized.onnx)"
+    assert page.text_content("#model-info") == info
     assert page.text_content("#status") == f"Generated {NEW_TOKENS} tokens (length)"
     assert page.is_hidden("#progress")
-    assert page.get_attribute("#temperature", "placeholder") == "0.7"  # the folder's default, for the next one
+    assert page.get_attribute("#temperature", "placeholder") == "0.7"  # the folder's default
     assert "Preparing onnx/model_quantized.onnx while Python starts…" in statuses
     loaded = statuses.index(next(s for s in statuses if s.startswith("Loaded in")))
     assert statuses[loaded + 1:] == ["Generating…", f"Generated {NEW_TOKENS} tokens (length)"], statuses

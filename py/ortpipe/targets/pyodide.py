@@ -30,8 +30,8 @@ from typing import Any
 import js
 from pyodide.ffi import JsException, JsProxy, to_js
 
-from ..errors import ConfigError, GenerationError, OrtpipeError
 from ..config.settings import SEARCH
+from ..errors import ConfigError, GenerationError, OrtpipeError
 from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
