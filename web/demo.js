@@ -221,6 +221,7 @@ async function enableOffline() {
   const updating = Boolean(navigator.serviceWorker.controller);
   navigator.serviceWorker.addEventListener('controllerchange', () => {
     if (updating) $('offline').textContent = 'A new version was installed: reload the page to use it.';
+    else if (!self.crossOriginIsolated) isolatedByReload();
   });
   try {
     await navigator.serviceWorker.register('sw.js');
@@ -251,6 +252,29 @@ $('settings').addEventListener('input', updateSummary);
 $('stop').addEventListener('click', () => pipe?.interrupt());
 $('chat-mode').addEventListener('change', resetChat);
 $('new-chat').addEventListener('click', resetChat);
+/**
+ * Whether to make the page cross-origin isolated with sw.js's headers: on a host that does not send
+ * them, wasm runs one thread. Loopback hosts are left alone (`ortpipe web --coop` sends the headers
+ * itself); ?isolate=1 or ?isolate=0 decides.
+ */
+function wantsIsolation() {
+  const asked = new URLSearchParams(location.search).get('isolate');
+  if (asked !== null) return asked === '1';
+  return !['localhost', '127.0.0.1', '[::1]'].includes(location.hostname);
+}
+
+/** sw.js now answers this page's requests: reload once to be isolated, unless a model is in use. */
+function isolatedByReload() {
+  if (!wantsIsolation() || sessionStorage.getItem('ortpipe-isolation-reload')) return;
+  if (pipe || loading) {
+    $('offline').textContent = 'Reload the page to run on several threads.';
+    return;
+  }
+  sessionStorage.setItem('ortpipe-isolation-reload', '1'); // once per tab: never a reload loop
+  location.reload();
+}
+
 init();
 updateSummary();
 if (navigator.serviceWorker?.controller) enableOffline(); // installed on an earlier visit: look for updates
+else if (!self.crossOriginIsolated && self.isSecureContext && wantsIsolation()) enableOffline(); // a static host

@@ -4,6 +4,10 @@
 // copied from its cache instead. It then answers the bundle's requests from that cache, going to
 // the network only for files the manifest does not list (model folders added after the build).
 // On activate it deletes the caches of older versions.
+//
+// Every response it gives (from the cache or the network) carries the COOP/COEP headers that make
+// the page cross-origin isolated, which threaded wasm needs: on a static host that sends no such
+// headers, the page is isolated from its first load under this worker on (web/demo.js reloads once).
 
 // build/web.py replaces "unbuilt" with the manifest's version: a rebuilt bundle changes this
 // script, which is what makes the browser install the new version.
@@ -28,8 +32,19 @@ self.addEventListener('fetch', (event) => {
   const { request } = event;
   const path = bundlePath(request.url);
   if (path === null || (request.method !== 'GET' && request.method !== 'HEAD')) return;
-  event.respondWith(respond(request, path));
+  event.respondWith(respond(request, path).then(isolated));
 });
+
+// What `ortpipe web --coop` (ortpipe/static_server.py) sends: the page may share memory with its workers.
+const ISOLATION_HEADERS = { 'Cross-Origin-Opener-Policy': 'same-origin', 'Cross-Origin-Embedder-Policy': 'require-corp' };
+
+/** `response` with the isolation headers (a response the page cannot read is passed on as it is). */
+function isolated(response) {
+  if (response.type === 'opaque' || response.type === 'opaqueredirect' || response.status === 0) return response;
+  const headers = new Headers(response.headers);
+  for (const [name, value] of Object.entries(ISOLATION_HEADERS)) headers.set(name, value);
+  return new Response(response.body, { status: response.status, statusText: response.statusText, headers });
+}
 
 /** Download, check and store every file of the manifest; any failure fails the install. */
 async function precache() {

@@ -194,3 +194,30 @@ def assert_same_origin(urls: list[str], page_url: str) -> None:
     assert urls, "no request was recorded"
     strays = [u for u in urls if urlsplit(u)[:2] != origin and not u.startswith(("data:", "blob:"))]
     assert not strays, f"requests left {origin}: {strays}"
+
+
+def test_a_static_host_gets_cross_origin_isolation_from_the_service_worker(
+        profile: Any, serve: Any, bundle: Path, models: dict[str, Path]) -> None:
+    """A server that sends no COOP/COEP headers (a static host): the demo page registers sw.js at
+    once, which adds them, and reloads itself once it is in control; wasm then runs threaded.
+    (Loopback hosts opt in with ?isolate=1: `ortpipe web --coop` sends the headers itself.)"""
+    expected = ortpipe.load(models["v2"]).generate(prompt_ids=[5, 17, 42, 8], max_new_tokens=NEW_TOKENS)
+    _, url = serve(bundle)
+    page = first_page(profile)
+    navigations: list[str] = []
+    page.on("framenavigated", lambda frame: frame == page.main_frame and navigations.append(frame.url))
+    page.goto(f"{url}?isolate=1")
+    page.wait_for_function("self.crossOriginIsolated", timeout=120_000)
+    assert navigations == [f"{url}?isolate=1"] * 2  # the first load, and the one reload
+    got = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load('models/v2/', {device: 'wasm'});
+      const {tokens} = await pipe.generate({promptIds: [5, 17, 42, 8], maxNewTokens: %d});
+      const threads = pipe.info.threads;
+      pipe.dispose();
+      return {tokens, threads, cores: navigator.hardwareConcurrency};
+    }""" % NEW_TOKENS)
+    assert got["tokens"] == expected.tokens
+    assert got["threads"] == min(4, got["cores"]) and got["threads"] > 1
+    page.goto(url)  # without ?isolate=1 on a loopback host: no reload, and still isolated (the worker's headers)
+    assert page.evaluate("self.crossOriginIsolated")
