@@ -209,15 +209,15 @@ def test_a_static_host_gets_cross_origin_isolation_from_the_service_worker(
     page.goto(f"{url}?isolate=1")
     page.wait_for_function("self.crossOriginIsolated", timeout=120_000)
     assert navigations == [f"{url}?isolate=1"] * 2  # the first load, and the one reload
-    got = page.evaluate("""async () => {
+    got = page.evaluate("""async (maxNewTokens) => {
       const {load} = await import('./ortpipe.js');
       const pipe = await load('models/v2/', {device: 'wasm'});
-      const {tokens} = await pipe.generate({promptIds: [5, 17, 42, 8], maxNewTokens: %d});
+      const {tokens} = await pipe.generate({promptIds: [5, 17, 42, 8], maxNewTokens});
       const threads = pipe.info.threads;
       pipe.dispose();
       return {tokens, threads, cores: navigator.hardwareConcurrency};
-    }""" % NEW_TOKENS)
+    }""", NEW_TOKENS)
     assert got["tokens"] == expected.tokens
     assert got["threads"] == min(4, got["cores"]) and got["threads"] > 1
-    page.goto(url)  # without ?isolate=1 on a loopback host: no reload, and still isolated (the worker's headers)
+    page.goto(url)  # no ?isolate=1 on a loopback host: no reload, and isolated all the same (sw.js's headers)
     assert page.evaluate("self.crossOriginIsolated")
