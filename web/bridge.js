@@ -347,9 +347,10 @@ export class Decoder {
   /**
    * @param {{name: string, ids: [string, string], mask: [string, string]|null, positions: [string, string]|null,
    *   presents: Object<string, string>, outputs: string[], logits: string, vocab: number,
-   *   capacity: number, eos: number[], gpu: boolean}} spec names and dtypes of the session's decode
-   *   feeds; `presents` maps each present output to its past input; a burst stops after a token in
-   *   `eos`; `gpu`: outputs stay on the GPU.
+   *   capacity: number, eos: number[], gpu: boolean, grow: boolean}} spec names and dtypes of the
+   *   session's decode feeds; `presents` maps each present output to its past input; a burst stops
+   *   after a token in `eos`; `gpu`: outputs stay on the GPU; `grow`: a shared buffer
+   *   (GroupQueryAttention's) is fed as a concat cache, only the positions it holds (see `narrow`).
    */
   constructor(ort, session, spec) {
     this.ort = ort;
@@ -396,6 +397,7 @@ export class Decoder {
    * core's Pick), or null for the argmax.
    */
   async burst(token, past, limit, pick = null) {
+    if (this.spec.grow) this.narrow(past);
     const tokens = [];
     const started = performance.now();
     this.picker = pick ? new Picker(pick, this.spec.vocab) : null;
@@ -405,6 +407,26 @@ export class Decoder {
       const spent = performance.now() - started;
       if (tokens.length >= limit || this.eos.has(token) || spent >= BURST_MS) return tokens;
       past += 1;
+    }
+  }
+
+  /**
+   * Cut each buffer of the request's capacity down to the `past` positions it holds. onnxruntime-web
+   * cannot write a present into its past in place: a step copies the whole buffer in and out, and
+   * GroupQueryAttention copies it once more. Fed only the positions held, it returns a present one
+   * position longer (the concat cache), so a step copies what it uses; on a 512-position buffer
+   * that halves the demo model's decode time. The cache the core reads back is such a shorter
+   * buffer, which GroupQueryAttention takes as well. Sliding-window rings are not of the capacity.
+   */
+  narrow(past) {
+    for (const [name, tensor] of Object.entries(this.cache)) {
+      const [batch, heads, length, size] = tensor.dims;
+      if (tensor.dims.length !== 4 || length !== this.spec.capacity || length <= past) continue;
+      const data = new tensor.data.constructor(batch * heads * past * size);
+      for (let row = 0; row < batch * heads; row++) {
+        data.set(tensor.data.subarray(row * length * size, (row * length + past) * size), row * past * size);
+      }
+      this.cache[name] = new this.ort.Tensor(tensor.type, data, [batch, heads, past, size]);
     }
   }
 

@@ -340,6 +340,7 @@ class Driver:
             "capacity": d.capacity,
             "eos": sorted(d.eos),
             "gpu": self._gpu,
+            "grow": step.layout == "shared" and not self._gpu,  # see web/bridge.js Decoder.narrow
         }
         decoder = self.bridge.decoder(self.sessions[step.session], _js_object(spec))
         names = list(step.presents.values())
