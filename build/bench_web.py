@@ -1,13 +1,17 @@
 """Browser benchmark: ortpipe against transformers.js in headless Chromium, on wasm. Not a test.
 
-    python -m build.bench_web [--models 20m,100m] [--threads 1] [--rounds 3] [--warmup-runs 1]
+    python -m build.bench_web [--models demo,20m,100m] [--threads 1] [--rounds 3] [--warmup-runs 1]
                               [--warm-runs 3] [--prompt-tokens 64] [--new-tokens 128]
                               [--engines ortpipe,transformers.js,transformers.js-text,
                                          transformers.js-own-ort,ort]
                               [--interleave] [--profile] [--quiet 1] [--json results.json]
 
-Every engine loads the same Optimum (concat-layout) export of a random-weight Llama from the same
-origin and generates greedily from the same prompt ids: ortpipe; transformers.js over the
+An engine may name the model variant it runs and a mode: `ortpipe@q8`, `transformers.js@q8:sampled`,
+`ort@q4acc0` (web/bench.js). Ratios compare the first engine named with each other one.
+
+Every engine loads the same model folder from the same origin and generates from the same prompt
+ids: the demo model (models/demo, with every variant of build/variants.py beside the ones it ships)
+or an Optimum (concat-layout) export of a random-weight Llama. The engines: ortpipe; transformers.js over the
 onnxruntime-web build ortpipe bundles (the same kernels), taking ids only or (transformers.js-text)
 streaming text as well with its TextStreamer, as ortpipe does; transformers.js over the onnxruntime-web
 it bundles itself (as shipped); and the floor, a hand-written greedy loop over ortpipe's
@@ -68,6 +72,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 ENGINES = ("ortpipe", "transformers.js", "transformers.js-text", "transformers.js-own-ort", "ort")
+DEMO = ROOT / "models" / "demo"
 # One page (load + cold generation + warm generations) may take this long on the larger model.
 PAGE_TIMEOUT_MS = 15 * 60 * 1000
 
@@ -81,7 +86,50 @@ SIZES = {
 }
 
 
-def model_folder(size: Size) -> Path:
+def model_folder(name: str) -> Path:
+    return demo_folder() if name == "demo" else with_q8(optimum_folder(SIZES[name]))
+
+
+def with_q8(folder: Path) -> Path:
+    """A copy of an Optimum folder with its q8 variant beside the fp32 graph (build/variants.py)."""
+    from build import variants
+
+    def build(out: Path) -> Path:
+        shutil.copytree(folder, out)
+        variants.write_variants(out / "onnx" / "model.onnx", ["q8"])
+        return out
+
+    recipe = (folder.parent / f"{folder.name}.done").read_text()  # the fp32 build's fingerprint
+    recipe += (ROOT / "build" / "variants.py").read_text()
+    return hfmodels.cached(f"{folder.name}-q8", build, root=CACHE, recipe=recipe)
+
+
+def demo_folder() -> Path:
+    """models/demo with, beside its q4 and q8 graphs, the variants it does not ship (build/variants.py,
+    from its int4 graph dequantized): fp32, fp16, q4f16, and the q4 graph at accuracy levels 0 and
+    1 (`ort@q4acc0`, `ort@q4acc1`; the shipped q4 is at level 4). Weights inside each graph."""
+
+    def build(out: Path) -> Path:
+        shutil.copytree(DEMO, out)
+        onnx_dir = out / "onnx"
+        q4 = onnx_dir / "model_q4.onnx"
+        fp32 = variants.save(variants.dequantized(onnx.load(q4)), onnx_dir / "model.onnx")
+        variants.write_variants(fp32, ["fp16"])
+        variants.to_fp16(q4, onnx_dir / "model_q4f16.onnx")
+        for level in (0, 1):
+            variants.with_accuracy_level(q4, onnx_dir / f"model_q4acc{level}.onnx", level)
+        return out
+
+    import onnx
+
+    from build import variants
+
+    sources = [*sorted(p for p in DEMO.rglob("*") if p.is_file()), ROOT / "build" / "variants.py"]
+    recipe = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
+    return hfmodels.cached("demo", build, root=CACHE, recipe=recipe)
+
+
+def optimum_folder(size: Size) -> Path:
     """The transformers.js layout of `size`, built into the cache once."""
 
     def build(out: Path) -> Path:
@@ -151,7 +199,8 @@ def parameter_count(folder: Path) -> int:
     head = config["head_dim"]
     attention = hidden * head * (2 * config["num_attention_heads"] + 2 * config["num_key_value_heads"])
     layer = attention + 3 * hidden * config["intermediate_size"] + 2 * hidden
-    return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
+    tables = 1 if config.get("tie_word_embeddings") else 2
+    return config["num_hidden_layers"] * layer + tables * vocab * hidden + hidden
 
 
 def write_tokenizer(vocab: int, folder: Path) -> None:
@@ -533,12 +582,31 @@ def _median_or_none(values: Iterable[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def engine_name(spec: str) -> str:
+    """"transformers.js@q8:sampled" -> "transformers.js" (web/bench.js parses the rest)."""
+    return spec.split(":")[0].split("@")[0]
+
+
+def _token_group(run: dict) -> tuple:
+    """Generations that must give the same tokens: greedy ones of one graph (a model, a thread count
+    and a variant), and the seeded sampled ones of one engine; None for unseeded sampling."""
+    spec = run["engine"]
+    dtype = run["versions"].get("dtype") or (spec.split(":")[0].split("@") + ["fp32"])[1]  # what it ran
+    if spec.endswith(":sampled"):
+        return (run["model"], run["threads"], spec) if engine_name(spec) == "ortpipe" else None
+    return (run["model"], run["threads"], dtype)
+
+
+def _reference(group: list[dict]) -> dict:
+    return next((r for r in group if engine_name(r["engine"]) == "transformers.js"), group[0])
+
+
 def token_mismatches(runs: list[dict], new_tokens: int) -> list[str]:
-    """Every generation of a (model, threads) set against the first transformers.js one."""
+    """Every generation of a group (_token_group) against its first transformers.js one."""
     problems = []
-    for key in dict.fromkeys((run["model"], run["threads"]) for run in runs):
-        group = [run for run in runs if (run["model"], run["threads"]) == key]
-        reference = next((r for r in group if r["engine"] == "transformers.js"), group[0])
+    for key in dict.fromkeys(filter(None, map(_token_group, runs))):
+        group = [run for run in runs if _token_group(run) == key]
+        reference = _reference(group)
         expected = reference["cold"]["tokens"]
         for run in group:
             generations = {"cold": run["cold"], **{f"warm {i + 1}": w for i, w in enumerate(run["warm"])}}
@@ -549,17 +617,17 @@ def token_mismatches(runs: list[dict], new_tokens: int) -> list[str]:
 
 
 def token_report(runs: list[dict]) -> str:
-    """Each model's reference tokens (transformers.js's first generation) and how many generations of
+    """Each group's reference tokens (transformers.js's first generation) and how many generations of
     which engines were compared with them."""
     lines = []
-    for key in dict.fromkeys((run["model"], run["threads"]) for run in runs):
-        group = [run for run in runs if (run["model"], run["threads"]) == key]
-        reference = next((r for r in group if r["engine"] == "transformers.js"), group[0])
+    for key in dict.fromkeys(filter(None, map(_token_group, runs))):
+        group = [run for run in runs if _token_group(run) == key]
+        reference = _reference(group)
         count = sum(1 + len(run["warm"]) for run in group)
         engines = ", ".join(dict.fromkeys(run["engine"] for run in group))
         lines.append(
-            f"{key[0]} threads={key[1]}: {count} generations ({engines}) compared with "
-            f"{reference['engine']}'s tokens {reference['cold']['tokens']}"
+            f"{key[0]} threads={key[1]} {key[2]}: {count} generations ({engines}) compared with "
+            f"{reference['engine']}'s tokens {reference['cold']['tokens'][:12]}..."
         )
     return "\n".join(lines)
 
@@ -579,14 +647,14 @@ def _compare(tokens: list[int], expected: list[int], new_tokens: int, where: str
 def table(rows: list[dict]) -> str:
     """Markdown: one line per model, thread count and engine, with its medians."""
     lines = [
-        "| model | threads | engine | onnxruntime-web | decode tok/s | ms/token | first token ms "
+        "| model | threads | engine | variant | onnxruntime-web | decode tok/s | ms/token | first token ms "
         "| cold start ms | load ms |",
-        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         ort = r["versions"].get("onnxruntime-web")
         lines.append(
-            f"| {r['model']} | {r['threads']} | {r['engine']} | {ort} "
+            f"| {r['model']} | {r['threads']} | {r['engine']} | {r['versions'].get('dtype', '')} | {ort} "
             f"| {r['decode_tokens_per_s']:.1f} | {r['token_ms']:.2f} | {r['first_token_ms']:.0f} "
             f"| {_ms(r['cold_start_ms'])} | {_ms(r['load_ms'])} |"
         )
@@ -615,9 +683,11 @@ def page_value(run: dict, field: str) -> float:
     return statistics.median(w[field] for w in run["warm"])
 
 
-def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[float]]:
-    """ortpipe's speed over `other`'s (above 1: ortpipe is faster) for `what`, one ratio per round
-    from the two pages of that round (loaded minutes apart at most, under the same load)."""
+def round_ratios(
+    runs: list[dict], other: str, what: str, subject: str = "ortpipe"
+) -> dict[tuple, list[float]]:
+    """`subject`'s speed over `other`'s (above 1: the subject is faster) for `what`, one ratio per
+    round from the two pages of that round (loaded minutes apart at most, under the same load)."""
     field, higher_is_better = RATIO_FIELDS[what]
     pages = {(r["model"], r["threads"], r["round"], r["engine"]): page_value(r, field) for r in runs}
     ratios: dict[tuple, list[float]] = {}
@@ -625,26 +695,26 @@ def round_ratios(runs: list[dict], other: str, what: str) -> dict[tuple, list[fl
         theirs = pages.get((model, threads, round_, other))
         # None: not measured; 0: a median interval of tokens that arrived in groups (runs saved before
         # bench.js shared a group's time among its tokens)
-        if engine == "ortpipe" and ours and theirs:
+        if engine == subject and ours and theirs:
             ratio = ours / theirs if higher_is_better else theirs / ours
             ratios.setdefault((model, threads), []).append(ratio)
     return ratios
 
 
-def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
-    """Markdown: ortpipe's speed over each other engine, median of the per-round ratios (min-max;
+def ratio_table(runs: list[dict], others: Sequence[str], subject: str = "ortpipe") -> str:
+    """Markdown: `subject`'s speed over each other engine, median of the per-round ratios (min-max;
     their mean and its 95% interval, t distribution over the rounds: the rounds are the samples)."""
     cells = [
         (other, what)
         for other in others
         for what in RATIO_FIELDS
-        if other != "ort" or what not in ("first token", "cold start")
+        if engine_name(other) != "ort" or what not in ("first token", "cold start")
     ]  # the floor loads no framework
     lines = [
         "| model | threads | " + " | ".join(f"vs {o}: {w}" for o, w in cells) + " |",
         "| --- | ---: |" + " ---: |" * len(cells),
     ]
-    found = {cell: round_ratios(runs, *cell) for cell in cells}
+    found = {cell: round_ratios(runs, *cell, subject) for cell in cells}
     for key in dict.fromkeys((r["model"], r["threads"]) for r in runs):
         values = []
         for cell in cells:
@@ -664,7 +734,8 @@ def ratio_table(runs: list[dict], others: Sequence[str]) -> str:
 
 
 def rounds_table(runs: list[dict], engines: Sequence[str]) -> str:
-    """Markdown: each round's decode tok/s per engine (median of the page's warm runs)."""
+    """Markdown: each round's decode tok/s per engine (median of the page's warm runs), and the first
+    engine's over the second's."""
     pages = {
         (r["model"], r["threads"], r["round"], r["engine"]): page_value(r, "decodeTokensPerS") for r in runs
     }
@@ -675,12 +746,12 @@ def rounds_table(runs: list[dict], engines: Sequence[str]) -> str:
     lines = [
         "| model | threads | round | CPUs busy before | "
         + " | ".join(engines)
-        + " | ortpipe / transformers.js |",
+        + f" | {' / '.join(engines[:2])} |",
         "| --- | ---: | ---: | ---: |" + " ---: |" * (len(engines) + 1),
     ]
     for model, threads, round_ in busy:
         values = [pages.get((model, threads, round_, e)) for e in engines]
-        ours, theirs = (pages.get((model, threads, round_, e)) for e in ("ortpipe", "transformers.js"))
+        ours, theirs = values[0], values[1] if len(values) > 1 else None
         ratio = f"{ours / theirs:.2f}x" if ours and theirs else ""
         lines.append(
             f"| {model} | {threads} | {round_ + 1} | {busy[model, threads, round_]:.0%} | "
@@ -739,7 +810,9 @@ def _csv(kind):  # noqa: ANN001, ANN202
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m build.bench_web", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=_csv(str), default=tuple(SIZES), help="comma-separated: 20m,100m")
+    parser.add_argument(
+        "--models", type=_csv(str), default=tuple(SIZES), help="comma-separated: demo,20m,100m"
+    )
     parser.add_argument(
         "--threads",
         type=_csv(int),
@@ -756,7 +829,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
-        "--engines", type=_csv(str), default=ENGINES, help=f"comma-separated: {','.join(ENGINES)}"
+        "--engines", type=_csv(str), default=ENGINES,
+        help=f"comma-separated: {','.join(ENGINES)}, each with an optional @DTYPE and :sampled",
     )
     parser.add_argument(
         "--interleave",
@@ -786,7 +860,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure nothing: print the tables of a report written by --json",
     )
     args = parser.parse_args(argv)
-    unknown = [m for m in args.models if m not in SIZES] + [e for e in args.engines if e not in ENGINES]
+    unknown = [m for m in args.models if m not in (*SIZES, "demo")]
+    unknown += [e for e in args.engines if engine_name(e) not in ENGINES]
     if unknown:
         parser.error(f"unknown model or engine: {', '.join(unknown)}")
     return args
@@ -808,7 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.quiet,
         args.interleave,
     )
-    models = {name: model_folder(SIZES[name]) for name in settings.models}
+    models = {name: model_folder(name) for name in settings.models}
     try:
         bundle = build_bundle(args.out, models)
     except web.BuildError as e:
@@ -847,8 +922,8 @@ def show(report: dict) -> int:
         for problem in report["token_mismatches"]:
             print(f"WARNING:   {problem}", file=sys.stderr)
     if runs:
-        others = [e for e in engines if e != "ortpipe"]
-        print(f"\n{table(report['summary'])}\n\n{ratio_table(runs, others)}\n\n{rounds_table(runs, engines)}")
+        ratios = ratio_table(runs, engines[1:], engines[0])
+        print(f"\n{table(report['summary'])}\n\n{ratios}\n\n{rounds_table(runs, engines)}")
     if report["profiles"]:
         print(profile_table(report["profiles"]))
     return 1 if report["token_mismatches"] else 0

@@ -19,10 +19,27 @@
 // moments of a noisy machine. No cold start is measured then (the engines load one after another);
 // window.benchResult settles to {interleaved: [one result per engine]}.
 //
+// An engine may name a model variant and a mode: "ortpipe@q8", "transformers.js@q8:sampled",
+// "ort@q4acc0" (the floor takes any file suffix: onnx/model_q4acc0.onnx). ":sampled" generates with
+// SAMPLING instead of greedily (seeded where the engine takes a seed); the floor is greedy only.
+//
 // This file is also the worker of every engine but ortpipe (new Worker(bench.js)).
 
 const IN_WORKER = typeof window === 'undefined';
 const here = (path) => new URL(path, import.meta.url).href;
+// The sampled mode's settings: the demo model's defaults (models/demo/genai_config.json), one seed.
+const SAMPLING = { temperature: 0.7, topK: 40, topP: 0.95, seed: 1 };
+// transformers.js's file name suffixes (ortpipe's web/variants.js); the floor takes other suffixes too.
+const SUFFIXES = {
+  fp32: '', fp16: '_fp16', q8: '_quantized', int8: '_int8', uint8: '_uint8', q4: '_q4', q4f16: '_q4f16', bnb4: '_bnb4',
+};
+
+/** "ortpipe@q8:sampled" -> {name: "ortpipe", dtype: "q8", sampled: true}. */
+function parseEngine(spec) {
+  const [head, mode = ''] = spec.split(':');
+  const [name, dtype = null] = head.split('@');
+  return { name, dtype, sampled: mode === 'sampled' };
+}
 
 // --- the page ------------------------------------------------------------------------------------
 
@@ -38,10 +55,10 @@ async function runPage(params) {
     profile: params.has('profile'), // a traced run: code must be named by its URL
   };
   const names = settings.engine.split(',');
-  const unknown = names.filter((name) => !PAGE_ENGINES[name]);
+  const unknown = names.filter((spec) => !PAGE_ENGINES[parseEngine(spec).name]);
   if (unknown.length) throw new Error(`unknown engine ${unknown}; expected ${Object.keys(PAGE_ENGINES)}`);
   if (names.length > 1) return { interleaved: await runInterleaved(names, settings) };
-  const open = PAGE_ENGINES[settings.engine];
+  const open = PAGE_ENGINES[parseEngine(settings.engine).name];
   show(`${settings.engine}: loading models/${settings.model}/`);
   const engine = await open(settings);
   const loadedMs = performance.now();
@@ -74,7 +91,7 @@ async function runInterleaved(names, settings) {
   const engines = [];
   for (const name of names) {
     show(`${name}: loading models/${settings.model}/`);
-    engines.push(await PAGE_ENGINES[name]({ ...settings, engine: name }));
+    engines.push(await PAGE_ENGINES[parseEngine(name).name]({ ...settings, engine: name }));
   }
   const results = names.map((name, i) => ({
     engine: name, model: settings.model, threads: settings.threads, versions: engines[i].versions,
@@ -156,7 +173,8 @@ const PAGE_ENGINES = {
  * ortpipe through its embed API. Its worker (web/worker.js, configureOrt) takes min(4, cores)
  * threads on a cross-origin isolated page and one thread otherwise; it has no option to set them.
  */
-async function openOrtpipe({ model, threads }) {
+async function openOrtpipe({ engine, model, threads }) {
+  const { dtype, sampled } = parseEngine(engine);
   const chosen = self.crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1;
   if (threads !== chosen) {
     throw new Error(`ortpipe's worker will use ${chosen} threads here, not ${threads}: serve the page `
@@ -167,14 +185,16 @@ async function openOrtpipe({ model, threads }) {
   ]);
   const phases = {}; // when each load phase (runtime, download, session, ready) began
   const onProgress = ({ phase }) => { phases[phase] ??= performance.now(); };
-  const pipe = await load(here(`./models/${model}/`), { device: 'wasm', onProgress });
+  const pipe = await load(here(`./models/${model}/`), { device: 'wasm', dtype, onProgress });
+  const mode = sampled ? { doSample: true, ...SAMPLING } : { doSample: false };
   return {
     versions: {
       ortpipe: versions.ortpipe, 'onnxruntime-web': versions['onnxruntime-web'], pyodide: versions.pyodide,
+      dtype: Object.values(pipe.info.dtypes).join(','),
     },
     phases,
     async generate(prompt, newTokens, onToken) {
-      const stream = pipe.stream({ promptIds: prompt, maxNewTokens: newTokens, doSample: false });
+      const stream = pipe.stream({ promptIds: prompt, maxNewTokens: newTokens, ...mode });
       for (let next = await stream.next(); ; next = await stream.next()) {
         if (next.done) return next.value.timings;
         onToken(next.value.token);
@@ -215,7 +235,7 @@ function serveEngine() {
     try {
       let value;
       if (data.type === 'load') {
-        Object.assign(opened, await WORKER_ENGINES[data.engine](data));
+        Object.assign(opened, await WORKER_ENGINES[parseEngine(data.engine).name](data));
         value = opened.versions;
       } else {
         const onToken = (token) => self.postMessage({ type: 'token', token });
@@ -244,7 +264,8 @@ const WORKER_ENGINES = {
  * transformers.js fetches that build into the Cache API and compiles it from bytes; a profiled run
  * lets onnxruntime-web load it by URL, so the profile can tell its code from the rest.
  */
-async function openTransformersJs({ model, modelUrl, threads, profile }, ortBuild, { text = false } = {}) {
+async function openTransformersJs({ engine, model, modelUrl, threads, profile }, ortBuild, { text = false } = {}) {
+  const { dtype, sampled } = parseEngine(engine);
   if (ortBuild === 'ortpipe') globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
   const tjs = await import('./tjs/transformers.min.js');
   const { env } = tjs;
@@ -263,13 +284,17 @@ async function openTransformersJs({ model, modelUrl, threads, profile }, ortBuil
   const device = ortBuild === 'own'
     ? { device: 'wasm' }
     : { device: 'auto', session_options: { executionProviders: ['wasm'] } };
-  const lm = await tjs.AutoModelForCausalLM.from_pretrained(model, { ...device, dtype: 'fp32' });
+  const lm = await tjs.AutoModelForCausalLM.from_pretrained(model, { ...device, dtype: dtype ?? 'fp32' });
+  // transformers.js draws with Math.random: no seed
+  const mode = sampled
+    ? { do_sample: true, temperature: SAMPLING.temperature, top_k: SAMPLING.topK, top_p: SAMPLING.topP }
+    : { do_sample: false };
   // Made from the folder's files: AutoTokenizer's existence check skips local files given by http URL.
   const tokenizer = text ? new tjs.PreTrainedTokenizer(...await Promise.all(
     ['tokenizer.json', 'tokenizer_config.json'].map((file) => fetch(`${modelUrl}${file}`).then((r) => r.json())),
   )) : null;
   return {
-    versions: { 'transformers.js': env.version, 'onnxruntime-web': env.backends.onnx.versions?.web },
+    versions: { 'transformers.js': env.version, 'onnxruntime-web': env.backends.onnx.versions?.web, dtype: dtype ?? 'fp32' },
     async generate(prompt, newTokens, onToken) {
       const ids = (fill) => new tjs.Tensor('int64', BigInt64Array.from(prompt, fill), [1, prompt.length]);
       let inPrompt = true; // generate() streams the prompt first
@@ -286,7 +311,7 @@ async function openTransformersJs({ model, modelUrl, threads, profile }, ortBuil
         end() {},
       };
       await lm.generate({
-        input_ids: ids(BigInt), attention_mask: ids(() => 1n), max_new_tokens: newTokens, do_sample: false,
+        input_ids: ids(BigInt), attention_mask: ids(() => 1n), max_new_tokens: newTokens, ...mode,
         streamer,
       });
     },
@@ -294,28 +319,34 @@ async function openTransformersJs({ model, modelUrl, threads, profile }, ortBuil
 }
 
 /**
- * The floor: a greedy loop over the concat-layout graph with ortpipe's onnxruntime-web build,
- * feeding each step's present KV back as the next step's past.
+ * The floor: a greedy loop over the graph onnx/model{suffix}.onnx with ortpipe's onnxruntime-web
+ * build, feeding each step's present KV back as the next step's past (a concat cache; the model
+ * builder's GroupQueryAttention takes one too). Inputs the graph lacks (position_ids) are not fed.
  */
-async function openOrtLoop({ modelUrl, threads }) {
+async function openOrtLoop({ engine, modelUrl, threads }) {
+  const { dtype, sampled } = parseEngine(engine);
+  if (sampled) throw new Error('the floor decodes greedily only');
   const ort = await import('./ort/ort.wasm.min.mjs');
   ort.env.wasm.wasmPaths = here('./ort/');
   ort.env.wasm.numThreads = threads;
   ort.env.logLevel = 'error';
   const config = await fetch(`${modelUrl}config.json`).then((r) => r.json());
-  const session = await ort.InferenceSession.create(`${modelUrl}onnx/model.onnx`, {
+  const file = `model${dtype ? SUFFIXES[dtype] ?? `_${dtype}` : ''}.onnx`;
+  const session = await ort.InferenceSession.create(`${modelUrl}onnx/${file}`, {
     executionProviders: ['wasm'], graphOptimizationLevel: 'all',
   });
   const headSize = config.head_dim ?? config.hidden_size / config.num_attention_heads;
   const kvDims = [1, config.num_key_value_heads, 0, headSize];
   const int64 = (values) => new ort.Tensor('int64', BigInt64Array.from(values, BigInt), [1, values.length]);
+  const pastType = session.inputMetadata.find((m) => m.name.startsWith('past_key_values'))?.type ?? 'float32';
+  const Past = pastType === 'float16' ? Uint16Array : Float32Array;
   return {
-    versions: { 'onnxruntime-web': ort.env.versions.web },
+    versions: { 'onnxruntime-web': ort.env.versions.web, dtype: dtype ?? 'fp32' },
     async generate(prompt, newTokens, onToken) {
       const past = {};
       for (let layer = 0; layer < config.num_hidden_layers; layer++) {
         for (const kind of ['key', 'value']) {
-          past[`past_key_values.${layer}.${kind}`] = new ort.Tensor('float32', new Float32Array(0), kvDims);
+          past[`past_key_values.${layer}.${kind}`] = new ort.Tensor(pastType, new Past(0), kvDims);
         }
       }
       let ids = prompt;
@@ -324,9 +355,9 @@ async function openOrtLoop({ modelUrl, threads }) {
         const positions = ids.map((_, i) => length + i);
         length += ids.length;
         const mask = new Array(length).fill(1);
-        const outputs = await session.run({
-          input_ids: int64(ids), attention_mask: int64(mask), position_ids: int64(positions), ...past,
-        });
+        const feeds = { input_ids: int64(ids), attention_mask: int64(mask), ...past };
+        if (session.inputNames.includes('position_ids')) feeds.position_ids = int64(positions);
+        const outputs = await session.run(feeds);
         const token = argmaxLast(outputs.logits);
         onToken(token);
         ids = [token];
@@ -341,9 +372,18 @@ async function openOrtLoop({ modelUrl, threads }) {
 function argmaxLast({ data, dims }) {
   const vocab = dims.at(-1);
   const start = data.length - vocab;
+  const row = data instanceof Uint16Array ? Float32Array.from(data.subarray(start), halfToFloat) : data.subarray(start);
   let best = 0;
-  for (let i = 1; i < vocab; i++) if (data[start + i] > data[start + best]) best = i;
+  for (let i = 1; i < vocab; i++) if (row[i] > row[best]) best = i;
   return best;
+}
+
+function halfToFloat(bits) {
+  const exponent = (bits >> 10) & 0x1f;
+  const magnitude = exponent === 0 ? (bits & 0x3ff) * 2 ** -24
+    : exponent === 0x1f ? ((bits & 0x3ff) ? NaN : Infinity)
+      : (1 + (bits & 0x3ff) / 1024) * 2 ** (exponent - 15);
+  return bits & 0x8000 ? -magnitude : magnitude;
 }
 
 // --- start (last: everything above is defined) ------------------------------------------------
