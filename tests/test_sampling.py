@@ -200,3 +200,21 @@ def test_seeded_sampling_is_identical_across_processes(tmp_path) -> None:
     assert first == sample(7, "--temperature", "1.5")
     assert first != sample(8, "--temperature", "1.5")
     assert sample(3, "--top-k", "1") == run()
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"repetition_penalty": 1.2}, {"do_sample": True}, {"do_sample": True, "top_p": 0.5},
+    {"do_sample": True, "top_k": 5, "top_p": 0.9, "min_p": 0.1},
+])
+def test_the_sampler_names_the_kernels_it_runs(settings: dict) -> None:
+    """What a target opens before the first request: exactly what select runs with nothing banned."""
+    sampler = Sampler(CpuBackend(), "float32", SearchSettings(**settings), frozenset())
+    work = sampler.select(np.zeros((1, 1, 10), np.float32), [], 1)
+    names, request = [], next(work)
+    try:
+        while True:
+            names.append(request.session)
+            request = work.send(Driver().run(request))
+    except StopIteration:
+        pass
+    assert names == sampler.kernels()

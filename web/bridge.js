@@ -50,6 +50,8 @@ export class Bridge {
    * The bytes, or undefined (None in Python) when the server answers 404; Python decodes them.
    */
   fetchBytesSync(url) {
+    const early = this.prefetch?.ready(url);
+    if (early !== undefined) return early ?? undefined; // null: the prefetch found no such file
     const request = new XMLHttpRequest();
     request.open('GET', url, false);
     request.responseType = 'arraybuffer';
@@ -166,7 +168,8 @@ export class Bridge {
   }
 
   tokenizer(tokenizerJson, configJson) {
-    return new this.tokenizers.Tokenizer(JSON.parse(tokenizerJson), configJson ? JSON.parse(configJson) : {});
+    return this.prefetch?.tokenizer(tokenizerJson, configJson)
+      ?? new this.tokenizers.Tokenizer(JSON.parse(tokenizerJson), configJson ? JSON.parse(configJson) : {});
   }
 
   /** The text of a generation as it grows (TextStream below), decoded with `tokenizer`. */
@@ -212,6 +215,13 @@ export class Bridge {
     }
   }
 
+  /** Start making the session of kernel `name` from `graph` on `device` (a failure shows at its run). */
+  warmKernel(name, graph, device) {
+    const session = this.createSession(graph, { name, device, gpuOutputs: false, externalData: [], kernel: true });
+    session.catch(() => {}); // a failure is reported by the run that awaits it
+    this.kernels.set(name, session);
+  }
+
   /**
    * Run the kernel session `name` (ortpipe's kernel graphs), made from `graph` (its bytes, given
    * on the first run only) on `device`: the outputs named `outputs`, in that order.
@@ -219,7 +229,7 @@ export class Bridge {
   async runKernel(name, graph, device, names, tensors, outputs) {
     if (!this.kernels.has(name)) {
       if (!graph) throw new Error(`kernel ${name} has no session and no graph`);
-      this.kernels.set(name, this.createSession(graph, { name, device, gpuOutputs: false, externalData: [], kernel: true }));
+      this.warmKernel(name, graph, device);
     }
     return this.run(await this.kernels.get(name), names, tensors, outputs);
   }

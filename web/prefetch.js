@@ -6,8 +6,8 @@
 // ".onnx", or, with no genai_config.json, the first of detection's candidates that exists; of each,
 // the variant the core will choose for the device (variants.js); then the weight files beside it.
 // Once a graph and its weights are here, its session is created as well (`open`), with the options
-// the core will ask for. Bridge.fetchBytes, Bridge.createSession and Bridge.existsSync take the
-// downloads, the sessions and the probes' answers from here. A wrong guess costs a download or a
+// the core will ask for; the tokenizer files are read and the tokenizer made (`tokenizer`). The
+// Bridge takes the downloads, sessions, probes' answers, small files and the tokenizer from here. A wrong guess costs a download or a
 // session nobody takes, which `drop` aborts or releases; it never changes what is loaded.
 
 import { chooseVariant, variantFiles } from './variants.js';
@@ -19,6 +19,8 @@ export const DECODER_FILES = [
 ];
 // py/ortpipe/targets/pyodide.py's EXTERNAL_DATA: weights stored beside a graph.
 export const EXTERNAL_DATA = ['.data', '_data'];
+// py/ortpipe/model.py's tokenizer files.
+const TOKENIZER_FILES = ['tokenizer.json', 'tokenizer_config.json'];
 
 export class Prefetch {
   /**
@@ -29,7 +31,9 @@ export class Prefetch {
    *   open?: (file: string, bytes: Uint8Array, weights: {url: string, data: Uint8Array}[]) => Promise<object>}} [options]
    *   the device the model will run on, the dtype load() was given, and how to create a session
    */
-  constructor(base, download, { device = Promise.resolve({ device: 'wasm', f16: true }), dtype = null, open = null } = {}) {
+  constructor(base, download, {
+    device = Promise.resolve({ device: 'wasm', f16: true }), dtype = null, open = null, tokenizer = null,
+  } = {}) {
     this.base = base;
     this.download = download;
     this.device = device;
@@ -38,15 +42,45 @@ export class Prefetch {
     this.downloads = new Map(); // url -> Promise<Uint8Array | undefined>
     this.sessions = new Map(); // graph url -> {weights: [url], session: Promise<session | undefined>}
     this.probed = new Map(); // url -> whether it exists
+    this.files = new Map(); // url -> the bytes of a small file, or null when it does not exist
+    this.early = null; // {json, config, tokenizer}: made from the tokenizer files
     this.abort = new AbortController();
     this.started = this.start().catch(() => {}); // a failed guess is no error: the core fetches what it needs
+    this.readTokenizer(tokenizer).catch(() => {});
+  }
+
+  /** Read tokenizer.json and tokenizer_config.json, and make the tokenizer (`make`) from them. */
+  async readTokenizer(make) {
+    const [json, config] = await Promise.all(TOKENIZER_FILES.map((name) => this.small(name)));
+    if (json && make) this.early = { json, config, tokenizer: await make(json, config) };
+  }
+
+  /** A small file's text (its bytes kept for `ready`), or null when it does not exist. */
+  async small(name) {
+    const url = this.base + name;
+    const response = await fetch(url, { signal: this.abort.signal });
+    const bytes = response.ok ? new Uint8Array(await response.arrayBuffer()) : null;
+    if (response.ok || response.status === 404) this.files.set(url, bytes);
+    this.probed.set(url, response.ok);
+    return bytes && new TextDecoder().decode(bytes);
+  }
+
+  /** The bytes of a small file read here (null: it does not exist); undefined if not read (yet). */
+  ready(url) {
+    return this.files.get(url);
+  }
+
+  /** The tokenizer made here, when made from these texts (the core read the same files). */
+  tokenizer(json, config) {
+    const early = this.early;
+    return early && early.json === json && early.config === (config ?? null) ? early.tokenizer : undefined;
   }
 
   async start() {
-    const config = await fetch(this.base + 'genai_config.json', { signal: this.abort.signal });
+    const config = await this.small('genai_config.json');
     let graphs;
-    if (config.ok) {
-      graphs = configGraphs(JSON.parse(await config.text()));
+    if (config) {
+      graphs = configGraphs(JSON.parse(config));
     } else {
       const candidates = await Promise.all(DECODER_FILES.map((file) => this.variants(file)));
       const first = candidates.findIndex((found) => Object.keys(found).length);
@@ -74,8 +108,8 @@ export class Prefetch {
 
   /** The dtype config.json's transformers.js_config names for a detected graph (as detect.py reads it). */
   async configDtype(file) {
-    const response = await fetch(this.base + 'config.json', { signal: this.abort.signal });
-    let dtype = response.ok ? (await response.json().catch(() => ({})))?.['transformers.js_config']?.dtype : undefined;
+    const text = await this.small('config.json');
+    let dtype = text ? (JSON.parse(text) ?? {})['transformers.js_config']?.dtype : undefined;
     if (dtype && typeof dtype === 'object') dtype = dtype[variantFiles(file).fp32.slice(0, -5).split('/').pop()];
     return typeof dtype === 'string' && dtype !== 'auto' ? dtype : undefined;
   }
@@ -136,6 +170,8 @@ export class Prefetch {
   async drop() {
     this.abort.abort();
     this.downloads.clear();
+    this.files.clear();
+    this.early = null;
     const sessions = [...this.sessions.values()];
     this.sessions.clear();
     await Promise.all(sessions.map(async ({ session }) => (await session)?.release()));

@@ -84,6 +84,10 @@ async function load(modelUrl, device, dtype) {
   const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal), {
     device: resolving.catch(() => ({ device: 'wasm', f16: true })), dtype,
     open: async (file, bytes, weights) => openEarly(file, bytes, weights, (await resolving).device),
+    tokenizer: async (json, config) => {
+      const { Tokenizer } = await import('./vendor/tokenizers.mjs');
+      return new Tokenizer(JSON.parse(json), config ? JSON.parse(config) : {});
+    },
   });
   try {
     const { device: resolved, f16 } = await resolving;

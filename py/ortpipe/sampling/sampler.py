@@ -47,6 +47,17 @@ class Sampler:
         self._drawn: object = None  # the generator's state before a burst's draws
         self.label = ""  # the step the logits come from, for messages and traces
 
+    def kernels(self) -> list[str]:
+        """The kernel sessions `select` runs when nothing is banned: a target may open them early."""
+        s = self.settings
+        if s.argmax_only:
+            return [kernel("argmax_last", self.dtype)]
+        if not s.sampling:
+            return [kernel("process", self.dtype), kernel("argmax", "float32")]
+        stages = [("top_k", bool(s.top_k)), ("top_p", s.top_p < 1.0), ("min_p", s.min_p > 0.0),
+                  ("sample", True)]
+        return [kernel("process", self.dtype), *(kernel(name, "float32") for name, used in stages if used)]
+
     @property
     def fusable(self) -> bool:
         """Whether a target can select as `select` does, from `pick`: every ban but the n-gram

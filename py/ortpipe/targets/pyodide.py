@@ -37,6 +37,7 @@ from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
 from ..model import Model, load_model
 from ..request import Chunk, Request
+from ..sampling.sampler import Sampler
 from ..signature import Signature, TensorInfo
 from ..templates import Renderer, TemplateFailure
 from ..tokenizer import TextStream
@@ -295,6 +296,16 @@ class Driver:
             return self.bridge.runKernel(work.session, graph, device, names, tensors, to_js(work.outputs))
         return self.bridge.run(session, names, tensors, to_js(work.outputs))
 
+    def warm(self, kernels: list[str]) -> None:
+        """Open these kernels' sessions in the background (before a request needs them; a sampled
+        first token otherwise waits for four or five to be made)."""
+        for name in kernels:
+            if name in self._kernels_sent or (not self._gpu and name in NATIVE_KERNELS):
+                continue
+            self._kernels_sent.add(name)
+            device = "wasm" if name.startswith(CPU_ONLY) else self.device
+            self.bridge.warmKernel(name, to_js(kernel_file(name).read_bytes()), device)
+
     def _outputs(self, work: Run, values: JsProxy) -> dict[str, Tensor]:
         gpu = self._gpu and not work.session.startswith(KERNEL)
         return {name: Tensor(value, gpu) for name, value in zip(work.outputs, values, strict=True)}
@@ -504,7 +515,18 @@ class Worker:
     def _load(self, folder: RemoteFolder, dtype: Any, f16: bool) -> Work:
         platform = WebPlatform(self.bridge)
         self.model, _ = yield from load_model(folder, platform, dtype, self.driver.device, f16)
+        self.driver.warm(self._default_kernels())
         return self.info()
+
+    def _default_kernels(self) -> list[str]:
+        """The kernels that select the first token of a request with the folder's settings."""
+        model = self._loaded()
+        gen = model.plan.generator
+        if gen is None:
+            return []
+        dtype = model.plan.signatures[gen.session].output(gen.logits).dtype
+        generation = model.config.generation
+        return Sampler(model.backend, dtype, generation.settings, frozenset()).kernels()
 
     def _generate(self, options: dict[str, Any], images: list[Any] | None) -> Work:
         self._interrupted = bool(options.pop("interrupted", False))
