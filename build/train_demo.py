@@ -9,7 +9,9 @@ left out), a fixed sorted list with a fixed ~2% of the files held out for valida
 BPE tokenizer is trained on the training files, then a LlamaForCausalLM with AdamW, linear warmup
 and a cosine decay over the time budget. Checkpoints go to build/cache/demo-train/ every few
 minutes. The end of a run measures the validation loss beside a unigram baseline, exports with
-onnxruntime-genai's model builder (int4) and writes TRAINING.md into the model folder.
+onnxruntime-genai's model builder (int4, onnx/model_q4.onnx) and its int8 variant (build/variants.py:
+the fp32 export dynamically quantized, onnx/model_quantized.onnx, what the browser runs fastest),
+with transformers.js's config.json beside genai_config.json, and writes TRAINING.md into the folder.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "__pycache__"}
 VALIDATION_BUCKETS = 50  # a file is held out when the hash of its path is 0 modulo this: ~2%
 CHECKPOINT_SECONDS = 300
-MAX_OUTPUT_MB = 25.0
+MAX_OUTPUT_MB = 30.0
 
 log = logging.getLogger("train_demo")
 
@@ -310,13 +312,13 @@ def validation_loss(model, val_ids: np.ndarray, settings: Settings) -> float:
     return total / count
 
 
-def onnx_validation_loss(folder: Path, val_ids: np.ndarray, settings: Settings) -> float:
-    """The same loss through the exported graph (plain onnxruntime, an empty KV cache per window)."""
+def onnx_validation_loss(graph: Path, val_ids: np.ndarray, settings: Settings) -> float:
+    """The same loss through an exported graph (plain onnxruntime, an empty KV cache per window)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = settings.threads
-    session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
     empty_past = np.zeros((1, settings.kv_heads, 0, settings.head_dim), dtype=np.float32)
     pasts = {i.name: empty_past for i in session.get_inputs() if i.name.startswith("past_key_values.")}
     total, count = 0.0, 0
@@ -377,6 +379,9 @@ def set_search_defaults(folder: Path) -> None:
     config = json.loads(path.read_text())
     config["search"].update(SEARCH_DEFAULTS)
     path.write_text(json.dumps(config, indent=4) + "\n")
+    generation = json.loads((folder / "generation_config.json").read_text())  # transformers.js's
+    generation.update({k: v for k, v in SEARCH_DEFAULTS.items() if k != "repetition_penalty"})
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def folder_bytes(folder: Path) -> int:
@@ -384,12 +389,36 @@ def folder_bytes(folder: Path) -> int:
 
 
 def export(hf_dir: Path, out: Path) -> Path:
-    """int4 builder export into a scratch folder beside out, with the demo's search defaults."""
+    """The builder's int4 export (onnx/model_q4.onnx) and the int8 variant of its fp32 export
+    (onnx/model_quantized.onnx) into a scratch folder beside out, with the demo's search defaults and
+    transformers.js's config.json and generation_config.json."""
+    import tempfile
+
+    import onnx
+
+    from build import variants
     from build.hfmodels import export_builder
 
     scratch = out.parent / f".{out.name}.partial"
     shutil.rmtree(scratch, ignore_errors=True)
     export_builder(hf_dir, scratch, "int4")
+    (scratch / "onnx").mkdir()
+    q4 = onnx.load(scratch / "model.onnx", load_external_data=False)
+    for tensor in q4.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "model_q4.onnx.data"
+    onnx.save(variants.concrete_cache_dims(q4), scratch / "onnx" / "model_q4.onnx")
+    os.replace(scratch / "model.onnx.data", scratch / "onnx" / "model_q4.onnx.data")
+    (scratch / "model.onnx").unlink()
+    with tempfile.TemporaryDirectory() as fp32_dir:
+        fp32 = export_builder(hf_dir, Path(fp32_dir), "fp32") / "model.onnx"
+        variants.quantize_q8(fp32, scratch / "onnx" / "model_quantized.onnx")
+    config = json.loads((scratch / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "onnx/model_q4.onnx"
+    (scratch / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n")
+    for name in ("config.json", "generation_config.json"):  # what transformers.js reads
+        shutil.copy2(hf_dir / name, scratch / name)
     set_search_defaults(scratch)
     size = folder_bytes(scratch)
     if size > MAX_OUTPUT_MB * 1e6:
@@ -416,7 +445,8 @@ def shown(texts: list[str]) -> str:
 def loss_rows(metrics: dict) -> str:
     rows = (("unigram baseline (training frequencies, add-one)", metrics["unigram_loss"]),
             ("this model, torch fp32", metrics["val_loss"]),
-            ("this model, exported int4 (onnxruntime)", metrics["onnx_val_loss"]))
+            ("this model, exported int4 (onnxruntime, onnx/model_q4.onnx)", metrics["onnx_val_loss"]),
+            ("this model, int8 (onnxruntime, onnx/model_quantized.onnx)", metrics["q8_val_loss"]))
     return "\n".join(f"| {name} | {loss:.3f} | {math.exp(loss):.1f} |" for name, loss in rows)
 
 
@@ -430,8 +460,10 @@ def training_report(settings: Settings, progress: Progress, metrics: dict, examp
 
 A {params / 1e6:.1f}M-parameter LlamaForCausalLM trained from scratch on the Python standard
 library's sources by `build/train_demo.py`, exported with onnxruntime-genai's model builder for
-the CPU EP: int4 weights (block size 32), the embedding table shared with the output layer. Its
-byte-level BPE tokenizer was trained on the same files.
+the CPU EP: int4 weights (block size 32), the embedding table shared with the output layer
+(`onnx/model_q4.onnx`); and its int8 variant (`onnx/model_quantized.onnx`, build/variants.py), which
+the browser runs on wasm by default (the int4 graph has no fast wasm kernel). Its byte-level BPE
+tokenizer was trained on the same files.
 
 ## Data
 
@@ -490,7 +522,9 @@ def finish(settings: Settings, out: Path) -> dict:
     log.info("validation: %.3f nats/token (unigram baseline %.3f)",
              metrics["val_loss"], metrics["unigram_loss"])
     scratch = export(save_hf(model, settings), out)
-    metrics["onnx_val_loss"] = onnx_validation_loss(scratch, val_ids, settings)
+    metrics["onnx_val_loss"] = onnx_validation_loss(scratch / "onnx" / "model_q4.onnx", val_ids, settings)
+    q8 = scratch / "onnx" / "model_quantized.onnx"
+    metrics["q8_val_loss"] = onnx_validation_loss(q8, val_ids, settings)
     examples = {"greedy": samples(scratch, SAMPLE_PROMPTS, 60, do_sample=False),
                 "sampled": samples(scratch, SAMPLE_PROMPTS, 60, seed=1)}
     metrics["folder_mb"] = folder_bytes(scratch) / 1e6  # before TRAINING.md, which adds a few kB

@@ -58,8 +58,8 @@ def test_file_names_say_the_variant(name: str, expected: tuple[str, str]) -> Non
     ("wasm", ("fp32", "fp16", "q4", "q4f16"), "fp32"),
     ("wasm", ("q4f16", "q4"), "q4"),
     # CPython's CPU provider, by any of its names; OpenVINO and unknown providers read the same row
-    ("cpu", ("fp32", "fp16", "q8", "q4", "q4f16"), "q8"),
-    ("CPUExecutionProvider", ("fp32", "q4", "q4f16"), "q4"),
+    ("cpu", ("fp32", "fp16", "q8", "q4", "q4f16"), "q4"),
+    ("CPUExecutionProvider", ("fp32", "q8", "q4f16"), "q8"),
     ("openvino", ("fp32", "fp16", "q4f16"), "q4f16"),
     ("someday", ("fp32", "fp16"), "fp32"),
     # GPUs: fp16 first, int8 last
@@ -118,7 +118,7 @@ def test_load_runs_the_variant_asked_for(llama_variants: Path) -> None:
         # plain onnxruntime on that file, greedy with a growing (concat) cache: the reference
         reference = _greedy(llama_variants / file, ids, 8)
         assert pipe.generate(prompt_ids=ids, max_new_tokens=8).tokens == reference
-    assert _decoder_file(ortpipe.load(llama_variants)) == "model_quantized.onnx"  # the cpu row's first
+    assert _decoder_file(ortpipe.load(llama_variants)) == "model_q4.onnx"  # the cpu row's first
     assert _decoder_file(ortpipe.load(llama_variants, dtype={"decoder": "q4"})) == "model_q4.onnx"
     with pytest.raises(ConfigError, match="dtype names sessions this model does not have: vision"):
         ortpipe.load(llama_variants, dtype={"vision": "q4"})
@@ -150,7 +150,7 @@ def test_the_config_and_config_json_pick_a_variant(llama_variants: Path, tmp_pat
     config = json.loads((v1 / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = "model_q4f16.onnx"  # a variant's name: its siblings count too
     (v1 / "genai_config.json").write_text(json.dumps(config))
-    assert _decoder_file(ortpipe.load(v1)) == "model_quantized.onnx"
+    assert _decoder_file(ortpipe.load(v1)) == "model_q4.onnx"
     v2 = {"version": 2, "pipeline": {"extends": "autoregressive-decoder",
                                      "sessions": {"decoder": {"file": "model.onnx", "dtype": "fp16"}}}}
     (v1 / "genai_config.json").write_text(json.dumps(v2))

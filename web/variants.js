@@ -9,7 +9,7 @@ export const SUFFIXES = {
 // A device's order of preference (variants.py says why).
 export const DEFAULTS = {
   wasm: ['q8', 'int8', 'uint8', 'fp32', 'fp16', 'q4', 'q4f16', 'bnb4'],
-  cpu: ['q8', 'int8', 'uint8', 'q4', 'q4f16', 'fp32', 'fp16', 'bnb4'],
+  cpu: ['q4', 'q8', 'int8', 'uint8', 'q4f16', 'fp32', 'fp16', 'bnb4'],
   gpu: ['fp16', 'fp32', 'q4f16', 'q4', 'bnb4', 'q8', 'int8', 'uint8'],
 };
 export const ROWS = { wasm: 'wasm', webgpu: 'gpu', cuda: 'gpu', tensorrt: 'gpu', dml: 'gpu', coreml: 'gpu' };

@@ -34,15 +34,16 @@ SUFFIXES = {
 # - wasm: q8 (int8 weights, dynamically quantized activations) decodes as fast as fp32 and fp16,
 #   prefills about twice as fast and is a quarter of fp32's size; int4 MatMulNBits graphs (q4,
 #   q4f16) have no fast wasm kernel in onnxruntime-web 1.30: 7 to 8 times slower, at any accuracy level.
-# - cpu (CPython's onnxruntime): q8 decodes 5 times faster than fp32, q4 as fast at accuracy level 4
-#   (int8 activations) and half as fast at level 0 (what transformers.js's exports have); q4f16 a
-#   little slower; fp16 is no faster than fp32 on CPUs.
+# - cpu (CPython's onnxruntime): q4 at accuracy level 4 (int8 activations: the model builder's
+#   exports, the demo's) decodes 5 times faster than fp32 and a little faster than q8; at level 0
+#   (transformers.js's exports) half as fast as q8, still twice as fast as fp32; q4f16 a little
+#   slower than q8; fp16 is no faster than fp32 on CPUs.
 # - webgpu and CPython's GPU providers: not timed here (this machine's WebGPU is a software
 #   adapter); the order follows what they run natively: fp16 and fp32 graphs, int4 MatMulNBits,
 #   and last the int8 graphs, whose dynamic quantization ops fall back to the CPU.
 DEFAULTS: dict[str, tuple[str, ...]] = {
     "wasm": ("q8", "int8", "uint8", "fp32", "fp16", "q4", "q4f16", "bnb4"),
-    "cpu": ("q8", "int8", "uint8", "q4", "q4f16", "fp32", "fp16", "bnb4"),
+    "cpu": ("q4", "q8", "int8", "uint8", "q4f16", "fp32", "fp16", "bnb4"),
     "gpu": ("fp16", "fp32", "q4f16", "q4", "bnb4", "q8", "int8", "uint8"),
 }
 # Variants that compute in float16: a WebGPU adapter without the shader-f16 feature cannot run them.
