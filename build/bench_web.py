@@ -363,6 +363,40 @@ def profile(browser, bundle: Path, models: dict[str, Path], settings: Settings) 
     return rows
 
 
+def cpython(models: dict[str, Path], settings: Settings, dtypes: Sequence[str]) -> list[dict]:
+    """The reference the browser is compared with: ortpipe under CPython, one thread, the same
+    prompt, greedy; each variant of `dtypes` a folder has, the variants taking turns per round."""
+    import ortpipe
+    from ortpipe import variants
+    from ortpipe.folder import LocalFolder
+
+    rows = []
+    for name, folder in models.items():
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        ids = prompt_ids(vocab, settings.prompt_tokens)
+        found = variants.present(LocalFolder(folder), "onnx/model.onnx")
+        pipes = {d: ortpipe.load(folder, threads=1, dtype=d) for d in dtypes if d in found}
+        runs: dict[str, list] = {d: [] for d in pipes}
+        for round_ in range(settings.warmup_runs + max(1, settings.rounds) * settings.warm_runs):
+            for dtype, pipe in pipes.items():
+                result = pipe.generate(prompt_ids=ids, max_new_tokens=settings.new_tokens, do_sample=False)
+                timings = result.timings
+                if round_ >= settings.warmup_runs:
+                    runs[dtype].append((timings.decode_tokens_per_s, timings.prefill_ms))
+        rows += [{"model": name, "dtype": d, "decode_tokens_per_s": statistics.median(r[0] for r in got),
+                  "prefill_ms": statistics.median(r[1] for r in got), "generations": len(got)}
+                 for d, got in runs.items()]
+    return rows
+
+
+def cpython_table(rows: list[dict]) -> str:
+    lines = ["| model | variant | CPython decode tok/s (1 thread) | prefill ms | generations |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['decode_tokens_per_s']:.0f} | {r['prefill_ms']:.1f} "
+              f"| {r['generations']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def wait_for_quiet(limit: float, patience_s: float = 900) -> float:
     """Wait (at most `patience_s`) until other processes leave the CPUs idle enough to time a page
     load; returns how busy the CPUs were when we stopped waiting."""
@@ -851,6 +885,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="before each page load, wait until the CPUs are at most this busy "
         "(0 to 1; 1, the default: never wait, only record how busy they were)",
     )
+    parser.add_argument(
+        "--cpython", type=_csv(str), default=(), metavar="DTYPES",
+        help="also time ortpipe under CPython (one thread, greedy) on these variants, e.g. q4,q8",
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="where the bundle is built")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument(
@@ -897,6 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with chromium() as browser:
         runs = measure(browser, bundle, models, settings)
         profiles = profile(browser, bundle, models, settings) if args.profile else []
+    report["cpython"] = cpython(models, settings, args.cpython) if args.cpython else []
     report.update(
         machine_after=machine(),
         summary=summarize(runs),
@@ -926,6 +965,8 @@ def show(report: dict) -> int:
         print(f"\n{table(report['summary'])}\n\n{ratios}\n\n{rounds_table(runs, engines)}")
     if report["profiles"]:
         print(profile_table(report["profiles"]))
+    if report.get("cpython"):
+        print(f"\n{cpython_table(report['cpython'])}")
     return 1 if report["token_mismatches"] else 0
 
 

@@ -332,8 +332,12 @@ async function openOrtLoop({ engine, modelUrl, threads }) {
   ort.env.logLevel = 'error';
   const config = await fetch(`${modelUrl}config.json`).then((r) => r.json());
   const file = `model${dtype ? SUFFIXES[dtype] ?? `_${dtype}` : ''}.onnx`;
+  const weights = [];
+  for (const name of [`${file}.data`, `${file}_data`]) { // external data, by either exporter's name
+    if ((await fetch(`${modelUrl}onnx/${name}`, { method: 'HEAD' })).ok) weights.push({ path: name, data: `${modelUrl}onnx/${name}` });
+  }
   const session = await ort.InferenceSession.create(`${modelUrl}onnx/${file}`, {
-    executionProviders: ['wasm'], graphOptimizationLevel: 'all',
+    executionProviders: ['wasm'], graphOptimizationLevel: 'all', externalData: weights,
   });
   const headSize = config.head_dim ?? config.hidden_size / config.num_attention_heads;
   const kvDims = [1, config.num_key_value_heads, 0, headSize];
