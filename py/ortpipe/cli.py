@@ -1,4 +1,4 @@
-"""The `ortpipe` command: run, inspect, validate, bench."""
+"""The `ortpipe` command: run, chat, inspect, validate, bench, serve, web."""
 
 from __future__ import annotations
 
@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     web = sub.add_parser("web", help="serve the browser bundle (dist/web; build it with python -m build.web)")
     web_server.add_arguments(web)
     web.set_defaults(func=web_server.run)
+
+    from . import serve as serve_command  # standard library only until it runs
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
+    serve_command.add_arguments(serve)
+    serve.set_defaults(func=serve_command.run)
 
     bench = sub.add_parser("bench", help="decode speed of ortpipe beside onnxruntime-genai and a hand-written loop")
     bench.add_argument("model", metavar="MODEL_DIR")

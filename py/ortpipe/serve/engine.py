@@ -1,0 +1,292 @@
+"""The engine: one thread that owns the loaded pipeline, a bounded queue in front of it, and a scheduler
+that steps the rows being generated.
+
+A loaded pipeline is used from one thread at a time, so every model call (chat template, tokenizer,
+prefill, decode) runs on the engine thread. The event loop hands a `Job` in with `submit` (refused with
+`QueueFull` once `max_batch` rows and `max_queue` waiting jobs are taken) and receives its events on the
+job's asyncio queue. `cancel` (a client that left) takes a job out of the queue, or has its row
+interrupted at the next step boundary, which frees the row.
+
+Continuous batching plugs in behind `Scheduler`, the interface the engine drives: `room()` free rows,
+`admit(job)` opens a row (prompt, cache, events), `step()` advances every open row once and lets finished
+or cancelled rows leave, `close()` ends them all. `TimeSliced`, today's scheduler, advances its rows one
+after another (one burst of fused decode steps each), so its rows interleave between steps and a long
+generation does not hold back a short one. A batched scheduler keeps the three methods and replaces the
+loop in `TimeSliced.step` with one batched decoder run over all rows; rows.py (prompts, prompt cache) and
+everything above the engine stay as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import GenerationError
+from .metrics import Gauges, Metrics
+from .protocol import Completion, InvalidRequest, Usage
+from .rows import PromptCache, Row, chat_template, prompt_ids, slot_length
+
+log = logging.getLogger("ortpipe.serve")
+SHUTTING_DOWN = InvalidRequest("The server is shutting down.", status=503, kind="server_error")
+
+
+# --- what a job receives ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # the text of one step (one token, or a burst); never part of a stop string
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # eos, stop, length or interrupt
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: InvalidRequest  # status and OpenAI error object
+
+
+Event = Started | Delta | Finished | Failed
+
+
+class Job:
+    """One request's passage through the engine. Made on the event loop, which reads `events`."""
+
+    def __init__(self, job_id: str, completion: Completion, loop: asyncio.AbstractEventLoop):
+        self.id, self.completion, self._loop = job_id, completion, loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = False  # set by the event loop; the engine reads it between steps
+        self.arrived = time.monotonic()
+        self.first_token = 0.0
+
+    def emit(self, event: Event) -> None:
+        """Called on the engine thread."""
+        self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class NotReady(Exception):
+    """The model is still loading, or the engine is stopping."""
+
+
+# --- schedulers ------------------------------------------------------------------------------------------
+
+class Scheduler(Protocol):
+    def room(self) -> int: ...
+
+    def admit(self, job: Job) -> None: ...
+
+    def step(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def rows(self) -> int: ...
+
+
+class TimeSliced:
+    """Up to `max_rows` requests, each with its own KV cache, stepped in turn on one pipeline."""
+
+    def __init__(self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics,
+                 leave: Callable[[Job], None]):
+        self.pipe, self.max_rows, self.metrics, self._leave = pipe, max_rows, metrics, leave
+        self.template = chat_template(pipe)
+        self.cache = PromptCache(pipe, cache_size, slot_length(pipe))
+        self.open: dict[Job, Row] = {}  # in admission order: the order rows are stepped in
+
+    @property
+    def rows(self) -> int:
+        return len(self.open)
+
+    def room(self) -> int:
+        return self.max_rows - len(self.open)
+
+    def admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._leave(job)
+            return
+        try:
+            row = self.cache.open(prompt_ids(self.pipe, self.template, job.completion), job.completion)
+        except Exception as e:  # a refused request, a template that refused the messages, or a bug
+            self._fail(job, e)
+            return
+        self.open[job] = row
+        job.emit(Started(row.prompt_tokens, row.cached_tokens))
+
+    def step(self) -> None:
+        self.metrics.step(len(self.open))
+        for job, row in list(self.open.items()):
+            if job.cancelled:
+                self._finish(job, row, "interrupt")
+                continue
+            try:
+                chunks = row.step()
+            except Exception as e:  # a failing run ends its own request only
+                del self.open[job]
+                row.close()
+                self._fail(job, e)
+                continue
+            self._emit(job, "".join(c.text for c in chunks), len(chunks))
+            if row.request.done:
+                self._finish(job, row, row.request.finish_reason)
+
+    def close(self) -> None:
+        for job, row in list(self.open.items()):
+            del self.open[job]
+            row.close()
+            self._fail(job, SHUTTING_DOWN)
+
+    def _emit(self, job: Job, text: str, tokens: int) -> None:
+        if not job.first_token:
+            job.first_token = time.monotonic()
+            self.metrics.first_token(job.first_token - job.arrived)
+        self.metrics.tokens(tokens)
+        if text:
+            job.emit(Delta(text))
+
+    def _finish(self, job: Job, row: Row, reason: str) -> None:
+        del self.open[job]
+        row.close()
+        self.cache.keep(row)
+        usage = Usage(row.prompt_tokens, len(row.request.tokens), row.cached_tokens)
+        job.emit(Finished(reason, usage))
+        now = time.monotonic()
+        self.metrics.finish(reason, usage.prompt_tokens, usage.cached_tokens, now - job.arrived)
+        _log_line(job, usage, reason, now)
+        self._leave(job)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        if isinstance(e, InvalidRequest):
+            error = e
+        elif isinstance(e, GenerationError):
+            error = InvalidRequest(str(e))
+        else:
+            log.exception("%s failed", job.id)
+            error = InvalidRequest(f"The server failed on this request: {type(e).__name__}: {e}", status=500,
+                                   kind="server_error")
+        job.emit(Failed(error))
+        self.metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
+        log.info("%s error=%d %s", job.id, error.status, error.message)
+        self._leave(job)
+
+
+def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:
+    ttft = (job.first_token - job.arrived) * 1000 if job.first_token else 0.0
+    decode = now - job.first_token if job.first_token else 0.0
+    rate = (usage.completion_tokens - 1) / decode if usage.completion_tokens > 1 and decode > 0 else 0.0
+    log.info("%s prompt=%d cached=%d completion=%d ttft=%.1fms %.1f tokens/s finish=%s", job.id,
+             usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, ttft, rate, reason)
+
+
+# --- the engine ------------------------------------------------------------------------------------------
+
+class Engine:
+    """Loads the model on its own thread, then admits queued jobs into the scheduler and steps it."""
+
+    def __init__(self, load: Callable[[], Any], *, max_batch: int = 1, max_queue: int = 16,
+                 prompt_cache: int = 4, on_fatal: Callable[[BaseException], None] | None = None):
+        if max_batch < 1 or max_queue < 0 or prompt_cache < 0:
+            raise ValueError("max_batch must be at least 1; max_queue and prompt_cache at least 0")
+        self.max_batch, self.max_queue, self.prompt_cache = max_batch, max_queue, prompt_cache
+        self.metrics = Metrics()
+        self.pipe: Any = None
+        self.scheduler: Scheduler | None = None
+        self.error: BaseException | None = None
+        self._load, self._on_fatal = load, on_fatal
+        self._waiting: deque[Job] = deque()
+        self._in_flight = 0  # jobs submitted and not yet left: waiting or in a row
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ortpipe-engine", daemon=True)
+
+    @property
+    def loaded(self) -> bool:
+        return self.scheduler is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping or self.scheduler is None:
+                raise NotReady()
+            if self._in_flight >= self.max_batch + self.max_queue:
+                self.metrics.rejected += 1
+                raise QueueFull(self.metrics.retry_after(len(self._waiting), self.max_batch))
+            self._in_flight += 1
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: drop the job from the queue, or have its row interrupted at the next step."""
+        job.cancelled = True
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._in_flight -= 1
+
+    def gauges(self) -> Gauges:
+        return Gauges(self.loaded, len(self._waiting), self.scheduler.rows if self.scheduler else 0,
+                      self.max_batch, self.max_queue)
+
+    def _leave(self, job: Job) -> None:
+        with self._cond:
+            self._in_flight -= 1
+
+    def _run(self) -> None:
+        try:
+            pipe = self._load()
+            scheduler = TimeSliced(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
+        except BaseException as e:  # a folder that cannot be loaded ends the server
+            self.error = e
+            if self._on_fatal:
+                self._on_fatal(e)
+            return
+        self.pipe, self.scheduler = pipe, scheduler
+        try:
+            self._loop(scheduler)
+        finally:
+            scheduler.close()
+            with self._cond:
+                waiting, self._waiting = list(self._waiting), deque()
+            for job in waiting:
+                job.emit(Failed(SHUTTING_DOWN))
+
+    def _loop(self, scheduler: Scheduler) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not scheduler.rows:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), scheduler.room()))]
+            for job in admitted:
+                scheduler.admit(job)
+            if scheduler.rows:
+                scheduler.step()
