@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", default="ortpipe,genai,floor",
                        help="comma-separated: ortpipe, genai, floor, sampled (ortpipe with top-k 50 / top-p 0.9)")
     bench.add_argument("--json", action="store_true")
+    bench.add_argument("--serve", action="store_true",
+                       help="aggregate tokens/s of `ortpipe serve` at 1, 2, 4, 8 streams (the serve extra)")
+    serve_command.add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
     return parser
 
@@ -317,6 +320,10 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        from .serve.load import bench
+
+        return bench(args)
     from .targets.bench import run_bench
 
     return run_bench(args)

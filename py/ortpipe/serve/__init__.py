@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", help="execution provider for every session: cpu, openvino, qnn, ...")
 
 
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """`ortpipe bench --serve`'s options (load.py)."""
+    from .load import add_arguments as add_load_arguments
+
+    add_load_arguments(p)
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
