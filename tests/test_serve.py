@@ -69,12 +69,12 @@ class Served:
     """An engine and its app on an ephemeral port of 127.0.0.1, served by uvicorn from a thread."""
 
     def __init__(self, folder: Path, load: Callable[[], Any] | None = None, api_key: str | None = None,
-                 delay: float = 0.0, **options: Any):
+                 cors: list[str] | None = None, delay: float = 0.0, **options: Any):
         self.engine = Engine(load or (lambda: ortpipe.load(folder, threads=1)), **options)
         self.delay = delay
         sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        app = create_app(self.engine, folder, api_key=api_key)
+        app = create_app(self.engine, folder, api_key=api_key, cors=cors)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
@@ -235,6 +235,15 @@ def test_stop_strings_across_token_boundaries_are_held_back(server: Served, fold
     assert chat_text(stream)[:2] == (expected, "stop")  # no part of the stop string was ever sent
 
 
+def test_the_event_stream_is_server_sent_events_ending_with_done(server: Served) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "import re", "max_tokens": 6, "stream": True}).encode()
+    status, text = raw(server.url, "POST", "/v1/completions", body, {"content-type": "application/json"})
+    events = text.split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
 # --- errors ----------------------------------------------------------------------------------------------
 
 USER = [{"role": "user", "content": "hi"}]
@@ -304,6 +313,65 @@ def test_an_api_key_is_required_when_set(folder: Path) -> None:
         r = s.client(api_key="sekrit").chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
         assert r.usage.completion_tokens >= 1
         assert s.get("/metrics", {"authorization": "Bearer sekrit"})[0] == 200
+
+
+def test_cors_preflight_needs_no_key_and_names_the_origin(folder: Path) -> None:
+    with served(folder, api_key="sekrit", cors=["http://edge.local"]) as s:
+        status, _ = raw(s.url, "OPTIONS", "/v1/chat/completions", None, {
+            "origin": "http://edge.local", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert status == 200
+        host, port = s.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/v1/models", headers={"origin": "http://edge.local", "authorization": "Bearer sekrit"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("access-control-allow-origin") == "http://edge.local"
+        conn.close()
+
+
+def test_a_failing_request_ends_alone(server: Served, pipe: Any) -> None:
+    """A failure inside one request (here a run that raises) is that request's 500; the others go on."""
+    cache = server.engine.scheduler.cache
+    open_row = cache.open
+
+    def broken() -> Iterator[Any]:
+        raise ortpipe.OrtpipeError('session "decoder" failed')
+        yield
+
+    def failing(ids: list[int], c: Any) -> Any:
+        row = open_row(ids, c)
+        if c.prompt == "boom":
+            row.chunks.close()
+            row.chunks = broken()
+        return row
+
+    cache.open = failing
+    try:
+        client = server.client(max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="boom", max_tokens=5)
+        assert info.value.body["type"] == "server_error"
+        with pytest.raises(openai.APIError):
+            list(client.completions.create(model=MODEL, prompt="boom", max_tokens=5, stream=True))
+        r = client.completions.create(model=MODEL, prompt="import re", max_tokens=5, temperature=0)
+        assert r.choices[0].text == alone(pipe, "import re", 5)[0]
+    finally:
+        cache.open = open_row
+
+
+def test_a_broken_engine_fails_its_requests_and_its_health(folder: Path) -> None:
+    with served(folder) as s:
+        def broken() -> None:
+            raise RuntimeError("a bug in a scheduler")
+
+        s.engine.scheduler.step = broken
+        with pytest.raises(openai.InternalServerError) as info:
+            s.client(max_retries=0).completions.create(model=MODEL, prompt="import re", max_tokens=5)
+        assert "a bug in a scheduler" in info.value.body["message"]
+        assert s.get("/health") == (503, '{"status":"error"}')
+        with pytest.raises(openai.InternalServerError) as info:
+            s.client(max_retries=0).completions.create(model=MODEL, prompt="import re", max_tokens=5)
+        assert info.value.status_code == 503
 
 
 def test_health_is_503_until_the_model_is_loaded(folder: Path) -> None:

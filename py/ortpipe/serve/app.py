@@ -93,8 +93,8 @@ class Api:
             return _error(InvalidRequest(busy, code="rate_limit_exceeded", status=429, kind="requests"),
                           {"retry-after": str(e.retry_after)})
         except NotReady:
-            return _error(InvalidRequest("The model is loading.", status=503, kind="server_error"),
-                          {"retry-after": "1"})
+            why = f"The engine stopped: {engine.error}" if engine.error else "The model is loading."
+            return _error(InvalidRequest(why, status=503, kind="server_error"), {"retry-after": "1"})
         return JobResponse(job, engine, Reply(job.id, completion, self.model, self.fingerprint))
 
     def _model_object(self) -> dict[str, Any]:

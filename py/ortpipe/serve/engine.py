@@ -9,7 +9,7 @@ interrupted at the next step boundary, which frees the row.
 
 Continuous batching plugs in behind `Scheduler`, the interface the engine drives: `room()` free rows,
 `admit(job)` opens a row (prompt, cache, events), `step()` advances every open row once and lets finished
-or cancelled rows leave, `close()` ends them all. `TimeSliced`, today's scheduler, advances its rows one
+or cancelled rows leave, `close(error)` ends them all. `TimeSliced`, today's scheduler, advances its rows one
 after another (one burst of fused decode steps each), so its rows interleave between steps and a long
 generation does not hold back a short one. A batched scheduler keeps the three methods and replaces the
 loop in `TimeSliced.step` with one batched decoder run over all rows; rows.py (prompts, prompt cache) and
@@ -97,7 +97,7 @@ class Scheduler(Protocol):
 
     def step(self) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, error: InvalidRequest) -> None: ...
 
     @property
     def rows(self) -> int: ...
@@ -149,11 +149,11 @@ class TimeSliced:
             if row.request.done:
                 self._finish(job, row, row.request.finish_reason)
 
-    def close(self) -> None:
+    def close(self, error: InvalidRequest) -> None:
         for job, row in list(self.open.items()):
             del self.open[job]
             row.close()
-            self._fail(job, SHUTTING_DOWN)
+            self._fail(job, error)
 
     def _emit(self, job: Job, text: str, tokens: int) -> None:
         if not job.first_token:
@@ -269,14 +269,21 @@ class Engine:
                 self._on_fatal(e)
             return
         self.pipe, self.scheduler = pipe, scheduler
+        ending = SHUTTING_DOWN
         try:
             self._loop(scheduler)
+        except Exception as e:  # a bug in the engine: every job is told, /health turns 503, nobody waits
+            log.exception("the engine stopped")
+            self.error = e
+            ending = InvalidRequest(f"The engine stopped: {type(e).__name__}: {e}", status=500,
+                                    kind="server_error")
         finally:
-            scheduler.close()
             with self._cond:
+                self.scheduler, self._stopping = None, True
                 waiting, self._waiting = list(self._waiting), deque()
+            scheduler.close(ending)
             for job in waiting:
-                job.emit(Failed(SHUTTING_DOWN))
+                job.emit(Failed(ending))
 
     def _loop(self, scheduler: Scheduler) -> None:
         while True:
