@@ -150,7 +150,8 @@ def server(folder: Path) -> Iterator[Served]:
 def chat_text(stream: Any) -> tuple[str, str | None, list[Any]]:
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = next((c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason), None)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = finishes[0] if finishes else None
     return text, finish, chunks
 
 
@@ -172,8 +173,9 @@ def test_chat_greedy_equals_the_request_alone(server: Served, folder: Path, pipe
 
 def test_chat_stream_with_usage_equals_the_whole_response(server: Served, folder: Path, pipe: Any) -> None:
     messages = [{"role": "user", "content": "import json\n"}]
-    stream = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True})
+    stream = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
     text, finish, chunks = chat_text(stream)
     assert (text, finish) == alone(pipe, render(folder, messages), 40)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
@@ -183,7 +185,8 @@ def test_chat_stream_with_usage_equals_the_whole_response(server: Served, folder
     assert last.choices == [] and all(c.usage is None for c in body)
     assert last.usage.completion_tokens == len(pipe.generate(prompt, max_new_tokens=40).tokens)
     assert last.usage.prompt_tokens == len(pipe.tokenizer.encode(prompt))
-    no_usage = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True)
+    no_usage = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                       stream=True)
     assert all(c.choices for c in no_usage)  # without include_usage no usage chunk
 
 
@@ -197,7 +200,7 @@ def test_text_completions_whole_and_streamed(server: Served, pipe: Any) -> None:
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
-    default = client.completions.create(model=MODEL, prompt=[5, 17, 42], temperature=0)  # token ids; 16 tokens
+    default = client.completions.create(model=MODEL, prompt=[5, 17, 42], temperature=0)  # ids; 16 tokens
     assert default.choices[0].text == pipe.generate(prompt_ids=[5, 17, 42], max_new_tokens=16).text
     assert default.usage.prompt_tokens == 3 and default.usage.completion_tokens <= 16
 
@@ -221,7 +224,8 @@ def test_stop_strings_across_token_boundaries_are_held_back(server: Served, fold
         at += len(deltas[i - 1])
         a, b = deltas[i], deltas[i + 1]
         candidate = a[-2:] + b[:2]
-        if len(a) >= 2 and len(b) >= 2 and candidate.isprintable() and full.find(candidate) == at + len(a) - 2:
+        first = full.find(candidate) == at + len(a) - 2
+        if len(a) >= 2 and len(b) >= 2 and candidate.isprintable() and first:
             stop = candidate
             break
     assert stop, f"no two neighbouring tokens of two printable characters in {deltas!r}"
@@ -272,7 +276,8 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize(("options", "param", "code"), BAD_CHAT, ids=[p for _, p, _ in BAD_CHAT])
-def test_a_bad_chat_request_is_a_400_naming_the_field(server: Served, options: dict, param: str, code: str) -> None:
+def test_a_bad_chat_request_is_a_400_naming_the_field(server: Served, options: dict, param: str,
+                                                      code: str) -> None:
     options = {"messages": USER, **options}
     with pytest.raises(openai.BadRequestError) as info:
         server.client().chat.completions.create(model=MODEL, **options)
@@ -285,7 +290,7 @@ def test_malformed_bodies_and_urls_get_openai_errors(server: Served) -> None:
     post = {"content-type": "application/json"}
     status, body = raw(server.url, "POST", "/v1/chat/completions", b'{"model": "x", "messages": [', post)
     assert status == 400 and "could not parse the JSON body" in json.loads(body)["error"]["message"]
-    status, body = raw(server.url, "POST", "/v1/chat/completions", b"[" * 100_000, post)  # nested past recursion
+    status, body = raw(server.url, "POST", "/v1/chat/completions", b"[" * 100_000, post)  # past recursion
     assert status == 400
     status, body = raw(server.url, "POST", "/v1/completions", b'["a list"]', post)
     assert status == 400 and "expected a JSON object" in json.loads(body)["error"]["message"]
@@ -323,7 +328,8 @@ def test_cors_preflight_needs_no_key_and_names_the_origin(folder: Path) -> None:
         assert status == 200
         host, port = s.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=10)
-        conn.request("GET", "/v1/models", headers={"origin": "http://edge.local", "authorization": "Bearer sekrit"})
+        conn.request("GET", "/v1/models",
+                     headers={"origin": "http://edge.local", "authorization": "Bearer sekrit"})
         response = conn.getresponse()
         assert response.status == 200 and response.getheader("access-control-allow-origin") == "http://edge.local"
         conn.close()
@@ -399,8 +405,8 @@ def test_health_is_503_until_the_model_is_loaded(folder: Path) -> None:
 
 def test_twenty_concurrent_streams_each_equal_the_request_alone(folder: Path, pipe: Any) -> None:
     sampled = {"temperature": 0.8, "top_p": 0.9}
-    requests = [(f"def task_{i}(queue):", 100 - 3 * i, {"temperature": 0} if i % 4 else {**sampled, "seed": i})
-                for i in range(20)]
+    requests = [(f"def task_{i}(queue):", 100 - 3 * i,
+                 {"temperature": 0} if i % 4 else {**sampled, "seed": i}) for i in range(20)]
     with served(folder, max_batch=4, max_queue=32, delay=0.002) as s:
         client = s.client(max_retries=0)
 
@@ -416,7 +422,8 @@ def test_twenty_concurrent_streams_each_equal_the_request_alone(folder: Path, pi
         metrics = s.metrics()
     for (prompt, max_tokens, settings), got in zip(requests, results, strict=True):
         options = {"do_sample": True, **settings} if "seed" in settings else {}
-        assert got == alone(pipe, render(folder, [{"role": "user", "content": prompt}]), max_tokens, **options)
+        prompt = render(folder, [{"role": "user", "content": prompt}])
+        assert got == alone(pipe, prompt, max_tokens, **options)
     finished = sum(v for k, v in metrics.items() if k.startswith("ortpipe_requests_total"))
     assert finished == 20 and metrics["ortpipe_requests_total{finish_reason=\"error\"}"] == 0
     assert metrics["ortpipe_batch_rows"] == 0 and metrics["ortpipe_queue_length"] == 0
@@ -433,7 +440,8 @@ def test_a_client_that_disconnects_frees_its_row_and_its_queue_place(folder: Pat
 
         def impatient() -> None:  # queued behind the long one, then gone after 0.5 s
             try:
-                client.with_options(timeout=0.5).chat.completions.create(model=MODEL, messages=USER, max_tokens=5)
+                client.with_options(timeout=0.5).chat.completions.create(model=MODEL, messages=USER,
+                                                                         max_tokens=5)
             except openai.APITimeoutError as e:
                 gave_up.append(e)
 
@@ -505,16 +513,16 @@ def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         r = client.completions.create(model=MODEL, prompt="import os", max_tokens=4)
         line = proc.stderr.readline()
-        assert re.search(rf"{r.id} prompt=\d+ cached=\d+ completion=\d+ ttft=[\d.]+ms [\d.]+ tokens/s finish=",
-                         line), line
+        fields = r"prompt=\d+ cached=\d+ completion=\d+ ttft=[\d.]+ms [\d.]+ tokens/s finish=(length|stop)"
+        assert re.search(rf"{r.id} {fields}", line), line
     finally:
-        proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then lets the interrupt through: 130, no traceback
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then passes the interrupt on: 130, no traceback
         assert proc.wait(15) == 130
         assert "Traceback" not in proc.stderr.read()
         proc.stderr.close()
 
 
 def test_serve_refuses_a_profile_it_does_not_have(folder: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--profile", "raspberry-pi"],
-                         capture_output=True, text=True, timeout=60)
+    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--profile", "raspberry-pi"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "device profiles" in out.stderr
