@@ -252,7 +252,8 @@ class Engine:
                 self._in_flight -= 1
 
     def gauges(self) -> Gauges:
-        return Gauges(self.loaded, len(self._waiting), self.scheduler.rows if self.scheduler else 0,
+        scheduler = self.scheduler  # read once: the engine thread may drop it
+        return Gauges(scheduler is not None, len(self._waiting), scheduler.rows if scheduler else 0,
                       self.max_batch, self.max_queue)
 
     def _leave(self, job: Job) -> None:
