@@ -59,15 +59,22 @@ class Batch:
         if gen.flow.iterations == 0 or len(gen.pending) != 1 or gen.state != "ready":
             raise GenerationError("a row joins a batch after its prefill, with one token to feed")
         if gen.flow.max_length != self.capacity:
-            raise GenerationError(f"a row's cache holds {gen.flow.max_length} positions; this batch's rows hold "
-                                  f"{self.capacity}: make the generator with max_length {self.capacity}")
+            raise GenerationError(
+                f"a row's cache holds {gen.flow.max_length} positions; this batch's rows hold "
+                f"{self.capacity}: make the generator with max_length {self.capacity}"
+            )
         own = gen.flow.caches[self.fused.session].feeds
         if not self.rows:
             self.cache = dict(own)
         else:
             for e in self.entries:
-                out = yield Run(kernel("concat0", e.dtype), {"a": self.cache[e.past_input], "b": own[e.past_input]},
-                                ("y",), None, "join")
+                out = yield Run(
+                    kernel("concat0", e.dtype),
+                    {"a": self.cache[e.past_input], "b": own[e.past_input]},
+                    ("y",),
+                    None,
+                    "join",
+                )
                 self.cache[e.past_input] = out["y"]
         self.rows.append(gen)
 
@@ -102,8 +109,12 @@ class Batch:
             mask = [v for n in lengths for v in [1] * n + [0] * (width - n)]
             feeds[step.mask[0]] = b.tensor(mask, (len(rows), width), step.mask[1])
             if step.positions:
-                feeds[step.positions[0]] = b.tensor([n - 1 for n in lengths], (len(rows), 1), step.positions[1])
-            out = yield Run(step.session, feeds, step.outputs, dict(step.presents), f"batch step {self.steps}")
+                feeds[step.positions[0]] = b.tensor(
+                    [n - 1 for n in lengths], (len(rows), 1), step.positions[1]
+                )
+            out = yield Run(
+                step.session, feeds, step.outputs, dict(step.presents), f"batch step {self.steps}"
+            )
             for e in self.entries:  # a target that could not write in place answered new buffers
                 if e.present_output in out:
                     self.cache[e.past_input] = out[e.present_output]
@@ -122,8 +133,13 @@ class Batch:
         through its own sampler (penalties, bans, its own seeded generator)."""
         rows = self.rows
         if all(gen.sampler.settings.plain_greedy for gen in rows):
-            out = yield Run(kernel("argmax_last", self._logits_dtype()), {"logits": logits}, ("token",), None,
-                            f"batch step {self.steps}")
+            out = yield Run(
+                kernel("argmax_last", self._logits_dtype()),
+                {"logits": logits},
+                ("token",),
+                None,
+                f"batch step {self.steps}",
+            )
 
             return self.backend.to_list(out["token"])
         tokens = []
