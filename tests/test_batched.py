@@ -24,13 +24,22 @@ def prefilled(pipe: Any, prompt: list[int], **settings: Any) -> Any:
     return gen
 
 
-@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_builder_int4", "phi3_builder", "qwen2_builder"])
-def test_rows_that_join_and_leave_give_what_they_give_alone(model: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    "model", ["llama_builder_fp32", "llama_builder_int4", "phi3_builder", "qwen2_builder"]
+)
+def test_rows_that_join_and_leave_give_what_they_give_alone(
+    model: str, request: pytest.FixtureRequest
+) -> None:
     folder = request.getfixturevalue(model)
     pipe = ortpipe.load(folder, threads=1)
     ids = prompt_ids(Path(folder))
-    jobs = [(ids[:20], {}), (ids[5:40], {"do_sample": True, "seed": 3, "top_k": 20}), (ids[:7], {}),
-            (ids[10:60], {"repetition_penalty": 1.2}), (ids[30:33], {"do_sample": True, "seed": 8})]
+    jobs = [
+        (ids[:20], {}),
+        (ids[5:40], {"do_sample": True, "seed": 3, "top_k": 20}),
+        (ids[:7], {}),
+        (ids[10:60], {"repetition_penalty": 1.2}),
+        (ids[30:33], {"do_sample": True, "seed": 8}),
+    ]
     alone = [pipe.generate(prompt_ids=p, max_new_tokens=NEW, **s).tokens for p, s in jobs]
     batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)
     gens: list[Any] = []
@@ -48,7 +57,7 @@ def test_rows_that_join_and_leave_give_what_they_give_alone(model: str, request:
             if gen.generated >= NEW or gen.done:
                 pipe.driver.drive(batch.leave(gen))  # rows leave mid-run too
     assert len(batch) == 0
-    got = [gen.tokens[len(p):len(p) + NEW] for gen, (p, _) in zip(gens, jobs, strict=True)]
+    got = [gen.tokens[len(p) : len(p) + NEW] for gen, (p, _) in zip(gens, jobs, strict=True)]
     assert got == alone
 
 
@@ -68,8 +77,9 @@ def test_a_row_that_left_goes_on_alone_from_its_cache(llama_builder_fp32: Path) 
     assert gen.tokens[30:50] == expected
 
 
-def test_what_cannot_be_batched_says_why(llama_concat: Path, gemma_builder: Path,
-                                         llama_builder_fp32: Path) -> None:
+def test_what_cannot_be_batched_says_why(
+    llama_concat: Path, gemma_builder: Path, llama_builder_fp32: Path
+) -> None:
     assert "shared past/present buffer" in batchable(ortpipe.load(llama_concat).plan)
     assert "slides" in batchable(ortpipe.load(gemma_builder).plan)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
