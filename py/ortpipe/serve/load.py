@@ -117,14 +117,45 @@ def run_level(url: str, streams: int, rounds: int, prompt_tokens: int, new_token
                  round(statistics.fmean(rates), 1) if rates else 0.0)
 
 
+def run_processes(model: str, count: int, prompt_tokens: int, new_tokens: int, vocab: int,
+                  threads: int | None) -> float:
+    """The comparison without a server: `count` separate `ortpipe run` processes at once (each loading its
+    own copy of the model), the sum of their decode tokens/s (each from its own timings)."""
+    rng = random.Random(count)
+    command = [sys.executable, "-m", "ortpipe.cli", "run", model, "--max-new-tokens", str(new_tokens),
+               "--temperature", "0", "--json"] + (["--threads", str(threads)] if threads else [])
+    procs = [subprocess.Popen([*command, "--prompt-ids", ",".join(str(rng.randrange(3, vocab))
+                                                                  for _ in range(prompt_tokens))],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+    rates = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ortpipe run exited with {proc.returncode}")
+        rates.append(json.loads(out)["timings"]["decode_tokens_per_s"])
+    return round(sum(rates), 1)
+
+
 def start_server(model: str, max_batch: int, threads: int | None) -> tuple[subprocess.Popen, str]:
     """`ortpipe serve MODEL --port 0` in a process of its own; returns it and its URL once loaded."""
-    command = [sys.executable, "-m", "ortpipe.cli", "serve", model, "--port", "0",
-               "--max-batch", str(max_batch), "--max-queue", str(4 * max_batch)]
+    command = [
+        sys.executable,
+        "-m",
+        "ortpipe.cli",
+        "serve",
+        model,
+        "--port",
+        "0",
+        "--max-batch",
+        str(max_batch),
+        "--max-queue",
+        str(4 * max_batch),
+    ]
     if threads:
         command += ["--threads", str(threads)]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     found = re.search(r"http://[^\s/]+", proc.stderr.readline())
     if found is None:
         proc.kill()
@@ -169,22 +200,37 @@ def bench(args: argparse.Namespace) -> int:
         vocab = vocab_size(args.model)
         warm_up = min(8, args.new_tokens)
         run_level(url, 1, 1, args.prompt_tokens, warm_up, vocab, args.api_key, seed=99)
-        levels = [run_level(url, n, args.rounds, args.prompt_tokens, args.new_tokens, vocab, args.api_key)
-                  for n in streams]
+        levels = [
+            run_level(url, n, args.rounds, args.prompt_tokens, args.new_tokens, vocab, args.api_key)
+            for n in streams
+        ]
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    processes = {}
+    if args.processes and args.model:
+        processes = {
+            n: run_processes(args.model, n, args.prompt_tokens, args.new_tokens, vocab, args.threads)
+            for n in streams
+        }
     if args.json:
-        print(json.dumps([asdict(level) for level in levels]))
+        print(json.dumps({"levels": [asdict(level) for level in levels], "processes": processes}))
         return 0
     one = levels[0].tokens_per_s or 1.0
-    print(f"{url}: {args.prompt_tokens} prompt tokens, {args.new_tokens} new, "
-          f"{args.rounds} request(s) per stream")
-    print("streams  tokens/s  x1     ttft p50 ms  ttft p95 ms  per-stream tokens/s")
+    print(
+        f"{url}: {args.prompt_tokens} prompt tokens, {args.new_tokens} new, "
+        f"{args.rounds} request(s) per stream"
+    )
+    print(
+        "streams  tokens/s  x1     ttft p50 ms  ttft p95 ms  per-stream tokens/s  N processes: decode tokens/s"
+    )
     for level in levels:
-        print(f"{level.streams:>7}  {level.tokens_per_s:>8.1f}  {level.tokens_per_s / one:>4.2f}  "
-              f"{level.ttft_p50_ms:>11.1f}  {level.ttft_p95_ms:>11.1f}  {level.stream_tokens_per_s:>19.1f}")
+        print(
+            f"{level.streams:>7}  {level.tokens_per_s:>8.1f}  {level.tokens_per_s / one:>4.2f}  "
+            f"{level.ttft_p50_ms:>11.1f}  {level.ttft_p95_ms:>11.1f}  {level.stream_tokens_per_s:>19.1f}  "
+            f"{processes.get(level.streams, '-'):>28}"
+        )
     return 0
 
 
@@ -202,7 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="intra-op threads of the server it starts")
     p.add_argument("--rounds", type=int, default=3, help="requests each stream sends, one after another")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="also run N separate `ortpipe run` processes at once per level, for comparison",
+    )
     add_arguments(p)
+
     args = p.parse_args(argv)
     if (args.model is None) == (args.url is None):
         p.error("give MODEL_DIR (a server is started) or --url (a running server), not both")
@@ -211,4 +263,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
