@@ -124,9 +124,9 @@ def run_processes(model: str, count: int, prompt_tokens: int, new_tokens: int, v
     rng = random.Random(count)
     command = [sys.executable, "-m", "ortpipe.cli", "run", model, "--max-new-tokens", str(new_tokens),
                "--temperature", "0", "--json"] + (["--threads", str(threads)] if threads else [])
-    procs = [subprocess.Popen([*command, "--prompt-ids", ",".join(str(rng.randrange(3, vocab))
-                                                                  for _ in range(prompt_tokens))],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+    prompts = [",".join(str(rng.randrange(3, vocab)) for _ in range(prompt_tokens)) for _ in range(count)]
+    procs = [subprocess.Popen([*command, "--prompt-ids", ids], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for ids in prompts]
     rates = []
     for proc in procs:
         out, _ = proc.communicate(timeout=900)
@@ -222,9 +222,9 @@ def bench(args: argparse.Namespace) -> int:
         f"{url}: {args.prompt_tokens} prompt tokens, {args.new_tokens} new, "
         f"{args.rounds} request(s) per stream"
     )
-    print(
-        "streams  tokens/s  x1     ttft p50 ms  ttft p95 ms  per-stream tokens/s  N processes: decode tokens/s"
-    )
+    print("streams  tokens/s  x1     ttft p50 ms  ttft p95 ms  per-stream tokens/s  "
+          "N processes: decode tokens/s")
+
     for level in levels:
         print(
             f"{level.streams:>7}  {level.tokens_per_s:>8.1f}  {level.tokens_per_s / one:>4.2f}  "
