@@ -125,8 +125,9 @@ def run_processes(model: str, count: int, prompt_tokens: int, new_tokens: int, v
     command = [sys.executable, "-m", "ortpipe.cli", "run", model, "--max-new-tokens", str(new_tokens),
                "--temperature", "0", "--json"] + (["--threads", str(threads)] if threads else [])
     prompts = [",".join(str(rng.randrange(3, vocab)) for _ in range(prompt_tokens)) for _ in range(count)]
-    procs = [subprocess.Popen([*command, "--prompt-ids", ids], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True) for ids in prompts]
+    procs = [subprocess.Popen([*command, "--prompt-ids", ids], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for ids in prompts]
+
     rates = []
     for proc in procs:
         out, _ = proc.communicate(timeout=900)
