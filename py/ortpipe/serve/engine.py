@@ -142,13 +142,20 @@ class TimeSliced:
             try:
                 chunks = row.step()
             except Exception as e:  # a failing run ends its own request only
-                del self.open[job]
-                row.close()
-                self._fail(job, e)
+                self._drop(job, row, e)
                 continue
-            self._emit(job, "".join(c.text for c in chunks), len(chunks))
-            if row.request.done:
-                self._finish(job, row, row.request.finish_reason)
+            self._advanced(job, row, chunks)
+
+    def _advanced(self, job: Job, row: Row, chunks: list[Any]) -> None:
+        """Send the chunks of a step of the row; a row that is done leaves."""
+        self._emit(job, "".join(c.text for c in chunks), len(chunks))
+        if row.request.done:
+            self._finish(job, row, row.request.finish_reason)
+
+    def _drop(self, job: Job, row: Row, error: Exception) -> None:
+        del self.open[job]
+        row.close()
+        self._fail(job, error)
 
     def close(self, error: InvalidRequest) -> None:
         for job, row in list(self.open.items()):
@@ -209,13 +216,10 @@ class Batched(TimeSliced):
             if not row.request.done:
                 self.pipe.driver.drive(self.batch.join(row.gen.core))
         except Exception as e:  # a failing prefill ends its own request only
-            del self.open[job]
-            row.close()
-            self._fail(job, e)
+            self._drop(job, row, e)
             return
-        self._emit(job, "".join(c.text for c in chunks), len(chunks))
-        if row.request.done:
-            self._finish(job, row, row.request.finish_reason)
+        self._advanced(job, row, chunks)
+
 
     def step(self) -> None:
         self.metrics.step(len(self.open))
@@ -232,18 +236,16 @@ class Batched(TimeSliced):
         except Exception as e:  # every row of the failed run ends; the next requests start a new batch
             self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length)
             for job, row in list(self.open.items()):
-                del self.open[job]
-                row.close()
-                self._fail(job, e)
+                self._drop(job, row, e)
             return
         elapsed = (time.perf_counter() - start) * 1000
         for gen, token in zip(list(self.batch.rows), tokens, strict=True):
             job, row = rows[gen]
             chunks = row.request.accept([token], elapsed)
-            self._emit(job, "".join(c.text for c in chunks), len(chunks))
             if row.request.done:
                 self._leave_batch(row)
-                self._finish(job, row, row.request.finish_reason)
+            self._advanced(job, row, chunks)
+
 
     def _leave_batch(self, row: Row) -> None:
         if row.gen.core in self.batch.rows:
