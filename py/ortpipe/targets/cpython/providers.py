@@ -307,11 +307,12 @@ def _assignment(session: ort.InferenceSession, request: SessionRequest, key: str
     name = f'session "{request.name}"'
     messages = [f"{name}: {s.provider} was passed over: {s.reason}; using {key}, next in its "
                 "execution_provider list" for s in skipped]
-    if ep.PROVIDERS[key].ort_name not in session.get_providers():
-        messages.append(f"{name}: onnxruntime created the session without {key} (a missing device or driver: "
-                        f"its log above says which); it runs on {', '.join(session.get_providers())}")
     total = sum(nodes.values())
-    if nodes and key not in nodes:
+    if ep.PROVIDERS[key].ort_name not in session.get_providers():  # one message for both causes
+        messages.append(f"{name}: onnxruntime created the session without {key} (it claimed none of the "
+                        "nodes, or its device or driver is missing: its log above says which); it runs on "
+                        f"{', '.join(session.get_providers())}")
+    elif nodes and key not in nodes:
         messages.append(f"{name}: {key} took none of its {total} nodes; they run on {', '.join(nodes)}")
     for provider, count in nodes.items():
         if provider not in accepted:
