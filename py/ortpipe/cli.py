@@ -1,4 +1,4 @@
-"""The `ortpipe` command: run, chat, inspect, validate, web."""
+"""The `ortpipe` command: run, chat, inspect, validate, serve, web."""
 
 from __future__ import annotations
 
@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     web = sub.add_parser("web", help="serve the browser bundle (dist/web; build it with python -m build.web)")
     static_server.add_arguments(web)
     web.set_defaults(func=static_server.run)
+
+    from . import serve as serve_command  # standard library only until it runs
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
+    serve_command.add_arguments(serve)
+    serve.set_defaults(func=serve_command.run)
     return parser
 
 

@@ -100,9 +100,14 @@ class Request:
             if self.tokens and e.partial is None:  # what was generated before the failure is the caller's
                 e.partial = Result(list(self.tokens), self.text + self._held, self.timings, "error")
             raise
+        return self.accept(tokens, (time.perf_counter() - start) * 1000)
 
-        elapsed = (time.perf_counter() - start) * 1000
+    def accept(self, tokens: list[int], elapsed: float) -> list[Chunk]:
+        """The chunks of tokens the generator just took, `elapsed` ms after they were asked for: the
+        text so far, the finish reason, the timings. `advance` calls it; a loop that steps the
+        generator itself (a batch row) calls it after each step."""
         if self.timings.new_tokens == 0:
+
             self.timings.prefill_ms = elapsed
         else:
             self.timings.decode_ms += elapsed

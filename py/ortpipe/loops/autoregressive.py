@@ -129,11 +129,38 @@ class TokenGenerator:
         except BaseException as e:  # the target failed (or Ctrl-C) mid-step: the cache cannot be trusted
             self.life.fail(e)
             raise
+        self._took(tokens)
+        return tokens
+
+    @property
+    def pending(self) -> list[int]:
+        """The ids the graph has not seen yet (after a step: the last token)."""
+        return self._pending
+
+    # Steps another loop runs for this sequence: a batch (loops/batched.py) whose row it is.
+
+    def begin_external(self) -> None:
+        if self.life.state == READY and self.done:
+            self.life.fire(STOP)
+        self.life.fire(BEGIN)
+
+    def end_external(self, tokens: list[int]) -> None:
+        """The step fed the one pending id and selected `tokens`."""
+        for cache in self.flow.caches.values():
+            cache.length += 1
+        self.flow.position += 1
+        self.flow.iterations += 1
+        self._took(tokens)
+
+    def fail_external(self, error: BaseException) -> None:
+        self.life.fail(error)
+
+    def _took(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
         self._pending = [tokens[-1]]
         self.generated += len(tokens)
         self.life.fire(FINISH if self.done else END)
-        return tokens
+
 
     def _iterate(self, budget: int | None) -> Work:
         if self.flow.iterations == 0:
