@@ -135,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
     serve_command.add_arguments(serve)
+    _provider_args(serve)
     serve.set_defaults(func=serve_command.run)
     return parser
 
