@@ -112,7 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     _generation_args(chat, max_new_tokens=256)
     chat.set_defaults(func=_chat)
 
-    inspect = sub.add_parser("inspect", help="show what was detected and the expanded v2 config")
+    inspect = sub.add_parser(
+        "inspect", help="show where each session runs, what was detected and the expanded v2 config"
+    )
     inspect.add_argument("model", metavar="MODEL_DIR")
     _provider_args(inspect)
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
