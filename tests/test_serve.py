@@ -604,7 +604,13 @@ def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> 
         proc.stderr.close()
 
 
-def test_serve_refuses_a_profile_it_does_not_have(folder: Path) -> None:
-    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--profile", "raspberry-pi"]
+def test_serve_loads_with_the_profile_and_providers_asked_for(folder: Path) -> None:
+    """--profile and --ep reach the load: an unknown profile, or a provider this environment lacks, is the
+    load's ConfigError."""
+    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0"]
+    out = subprocess.run([*command, "--profile", "raspberri-pi"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and 'Unknown profile "raspberri-pi"' in out.stderr
+    assert 'Did you mean "raspberry-pi"?' in out.stderr
+    command += ["--profile", "raspberry-pi", "--ep", "qnn"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "device profiles" in out.stderr
+    assert out.returncode == 2 and 'pip install "ortpipe[qnn]" installs it' in out.stderr
