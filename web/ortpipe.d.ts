@@ -84,6 +84,8 @@ export interface GenerateOptions {
   earlyStopping?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
+  /** Give each generated token's log-probability and this many most likely alternatives (chunk.logprob, chunk.top_logprobs). */
+  logprobs?: number;
   // end of the generation settings
 }
 

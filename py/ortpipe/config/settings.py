@@ -157,6 +157,8 @@ SETTINGS: tuple[Setting, ...] = (
             v2="early_stopping", v1="early_stopping"),
     Setting("num_return_sequences", "int", 1, "hypotheses returned by beam search (result.sequences)", low=1,
             high=MAX_BEAMS, v2="num_return_sequences", v1="num_return_sequences"),
+    Setting("logprobs", "int", None, "give each generated token's log-probability and this many most likely "
+            "alternatives (chunk.logprob, chunk.top_logprobs)", low=0, high=20),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -175,6 +177,8 @@ class _Derived:
     no_repeat_ngram_size: int
     min_length: int
     min_new_tokens: int
+    logprobs: int | None
+
 
     @property
     def sampling(self) -> bool:
@@ -194,6 +198,7 @@ class _Derived:
             and not self.no_repeat_ngram_size
             and not self.min_length
             and not self.min_new_tokens
+            and self.logprobs is None  # they are read from the logits, which a fused step keeps to itself
         )
 
 

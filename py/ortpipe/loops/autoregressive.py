@@ -64,6 +64,8 @@ class TokenGenerator:
         self._pending: list[int] = []  # ids the graph has not seen yet
         self.interrupted = False
         self.fused_steps = 0  # decode steps the target ran as `Decode`s
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []  # per token, when asked
+
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
@@ -156,6 +158,8 @@ class TokenGenerator:
         self.life.fail(error)
 
     def _took(self, tokens: list[int]) -> None:
+        if self.sampler.settings.logprobs is not None:  # one token per step: logprobs keep the generic path
+            self.logprobs.append(self.sampler.last_logprobs)
         self.tokens.extend(tokens)
         self._pending = [tokens[-1]]
         self.generated += len(tokens)
