@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (uses the folder's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated: 1,2,3")
     _session_args(run)
+    _plugin_arg(run)
     _generation_args(run)
     run.add_argument(
         "--image",
@@ -109,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat that keeps the KV cache across turns")
     chat.add_argument("model", metavar="MODEL_DIR")
     _session_args(chat)
+    _plugin_arg(chat)
     _generation_args(chat, max_new_tokens=256)
     chat.set_defaults(func=_chat)
 
@@ -117,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("model", metavar="MODEL_DIR")
     _provider_args(inspect)
+    _plugin_arg(inspect)
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=_inspect)
 
@@ -125,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("model", metavar="MODEL_DIR")
     _provider_args(validate)
+    _plugin_arg(validate)
+
     validate.set_defaults(func=_validate)
 
     from . import static_server  # standard library only
@@ -161,12 +166,20 @@ def _provider_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+
 def _load(args: argparse.Namespace, progress: bool = True) -> Any:
     """The pipeline of args.model with the command's providers, profile and threads."""
     from .targets.cpython import load, providers
 
     return load(args.model, provider=providers.parse_overrides(args.ep), profile=args.profile,
-                threads=getattr(args, "threads", None), on_progress=_progress() if progress else None)
+                threads=getattr(args, "threads", None), on_progress=_progress() if progress else None,
+                allow_plugins=getattr(args, "allow_plugins", False))
+
+
+def _plugin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-plugins", action="store_true",
+                   help="run the plugin the config names (pipeline.plugin): its code runs, so only "
+                   "if you trust it")
 
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = None) -> None:

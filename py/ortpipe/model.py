@@ -11,13 +11,13 @@ from __future__ import annotations
 import posixpath
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .chat import Chat
 from .config import load_config
 from .config.profiles import Profile
 from .errors import ConfigError, GenerationError
-from .execute.work import Backend, Handle, Open, Opened, ReadGraph, Work
+from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
 from .graphfacts import decoder_facts
 from .jsonfile import quote
@@ -26,9 +26,10 @@ from .loops.beam import BeamSearch
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
 from .plan import FROM_REQUEST, Plan, make_plan
+from .plugins import Context, Factory, load_factory
 from .preprocess import load_audio_config
 from .preprocess.request import Image, media_inputs
-from .request import BeamRequest, Request
+from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
@@ -52,14 +53,26 @@ class Platform(Protocol):
 Progress = Callable[[str], None]
 
 
-def load_model(folder: Folder, platform: Platform, profile: str | Profile | None = None) -> Work:
+def load_model(folder: Folder, platform: Platform, profile: str | Profile | None = None,
+               allow_plugins: bool = False) -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
-    `Open` per session the flow runs, the plan, the tokenizer and the chat template. `profile`: a
-    device profile layered over the config's sessions (config/profiles.py). Returns
-    (Model, {session name: the target's session})."""
+    `Open` per session the flow runs (every session, for a plugin's loop), the plan, the tokenizer
+    and the chat template. `profile`: a device profile layered over the config's sessions
+    (config/profiles.py); `allow_plugins`: run the config's plugin, if it has one (plugins.py).
+    Returns (Model, {session name: the target's session})."""
     start = time.perf_counter()
     config = load_config(folder, profile=profile)
-    used = {s.run for s in config.pipeline.flow}
+    plugin = config.pipeline.plugin
+    factory = None
+    if plugin:
+        wheel = plugin.get("wheel")
+        local = (
+            (yield ReadWheel(folder.locate(wheel), folder.describe(wheel)))
+            if wheel and allow_plugins
+            else None
+        )
+        factory = load_factory(plugin, allow_plugins, local)
+    used = set(config.pipeline.sessions) if plugin else {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}
     for spec in wanted:
@@ -73,6 +86,7 @@ def load_model(folder: Folder, platform: Platform, profile: str | Profile | None
     tokenizer = load_tokenizer(folder, platform)
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
+    model.plugin = factory
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
 
@@ -84,8 +98,9 @@ def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
         try:
             folder.locate(posixpath.normpath(posixpath.join(base, location)))
         except ConfigError as e:
-            raise ConfigError(f"{folder.describe(file)} keeps weights in {location!r}, which ortpipe does "
-                              f"not open: {e}") from None
+            raise ConfigError(
+                f"{folder.describe(file)} keeps weights in {location!r}, which ortpipe does not open: {e}"
+            ) from None
 
 
 def load_tokenizer(folder: Folder, platform: Platform) -> Tokenizer | None:
@@ -117,6 +132,7 @@ class Model:
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
+        self.plugin: Factory | None = None
 
     # requests
 
@@ -149,6 +165,13 @@ class Model:
             inputs = {**made, **(inputs or {})}
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(len(ids), max_new_tokens, max_length)
+        if self.plugin is not None:
+            check_ids(ids, self.vocab)
+            eos = frozenset(self.config.tokens.eos)
+            loop = self.plugin(Context(self.plan, self.backend, search, limit, eos, inputs or {}))
+            request = PluginRequest(loop, ids, search, self.tokenizer, limit, eos)
+            request.timings.load_ms = self.load_ms
+            return request
         if search.num_beams > 1:
             check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)
@@ -232,12 +255,13 @@ class Model:
             )
         positions = self.plan.max_positions
         if positions is not None and max_length > positions:
-            raise GenerationError(f"max_length {max_length} is more than the {positions} positions the "
-                                  "model's graph can run (the size of its position tables); lower max_length "
-                                  "or max_new_tokens")
+            raise GenerationError(
+                f"max_length {max_length} is more than the {positions} positions the "
+                "model's graph can run (the size of its position tables); lower max_length "
+                "or max_new_tokens"
+            )
 
         if max_length <= prompt_len:
-
             raise GenerationError(
                 f"max_length {max_length} leaves no room to generate after a "
                 f"{prompt_len}-token prompt; raise max_length or use max_new_tokens"
@@ -281,9 +305,18 @@ class Model:
         return request
 
 
+class _Reader(NamedTuple):
+    session: str
+
+
 def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:
-    """Request inputs against the graphs that read them: known names, rank, element type, fixed dims."""
-    readers = {f.input: s for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
+
+    """Request inputs against the graphs that read them: known names, rank, element type, fixed dims.
+    A plugin's loop feeds its sessions itself: any session's input name is a request input there."""
+    if plan.config.pipeline.plugin:
+        readers = {t.name: _Reader(n) for n, sig in plan.signatures.items() for t in sig.inputs}
+    else:
+        readers = {f.input: s for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
     controls = {s.step.dynamic_shape.source for s in plan.init_steps if s.step.dynamic_shape}
     grid = plan.config.pipeline.state.position_ids.grid_source
     controls |= {grid.split(".", 1)[-1]} if grid else set()

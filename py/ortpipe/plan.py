@@ -173,7 +173,7 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         _fused_step(step, by_phase["final"], signatures),
         facts,
     )
-    if config.generation.loop == "autoregressive" and plan.generator is None:
+    if config.generation.loop == "autoregressive" and plan.generator is None and not config.pipeline.plugin:
         steps = [s.run for s in config.pipeline.flow if s.when == "step"]
         problems.add(
             'generation.loop is "autoregressive" but no step-phase session has a logits output '

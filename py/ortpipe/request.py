@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config.settings import SearchSettings
 from .errors import GenerationError, OrtpipeError
@@ -159,37 +160,69 @@ class Request:
         return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length")
 
 
-class BeamRequest(Request):
+class WholeRequest(Request):
+    """A loop that runs whole in one advance (beam search, a plugin's): its chunks are the tokens it
+    gave, the text on the last."""
+
+    def __init__(self, prompt: list[int], settings: SearchSettings, tokenizer: Tokenizer | None,
+                 eos: frozenset[int]):
+        super().__init__(None, settings, tokenizer, len(prompt))
+        self.prompt, self.tokenizer, self.eos = prompt, tokenizer, eos
+
+    def finished(self, tokens: list[int], start: float) -> list[Chunk]:
+        self.timings.prefill_ms = (time.perf_counter() - start) * 1000
+        self.timings.new_tokens = len(tokens)
+        self.finish_reason = "eos" if tokens and tokens[-1] in self.eos else "length"
+        self.tokens = list(tokens)
+        self.text = self.tokenizer.decode(tokens) if self.tokenizer else ""
+        return [Chunk(t, self.text if i == len(tokens) - 1 else "") for i, t in enumerate(tokens)]
+
+    def interrupt(self) -> None:
+        self.finish_reason = self.finish_reason or "interrupt"
+
+
+class BeamRequest(WholeRequest):
     """Beam search: one advance runs the whole search; its chunks are the best hypothesis's tokens."""
 
     def __init__(
         self, search: BeamSearch, prompt: list[int], settings: SearchSettings, tokenizer: Tokenizer | None
     ):
-        super().__init__(None, settings, tokenizer, len(prompt))
-        self.search, self.prompt = search, prompt
+        super().__init__(prompt, settings, tokenizer, search.eos)
+        self.search = search
         self.sequences: list[list[int]] = []
-        self.tokenizer = tokenizer
 
     def advance(self) -> Work:
         start = time.perf_counter()
         best = yield from self.search.run(self.prompt)
-        self.timings.prefill_ms = (time.perf_counter() - start) * 1000
         self.sequences = [h.tokens for h in best]
-        tokens = self.sequences[0]
-        self.timings.new_tokens = len(tokens)
-        self.finish_reason = "eos" if tokens and tokens[-1] in self.search.eos else "length"
-        self.tokens = list(tokens)
-        text = self.tokenizer.decode(tokens) if self.tokenizer else ""
-        self.text = text
-        return [Chunk(t, text if i == len(tokens) - 1 else "") for i, t in enumerate(tokens)]
+        return self.finished(self.sequences[0], start)
 
-    def interrupt(self) -> None:
-        self.finish_reason = self.finish_reason or "interrupt"
 
     def result(self) -> Result:
         result = super().result()
         result.sequences = [list(s) for s in self.sequences]
         return result
+
+
+class PluginRequest(WholeRequest):
+    """A plugin's loop (plugins.py), run whole in one advance; what it returns is checked."""
+
+    def __init__(self, loop: Any, prompt: list[int], settings: SearchSettings, tokenizer: Tokenizer | None,
+                 max_length: int, eos: frozenset[int]):
+        super().__init__(prompt, settings, tokenizer, eos)
+        self.loop, self.max_length = loop, max_length
+
+    def advance(self) -> Work:
+        start = time.perf_counter()
+        tokens = yield from self.loop.run(list(self.prompt))
+        room = self.max_length - len(self.prompt)
+        ids = isinstance(tokens, list) and all(type(t) is int and t >= 0 for t in tokens)
+        if not ids or len(tokens) > room:
+            raise GenerationError(
+                f"the plugin's loop must return at most {room} token ids (max_length less the "
+                f"prompt), found {str(tokens)[:200]}"
+            )
+        return self.finished(tokens, start)
 
 
 def _text_stream(tokenizer: Tokenizer) -> TextStream:

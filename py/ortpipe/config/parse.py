@@ -179,11 +179,10 @@ def _resolve_preset(pipe_raw: dict[str, Any], problems: Problems) -> dict[str, A
 def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> PipelineSpec:
     sec = Section(raw, "pipeline", problems, nulls=False)
     sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin")
-    if "plugin" in sec.raw:
-        sec.problems.add("pipeline.plugin: plugins are not run by this version yet; drop the key")
+    plugin = _plugin(sec.sub("plugin"), folder) if "plugin" in sec.raw else None
 
     sessions = _sessions(sec.sub("sessions"), folder, problems)
-    flow = _flow(sec.get("flow", list), sessions, problems)
+    flow = () if plugin and "flow" not in sec.raw else _flow(sec.get("flow", list), sessions, problems)
     dataflow = _dataflow(sec.get("dataflow", list, []), sessions, problems)
     _check_cycles(flow, dataflow, problems)
     return PipelineSpec(
@@ -192,12 +191,39 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
         dataflow=dataflow,
         state=_cross_attention(_state(sec.sub("state")), flow, sessions, problems),
         preprocessing=_preprocessing(sec.sub("preprocessing"), folder),
-        plugin=sec.get("plugin", dict),
+        plugin=plugin,
+
         extends=sec.get("extends", str),
     )
 
 
+def _plugin(sec: Section, folder: Folder) -> dict[str, Any]:
+    """{module: "package.module:factory", wheel: a pure-Python wheel in the folder (optional)}: the
+    loop is the plugin's (plugins.py), every session of the pipeline is opened for it, and the flow
+    may be left out."""
+    sec.allow("module", "wheel")
+    module = sec.get("module", str)
+    if module is None or not all(part.isidentifier() for part in module.replace(":", ".").split(".")):
+        sec.problems.add(f'{sec.path}.module must name a factory as "package.module:factory", '
+                         f"found {quote(module)}")
+    wheel = sec.get("wheel", str)
+    if wheel is not None:
+        from ..errors import ConfigError
+
+        try:
+            found = wheel.endswith(".whl") and folder.exists(wheel)
+        except ConfigError as e:
+            sec.problems.add(f"{sec.path}.wheel: {e}")
+        else:
+            if not found:
+                sec.problems.add(
+                    f"{sec.path}.wheel must be a .whl file in the model folder, found {quote(wheel)}"
+                )
+    return {k: v for k, v in (("module", module), ("wheel", wheel)) if v is not None}
+
+
 def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, SessionSpec]:
+
     if not sec.raw:
         problems.add(
             'Pipeline config requires at least one session. Add "sessions": '
@@ -454,8 +480,14 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-PATTERN_KEYS = ("past_key_pattern", "present_key_pattern", "past_value_pattern", "present_value_pattern",
-                "past_pattern", "present_pattern")
+PATTERN_KEYS = (
+    "past_key_pattern",
+    "present_key_pattern",
+    "past_value_pattern",
+    "present_value_pattern",
+    "past_pattern",
+    "present_pattern",
+)
 
 
 def _state(sec: Section) -> StateSpec:
@@ -482,7 +514,6 @@ def _state(sec: Section) -> StateSpec:
             format=kv.choice("format", KV_FORMATS, "auto", what="kv_cache format"),
             **patterns,
             share_buffer=kv.get("share_buffer", bool),
-
             sliding_window=_sliding(kv),
         ),
         position_ids=PositionIdsSpec(
@@ -598,8 +629,10 @@ def _generation(sec: Section) -> Generation:
         sec.problems.add(f'generation.loop "{loop}" is not run by this version yet; it runs "autoregressive"')
     for key in ("num_steps", "scheduler", "guidance_scale"):
         if key in sec.raw and loop != "denoising":
-            sec.problems.add(f'generation.{key} is a setting of the "denoising" loop; this config\'s loop is '
-                             f'"{loop}": drop it')
+            sec.problems.add(
+                f'generation.{key} is a setting of the "denoising" loop; this config\'s loop is '
+                f'"{loop}": drop it'
+            )
     return Generation(
         loop=loop,
         max_length=max_length,

@@ -4,13 +4,14 @@ Core generators yield work items and receive their answers (psycopg's generators
 CPython driver answers with onnxruntime, the browser's with onnxruntime-web. Work items are
 immutable values; what changes hands (a KV cache after fused steps) comes back in the answer.
 
-| work      | answer                                   |
-| --------- | ---------------------------------------- |
-| `ReadGraph` | the graph file: a path, bytes or a seekable binary file (onnxinfo reads it) |
-| `Open`    | `Opened`: the session and its signature  |
-| `Run`     | {output name: tensor}                    |
-| `RunAll`  | a list of those, in order                |
-| `Decode`  | `Decoded`: token ids and the cache after |
+| work        | answer                                                                  |
+| ----------- | ----------------------------------------------------------------------- |
+| `ReadGraph` | the graph file: a path, bytes or a seekable binary file (onnxinfo reads) |
+| `ReadWheel` | a local path Python can import the plugin's wheel from                  |
+| `Open`      | `Opened`: the session and its signature                                 |
+| `Run`       | {output name: tensor}                                                   |
+| `RunAll`    | a list of those, in order                                               |
+| `Decode`    | `Decoded`: token ids and the cache after                                |
 
 Tensors are opaque handles owned by the target; the core only creates small integer tensors and
 reads small integer results through `Backend`.
@@ -34,6 +35,15 @@ KERNEL = "kernel:"  # session names starting with this are ortpipe's kernel grap
 class ReadGraph:
     """The graph file at `path` (a checked real path, or a URL), for the core to read its structure
     before the session is made (what its external data names, what its attention nodes say)."""
+
+    path: str
+    shown: str
+
+
+@dataclass(frozen=True)
+class ReadWheel:
+    """A plugin's pure-Python wheel at `path` (plugins.py): answered with a path in this process's
+    file system that Python can import it from (the file itself, or a copy)."""
 
     path: str
     shown: str

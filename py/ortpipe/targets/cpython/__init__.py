@@ -261,6 +261,7 @@ def load(
     profile: str | Profile | None = None,
     threads: int | None = None,
     on_progress: Progress | None = None,
+    allow_plugins: bool = False,
 ) -> Pipeline:
     """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime.
 
@@ -268,7 +269,8 @@ def load(
     session ("openvino", ["openvino", "cpu"]), or {session name: name or list} for some (the key
     None: every other session). `profile`: a device profile, by name (edge/profiles/) or .json path,
     layered over the config first. Where each session was placed is `Pipeline.assignments`.
-    `on_progress` receives a line of text as each session starts and ends loading.
+    `on_progress` receives a line of text as each session starts and ends loading. `allow_plugins`:
+    run the config's plugin (its code), if it names one (ortpipe/plugins.py).
     """
     path = Path(model_dir)
     if not path.is_dir():
@@ -280,7 +282,8 @@ def load(
     overrides = providers.overrides_from(provider)
     start = time.perf_counter()
     driver = Driver(overrides, threads, on_progress)
-    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform(), profile))
+    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform(), profile, allow_plugins))
+
     providers.check_overrides(overrides, model.config.pipeline.sessions)
     model.load_ms = (time.perf_counter() - start) * 1000
     return Pipeline(model, driver, path)

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import OrtpipeError
-from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, drive
+from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, ReadWheel, Run, RunAll, drive
 from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
 from . import providers
@@ -151,8 +151,8 @@ class Driver:
             return list(self._pool.map(self.run, work.runs))  # onnxruntime releases the GIL in run()
         if kind is Open:
             return self.open(work)
-        if kind is ReadGraph:
-            return work.path  # the core's reader opens it and reads only the graph's structure
+        if kind is ReadGraph or kind is ReadWheel:
+            return work.path  # a checked path: the core reads the graph, Python imports the wheel
         raise OrtpipeError(f"the CPython driver got work it does not know: {type(work).__name__}")
 
     def open(self, work: Open) -> Opened:
