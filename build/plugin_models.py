@@ -7,7 +7,9 @@ weights, a genai_config.json that names the plugin, and the plugin's wheel besid
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+
 import sys
 import tempfile
 from pathlib import Path
@@ -112,6 +114,7 @@ def joiner(rng: np.random.Generator) -> onnx.ModelProto:
 def wheel(out: Path) -> str:
     """The plugin's wheel, built from examples/plugins/rnnt into `out`; its file name."""
     with tempfile.TemporaryDirectory() as tmp:
+        source = shutil.copytree(PLUGIN, Path(tmp) / "source")  # setuptools writes build/ beside its sources
         subprocess.run(
             [
                 sys.executable,
@@ -123,7 +126,7 @@ def wheel(out: Path) -> str:
                 "-q",
                 "-w",
                 tmp,
-                str(PLUGIN),
+                str(source),
             ],
             check=True,
             capture_output=True,
