@@ -64,7 +64,7 @@ export interface GenerateOptions {
   minP?: number;
   /** Divide the scores of tokens seen so far; 1 turns it off. */
   repetitionPenalty?: number;
-  /** The sampler's seed: the same seed gives the same tokens on every target. */
+  /** The seed of the sampler and of the initial noise: the same seed gives the same tokens or image on every target. */
   seed?: number;
   /** Never repeat an n-gram of this size; 0 turns it off. */
   noRepeatNgramSize?: number;
@@ -84,6 +84,12 @@ export interface GenerateOptions {
   earlyStopping?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
+  /** Denoising steps. */
+  numSteps?: number;
+  /** Classifier-free guidance: above 1 runs a conditional and an unconditional row. */
+  guidanceScale?: number;
+  /** What the image should not show (the unconditional row's text). */
+  negativePrompt?: string;
   // end of the generation settings
 }
 
