@@ -152,9 +152,10 @@ class Model:
                                       f'folder\'s '
                                       f'loop is "{self.config.generation.loop}"')
             check_inputs(self.plan, {k: v for k, v in (inputs or {}).items() if k != "latents"}, self.backend)
-            return output_request(self.plan, self.backend, self.loop, self.tokenizer, prompt, prompt_ids,
-                                  inputs,
-                                  max_new_tokens=max_new_tokens, max_length=max_length, **settings)
+            made = output_request(self.plan, self.backend, self.loop, self.tokenizer, prompt, prompt_ids,
+                                  inputs, max_new_tokens=max_new_tokens, max_length=max_length, **settings)
+            made.timings.load_ms = self.load_ms
+            return made
         if messages is not None:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
@@ -181,7 +182,9 @@ class Model:
 
     def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH) -> OutputRequest:
         """A request for the embeddings of `texts` (a string or a list of them), in batches."""
-        return embed_request(self.plan, self.backend, self.loop, self.tokenizer, texts, batch_size)
+        made = embed_request(self.plan, self.backend, self.loop, self.tokenizer, texts, batch_size)
+        made.timings.load_ms = self.load_ms
+        return made
 
     def generator(
         self,

@@ -211,7 +211,7 @@ class VitsTokenizer:
         if self.config.get("language") == "ron":
             text = text.replace("ț", "ţ")
         ids = [self.vocab[c] for c in "".join(c for c in text if c in self.vocab).strip()]
-        if self.config.get("add_blank", True):
+        if ids and self.config.get("add_blank", True):  # no characters: no ids at all, as transformers gives
             ids = [i for token in ids for i in (0, token)] + [0]
         return ids
 

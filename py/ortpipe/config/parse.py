@@ -269,8 +269,11 @@ def _check_loop(pipeline: PipelineSpec, loop: str, problems: Problems) -> None:
                      'e.g. {"session": "vocoder", "name": "waveform", "as": "audio", "sampling_rate": 16000}')
     if loop == "single_pass" and steps:
         problems.add(f'generation.loop "single_pass" runs the init and final phases once; flow steps with '
-                     f'"when": '
-                     f'"step" ({one_of(steps)}) would never run: make them "init"')
+                     f'"when": "step" ({one_of(steps)}) would never run: make them "init"')
+    final = [s.run for s in pipeline.flow if s.when == "final"]
+    if loop == "autoregressive" and final:
+        problems.add(f'flow steps with "when": "final" ({one_of(final)}) run after the single_pass and '
+                     "denoising loops; the autoregressive loop does not run them yet: drop them")
     if loop == "denoising" and len(steps) != 1:
         problems.add(f'generation.loop "denoising" runs one session per step (the UNet), found {len(steps)} '
                      f'("when": "step": {one_of(steps) or "none"})')

@@ -292,6 +292,7 @@ def _step(
 def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
     cumprod = alphas_cumprod(config)
     timesteps = [_f32(t) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
     sigmas = [_interp(t, table) for t in timesteps] + [0.0]
     top = max(sigmas)
@@ -322,7 +323,9 @@ def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
     clip = config["clip_sample_range"] if config["clip_sample"] else INF
     out = []
-    for t in (int(round(t)) for t in spaced(config, steps)):
+    timesteps = [int(round(t)) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
+    for t in timesteps:
         prev = t - config["num_train_timesteps"] // steps  # whatever the spacing, as diffusers does
         a, a_prev = cumprod[t], (cumprod[prev] if prev >= 0 else final)
         # x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps, eps the model's own (before any clipping)
@@ -398,6 +401,7 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
         timesteps = [i * ratio + config["steps_offset"] for i in range(steps + 1)][::-1][:-1]
     else:
         timesteps = [int(t) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
     last = table[0] if config["final_sigmas_type"] == "sigma_min" else 0.0
     sigmas = [_interp(t, table) for t in timesteps] + [last]
@@ -445,10 +449,18 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
         schedule = lcm(config, steps)
     else:
         schedule = dpm_solver(config, steps)
-    timesteps = [s.timestep for s in schedule.steps]
-    if len(set(timesteps)) != len(timesteps) or len(timesteps) != steps:
+    if len(schedule.steps) != steps:
         raise GenerationError(
             f"num_steps {steps} gives {name} with {config['timestep_spacing']} spacing "
-            "repeated or missing timesteps; choose another number of steps"
+            f"{len(schedule.steps)} timesteps; choose another number of steps"
         )
     return schedule
+
+
+def _distinct(timesteps: list[Any], config: Mapping[str, Any]) -> None:
+    """diffusers runs repeated timesteps (or divides by zero on them): refuse the step count instead."""
+    if len(set(timesteps)) != len(timesteps):
+        raise GenerationError(
+            f"num_steps {len(timesteps)} gives {config['_class_name']} with "
+            f"{config['timestep_spacing']} spacing repeated timesteps; choose fewer steps"
+        )

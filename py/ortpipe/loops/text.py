@@ -60,6 +60,9 @@ def encode_texts(tokenizer: Tokenizer | None, texts: list[Any], max_length: int 
         if not isinstance(text, str):
             raise GenerationError(f"each text must be a string, found {type(text).__name__}")
         ids = encode(tokenizer, text)
+        if not ids:
+            raise GenerationError(f"the text {text[:40]!r} gives no tokens (the tokenizer keeps none of its "
+                                  f"characters)")
         if max_length is not None and len(ids) > max_length:
             ids = _truncated(tokenizer, text, ids, max_length)
         rows.append(ids)

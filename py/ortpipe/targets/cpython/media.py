@@ -14,6 +14,7 @@ import wave
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -144,3 +145,59 @@ def write_png(path: str | os.PathLike[str], image: np.ndarray) -> None:
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
     Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + body)
+
+
+OUT_KINDS = {".wav": "audio", ".png": "image", ".npy": None}  # what each file type takes (None: any)
+
+
+def plan_files(plan: Any, specs: list[str]) -> dict[str, list[str]]:
+    """The CLI's `--out [NAME=]FILE` as {output name: [files]}, checked against the folder's named outputs
+    before any model runs: a .wav takes an audio output, a .png an image, a .npy any; without NAME, the
+    first output of the file's kind (or the only output, for .npy)."""
+    outputs = {o.name: o.kind for o in plan.config.pipeline.outputs}
+    files: dict[str, list[str]] = {}
+    for spec in specs:
+        name, _, file = spec.rpartition("=")
+        kind_wanted = OUT_KINDS.get(Path(file).suffix.lower(), "")
+        if kind_wanted == "":
+            raise GenerationError(f"--out {spec}: write .wav, .png or .npy files")
+        if not outputs:
+            raise GenerationError("--out: this folder names no outputs (pipeline.output); it makes tokens")
+        if not name:
+            fitting = [n for n, k in outputs.items() if kind_wanted in (None, k)]
+            if not fitting or (kind_wanted is None and len(outputs) > 1):
+                raise GenerationError(f"--out {spec}: say which output, NAME={file} (outputs: "
+                                      f"{', '.join(f'{n} ({k})' for n, k in outputs.items())})")
+            name = fitting[0]
+        if name not in outputs:
+            raise GenerationError(f"--out {spec}: no output named {name!r} (outputs: {', '.join(outputs)})")
+        if kind_wanted not in (None, outputs[name]):
+            raise GenerationError(f"--out {spec}: {name} is {outputs[name]}, which a {Path(file).suffix} "
+                                  "file does not hold; write .npy")
+        files.setdefault(name, []).append(file)
+    return files
+
+
+def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Write each named output to its files; a batch of several images or clips to FILE-0, FILE-1, ...
+    Returns {name: [the files written]}."""
+    written: dict[str, list[str]] = {}
+    for name, targets in files.items():
+        value, kind = result.outputs.get(name), result.kinds.get(name, {})
+        if value is None:
+            continue
+        for target in targets:
+            path = Path(target)
+            if path.suffix.lower() == ".npy":
+                np.save(path, value)
+                written.setdefault(name, []).append(str(path))
+                continue
+            items = value if kind["kind"] == "image" or value.ndim == 2 else value[None]
+            for i, item in enumerate(items):
+                one = path if len(items) == 1 else path.with_name(f"{path.stem}-{i}{path.suffix}")
+                if kind["kind"] == "image":
+                    write_png(one, item)
+                else:
+                    write_wav(one, item, kind["sampling_rate"])
+                written.setdefault(name, []).append(str(one))
+    return written
