@@ -346,3 +346,71 @@ def test_a_final_step_in_the_autoregressive_loop_is_refused(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r'"when": "final" \(vocoder\) run after the single_pass and '
                                           r'denoising'):
         load_config(LocalFolder(tmp_path))
+
+
+# --- kernels and detection -----------------------------------------------------------------------
+
+def _kernel(name: str):  # noqa: ANN202 (onnxruntime's session)
+    import onnxruntime as ort
+
+    from ortpipe.kernels import kernel_file
+
+    return ort.InferenceSession(str(kernel_file(f"kernel:{name}")), providers=["CPUExecutionProvider"])
+
+
+def test_pooling_kernels_follow_sentence_transformers() -> None:
+    """sentence-transformers' Pooling (its pooling_mode_* in sentence_transformers/models/Pooling.py) and
+    Normalize (torch's normalize) written out in numpy, on padded rows and an empty one."""
+    rng = np.random.default_rng(1)
+    states = rng.standard_normal((3, 6, 5)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], np.int64)
+    kept = mask[:, :, None].astype(np.float32)
+    expected = {
+        "mean": (states * kept).sum(1) / np.maximum(kept.sum(1), 1e-9),
+        "max": np.where(kept > 0, states, -1e9).max(1),
+        "cls": states[:, 0],
+        "lasttoken": states[np.arange(3), [2, 5, 0]],
+    }
+    for mode, want in expected.items():
+        feeds = {"states": states} if mode == "cls" else {"states": states, "mask": mask}
+        got = _kernel(f"pool_{mode}_float32").run(None, feeds)[0]
+        assert np.abs(got - want).max() <= 1e-6, mode
+    normed = _kernel("l2_normalize_float32").run(None, {"x": expected["mean"]})[0]
+    norms = np.maximum(np.linalg.norm(expected["mean"], axis=1, keepdims=True), 1e-12)
+    assert np.abs(normed - expected["mean"] / norms).max() < 1e-6
+
+
+def test_image_kernels_follow_diffusers() -> None:
+    rng = np.random.default_rng(2)
+    sample = (rng.standard_normal((1, 3, 4, 5)) * 1.5).astype(np.float32)
+    image = _kernel("vae_image_float32").run(None, {"sample": sample})[0]
+    assert np.array_equal(image, np.clip(sample / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1))
+    rgba = _kernel("rgba8_uint8").run(None, {"image": image})[0]
+    assert np.array_equal(rgba[..., :3], np.round(image * 255).astype(np.uint8))
+    assert (rgba[..., 3] == 255).all()
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"model_index.json": {"_class_name": "StableDiffusionXLPipeline", "text_encoder_2": ["x", "y"]}},
+     "is StableDiffusionXLPipeline, with text_encoder_2: ortpipe detects StableDiffusionPipeline-style"),
+    ({"model_index.json": {"_class_name": "StableDiffusionPipeline"}},
+     "has model_index.json but not text_encoder/model.onnx, unet/model.onnx, vae_decoder/model.onnx"),
+    ({"modules.json": [{"type": "sentence_transformers.models.Transformer", "path": ""},
+                       {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"},
+                       {"type": "sentence_transformers.models.Dense", "path": "2_Dense"}]},
+     r"has the modules Transformer, Pooling, Dense: ortpipe runs Transformer, Pooling, Normalize"),
+    ({"modules.json": [{"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}],
+      "1_Pooling/config.json": {"pooling_mode_mean_sqrt_len_tokens": True}, "onnx/model.onnx": b""},
+     "pools by mean_sqrt_len_tokens: ortpipe pools by one of mean, cls, max, lasttoken"),
+    ({"modules.json": [{"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]},
+     r"a sentence-transformers folder without an ONNX graph \(looked for onnx/model.onnx, model.onnx\)"),
+])
+def test_folders_detection_cannot_run_are_named(files: dict, message: str, tmp_path: Path) -> None:
+    from ortpipe.detect import detect_config
+    from ortpipe.folder import LocalFolder
+
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    with pytest.raises(ConfigError, match=message):
+        detect_config(LocalFolder(tmp_path))

@@ -1,0 +1,384 @@
+"""Benchmarks of the single_pass and denoising loops beside their peers, under CPython. Not a test.
+
+    python -m build.bench_loops sd [--folder sd-bench] [--steps 8] [--guidance 7.5] [--rounds 3] [--threads 2]
+    python -m build.bench_loops embed [--folder st-bench] [--texts 1024] [--batch 32] [--rounds 3]
+    python -m build.bench_loops tts [--folder vits-tiny] [--rounds 3]
+
+sd: the time of one denoising step (the UNet on the guided batch of two rows and the scheduler's update),
+median over the steps of a generation, for ortpipe, a hand-written onnxruntime loop (tests/paradigm_refs.py's,
+numpy for the scheduler) and optimum's ORTDiffusionPipeline (diffusers' scheduler in torch). embed: texts
+embedded per second by ortpipe, the hand loop and sentence-transformers' ONNX backend (optimum's
+ORTModelForFeatureExtraction under SentenceTransformer.encode), all in batches of `--batch`. tts: the
+real-time factor (seconds of compute per second of audio) of ortpipe and the hand loop.
+
+Each engine runs each round in a fresh process, engines in an order rotated every round; every session
+gets `--threads` intra-op threads. optimum and sentence-transformers run in their own virtualenv
+($ORTPIPE_PARADIGMS_BENCH_VENV, default .venv-paradigms-bench: the export environment of build/paradigms.py
+plus sentence-transformers 5.1.2). The folders come from build/paradigms.py, but st-bench (below).
+docs/benchmarks.md reads the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_VENV = Path(os.environ.get("ORTPIPE_PARADIGMS_BENCH_VENV", ROOT / ".venv-paradigms-bench"))
+PEER_REQUIREMENTS = ("torch==2.13.0", "transformers==4.57.6", "optimum-onnx==0.1.0", "optimum==2.1.0",
+                     "onnx==1.23.2", "onnxruntime==1.31.1", "diffusers==0.39.0",
+                     "sentence-transformers==5.1.2")
+ENGINES = {"sd": ("ortpipe", "hand", "optimum"), "embed": ("ortpipe", "hand", "sentence-transformers"),
+           "tts": ("ortpipe", "hand")}
+PEERS = {"optimum", "sentence-transformers"}  # run in the peers' virtualenv
+PROMPT = "a red cube on a wooden table, studio light"
+NEGATIVE = "blurry, low quality"
+SPEECH = ("The quick brown fox jumps over the lazy dog while the parser reads each line of the file and "
+          "keeps the fields it needs.")
+
+
+# A sentence-transformers folder of all-MiniLM-L6-v2's shape (6 layers, hidden 384, 12 heads; 22M parameters
+# with its 30k vocabulary, 11M with the test tokenizer's 1000), random weights: made here, in the peers'
+# virtualenv, into $ORTPIPE_CACHE/bench-loops/st-bench (sentence-transformers 5.1.2 saves it, optimum exports
+# its Transformer for feature-extraction; mean pooling and Normalize as in all-MiniLM-L6-v2).
+ST_BENCH = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536,
+            "max_position_embeddings": 512}
+
+
+def st_bench_folder() -> Path:
+    from build import hfmodels, paradigms
+
+    out = hfmodels.cache_root() / "bench-loops" / "st-bench"
+    if not (out / "onnx" / "model.onnx").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer = paradigms.get("st-minilm-cls")
+        command = [str(peers_python()), "-m", "build.bench_loops", "_make_st_bench", str(tokenizer), str(out)]
+        subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    return out
+
+
+def make_st_bench(tokenizer: Path, out: Path) -> None:
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    with tempfile.TemporaryDirectory(prefix="st-bench-") as scratch:
+        hf = Path(scratch) / "hf"
+        fast = transformers.BertTokenizerFast(tokenizer_file=str(tokenizer / "tokenizer.json"))
+        torch.manual_seed(0)
+        config = transformers.BertConfig(vocab_size=len(fast), **ST_BENCH)
+        transformers.BertModel(config).save_pretrained(hf)
+        fast.save_pretrained(hf)
+        word = models.Transformer(str(hf), max_seq_length=128)
+        modules = [word, models.Pooling(ST_BENCH["hidden_size"], "mean"), models.Normalize()]
+        SentenceTransformer(modules=modules).save(str(out))
+        exported = Path(scratch) / "onnx"
+        subprocess.run([sys.executable, "-m", "optimum.exporters.onnx", "--model", str(hf), "--task",
+                        "feature-extraction", "--library-name", "transformers", str(exported)], check=True)
+        (out / "onnx").mkdir(exist_ok=True)
+        shutil.copy2(exported / "model.onnx", out / "onnx" / "model.onnx")
+
+
+def texts(count: int) -> list[str]:
+    """Sentences of 3 to 60 words drawn from the embedding test texts' words (seeded)."""
+    from build import paradigms
+
+    words = " ".join(paradigms.EMBED_TEXTS).split()
+    rng = random.Random(0)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 60))) for _ in range(count)]
+
+
+# --- one engine, one round (run in a fresh process) ----------------------------------------------
+
+def session_options(threads: int):  # noqa: ANN201 (onnxruntime's)
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return options
+
+
+def sd_ortpipe(folder: Path, args: dict) -> dict:
+    import ortpipe
+
+    start = time.perf_counter()
+    pipe = ortpipe.load(folder, threads=args["threads"])
+    load_s = time.perf_counter() - start
+    options = {"num_steps": args["steps"], "guidance_scale": args["guidance"], "negative_prompt": NEGATIVE,
+               "seed": 0}
+    pipe.generate(PROMPT, **{**options, "num_steps": 2})  # warm-up
+    request = pipe.request(PROMPT, **options)
+    marks = []
+    for _ in pipe.drive(request):
+        marks.append(time.perf_counter())
+    # marks[0]: the init phase done, marks[i]: step i done; the last step's advance runs the VAE too
+    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][:-1]
+    return {"load_s": load_s, "step_s": steps}
+
+
+def sd_hand(folder: Path, args: dict) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+    from tests import paradigm_refs as refs
+
+    options = session_options(args["threads"])
+    start = time.perf_counter()
+    text, unet, vae = (ort.InferenceSession(str(folder / part / "model.onnx"), options,
+                                            providers=["CPUExecutionProvider"])
+                       for part in ("text_encoder", "unet", "vae_decoder"))
+    load_s = time.perf_counter() - start
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
+    ids = [tokenizer(t, padding="max_length", max_length=77, truncation=True).input_ids
+           for t in (NEGATIVE, PROMPT)]
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    unet_config = json.loads((folder / "unet" / "config.json").read_text())
+    size = unet_config["sample_size"]
+    latents = np.random.default_rng(0).standard_normal((1, 4, size, size)).astype(np.float32)
+    scaling = json.loads((folder / "vae_decoder" / "config.json").read_text())["scaling_factor"]
+
+    def generate(steps: int) -> tuple[list[float], np.ndarray]:
+        embeddings = text.run(["last_hidden_state"], {"input_ids": np.array(ids, np.int64)})[0]
+        scheduler = refs.make_scheduler(config, steps)
+        x, times = latents * scheduler.init_noise_sigma, []
+        for i, t in enumerate(scheduler.timesteps):
+            begin = time.perf_counter()
+            batch = scheduler.scale_model_input(np.concatenate([x, x]), i).astype(np.float32)
+            out = unet.run(["out_sample"], {"sample": batch, "timestep": np.array(t, np.float32),
+                                            "encoder_hidden_states": embeddings})[0]
+            uncond, cond = np.split(out, 2)
+            x = scheduler.step(uncond + args["guidance"] * (cond - uncond), i, x, None).astype(np.float32)
+            times.append(time.perf_counter() - begin)
+        image = vae.run(["sample"], {"latent_sample": x / scaling})[0]
+        return times, np.clip(image / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
+
+    generate(2)
+    steps, _ = generate(args["steps"])
+    return {"load_s": load_s, "step_s": steps}
+
+
+def sd_optimum(folder: Path, args: dict) -> dict:
+    from optimum.onnxruntime import ORTDiffusionPipeline
+
+    start = time.perf_counter()
+    pipe = ORTDiffusionPipeline.from_pretrained(str(folder), session_options=session_options(args["threads"]),
+                                                provider="CPUExecutionProvider")
+    pipe.set_progress_bar_config(disable=True)
+    load_s = time.perf_counter() - start
+    marks: list[float] = []
+
+    def mark(_pipe, _i, _t, kwargs):  # noqa: ANN001, ANN202 (diffusers' callback)
+        marks.append(time.perf_counter())
+        return kwargs
+
+    options = {"guidance_scale": args["guidance"], "negative_prompt": NEGATIVE, "output_type": "np"}
+    pipe(PROMPT, num_inference_steps=2, **options)  # warm-up
+    pipe(PROMPT, num_inference_steps=args["steps"], callback_on_step_end=mark, **options)
+    # a callback marks the end of each step: steps 2 to N
+    return {"load_s": load_s, "step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)]}
+
+
+def embed_ortpipe(folder: Path, args: dict) -> dict:
+    import ortpipe
+
+    pipe = ortpipe.load(folder, threads=args["threads"])
+    sentences = texts(args["texts"])
+    pipe.embed(sentences[: args["batch"]], batch_size=args["batch"])
+    start = time.perf_counter()
+    embeddings = pipe.embed(sentences, batch_size=args["batch"])
+    return {"seconds": time.perf_counter() - start, "embeddings": embeddings[:8].tolist()}
+
+
+def embed_hand(folder: Path, args: dict) -> dict:
+    """onnxruntime on batches of texts in their order, padded with the tokenizer; pooling in numpy."""
+    import numpy as np
+    import onnxruntime as ort
+    from tests import paradigm_refs as refs
+    from tokenizers import Tokenizer
+
+    session = ort.InferenceSession(str(folder / "onnx" / "model.onnx"), session_options(args["threads"]),
+                                   providers=["CPUExecutionProvider"])
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.enable_padding(pad_id=0)
+    tokenizer.enable_truncation(128)
+    cls = refs.pooling_mode(folder) == "cls"
+
+    def embed(batch: list[str]) -> np.ndarray:
+        encodings = tokenizer.encode_batch(batch)
+        feeds = {"input_ids": np.array([e.ids for e in encodings], np.int64),
+                 "attention_mask": np.array([e.attention_mask for e in encodings], np.int64),
+                 "token_type_ids": np.array([e.type_ids for e in encodings], np.int64)}
+        hidden = session.run(["last_hidden_state"], feeds)[0]
+        if cls:
+            pooled = hidden[:, 0]
+        else:
+            mask = feeds["attention_mask"][:, :, None].astype(np.float32)
+            pooled = (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
+        return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+
+    sentences = texts(args["texts"])
+    embed(sentences[: args["batch"]])
+    start = time.perf_counter()
+    batch = args["batch"]
+    out = np.concatenate([embed(sentences[i:i + batch]) for i in range(0, len(sentences), batch)])
+    return {"seconds": time.perf_counter() - start, "embeddings": out[:8].tolist()}
+
+
+def embed_sentence_transformers(folder: Path, args: dict) -> dict:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), backend="onnx", model_kwargs={
+        "file_name": "onnx/model.onnx", "provider": "CPUExecutionProvider",
+        "session_options": session_options(args["threads"])})
+    sentences = texts(args["texts"])
+    model.encode(sentences[: args["batch"]], batch_size=args["batch"])
+    start = time.perf_counter()
+    embeddings = model.encode(sentences, batch_size=args["batch"])
+    return {"seconds": time.perf_counter() - start, "embeddings": embeddings[:8].tolist()}
+
+
+def tts_ortpipe(folder: Path, args: dict) -> dict:
+    import ortpipe
+
+    pipe = ortpipe.load(folder, threads=args["threads"])
+    audio = pipe.speak(SPEECH)
+    start = time.perf_counter()
+    for _ in range(args["repeats"]):
+        audio = pipe.speak(SPEECH)
+    return {"seconds": (time.perf_counter() - start) / args["repeats"], "audio_s": audio.seconds}
+
+
+def tts_hand(folder: Path, args: dict) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+    from tests import paradigm_refs as refs
+
+    session = ort.InferenceSession(str(folder / "onnx" / "model.onnx"), session_options(args["threads"]),
+                                   providers=["CPUExecutionProvider"])
+    ids = np.array([refs.vits_ids(folder, SPEECH)], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    wave = session.run(["waveform"], feeds)[0]
+    start = time.perf_counter()
+    for _ in range(args["repeats"]):
+        wave = session.run(["waveform"], feeds)[0]
+    rate = json.loads((folder / "config.json").read_text())["sampling_rate"]
+    return {"seconds": (time.perf_counter() - start) / args["repeats"], "audio_s": wave.shape[-1] / rate}
+
+
+RUNNERS = {("sd", "ortpipe"): sd_ortpipe, ("sd", "hand"): sd_hand, ("sd", "optimum"): sd_optimum,
+           ("embed", "ortpipe"): embed_ortpipe, ("embed", "hand"): embed_hand,
+           ("embed", "sentence-transformers"): embed_sentence_transformers,
+           ("tts", "ortpipe"): tts_ortpipe, ("tts", "hand"): tts_hand}
+
+
+# --- driving the rounds --------------------------------------------------------------------------
+
+def peers_python() -> Path:
+    from build import hfmodels
+
+    return hfmodels.ensure_venv(BENCH_VENV, PEER_REQUIREMENTS, "benchmark peers")
+
+
+def run_engine(task: str, engine: str, folder: Path, args: dict) -> dict:
+    python = peers_python() if engine in PEERS else Path(sys.executable)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'py'}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
+    command = [str(python), "-m", "build.bench_loops", "_engine", task, engine, str(folder), json.dumps(args)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(task: str, results: dict[str, list[dict]], args: dict) -> list[str]:
+    """One line per engine: its median (and spread), and its ratio to ortpipe."""
+    def value(r: dict) -> float:
+        if task == "sd":
+            return statistics.median(r["step_s"]) * 1000
+        if task == "embed":
+            return args["texts"] / r["seconds"]
+        return r["seconds"] / r["audio_s"]
+
+    unit = {"sd": "ms a step", "embed": "texts/s", "tts": "real-time factor"}[task]
+    medians = {e: statistics.median(value(r) for r in rs) for e, rs in results.items()}
+    lines = []
+    for engine, rs in results.items():
+        values = sorted(value(r) for r in rs)
+        ratio = medians[engine] / medians["ortpipe"]
+        rounds = ", ".join(f"{v:.4f}" for v in values)
+        lines.append(f"{engine:22s} {medians[engine]:10.4f} {unit} (rounds {rounds})  {ratio:.3f}x ortpipe's")
+    return lines
+
+
+def check_outputs(task: str, results: dict[str, list[dict]]) -> None:
+    """The engines computed the same embeddings (and ortpipe its image), or the comparison means nothing."""
+    if task == "embed":
+        import numpy as np
+
+        first = {e: np.array(rs[0]["embeddings"]) for e, rs in results.items()}
+        for engine, got in first.items():
+            difference = float(np.abs(got - first["ortpipe"]).max())
+            if difference > 1e-5:
+                print(f"warning: {engine}'s embeddings differ from ortpipe's by {difference:.1e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_make_st_bench":
+        make_st_bench(Path(argv[1]), Path(argv[2]))
+        return 0
+    if argv and argv[0] == "_engine":
+        task, engine, folder, args = argv[1], argv[2], Path(argv[3]), json.loads(argv[4])
+        print(json.dumps(RUNNERS[(task, engine)](folder, args)))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m build.bench_loops", description=__doc__.splitlines()[0])
+    parser.add_argument("task", choices=sorted(ENGINES))
+    parser.add_argument("--folder", help="a folder of build/paradigms.py (default: sd-bench, st-minilm-cls, "
+                        "vits-tiny) or a path")
+    parser.add_argument("--engines", help=f"comma-separated (default: all of the task's: {ENGINES})")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--guidance", type=float, default=7.5)
+    parser.add_argument("--texts", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    args = parser.parse_args(argv)
+    from build import paradigms
+
+    name = args.folder or {"sd": "sd-bench", "embed": "st-bench", "tts": "vits-tiny"}[args.task]
+    if Path(name).is_dir():
+        folder = Path(name)
+    else:
+        folder = st_bench_folder() if name == "st-bench" else paradigms.get(name)
+    engines = args.engines.split(",") if args.engines else list(ENGINES[args.task])
+    settings = {k: getattr(args, k) for k in ("threads", "steps", "guidance", "texts", "batch", "repeats")}
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    for round_ in range(args.rounds):
+        order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
+        for engine in order:
+            print(f"round {round_ + 1}/{args.rounds}: {engine}", file=sys.stderr, flush=True)
+            results[engine].append(run_engine(args.task, engine, folder, settings))
+    check_outputs(args.task, results)
+    print(f"{args.task} on {folder.name}, {args.threads} threads, {args.rounds} rounds: {settings}")
+    for line in summarise(args.task, results, settings):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps({"task": args.task, "folder": str(folder), "settings": settings,
+                                         "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
