@@ -11,10 +11,12 @@ embedded per second by ortpipe, the hand loop and sentence-transformers' ONNX ba
 ORTModelForFeatureExtraction under SentenceTransformer.encode), all in batches of `--batch`. tts: the
 real-time factor (seconds of compute per second of audio) of ortpipe and the hand loop.
 
-Each engine runs each round in a fresh process, engines in an order rotated every round; every session
-gets `--threads` intra-op threads. optimum and sentence-transformers run in their own virtualenv
-($ORTPIPE_PARADIGMS_BENCH_VENV, default .venv-paradigms-bench: the export environment of build/paradigms.py
-plus sentence-transformers 5.1.2). The folders come from build/paradigms.py, but st-bench (below).
+Every engine runs in one process of the peers' virtualenv ($ORTPIPE_PARADIGMS_BENCH_VENV, default
+.venv-paradigms-bench: the export environment of build/paradigms.py plus sentence-transformers 5.1.2,
+which has ortpipe's dependencies too): each is loaded and warmed up once, then the engines take turns
+round by round, the order rotated, so that load from other processes on this shared machine meets all of
+them alike. Every session gets `--threads` intra-op threads. The folders come from build/paradigms.py,
+but st-bench (below).
 docs/benchmarks.md reads the results.
 """
 
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +40,6 @@ PEER_REQUIREMENTS = ("torch==2.13.0", "transformers==4.57.6", "optimum-onnx==0.1
                      "sentence-transformers==5.1.2")
 ENGINES = {"sd": ("ortpipe", "hand", "optimum"), "embed": ("ortpipe", "hand", "sentence-transformers"),
            "tts": ("ortpipe", "hand")}
-PEERS = {"optimum", "sentence-transformers"}  # run in the peers' virtualenv
 PROMPT = "a red cube on a wooden table, studio light"
 NEGATIVE = "blurry, low quality"
 SPEECH = ("The quick brown fox jumps over the lazy dog while the parser reads each line of the file and "
@@ -108,99 +110,116 @@ def session_options(threads: int):  # noqa: ANN201 (onnxruntime's)
     return options
 
 
-def sd_ortpipe(folder: Path, args: dict) -> dict:
+# Each engine: open(folder, args) loads it and warms it up, and returns a run() giving one measurement.
+
+def _now() -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds): with one intra-op thread the CPU time of a step is its
+    work alone, whatever else the machine runs."""
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: tuple[float, float], count: int = 1) -> dict:
+    end = _now()
+    return {"seconds": (end[0] - start[0]) / count, "cpu_seconds": (end[1] - start[1]) / count}
+
+
+def _steps(marks: list[tuple[float, float]]) -> dict:
+    return {"step_s": [b[0] - a[0] for a, b in zip(marks, marks[1:], strict=False)],
+            "step_cpu_s": [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False)]}
+
+
+def sd_ortpipe(folder: Path, args: dict) -> Callable[[], dict]:
     import ortpipe
 
-    start = time.perf_counter()
     pipe = ortpipe.load(folder, threads=args["threads"])
-    load_s = time.perf_counter() - start
     options = {"num_steps": args["steps"], "guidance_scale": args["guidance"], "negative_prompt": NEGATIVE,
                "seed": 0}
-    pipe.generate(PROMPT, **{**options, "num_steps": 2})  # warm-up
-    request = pipe.request(PROMPT, **options)
-    marks = []
-    for _ in pipe.drive(request):
-        marks.append(time.perf_counter())
-    # marks[0]: the init phase done, marks[i]: step i done; the last step's advance runs the VAE too
-    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][:-1]
-    return {"load_s": load_s, "step_s": steps}
+    pipe.generate(PROMPT, **{**options, "num_steps": 2})
+
+    def run() -> dict:
+        marks = []
+        for _ in pipe.drive(pipe.request(PROMPT, **options)):
+            marks.append(_now())
+        # marks[0]: the init phase done, marks[i]: step i done; the last step's advance runs the VAE too
+        return _steps(marks[:-1])
+
+    return run
 
 
-def sd_hand(folder: Path, args: dict) -> dict:
+def sd_hand(folder: Path, args: dict) -> Callable[[], dict]:
     import numpy as np
     import onnxruntime as ort
     from tests import paradigm_refs as refs
+    from transformers import CLIPTokenizer
 
     options = session_options(args["threads"])
-    start = time.perf_counter()
     text, unet, vae = (ort.InferenceSession(str(folder / part / "model.onnx"), options,
                                             providers=["CPUExecutionProvider"])
                        for part in ("text_encoder", "unet", "vae_decoder"))
-    load_s = time.perf_counter() - start
-    from transformers import CLIPTokenizer
-
     tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
     ids = [tokenizer(t, padding="max_length", max_length=77, truncation=True).input_ids
            for t in (NEGATIVE, PROMPT)]
     config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    unet_config = json.loads((folder / "unet" / "config.json").read_text())
-    size = unet_config["sample_size"]
+    size = json.loads((folder / "unet" / "config.json").read_text())["sample_size"]
     latents = np.random.default_rng(0).standard_normal((1, 4, size, size)).astype(np.float32)
     scaling = json.loads((folder / "vae_decoder" / "config.json").read_text())["scaling_factor"]
 
-    def generate(steps: int) -> tuple[list[float], np.ndarray]:
+    def generate(steps: int) -> dict:
         embeddings = text.run(["last_hidden_state"], {"input_ids": np.array(ids, np.int64)})[0]
         scheduler = refs.make_scheduler(config, steps)
-        x, times = latents * scheduler.init_noise_sigma, []
+        x, marks = latents * scheduler.init_noise_sigma, [_now()]
         for i, t in enumerate(scheduler.timesteps):
-            begin = time.perf_counter()
             batch = scheduler.scale_model_input(np.concatenate([x, x]), i).astype(np.float32)
             out = unet.run(["out_sample"], {"sample": batch, "timestep": np.array(t, np.float32),
                                             "encoder_hidden_states": embeddings})[0]
             uncond, cond = np.split(out, 2)
             x = scheduler.step(uncond + args["guidance"] * (cond - uncond), i, x, None).astype(np.float32)
-            times.append(time.perf_counter() - begin)
-        image = vae.run(["sample"], {"latent_sample": x / scaling})[0]
-        return times, np.clip(image / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
+            marks.append(_now())
+        vae.run(["sample"], {"latent_sample": x / scaling})
+        return _steps(marks[:-1])  # steps 1 to N-1, as ortpipe's
 
     generate(2)
-    steps, _ = generate(args["steps"])
-    return {"load_s": load_s, "step_s": steps}
+    return lambda: generate(args["steps"])
 
 
-def sd_optimum(folder: Path, args: dict) -> dict:
+def sd_optimum(folder: Path, args: dict) -> Callable[[], dict]:
     from optimum.onnxruntime import ORTDiffusionPipeline
 
-    start = time.perf_counter()
     pipe = ORTDiffusionPipeline.from_pretrained(str(folder), session_options=session_options(args["threads"]),
                                                 provider="CPUExecutionProvider")
     pipe.set_progress_bar_config(disable=True)
-    load_s = time.perf_counter() - start
-    marks: list[float] = []
-
-    def mark(_pipe, _i, _t, kwargs):  # noqa: ANN001, ANN202 (diffusers' callback)
-        marks.append(time.perf_counter())
-        return kwargs
-
     options = {"guidance_scale": args["guidance"], "negative_prompt": NEGATIVE, "output_type": "np"}
-    pipe(PROMPT, num_inference_steps=2, **options)  # warm-up
-    pipe(PROMPT, num_inference_steps=args["steps"], callback_on_step_end=mark, **options)
-    # a callback marks the end of each step: steps 2 to N
-    return {"load_s": load_s, "step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)]}
+    pipe(PROMPT, num_inference_steps=2, **options)
+
+    def run() -> dict:
+        marks: list[float] = []
+
+        def mark(_pipe, _i, _t, kwargs):  # noqa: ANN001, ANN202 (diffusers' callback)
+            marks.append(_now())
+            return kwargs
+
+        pipe(PROMPT, num_inference_steps=args["steps"], callback_on_step_end=mark, **options)
+        return _steps(marks)  # a callback marks the end of each step: steps 2 to N
+
+    return run
 
 
-def embed_ortpipe(folder: Path, args: dict) -> dict:
+def embed_ortpipe(folder: Path, args: dict) -> Callable[[], dict]:
     import ortpipe
 
     pipe = ortpipe.load(folder, threads=args["threads"])
     sentences = texts(args["texts"])
     pipe.embed(sentences[: args["batch"]], batch_size=args["batch"])
-    start = time.perf_counter()
-    embeddings = pipe.embed(sentences, batch_size=args["batch"])
-    return {"seconds": time.perf_counter() - start, "embeddings": embeddings[:8].tolist()}
+
+    def run() -> dict:
+        start = _now()
+        embeddings = pipe.embed(sentences, batch_size=args["batch"])
+        return {**_since(start), "embeddings": embeddings[:8].tolist()}
+
+    return run
 
 
-def embed_hand(folder: Path, args: dict) -> dict:
+def embed_hand(folder: Path, args: dict) -> Callable[[], dict]:
     """onnxruntime on batches of texts in their order, padded with the tokenizer; pooling in numpy."""
     import numpy as np
     import onnxruntime as ort
@@ -227,15 +246,18 @@ def embed_hand(folder: Path, args: dict) -> dict:
             pooled = (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
         return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
 
-    sentences = texts(args["texts"])
-    embed(sentences[: args["batch"]])
-    start = time.perf_counter()
-    batch = args["batch"]
-    out = np.concatenate([embed(sentences[i:i + batch]) for i in range(0, len(sentences), batch)])
-    return {"seconds": time.perf_counter() - start, "embeddings": out[:8].tolist()}
+    sentences, batch = texts(args["texts"]), args["batch"]
+    embed(sentences[:batch])
+
+    def run() -> dict:
+        start = _now()
+        out = np.concatenate([embed(sentences[i:i + batch]) for i in range(0, len(sentences), batch)])
+        return {**_since(start), "embeddings": out[:8].tolist()}
+
+    return run
 
 
-def embed_sentence_transformers(folder: Path, args: dict) -> dict:
+def embed_sentence_transformers(folder: Path, args: dict) -> Callable[[], dict]:
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(folder), backend="onnx", model_kwargs={
@@ -243,23 +265,31 @@ def embed_sentence_transformers(folder: Path, args: dict) -> dict:
         "session_options": session_options(args["threads"])})
     sentences = texts(args["texts"])
     model.encode(sentences[: args["batch"]], batch_size=args["batch"])
-    start = time.perf_counter()
-    embeddings = model.encode(sentences, batch_size=args["batch"])
-    return {"seconds": time.perf_counter() - start, "embeddings": embeddings[:8].tolist()}
+
+    def run() -> dict:
+        start = _now()
+        embeddings = model.encode(sentences, batch_size=args["batch"])
+        return {**_since(start), "embeddings": embeddings[:8].tolist()}
+
+    return run
 
 
-def tts_ortpipe(folder: Path, args: dict) -> dict:
+def tts_ortpipe(folder: Path, args: dict) -> Callable[[], dict]:
     import ortpipe
 
     pipe = ortpipe.load(folder, threads=args["threads"])
-    audio = pipe.speak(SPEECH)
-    start = time.perf_counter()
-    for _ in range(args["repeats"]):
-        audio = pipe.speak(SPEECH)
-    return {"seconds": (time.perf_counter() - start) / args["repeats"], "audio_s": audio.seconds}
+    seconds = pipe.speak(SPEECH).seconds
+
+    def run() -> dict:
+        start = _now()
+        for _ in range(args["repeats"]):
+            pipe.speak(SPEECH)
+        return {**_since(start, args["repeats"]), "audio_s": seconds}
+
+    return run
 
 
-def tts_hand(folder: Path, args: dict) -> dict:
+def tts_hand(folder: Path, args: dict) -> Callable[[], dict]:
     import numpy as np
     import onnxruntime as ort
     from tests import paradigm_refs as refs
@@ -268,12 +298,16 @@ def tts_hand(folder: Path, args: dict) -> dict:
                                    providers=["CPUExecutionProvider"])
     ids = np.array([refs.vits_ids(folder, SPEECH)], np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    wave = session.run(["waveform"], feeds)[0]
-    start = time.perf_counter()
-    for _ in range(args["repeats"]):
-        wave = session.run(["waveform"], feeds)[0]
     rate = json.loads((folder / "config.json").read_text())["sampling_rate"]
-    return {"seconds": (time.perf_counter() - start) / args["repeats"], "audio_s": wave.shape[-1] / rate}
+    seconds = session.run(["waveform"], feeds)[0].shape[-1] / rate
+
+    def run() -> dict:
+        start = _now()
+        for _ in range(args["repeats"]):
+            session.run(["waveform"], feeds)
+        return {**_since(start, args["repeats"]), "audio_s": seconds}
+
+    return run
 
 
 RUNNERS = {("sd", "ortpipe"): sd_ortpipe, ("sd", "hand"): sd_hand, ("sd", "optimum"): sd_optimum,
@@ -290,26 +324,44 @@ def peers_python() -> Path:
     return hfmodels.ensure_venv(BENCH_VENV, PEER_REQUIREMENTS, "benchmark peers")
 
 
-def run_engine(task: str, engine: str, folder: Path, args: dict) -> dict:
-    python = peers_python() if engine in PEERS else Path(sys.executable)
+def run_engines(task: str, engines: list[str], folder: Path, args: dict) -> dict[str, list[dict]]:
+    """Every engine's rounds, interleaved in one process of the peers' virtualenv (which has ortpipe's
+    dependencies as well): each engine loaded and warmed up once, then round by round, the order
+    rotated, so that load from other processes meets every engine alike."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'py'}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
-    command = [str(python), "-m", "build.bench_loops", "_engine", task, engine, str(folder), json.dumps(args)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    command = [str(peers_python()), "-m", "build.bench_loops", "_interleaved", task, ",".join(engines),
+               str(folder), json.dumps(args)]
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{engine} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the {task} benchmark failed (exit {done.returncode})")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def interleaved(task: str, engines: list[str], folder: Path, args: dict) -> dict[str, list[dict]]:
+    runs = {}
+    for engine in engines:
+        print(f"loading {engine}", file=sys.stderr, flush=True)
+        runs[engine] = RUNNERS[(task, engine)](folder, args)
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    for round_ in range(args["rounds"]):
+        for engine in engines[round_ % len(engines):] + engines[:round_ % len(engines)]:
+            print(f"round {round_ + 1}/{args['rounds']}: {engine}", file=sys.stderr, flush=True)
+            results[engine].append(runs[engine]())
+    return results
 
 
 def summarise(task: str, results: dict[str, list[dict]], args: dict) -> list[str]:
     """One line per engine: its median (and spread), and its ratio to ortpipe."""
     def value(r: dict) -> float:
         if task == "sd":
-            return statistics.median(r["step_s"]) * 1000
+            return statistics.median(r["step_cpu_s" if args["threads"] == 1 else "step_s"]) * 1000
+        seconds = r["cpu_seconds" if args["threads"] == 1 else "seconds"]
         if task == "embed":
-            return args["texts"] / r["seconds"]
-        return r["seconds"] / r["audio_s"]
+            return args["texts"] / seconds
+        return seconds / r["audio_s"]
 
     unit = {"sd": "ms a step", "embed": "texts/s", "tts": "real-time factor"}[task]
+    unit += " (CPU time)" if args["threads"] == 1 else ""
     medians = {e: statistics.median(value(r) for r in rs) for e, rs in results.items()}
     lines = []
     for engine, rs in results.items():
@@ -337,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_make_st_bench":
         make_st_bench(Path(argv[1]), Path(argv[2]))
         return 0
-    if argv and argv[0] == "_engine":
-        task, engine, folder, args = argv[1], argv[2], Path(argv[3]), json.loads(argv[4])
-        print(json.dumps(RUNNERS[(task, engine)](folder, args)))
+    if argv and argv[0] == "_interleaved":
+        task, engines, folder, args = argv[1], argv[2].split(","), Path(argv[3]), json.loads(argv[4])
+        print(json.dumps(interleaved(task, engines, folder, args)))
         return 0
     parser = argparse.ArgumentParser(prog="python -m build.bench_loops", description=__doc__.splitlines()[0])
     parser.add_argument("task", choices=sorted(ENGINES))
@@ -363,13 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         folder = st_bench_folder() if name == "st-bench" else paradigms.get(name)
     engines = args.engines.split(",") if args.engines else list(ENGINES[args.task])
-    settings = {k: getattr(args, k) for k in ("threads", "steps", "guidance", "texts", "batch", "repeats")}
-    results: dict[str, list[dict]] = {e: [] for e in engines}
-    for round_ in range(args.rounds):
-        order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
-        for engine in order:
-            print(f"round {round_ + 1}/{args.rounds}: {engine}", file=sys.stderr, flush=True)
-            results[engine].append(run_engine(args.task, engine, folder, settings))
+    names = ("threads", "steps", "guidance", "texts", "batch", "repeats", "rounds")
+    settings = {k: getattr(args, k) for k in names}
+    results = run_engines(args.task, engines, folder, settings)
     check_outputs(args.task, results)
     print(f"{args.task} on {folder.name}, {args.threads} threads, {args.rounds} rounds: {settings}")
     for line in summarise(args.task, results, settings):

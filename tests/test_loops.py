@@ -414,3 +414,20 @@ def test_folders_detection_cannot_run_are_named(files: dict, message: str, tmp_p
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
     with pytest.raises(ConfigError, match=message):
         detect_config(LocalFolder(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["st_minilm", "vits_tiny", "sd_tiny"])
+def test_the_expanded_config_of_a_detected_folder_loads_the_same(fixture: str, tmp_path: Path,
+                                                                  request: pytest.FixtureRequest) -> None:
+    """`ortpipe inspect` shows a detected folder's config as v2; as a genai_config.json it is the same."""
+    from ortpipe.config.expand import as_v2
+
+    folder = Path(shutil.copytree(request.getfixturevalue(fixture), tmp_path / "folder",
+                                  ignore=shutil.ignore_patterns("references")))
+    detected = ortpipe.load(folder).config
+    (folder / "genai_config.json").write_text(json.dumps(as_v2(detected)))
+    written = ortpipe.load(folder).config
+    assert written.source == "v2" and detected.source == "detected"
+    assert (written.pipeline.outputs, written.generation) == (detected.pipeline.outputs, detected.generation)
+    assert written.pipeline.preprocessing == detected.pipeline.preprocessing

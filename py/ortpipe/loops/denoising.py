@@ -184,6 +184,9 @@ class DenoisingRequest(OutputRequest):
 
     def _advance(self) -> Work:
         start = time.perf_counter()
+        if self._interrupted:  # after the step that was running, as the token loop stops
+            self.finish_reason = "interrupt"
+            return Progress(self.step, len(self.schedule.steps))
         if self.x is None:
             yield from self._start()
             self.timings.prefill_ms = _since(start)
@@ -195,8 +198,6 @@ class DenoisingRequest(OutputRequest):
             start = time.perf_counter()
             yield from self._finish()
             self.timings.final_ms = _since(start)
-        elif self._interrupted:
-            self.finish_reason = "interrupt"
         return Progress(self.step, len(self.schedule.steps))
 
     def _start(self) -> Work:
