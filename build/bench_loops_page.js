@@ -6,9 +6,10 @@
 //   bench-loops.html?engine=ortpipe&task=tts&model=vits-tiny&runs=3
 //
 // embed: texts.json (the bundle's) embedded in batches of `batch`: ortpipe's embed (its own batches, longest
-// first), or transformers.js's feature-extraction pipeline (mean pooling, normalised) on the batches in
-// order, over the onnxruntime-web build ortpipe bundles (the same kernels). tts: ortpipe's speak, timed per
-// second of audio. window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings]} or
+// first), or transformers.js's feature-extraction pipeline (mean pooling, normalised) on the batches in the
+// texts' order ("transformers.js") or longest first by characters ("transformers.js-sorted", as a careful
+// caller would batch), over the onnxruntime-web build ortpipe bundles (the same kernels). tts: ortpipe's
+// speak, timed per second of audio. window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings]} or
 // {error}.
 
 const here = (path) => new URL(path, import.meta.url).href;
@@ -22,7 +23,8 @@ async function run(params) {
   const runs = Number(params.get('runs'));
   const batch = Number(params.get('batch') ?? 32);
   const texts = task === 'embed' ? await (await fetch(here('./texts.json'))).json() : null;
-  const work = engine === 'ortpipe' ? await ortpipeTask(task, model, batch) : await transformersJs(model, batch);
+  const work = engine === 'ortpipe' ? await ortpipeTask(task, model, batch)
+    : await transformersJs(model, batch, engine === 'transformers.js-sorted');
   await work(texts?.slice(0, batch)); // warm-up
   const times = [];
   let last = null;
@@ -49,7 +51,7 @@ async function ortpipeTask(task, model, batch) {
   };
 }
 
-async function transformersJs(model, batch) {
+async function transformersJs(model, batch, sorted) {
   globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
   const tjs = await import('./tjs/transformers.min.js');
   const { env } = tjs;
@@ -59,10 +61,18 @@ async function transformersJs(model, batch) {
   env.useBrowserCache = false;
   env.backends.onnx.wasm.wasmPaths = here('./ort/');
   env.backends.onnx.wasm.numThreads = 1;
-  const extractor = await tjs.pipeline('feature-extraction', model, {
+  // Made from the folder's files: AutoTokenizer's existence check skips local files given by http URL
+  // (as web/bench.js finds); the pipeline is what tjs.pipeline('feature-extraction') makes.
+  const [json, config] = await Promise.all(['tokenizer.json', 'tokenizer_config.json'].map(
+    (file) => fetch(here(`./models/${model}/${file}`)).then((r) => r.json())));
+  const encoder = await tjs.AutoModel.from_pretrained(model, {
     device: 'auto', session_options: { executionProviders: ['wasm'] }, dtype: 'fp32',
   });
-  return async (texts) => {
+  const extractor = new tjs.FeatureExtractionPipeline({
+    task: 'feature-extraction', model: encoder, tokenizer: new tjs.BertTokenizer(json, config),
+  });
+  return async (given) => {
+    const texts = sorted ? [...given].sort((a, b) => b.length - a.length) : given;
     const rows = [];
     for (let at = 0; at < texts.length; at += batch) {
       const out = await extractor(texts.slice(at, at + batch), { pooling: 'mean', normalize: true });

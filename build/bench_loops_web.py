@@ -3,7 +3,8 @@
     python -m build.bench_loops_web [--texts 512] [--batch 32] [--rounds 3] [--runs 3]
 
 Embeddings per second of ortpipe's `embed` and of transformers.js's feature-extraction pipeline (mean
-pooling, normalised; over the onnxruntime-web build ortpipe bundles, so both run the same kernels) on the
+pooling, normalised; over the onnxruntime-web build ortpipe bundles, so both run the same kernels; its
+batches in the texts' order, and longest first as ortpipe makes them) on the
 same sentence-transformers folder (build/bench_loops.py's st-bench, all-MiniLM-L6-v2's shape), and the
 real-time factor of ortpipe's `speak` on vits-tiny. Each engine and round is a fresh browser context
 (nothing cached), engines alternating; within a page, one warm-up and `--runs` timed runs. The bundle is
@@ -61,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = bundle(bench_loops.texts(args.texts))
     pages = [("ortpipe", "embed", "st-bench"), ("transformers.js", "embed", "st-bench"),
-             ("ortpipe", "tts", "vits-tiny")]
+             ("transformers.js-sorted", "embed", "st-bench"), ("ortpipe", "tts", "vits-tiny")]
     results: dict[str, list[dict]] = {f"{e} {t}": [] for e, t, _ in pages}
     with bench_web.chromium() as browser, bench_web.serving(out, 1) as url:
         for round_ in range(args.rounds):
-            for engine, task, model in pages[round_ % 2:] + pages[:round_ % 2]:
+            for engine, task, model in pages[round_ % len(pages):] + pages[:round_ % len(pages)]:
                 print(f"round {round_ + 1}/{args.rounds}: {engine} {task}", file=sys.stderr, flush=True)
                 query = f"engine={engine}&task={task}&model={model}&batch={args.batch}&runs={args.runs}"
                 results[f"{engine} {task}"].append(open_page(browser, url, query))
