@@ -55,18 +55,33 @@ def encode_texts(tokenizer: Tokenizer | None, texts: list[Any], max_length: int 
         raise GenerationError("this model folder has no tokenizer: pass prompt_ids instead of text")
     if not isinstance(texts, list) or not texts or len(texts) > MAX_TEXTS:
         raise GenerationError(f"texts must be a list of 1 to {MAX_TEXTS} strings")
-    rows = []
     for text in texts:
         if not isinstance(text, str):
             raise GenerationError(f"each text must be a string, found {type(text).__name__}")
-        ids = encode(tokenizer, text)
+    rows = []
+    for text, ids in zip(texts, _encode_all(tokenizer, texts), strict=True):
         if not ids:
-            raise GenerationError(f"the text {text[:40]!r} gives no tokens (the tokenizer keeps none of its "
-                                  f"characters)")
+            raise GenerationError(
+                f"the text {text[:40]!r} gives no tokens (the tokenizer keeps none of its characters)"
+            )
         if max_length is not None and len(ids) > max_length:
             ids = _truncated(tokenizer, text, ids, max_length)
         rows.append(ids)
     return rows
+
+
+def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids: in one call when the tokenizer has `encode_batch` (a target's, which may encode
+    them in parallel), else one by one."""
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is None:
+        return [encode(tokenizer, text) for text in texts]
+    try:
+        return batch(texts)
+    except Exception as e:  # the tokenizer library's own errors, whatever their type
+        raise GenerationError(
+            f"the tokenizer cannot encode these texts: {type(e).__name__}: {str(e)[:200]}"
+        ) from None
 
 
 def _truncated(tokenizer: Tokenizer, text: str, ids: list[int], max_length: int) -> list[int]:
