@@ -11,12 +11,13 @@ embedded per second by ortpipe, the hand loop and sentence-transformers' ONNX ba
 ORTModelForFeatureExtraction under SentenceTransformer.encode), all in batches of `--batch`. tts: the
 real-time factor (seconds of compute per second of audio) of ortpipe and the hand loop.
 
-Every engine runs in one process of the peers' virtualenv ($ORTPIPE_PARADIGMS_BENCH_VENV, default
+Each round is one process of the peers' virtualenv ($ORTPIPE_PARADIGMS_BENCH_VENV, default
 .venv-paradigms-bench: the export environment of build/paradigms.py plus sentence-transformers 5.1.2,
-which has ortpipe's dependencies too): each is loaded and warmed up once, then the engines take turns
-round by round, the order rotated, so that load from other processes on this shared machine meets all of
-them alike. Every session gets `--threads` intra-op threads. The folders come from build/paradigms.py,
-but st-bench (below).
+which has ortpipe's dependencies too) that loads and warms up every engine, then runs each once, in an
+order rotated round by round, so that load from other processes on this shared machine meets all of them
+alike. Every session gets `--threads` intra-op threads; with one thread the times are the process's CPU
+time, which other processes' load hardly changes (with more, wall time). The folders come from
+build/paradigms.py, but st-bench (below).
 docs/benchmarks.md reads the results.
 """
 
@@ -325,29 +326,28 @@ def peers_python() -> Path:
 
 
 def run_engines(task: str, engines: list[str], folder: Path, args: dict) -> dict[str, list[dict]]:
-    """Every engine's rounds, interleaved in one process of the peers' virtualenv (which has ortpipe's
-    dependencies as well): each engine loaded and warmed up once, then round by round, the order
-    rotated, so that load from other processes meets every engine alike."""
+    """Every engine's rounds: each round one process of the peers' virtualenv (which has ortpipe's
+    dependencies as well) that loads and warms up every engine, then runs each once, in an order (of loading
+    and of running) rotated round by round: load from other processes meets every engine alike, and no
+    engine is always the first loaded (the first session made in a process ran its steps up to 2% slower)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'py'}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
-    command = [str(peers_python()), "-m", "build.bench_loops", "_interleaved", task, ",".join(engines),
-               str(folder), json.dumps(args)]
-    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {task} benchmark failed (exit {done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def interleaved(task: str, engines: list[str], folder: Path, args: dict) -> dict[str, list[dict]]:
-    runs = {}
-    for engine in engines:
-        print(f"loading {engine}", file=sys.stderr, flush=True)
-        runs[engine] = RUNNERS[(task, engine)](folder, args)
     results: dict[str, list[dict]] = {e: [] for e in engines}
     for round_ in range(args["rounds"]):
-        for engine in engines[round_ % len(engines):] + engines[:round_ % len(engines)]:
-            print(f"round {round_ + 1}/{args['rounds']}: {engine}", file=sys.stderr, flush=True)
-            results[engine].append(runs[engine]())
+        order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
+        print(f"round {round_ + 1}/{args['rounds']}: {', '.join(order)}", file=sys.stderr, flush=True)
+        command = [str(peers_python()), "-m", "build.bench_loops", "_round", task, ",".join(order),
+                   str(folder), json.dumps(args)]
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the {task} benchmark failed (exit {done.returncode})")
+        for engine, result in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            results[engine].append(result)
     return results
+
+
+def one_round(task: str, engines: list[str], folder: Path, args: dict) -> dict[str, dict]:
+    runs = {engine: RUNNERS[(task, engine)](folder, args) for engine in engines}
+    return {engine: runs[engine]() for engine in engines}
 
 
 def summarise(task: str, results: dict[str, list[dict]], args: dict) -> list[str]:
@@ -389,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_make_st_bench":
         make_st_bench(Path(argv[1]), Path(argv[2]))
         return 0
-    if argv and argv[0] == "_interleaved":
+    if argv and argv[0] == "_round":
         task, engines, folder, args = argv[1], argv[2].split(","), Path(argv[3]), json.loads(argv[4])
-        print(json.dumps(interleaved(task, engines, folder, args)))
+        print(json.dumps(one_round(task, engines, folder, args)))
         return 0
     parser = argparse.ArgumentParser(prog="python -m build.bench_loops", description=__doc__.splitlines()[0])
     parser.add_argument("task", choices=sorted(ENGINES))
