@@ -191,7 +191,11 @@ class VitsTokenizer:
                     "uroman); give a tokenizer.json, or text already in the vocabulary's characters"
                 )
         self.vocab, self.config = vocab, config
-        self.order = list(vocab)  # normalisation tries the entries in the file's order, as transformers does
+        # normalisation tries the entries in the file's order, as transformers does: by first character
+        self.starting: dict[str, list[str]] = {}
+        for word in vocab:
+            if word:
+                self.starting.setdefault(word[0], []).append(word)
         self.pad_id = vocab.get(_token_text(config.get("pad_token")) or "", 0)
         self.max_length = None
         self.pad_to_max = False
@@ -200,7 +204,7 @@ class VitsTokenizer:
     def _normalize(self, text: str) -> str:
         out, i = [], 0
         while i < len(text):
-            word = next((w for w in self.order if w and text.startswith(w, i)), None)
+            word = next((w for w in self.starting.get(text[i], ()) if text.startswith(w, i)), None)
             out.append(word if word is not None else text[i].lower())
             i += len(word) if word is not None else 1
         return "".join(out)
