@@ -158,7 +158,5 @@ def embed_request(
         )
     if type(batch_size) is not int or not 1 <= batch_size <= 4096:
         raise GenerationError(f"batch_size must be an integer from 1 to 4096, found {quote(batch_size)}")
-    if isinstance(texts, str):
-        texts = [texts]
-    rows = encode_texts(tokenizer, texts if isinstance(texts, list) else texts, setup.text.max_length)
+    rows = encode_texts(tokenizer, [texts] if isinstance(texts, str) else texts, setup.text.max_length)
     return SinglePassRequest(plan, backend, rows, setup.text, None, batch_size)

@@ -41,7 +41,7 @@ class SinglePassRequest(OutputRequest):
             self.batches = [
                 [rows[i] for i in order[at : at + batch_size]] for at in range(0, len(rows), batch_size)
             ]
-            self.order = order if len(self.batches) > 1 or order != sorted(order) else None
+            self.order = order if order != sorted(order) else None  # None: already in the texts' order
         if len(self.batches) > 1 and any(o.kind != "embedding" for o in plan.config.pipeline.outputs):
             raise GenerationError(
                 f"{len(rows or [])} texts make {len(self.batches)} batches; only embedding "
