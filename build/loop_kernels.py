@@ -247,7 +247,7 @@ LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]
     "normal": (normal, ("float32",)),
     "denoise_init": (denoise_init, ("float32",)),
     "denoise_step": (denoise_step, ("float32",)),
-    "divide": (divide, FLOATS),
+    "divide": (divide, ("float32",)),
     "vae_image": (vae_image, FLOATS),
     "rgba8": (rgba8, ("uint8",)),
 }
