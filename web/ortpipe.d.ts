@@ -93,6 +93,8 @@ export interface GenerateOptions {
   earlyStopping?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
+  /** Give each generated token's log-probability and this many most likely alternatives (chunk.logprob, chunk.top_logprobs). */
+  logprobs?: number;
   /** Denoising steps. */
   numSteps?: number;
   /** Classifier-free guidance: above 1 runs a conditional and an unconditional row. */

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .chat import Chat
 from .config import load_config
+from .config.profiles import Profile
 from .errors import ConfigError, GenerationError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, Work
 from .folder import Folder
@@ -55,12 +56,13 @@ class Platform(Protocol):
 Progress = Callable[[str], None]
 
 
-def load_model(folder: Folder, platform: Platform) -> Work:
+def load_model(folder: Folder, platform: Platform, profile: str | Profile | None = None) -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
-    `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
+    `Open` per session the flow runs, the plan, the tokenizer and the chat template. `profile`: a
+    device profile layered over the config's sessions (config/profiles.py). Returns
     (Model, {session name: the target's session})."""
     start = time.perf_counter()
-    config = load_config(folder)
+    config = load_config(folder, profile=profile)
     used = {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}

@@ -97,6 +97,9 @@ class Result:
 class Chunk:
     token: int
     text: str  # the text this token completes ("" while a character or a possible stop string is open)
+    logprob: float | None = None  # with the logprobs setting: the token's log-probability
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # and the most likely tokens with theirs
+
 
 
 class Request:
@@ -137,9 +140,14 @@ class Request:
             if self.tokens and e.partial is None:  # what was generated before the failure is the caller's
                 e.partial = Result(list(self.tokens), self.text + self._held, self.timings, "error")
             raise
+        return self.accept(tokens, (time.perf_counter() - start) * 1000)
 
-        elapsed = (time.perf_counter() - start) * 1000
+    def accept(self, tokens: list[int], elapsed: float) -> list[Chunk]:
+        """The chunks of tokens the generator just took, `elapsed` ms after they were asked for: the
+        text so far, the finish reason, the timings. `advance` calls it; a loop that steps the
+        generator itself (a batch row) calls it after each step."""
         if self.timings.new_tokens == 0:
+
             self.timings.prefill_ms = elapsed
         else:
             self.timings.decode_ms += elapsed
@@ -151,12 +159,19 @@ class Request:
                 "eos" if tokens[-1] in self.gen.limits.eos else "length")
         elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
+        asked = self.settings.logprobs is not None
+        probs = self.gen.logprobs[-len(tokens):] if asked else [None] * len(tokens)
         if self.stream is None:
-            return [Chunk(token, "") for token in tokens]
-        deltas = self.stream.push_many(tokens)
-        if self.done:
-            deltas[-1] += self.stream.flush()
-        return [Chunk(token, self._text(delta)) for token, delta in zip(tokens, deltas, strict=True)]
+            texts = [""] * len(tokens)
+        else:
+            deltas = self.stream.push_many(tokens)
+            if self.done:
+                deltas[-1] += self.stream.flush()
+            texts = [self._text(delta) for delta in deltas]
+        return [
+            Chunk(token, text, *(p or (None, ())))
+            for token, text, p in zip(tokens, texts, probs, strict=True)
+        ]
 
     def interrupt(self) -> None:
         self.gen.interrupted = True
@@ -173,7 +188,7 @@ class Request:
                 self._held = self._held[:at]
                 self.finish_reason = "stop"
         keep = 0 if self.done else _open_stop_prefix(self._held, self.settings.stop)
-        out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         self.text += out
         return out
 
@@ -184,8 +199,9 @@ class Request:
 class BeamRequest(Request):
     """Beam search: one advance runs the whole search; its chunks are the best hypothesis's tokens."""
 
-    def __init__(self, search: BeamSearch, prompt: list[int], settings: SearchSettings,
-                 tokenizer: Tokenizer | None):
+    def __init__(
+        self, search: BeamSearch, prompt: list[int], settings: SearchSettings, tokenizer: Tokenizer | None
+    ):
         super().__init__(None, settings, tokenizer, len(prompt))
         self.search, self.prompt = search, prompt
         self.sequences: list[list[int]] = []

@@ -166,6 +166,8 @@ SETTINGS: tuple[Setting, ...] = (
             v2="early_stopping", v1="early_stopping"),
     Setting("num_return_sequences", "int", 1, "hypotheses returned by beam search (result.sequences)", low=1,
             high=MAX_BEAMS, v2="num_return_sequences", v1="num_return_sequences"),
+    Setting("logprobs", "int", None, "give each generated token's log-probability and this many most likely "
+            "alternatives (chunk.logprob, chunk.top_logprobs)", low=0, high=20),
     Setting("num_steps", "int", 50, "denoising steps", low=1, high=1000, v2="num_steps",
             loops=DENOISING_LOOP),
     Setting("guidance_scale", "float", 7.5, "classifier-free guidance: above 1 runs a conditional and an "
@@ -191,6 +193,8 @@ class _Derived:
     no_repeat_ngram_size: int
     min_length: int
     min_new_tokens: int
+    logprobs: int | None
+
 
     @property
     def sampling(self) -> bool:
@@ -210,6 +214,7 @@ class _Derived:
             and not self.no_repeat_ngram_size
             and not self.min_length
             and not self.min_new_tokens
+            and self.logprobs is None  # they are read from the logits, which a fused step keeps to itself
         )
 
 

@@ -64,6 +64,8 @@ class TokenGenerator:
         self._pending: list[int] = []  # ids the graph has not seen yet
         self.interrupted = False
         self.fused_steps = 0  # decode steps the target ran as `Decode`s
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []  # per token, when asked
+
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
@@ -129,11 +131,40 @@ class TokenGenerator:
         except BaseException as e:  # the target failed (or Ctrl-C) mid-step: the cache cannot be trusted
             self.life.fail(e)
             raise
+        self._took(tokens)
+        return tokens
+
+    @property
+    def pending(self) -> list[int]:
+        """The ids the graph has not seen yet (after a step: the last token)."""
+        return self._pending
+
+    # Steps another loop runs for this sequence: a batch (loops/batched.py) whose row it is.
+
+    def begin_external(self) -> None:
+        if self.life.state == READY and self.done:
+            self.life.fire(STOP)
+        self.life.fire(BEGIN)
+
+    def end_external(self, tokens: list[int]) -> None:
+        """The step fed the one pending id and selected `tokens`."""
+        for cache in self.flow.caches.values():
+            cache.length += 1
+        self.flow.position += 1
+        self.flow.iterations += 1
+        self._took(tokens)
+
+    def fail_external(self, error: BaseException) -> None:
+        self.life.fail(error)
+
+    def _took(self, tokens: list[int]) -> None:
+        if self.sampler.settings.logprobs is not None:  # one token per step: logprobs keep the generic path
+            self.logprobs.append(self.sampler.last_logprobs)
         self.tokens.extend(tokens)
         self._pending = [tokens[-1]]
         self.generated += len(tokens)
         self.life.fire(FINISH if self.done else END)
-        return tokens
+
 
     def _iterate(self, budget: int | None) -> Work:
         if self.flow.iterations == 0:
