@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from build.loop_kernels import LOOP_KERNELS
 from build.preprocess import PREPROCESS_KERNELS
 
 OPSET = 17
@@ -341,6 +342,7 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
 }
 KERNELS.update(PREPROCESS_KERNELS)  # image resize / normalize / patches, Whisper log-mel
+KERNELS.update(LOOP_KERNELS)  # pooling, noise, scheduler steps, images (single_pass and denoising loops)
 
 
 def build_all() -> dict[str, bytes]:

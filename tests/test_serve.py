@@ -665,3 +665,12 @@ def test_logprobs_in_chat_and_completions_equal_the_pipelines(server: Served, pi
         plain.choices[0].logprobs is None
         and plain.choices[0].message.content == chat.choices[0].message.content
     )
+
+
+def test_a_folder_whose_loop_makes_no_tokens_ends_the_server_at_load(vits_tiny: Path) -> None:
+    """ortpipe serve answers completions: a single_pass folder is refused when it loads, not at a request."""
+    engine = Engine(lambda: ortpipe.load(vits_tiny, threads=1))
+    engine.start()
+    engine.stop(30)
+    assert isinstance(engine.error, ortpipe.ConfigError)
+    assert 'generation.loop is "single_pass", which makes no tokens' in str(engine.error)

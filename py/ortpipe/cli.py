@@ -17,6 +17,7 @@ from typing import Any
 
 from .config.settings import SETTINGS
 from .errors import ConfigError, GenerationError, OrtpipeError
+from .outputs import OutputRequest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,6 +103,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=FILE.npy",
         help="feed a raw tensor to a named session input, bypassing preprocessing (repeatable)",
     )
+    run.add_argument(
+        "--out",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="write a named output (pipeline.output) to FILE by its type: .wav (audio, at the folder's "
+        "sampling rate), .png (an image), .npy (any); NAME picks the output (repeatable)",
+    )
     run.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     run.add_argument("--verbose", action="store_true", help="a one-line summary per phase on stderr")
     run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
@@ -131,6 +140,16 @@ def _parser() -> argparse.ArgumentParser:
     _plugin_arg(validate)
 
     validate.set_defaults(func=_validate)
+
+    embed = sub.add_parser("embed", help="sentence embeddings of texts (a sentence-transformers folder)")
+    embed.add_argument("model", metavar="MODEL_DIR")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed")
+    embed.add_argument("--file", metavar="FILE", help="more texts, one a line")
+    embed.add_argument("--batch-size", type=int, default=32, help="texts run together, padded (default 32)")
+    embed.add_argument("--out", metavar="FILE.npy", help="write the embeddings, float32 [texts, dim]")
+    embed.add_argument("--json", action="store_true", help="print {dim, embeddings: [[...], ...]}")
+    _session_args(embed)
+    embed.set_defaults(func=_embed)
 
     from . import static_server  # standard library only
 
@@ -196,6 +215,8 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = No
             g.add_argument(s.flag, action="append", help=help_text + " (repeatable)")
         elif s.kind == "ids":
             g.add_argument(s.flag, type=_ids, help=help_text + ": comma-separated ids")
+        elif s.kind == "string":
+            g.add_argument(s.flag, help=help_text)
         else:
             g.add_argument(s.flag, type=int if s.kind == "int" else float, default=default, help=help_text)
 
@@ -223,7 +244,9 @@ def _run(args: argparse.Namespace) -> int:
         **_settings(args),
     )
     trace = Trace() if args.trace or args.verbose else None
-    if args.json:
+    if isinstance(request, OutputRequest):  # a loop that makes no tokens: named outputs
+        _outputs(pipe, request, trace, args)
+    elif args.json:
         try:
             for _ in pipe.drive(request, trace):
                 pass
@@ -260,6 +283,81 @@ def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
         f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
         file=sys.stderr,
     )
+
+
+def _outputs(pipe: Any, request: Any, trace: Any, args: argparse.Namespace) -> None:
+    """Drive a single_pass or denoising request (a bar on a terminal), write its outputs, report them."""
+    from .targets.cpython.media import plan_files, write_outputs
+
+    files = plan_files(pipe.plan, args.out)  # refused before any model runs
+    bar = ProgressBar() if sys.stderr.isatty() else None
+    try:
+        for progress in pipe.drive(request, trace):
+            if bar:
+                bar.show(progress, request.timings)
+    finally:
+        if bar:
+            bar.close()
+    result = request.result()
+    written = write_outputs(result, files)
+    if args.json:
+        print(json.dumps(result.as_dict(lambda name, value: _described(value, written.get(name)))))
+        return
+    t = result.timings
+    steps = f", {t.steps} steps of {t.step_ms:.1f} ms, final {t.final_ms:.1f} ms" if t.steps else ""
+    for name, value in result.outputs.items():
+        where = f" -> {', '.join(written[name])}" if name in written else " (not written: give --out)"
+        print(f"{name}: {result.kinds[name]['kind']} {value.dtype} {list(value.shape)}{where}")
+    print(f"[init {t.prefill_ms:.1f} ms{steps}; {result.finish_reason}]", file=sys.stderr)
+
+
+def _described(value: Any, files: list[str] | None) -> dict[str, Any]:
+    out = {"dtype": str(value.dtype), "shape": list(value.shape)}
+    if files:
+        out["files"] = files
+    return out
+
+
+class ProgressBar:
+    """A line on stderr redrawn per denoising step (or batch of texts)."""
+
+    WIDTH = 30
+
+    def show(self, progress: Any, timings: Any) -> None:
+        done = self.WIDTH * progress.step // max(progress.steps, 1)
+        speed = f" {timings.step_ms / 1000:.2f} s/step" if timings.steps else ""
+        sys.stderr.write(f"\r{progress.what} {progress.step}/{progress.steps} [{'=' * done}"
+                         f"{' ' * (self.WIDTH - done)}]{speed}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _embed(args: argparse.Namespace) -> int:
+
+    texts = list(args.texts)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerationError(f"--file {args.file}: {e}") from None
+    if not texts:
+        raise GenerationError("give texts to embed (arguments, or --file with one a line)")
+    embeddings = _load(args).embed(texts, batch_size=args.batch_size)
+    if args.out:
+        import numpy as np
+
+        np.save(args.out, embeddings)
+    if args.json:
+        print(json.dumps({"dim": int(embeddings.shape[1]), "embeddings": embeddings.tolist()}))
+    elif not args.out:
+        for text, row in zip(texts, embeddings, strict=True):
+            values = " ".join(f"{v:+.4f}" for v in row[:4])
+            print(f"[{values} ...] (dim {row.shape[0]}) {text[:60]}")
+    return 0
 
 
 def _progress() -> Any:

@@ -23,8 +23,11 @@ from .graphfacts import decoder_facts
 from .jsonfile import quote
 from .loops.autoregressive import Limits, TokenGenerator, check_ids
 from .loops.beam import BeamSearch
+from .loops.setup import LoopSetup, embed_request, loop_setup, output_request
+from .loops.single_pass import DEFAULT_BATCH
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
+from .outputs import OutputRequest
 from .plan import FROM_REQUEST, Plan, make_plan
 from .plugins import Context, Factory, load_factory
 from .preprocess import load_audio_config
@@ -33,6 +36,7 @@ from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
+from .vocab_tokenizers import load_vocab_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -83,10 +87,12 @@ def load_model(folder: Folder, platform: Platform, profile: str | Profile | None
         sessions[spec.name], signatures[spec.name] = opened.session, opened.signature
         facts[spec.name] = decoder_facts(graph)
     plan = make_plan(config, signatures, facts)
-    tokenizer = load_tokenizer(folder, platform)
+    text = config.pipeline.preprocessing.get("text", {})
+    tokenizer = load_tokenizer(folder, platform, text.get("tokenizer", ""))
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.plugin = factory
+    model.loop = loop_setup(plan, folder, tokenizer)
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
 
@@ -103,16 +109,20 @@ def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
             ) from None
 
 
-def load_tokenizer(folder: Folder, platform: Platform) -> Tokenizer | None:
-    if not folder.exists(TOKENIZER_FILE):
-        return None
-    text = folder.read_text(TOKENIZER_FILE)
-    config = folder.read_text("tokenizer_config.json") if folder.exists("tokenizer_config.json") else None
+def load_tokenizer(folder: Folder, platform: Platform, where: str = "") -> Tokenizer | None:
+    """The tokenizer in `where` (a folder inside the model folder; preprocessing.text.tokenizer): its
+    tokenizer.json, else the vocabulary of a CLIP or VITS tokenizer (vocab_tokenizers.py), else None."""
+    prefix = f"{where}/" if where else ""
+    if not folder.exists(prefix + TOKENIZER_FILE):
+        return load_vocab_tokenizer(folder, where)
+    text = folder.read_text(prefix + TOKENIZER_FILE)
+    config_file = prefix + "tokenizer_config.json"
+    config = folder.read_text(config_file) if folder.exists(config_file) else None
     try:
         return platform.tokenizer(text, config)
     except Exception as e:  # the tokenizer library's own errors, whatever their type
         raise ConfigError(
-            f"{folder.describe(TOKENIZER_FILE)} cannot be read as a tokenizer: {str(e)[:300]}"
+            f"{folder.describe(prefix + TOKENIZER_FILE)} cannot be read as a tokenizer: {str(e)[:300]}"
         ) from None
 
 
@@ -133,6 +143,7 @@ class Model:
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
         self.plugin: Factory | None = None
+        self.loop: LoopSetup | None = None  # what a single_pass or denoising loop reads from the folder
 
     # requests
 
@@ -151,7 +162,20 @@ class Model:
     ) -> Work:
         """A Request for what the caller asks (work: images and audio are preprocessed by kernels).
         `images`: decoded uint8 [h, w, 3] images with their height and width; `audios`: float32
-        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs."""
+        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs.
+        A single_pass or denoising folder makes an OutputRequest (loops/setup.py)."""
+        if self.loop is not None:
+            if messages is not None or images or audios:
+                raise GenerationError(
+                    "messages, images and audios are for the autoregressive loop; this folder's loop is "
+                    f'"{self.config.generation.loop}"'
+                )
+
+            check_inputs(self.plan, {k: v for k, v in (inputs or {}).items() if k != "latents"}, self.backend)
+            made = output_request(self.plan, self.backend, self.loop, self.tokenizer, prompt, prompt_ids,
+                                  inputs, max_new_tokens=max_new_tokens, max_length=max_length, **settings)
+            made.timings.load_ms = self.load_ms
+            return made
         if messages is not None:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
@@ -183,6 +207,12 @@ class Model:
         request.timings.load_ms = self.load_ms
         return request
 
+    def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH) -> OutputRequest:
+        """A request for the embeddings of `texts` (a string or a list of them), in batches."""
+        made = embed_request(self.plan, self.backend, self.loop, self.tokenizer, texts, batch_size)
+        made.timings.load_ms = self.load_ms
+        return made
+
     def generator(
         self,
         prompt_len: int = 0,
@@ -192,6 +222,7 @@ class Model:
         **settings: Any,
     ) -> TokenGenerator:
         """A step-wise generator sized for the request; its caches never exceed the requested length."""
+        self._token_loop("the step-wise generator")
         search = settings_for(self.config.generation.settings, settings)
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
@@ -201,11 +232,18 @@ class Model:
 
     def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
         """A multi-turn chat over one KV cache, with the folder's chat template (see chat.py)."""
+        self._token_loop("chat")
         if self.tokenizer is None:
             raise GenerationError(
                 f"{self.folder.describe(TOKENIZER_FILE)} is missing: chat needs the tokenizer"
             )
         return Chat(self, self.chat_template(), max_length, **settings)
+
+    def _token_loop(self, what: str) -> None:
+        if self.loop is not None:
+            raise GenerationError(f'{what} makes tokens; this folder\'s loop is '
+                                  f'"{self.config.generation.loop}": '
+                                  "use generate (or embed)")
 
     def chat_template(self) -> ChatTemplate:
         if self.template is None:

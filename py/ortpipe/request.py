@@ -28,17 +28,30 @@ class Timings:
     prompt_tokens: int = 0
     new_tokens: int = 0
     fused_steps: int = 0  # decode steps the target ran fused (plain greedy on one decoder session)
+    # the loops that make no tokens: prefill_ms is their init phase, then `steps` denoising steps, and the
+    # final phase
+    steps: int = 0
+    steps_ms: float = 0.0
+    final_ms: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
         n = self.new_tokens - 1
         return n * 1000.0 / self.decode_ms if n > 0 and self.decode_ms > 0 else 0.0
 
+    @property
+    def step_ms(self) -> float:
+        """The mean time of a denoising step (its UNet run and its scheduler kernel)."""
+        return self.steps_ms / self.steps if self.steps else 0.0
+
     def as_dict(self) -> dict[str, float]:
-        return {"load_ms": round(self.load_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
-                "decode_ms": round(self.decode_ms, 3), "prompt_tokens": self.prompt_tokens,
-                "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-                "fused_steps": self.fused_steps}
+        out = {"load_ms": round(self.load_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
+               "decode_ms": round(self.decode_ms, 3), "prompt_tokens": self.prompt_tokens,
+               "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+               "fused_steps": self.fused_steps}
+        if self.steps or self.final_ms:
+            out.update(steps=self.steps, step_ms=round(self.step_ms, 3), final_ms=round(self.final_ms, 3))
+        return out
 
 
 @dataclass
@@ -48,12 +61,35 @@ class Result:
     timings: Timings = field(default_factory=Timings)
     finish_reason: str = "length"  # "eos", "length", "stop", "interrupt"; "error" for a failure's partial
     sequences: list[list[int]] = field(default_factory=list)  # beam search: num_return_sequences, best first
+    # named outputs (pipeline.output): name -> the target's tensor, and name -> {"kind", "sampling_rate"}
+    outputs: dict[str, Any] = field(default_factory=dict)
+    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, object]:
+    def output_of(self, kind: str) -> Any:
+        """The first named output of `kind` ("audio", "image", "embedding", "tensor"), or None."""
+        names = [n for n, k in self.kinds.items() if k["kind"] == kind and n in self.outputs]
+        return self.outputs[names[0]] if names else None
+
+    @property
+    def image(self) -> Any:
+        return self.output_of("image")
+
+    @property
+    def audio(self) -> Any:
+        return self.output_of("audio")
+
+    def as_dict(self, describe: Any = None) -> dict[str, object]:
+        """The result as JSON values; named outputs are described by `describe(name, tensor)` (a target's
+        {"dtype", "shape", ...}), never inlined."""
         out = {"tokens": self.tokens, "text": self.text, "finish_reason": self.finish_reason,
                "timings": self.timings.as_dict()}
         if self.sequences:
             out["sequences"] = self.sequences
+        if self.outputs:
+            out["outputs"] = {
+                name: {**self.kinds.get(name, {}), **(describe(name, value) if describe else {})}
+                for name, value in self.outputs.items()
+            }
         return out
 
 

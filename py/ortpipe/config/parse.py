@@ -19,6 +19,8 @@ from .schema import (
     KV_FORMATS,
     LOOP_MODES,
     MAX_FLOW_STEPS,
+    OUTPUT_KINDS,
+    POOLING_MODES,
     POSITION_STRATEGIES,
     WHEN,
     WHEN_ALIASES,
@@ -28,6 +30,7 @@ from .schema import (
     FlowStep,
     Generation,
     KVCacheSpec,
+    OutputSpec,
     PipelineSpec,
     PositionIdsSpec,
     SessionSpec,
@@ -36,7 +39,7 @@ from .schema import (
     Tokens,
     Wire,
 )
-from .settings import SearchSettings, by_v2
+from .settings import SETTINGS, SearchSettings, by_v2
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                list: "a list", dict: "an object"}
@@ -151,10 +154,12 @@ def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str,
         )
         problems.raise_if_any()
     pipeline = _pipeline(_resolve_preset(pipe_raw, problems), folder, problems)
+    generation = _generation(top.sub("generation"))
+    _check_loop(pipeline, generation.loop, problems)
     config = Config(
         pipeline=pipeline,
         tokens=_tokens(top.sub("tokens")),
-        generation=_generation(top.sub("generation")),
+        generation=generation,
         metadata=_metadata(top.sub("metadata")),
         source=source,
         notes=notes,
@@ -178,7 +183,7 @@ def _resolve_preset(pipe_raw: dict[str, Any], problems: Problems) -> dict[str, A
 
 def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> PipelineSpec:
     sec = Section(raw, "pipeline", problems, nulls=False)
-    sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin")
+    sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin", "output")
     plugin = _plugin(sec.sub("plugin"), folder) if "plugin" in sec.raw else None
 
     sessions = _sessions(sec.sub("sessions"), folder, problems)
@@ -192,8 +197,8 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
         state=_cross_attention(_state(sec.sub("state")), flow, sessions, problems),
         preprocessing=_preprocessing(sec.sub("preprocessing"), folder),
         plugin=plugin,
-
         extends=sec.get("extends", str),
+        outputs=_outputs(sec, sessions, problems),
     )
 
 
@@ -220,6 +225,92 @@ def _plugin(sec: Section, folder: Folder) -> dict[str, Any]:
                     f"{sec.path}.wheel must be a .whl file in the model folder, found {quote(wheel)}"
                 )
     return {k: v for k, v in (("module", module), ("wheel", wheel)) if v is not None}
+
+
+def _outputs(sec: Section, sessions: dict[str, SessionSpec], problems: Problems) -> tuple[OutputSpec, ...]:
+    """pipeline.output: one {session, name, ...} or a list of them."""
+    raw = sec.raw.get("output")
+    if raw is None:
+        return ()
+    items = raw if isinstance(raw, list) else [raw]
+    outputs = []
+    for i, item in enumerate(items):
+        o = Section(item, f"pipeline.output[{i}]" if isinstance(raw, list) else "pipeline.output", problems,
+                    nulls=False)
+        o.allow("session", "name", "as", "sampling_rate", "pooling", "normalize")
+        session, name = o.get("session", str), o.get("name", str)
+        if session is None or name is None:
+            problems.add(
+                f'{o.path} needs "session" and "name": the session and its output a request returns, '
+                'e.g. {"session": "vocoder", "name": "waveform"}'
+            )
+            continue
+        if sessions and session not in sessions:
+            problems.add(
+                f'{o.path}.session names session "{session}", which is not declared in pipeline.sessions '
+                f"(declared: {one_of(sessions)}).{did_you_mean(session, sessions)}"
+            )
+        kind = o.choice("as", OUTPUT_KINDS, "tensor", what="output kind (as)")
+        outputs.append(
+            OutputSpec(session, name, kind, _sampling_rate(o, kind), _pooling(o, kind), _normalize(o, kind))
+        )
+    names = [o.name for o in outputs]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.add(f'pipeline.output names "{name}" twice: a request returns its outputs by name')
+    return tuple(outputs)
+
+
+def _sampling_rate(o: Section, kind: str) -> int | None:
+    rate = o.number("sampling_rate", int, None, 1, 1_000_000)
+    if kind == "audio" and rate is None and "sampling_rate" not in o.raw:
+        o.problems.add(
+            f'{o.path} is audio ("as": "audio") but has no "sampling_rate": give the samples per second'
+        )
+    elif kind != "audio" and "sampling_rate" in o.raw:
+        o.problems.add(f'{o.path}.sampling_rate is for audio outputs ("as": "audio"); this one is "{kind}"')
+    return rate
+
+
+def _pooling(o: Section, kind: str) -> str | None:
+    if kind != "embedding":
+        for key in ("pooling", "normalize"):
+            if key in o.raw:
+                o.problems.add(
+                    f'{o.path}.{key} is for embedding outputs ("as": "embedding"); this one is "{kind}"'
+                )
+        return None
+    return o.choice("pooling", POOLING_MODES, "mean", what="pooling")
+
+
+def _normalize(o: Section, kind: str) -> bool:
+    return bool(o.get("normalize", bool, False)) if kind == "embedding" else False
+
+
+def _check_loop(pipeline: PipelineSpec, loop: str, problems: Problems) -> None:
+    """What each generation loop needs of the pipeline: named outputs for the loops that make no tokens, one
+    denoising session run per step."""
+    steps = [s.run for s in pipeline.flow if s.when == "step"]
+    if loop != "autoregressive" and not pipeline.outputs:
+        problems.add(
+            f'generation.loop "{loop}" makes no tokens: name what a request returns in pipeline.output, '
+            'e.g. {"session": "vocoder", "name": "waveform", "as": "audio", "sampling_rate": 16000}'
+        )
+    if loop == "single_pass" and steps:
+        problems.add(
+            f'generation.loop "single_pass" runs the init and final phases once; flow steps with '
+            f'"when": "step" ({one_of(steps)}) would never run: make them "init"'
+        )
+    final = [s.run for s in pipeline.flow if s.when == "final"]
+    if loop == "autoregressive" and final:
+        problems.add(
+            f'flow steps with "when": "final" ({one_of(final)}) run after the single_pass and '
+            "denoising loops; the autoregressive loop does not run them yet: drop them"
+        )
+    if loop == "denoising" and len(steps) != 1:
+        problems.add(
+            f'generation.loop "denoising" runs one session per step (the UNet), found {len(steps)} '
+            f'("when": "step": {one_of(steps) or "none"})'
+        )
 
 
 def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, SessionSpec]:
@@ -563,8 +654,10 @@ def _sliding(kv: Section) -> SlidingWindow | None:
 
 
 def _preprocessing(sec: Section, folder: Folder) -> dict[str, Any]:
-    sec.allow("image", "audio")
+    sec.allow("image", "audio", "text")
     found = {}
+    if "text" in sec.raw:
+        found["text"] = _text_preprocessing(sec.sub("text"), folder)
     for kind in ("image", "audio"):
         if kind not in sec.raw:
             continue
@@ -581,6 +674,25 @@ def _preprocessing(sec: Section, folder: Folder) -> dict[str, Any]:
                 continue
         found[kind] = dict(s.raw)
     return found
+
+
+def _text_preprocessing(s: Section, folder: Folder) -> dict[str, Any]:
+    """`tokenizer`: the folder (inside the model folder) holding the tokenizer files; `max_length`: texts are
+    truncated to this many tokens, special tokens included (single_pass and denoising loops)."""
+    s.allow("tokenizer", "max_length")
+    text: dict[str, Any] = {}
+    where = s.get("tokenizer", str)
+    if where is not None:
+        from ..folder import inside
+
+        if where not in ("", ".") and not inside(where):
+            s.problems.add(f'{s.path}.tokenizer "{where}" is not a folder inside the model folder')
+        else:
+            text["tokenizer"] = where.strip("/")
+    length = s.number("max_length", int, None, 1, 1 << 20)
+    if length is not None:
+        text["max_length"] = length
+    return text
 
 
 # metadata is for people and logs, but for the sizes the runtime reads when a graph leaves them symbolic
@@ -625,19 +737,27 @@ def _generation(sec: Section) -> Generation:
                 values[setting.name] = checked
     max_length = values.pop("max_length", None)
     loop = sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop")
-    if loop != "autoregressive":
-        sec.problems.add(f'generation.loop "{loop}" is not run by this version yet; it runs "autoregressive"')
-    for key in ("num_steps", "scheduler", "guidance_scale"):
-        if key in sec.raw and loop != "denoising":
+    by_key = {s.v2: s for s in SETTINGS if s.v2}
+    for key in [k for k in sec.raw if k != "sampling"] + [f"sampling.{k}" for k in samp.raw]:
+        setting = by_key.get(key)
+        if setting is not None and loop not in setting.loops:
             sec.problems.add(
-                f'generation.{key} is a setting of the "denoising" loop; this config\'s loop is '
-                f'"{loop}": drop it'
+                f"generation.{key} is a setting of the {_loops(setting.loops)} loop; this "
+                f"config's "
+                f'loop is "{loop}": drop it'
             )
+    if "scheduler" in sec.raw and loop != "denoising":
+        sec.problems.add(
+            f'generation.scheduler is a setting of the "denoising" loop; this config\'s loop is '
+            f'"{loop}": drop it'
+        )
     return Generation(
         loop=loop,
         max_length=max_length,
         settings=SearchSettings(**values),
-        num_steps=sec.number("num_steps", int, None, 1, 10_000),
         scheduler=sec.get("scheduler", str),
-        guidance_scale=sec.number("guidance_scale", float, None, 0.0, 1000.0),
     )
+
+
+def _loops(loops: tuple[str, ...]) -> str:
+    return " and ".join(f'"{loop}"' for loop in loops)

@@ -17,6 +17,10 @@ LOOP_MODES = ("batched", "per_image")
 KV_FORMATS = ("auto", "separate", "combined")
 POSITION_STRATEGIES = ("auto", "default", "mrope_3d", "windowed")
 GENERATION_LOOPS = ("autoregressive", "single_pass", "denoising")
+# What a named output is (pipeline.output[].as): a plain tensor, mono audio [batch, samples], an image from a
+# VAE ([batch, 3, height, width] in [-1, 1]), or token states pooled into one embedding per text.
+OUTPUT_KINDS = ("tensor", "audio", "image", "embedding")
+POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 MAX_FLOW_STEPS = 10
 
 
@@ -109,6 +113,22 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class OutputSpec:
+    """A tensor a request returns (pipeline.output): `name` of session `session`, and what it is."""
+
+    session: str
+    name: str
+    kind: str = "tensor"  # one of OUTPUT_KINDS
+    sampling_rate: int | None = None  # audio
+    pooling: str | None = None  # embedding: one of POOLING_MODES
+    normalize: bool = False  # embedding: divided by its L2 norm
+
+    @property
+    def source(self) -> str:
+        return f"{self.session}.{self.name}"
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     sessions: dict[str, SessionSpec]
     flow: tuple[FlowStep, ...]
@@ -117,6 +137,7 @@ class PipelineSpec:
     preprocessing: dict[str, Any] = field(default_factory=dict)
     plugin: dict[str, Any] | None = None
     extends: str | None = None
+    outputs: tuple[OutputSpec, ...] = ()  # pipeline.output, in the config's order
 
 
 @dataclass(frozen=True)
@@ -134,9 +155,7 @@ class Generation:
     loop: str = "autoregressive"
     max_length: int | None = None
     settings: SearchSettings = field(default_factory=SearchSettings)  # the request defaults (settings.py)
-    num_steps: int | None = None
-    scheduler: str | None = None
-    guidance_scale: float | None = None
+    scheduler: str | None = None  # denoising: a scheduler class (loops/schedulers.py); None: the folder's
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,11 @@ KINDS = {
     "float": "number",
     "ids": "number[]",
     "strings": "string | string[]",
+    "string": "string",
 }
+
+TOKEN_LOOP = ("autoregressive",)
+DENOISING_LOOP = ("denoising",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Setting:
     v1: str | None = None  # the key under `search` in a v1 config
     cli: bool = True  # `ortpipe run` and `chat` have --NAME
     search: bool = True  # a field of SearchSettings (the lengths are the request's own)
+    loops: tuple[str, ...] = TOKEN_LOOP  # the generation loops that read it; others refuse it
 
     @property
     def flag(self) -> str:
@@ -67,6 +72,9 @@ class Setting:
             )
         if kind == "strings":
             return _strings(value)
+        if kind == "string":
+            return (value, None) if isinstance(value, str) else (None, f"must be a string, found "
+                                                                       f"{quote(value)}")
         if kind == "ids":
             ok = isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 0 for v in value)
             return (
@@ -138,8 +146,9 @@ SETTINGS: tuple[Setting, ...] = (
             low=0.0, high=1.0, v2="sampling.min_p"),
     Setting("repetition_penalty", "float", 1.0, "divide the scores of tokens seen so far; 1 turns it off",
             low=0.0, high=LARGE, low_open=True, v2="sampling.repetition_penalty", v1="repetition_penalty"),
-    Setting("seed", "int", None, "the sampler's seed: the same seed gives the same tokens on every target",
-            v2="sampling.seed", v1="random_seed"),
+    Setting("seed", "int", None, "the seed of the sampler and of the initial noise: the same seed gives the "
+            "same tokens or image on every target", v2="sampling.seed", v1="random_seed",
+            loops=TOKEN_LOOP + DENOISING_LOOP),
     Setting("no_repeat_ngram_size", "int", 0, "never repeat an n-gram of this size; 0 turns it off", low=0,
             v2="no_repeat_ngram_size", v1="no_repeat_ngram_size"),
     Setting("min_length", "int", 0, "no eos before prompt and generated tokens reach this length", low=0,
@@ -159,6 +168,13 @@ SETTINGS: tuple[Setting, ...] = (
             high=MAX_BEAMS, v2="num_return_sequences", v1="num_return_sequences"),
     Setting("logprobs", "int", None, "give each generated token's log-probability and this many most likely "
             "alternatives (chunk.logprob, chunk.top_logprobs)", low=0, high=20),
+    Setting("num_steps", "int", 50, "denoising steps", low=1, high=1000, v2="num_steps",
+            loops=DENOISING_LOOP),
+    Setting("guidance_scale", "float", 7.5, "classifier-free guidance: above 1 runs a conditional and an "
+            "unconditional row", low=0.0, high=LARGE, v2="guidance_scale", loops=DENOISING_LOOP),
+    Setting("negative_prompt", "string", None,
+            "what the image should not show (the unconditional row's text)",
+            v2="negative_prompt", loops=DENOISING_LOOP),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

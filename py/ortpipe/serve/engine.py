@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import GenerationError
+from ..errors import ConfigError, GenerationError
 from ..loops.batched import Batch, batchable
 from .metrics import Gauges, Metrics
 from .protocol import Completion, InvalidRequest, TokenLogprob, Usage
@@ -361,6 +361,10 @@ class Engine:
     def _run(self) -> None:
         try:
             pipe = self._load()
+            loop = pipe.config.generation.loop
+            if loop != "autoregressive":
+                raise ConfigError(f'ortpipe serve answers completions; this folder\'s generation.loop is '
+                                  f'"{loop}", which makes no tokens: run it with ortpipe run or the API')
             kind = Batched if batchable(pipe.plan) is None else TimeSliced
             scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
         except BaseException as e:  # a folder that cannot be loaded ends the server

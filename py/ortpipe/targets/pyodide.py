@@ -30,10 +30,11 @@ import js
 from pyodide.ffi import JsException, JsProxy, to_js
 
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work
+from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work, kernel
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
 from ..model import Model, load_model
+from ..outputs import OutputRequest, Progress
 from ..request import Chunk, Request
 from ..signature import Signature, TensorInfo
 from ..templates import Renderer, TemplateFailure
@@ -385,17 +386,18 @@ def signature_of(bridge: JsProxy, session: JsProxy) -> Signature:
 
 
 class Emit:
-    """Chunks a task has for the page; the Task collects them into its next answer."""
+    """Chunks (and the Progress of loops that make no tokens) a task has for the page; the Task collects
+    them into its next answer."""
 
     __slots__ = ("chunks",)
 
-    def __init__(self, chunks: list[Chunk]):
+    def __init__(self, chunks: list[Chunk | Progress]):
         self.chunks = chunks
 
 
 class Task:
     """One message's work, pumped by the worker: every call answers JSON, one of
-    {"chunks", "next": "wait"}: await `pending`, then `advance(result)`;
+    {"chunks", "progress", "next": "wait"}: await `pending`, then `advance(result)`;
     {"chunks", "next": "decode", "decode": [token, position, limit], "fresh"}: run a burst of the JS
       Decoder (`decoder`, read again when fresh), then `decoded(...tokens)`;
     {"chunks", "next": "done", "value"}; or {"chunks", "error": {"type", "message"}}.
@@ -423,11 +425,14 @@ class Task:
 
     def _answer(self, resume: Any) -> str:
         chunks: list[dict[str, Any]] = []
+        progress: list[dict[str, Any]] = []
         try:
             item = resume()
             while True:
                 if type(item) is Emit:
-                    chunks += [{"token": c.token, "text": c.text} for c in item.chunks]
+                    chunks += [{"token": c.token, "text": c.text} for c in item.chunks if type(c) is Chunk]
+                    progress += [{"step": c.step, "steps": c.steps, "what": c.what} for c in item.chunks
+                                 if type(c) is Progress]
                     item = self.work.send(None)
                 elif type(item) is Decode:
                     self._item = item
@@ -435,6 +440,7 @@ class Task:
                     return json.dumps(
                         {
                             "chunks": chunks,
+                            "progress": progress,
                             "next": "decode",
                             "fresh": fresh,
                             "decode": [item.token, item.position, item.limit],
@@ -444,12 +450,13 @@ class Task:
                     now, value = self.driver.start(item)
                     if not now:
                         self._item, self.pending = item, value
-                        return json.dumps({"chunks": chunks, "next": "wait"})
+                        return json.dumps({"chunks": chunks, "progress": progress, "next": "wait"})
                     item = self.work.send(value)
         except StopIteration as stop:
-            return json.dumps({"chunks": chunks, "next": "done", "value": stop.value})
+            return json.dumps({"chunks": chunks, "progress": progress, "next": "done", "value": stop.value})
         except OrtpipeError as e:
-            return json.dumps({"chunks": chunks, "error": {"type": type(e).__name__, "message": str(e)}})
+            return json.dumps({"chunks": chunks, "progress": progress,
+                               "error": {"type": type(e).__name__, "message": str(e)}})
         except Exception as e:  # a bug: the page gets the traceback to report
             return json.dumps(
                 {
@@ -471,21 +478,29 @@ class Worker:
         self.driver: Driver | None = None
         self.chats: dict[int, Any] = {}
         self._chats_made = 0
-        self.active: Request | None = None
+        self.active: Request | OutputRequest | None = None
         self._interrupted = False  # an interrupt that came before the running task made its request
+        self.outputs: list[dict[str, Any]] = []  # the last result's named outputs, for take_outputs
 
-    def task(self, kind: str, options: str, images: JsProxy | None = None) -> Task:
-        """A Task for the worker's message `kind` with its JSON `options` (and decoded images)."""
-        return Task(self._work(kind, json.loads(options), images), self.driver)
+    def task(self, kind: str, options: str, images: JsProxy | None = None,
+             tensors: JsProxy | None = None) -> Task:
+        """A Task for the worker's message `kind` with its JSON `options` (and decoded images, and named
+        tensors: a denoising request's latents)."""
+        return Task(self._work(kind, json.loads(options), images, tensors), self.driver)
 
-    def _work(self, kind: str, options: dict[str, Any], images: JsProxy | None) -> Work:
+    def _work(self, kind: str, options: dict[str, Any], images: JsProxy | None,
+              tensors: JsProxy | None) -> Work:
         if kind == "load":
             folder = RemoteFolder(self.bridge, options["url"])
             self.driver = Driver(self.bridge, folder, options["device"])
             return self._load(folder)
         if kind == "generate":
-            tensors = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
-            return self._generate(options, tensors)
+            decoded = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
+            if tensors:
+                options["inputs"] = {name: Tensor(t) for name, t in tensors.object_entries()}
+            return self._generate(options, decoded)
+        if kind == "embed":
+            return self._embed(options)
         if kind == "chat":
             return self._open_chat(options)
         if kind == "say":
@@ -517,8 +532,17 @@ class Worker:
             )
         return (yield from self._run(chat.say(content, options.get("max_new_tokens"))))
 
-    def _run(self, request: Request) -> Work:
-        """The request run to its end, its chunks emitted as they come; returns the result."""
+    def _embed(self, options: dict[str, Any]) -> Work:
+        self._interrupted = bool(options.pop("interrupted", False))
+        unknown = sorted(set(options) - {"texts", "batch_size"})
+        if unknown:
+            raise GenerationError(f"embed takes texts and batchSize, not {', '.join(unknown)}")
+        request = self._loaded().embed(options.get("texts"), options.get("batch_size", 32))
+        return (yield from self._run(request))
+
+    def _run(self, request: Request | OutputRequest) -> Work:
+        """The request run to its end, its chunks emitted as they come; returns the result (its named
+        outputs described, their tensors kept for take_outputs)."""
         if self._interrupted:
             request.interrupt()
         self.active = request
@@ -527,7 +551,30 @@ class Worker:
                 yield Emit((yield from request.advance()))
         finally:
             self.active = None
-        return request.result().as_dict()
+        result = request.result()
+        self.outputs = []
+        for name, value in result.outputs.items():
+            kind = result.kinds[name]
+            entry = {"name": name, "kind": kind["kind"], "tensor": value,
+                     "samplingRate": kind.get("sampling_rate")}
+            if kind["kind"] == "image":  # what a canvas takes: RGBA bytes
+                made = yield Run(kernel("rgba8", "uint8"), {"image": value}, ("rgba",), None, "final")
+                entry["rgba"] = made["rgba"]
+            self.outputs.append(entry)
+        backend = self._loaded().backend
+        return result.as_dict(lambda name, value: {"dtype": backend.dtype(value),
+                                                   "shape": list(backend.shape(value))})
+
+    def take_outputs(self) -> JsProxy:
+        """The last result's named outputs for the worker: [{name, kind, tensor, samplingRate, rgba}] (an
+        image also as RGBA bytes [batch, height, width, 4]). The worker reads them, then calls
+        release_outputs."""
+        listed = [{k: v.js if isinstance(v, Tensor) else v for k, v in entry.items()}
+                  for entry in self.outputs]
+        return to_js(listed, dict_converter=js.Object.fromEntries)
+
+    def release_outputs(self) -> None:
+        self.outputs = []
 
     def _open_chat(self, options: dict[str, Any]) -> Work:
         chat = self._loaded().chat(**options)
@@ -573,6 +620,8 @@ class Worker:
             "model_type": model.config.metadata.get("model_type"),
             "load_ms": round(model.load_ms, 1),
             "notes": list(model.config.notes),
+            "loop": model.config.generation.loop,
+            "outputs": {o.name: o.kind for o in model.config.pipeline.outputs},
         }
 
 

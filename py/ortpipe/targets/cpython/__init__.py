@@ -31,7 +31,7 @@ from ...request import Chunk, Request, Result
 from ...trace import Trace
 from . import providers
 from .driver import Driver
-from .media import decode_image, read_wav
+from .media import Audio, decode_image, read_wav
 from .text import HFTokenizer, compile_template
 
 
@@ -178,6 +178,25 @@ class Pipeline:
             collected.write(trace)
         return request.result()
 
+    def embed(self, texts: str | list[str], *, batch_size: int = 32) -> np.ndarray:
+        """Embeddings of a sentence-transformers (or any embedding) folder: float32 [len(texts), dim], or
+        [dim] for one string; texts run in batches of `batch_size`, padded."""
+        request = self.model.embed(texts, batch_size)
+        for _ in self.drive(request):
+            pass
+        embeddings = request.result().output_of("embedding")
+        return embeddings[0] if isinstance(texts, str) else embeddings
+
+    def speak(self, text: str, **settings: Any) -> Audio:
+        """Speech for `text` from a text-to-speech folder (an "audio" output): mono samples and their rate."""
+        result = self.generate(text, **settings)
+        name = next((n for n, k in result.kinds.items() if k["kind"] == "audio"), None)
+        if name is None:
+            raise GenerationError("speak needs a folder whose pipeline.output is audio")
+        samples = result.outputs[name]
+        return Audio(samples.reshape(-1) if samples.ndim == 1 or samples.shape[0] == 1 else samples,
+                     result.kinds[name]["sampling_rate"])
+
     def chat(self, max_length: int | None = None, **settings: Any) -> PipelineChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""
         return PipelineChat(self.model.chat(max_length, **settings), self)
@@ -289,4 +308,4 @@ def load(
     return Pipeline(model, driver, path)
 
 
-__all__ = ["CpuBackend", "CpuPlatform", "Driver", "Pipeline", "load", "read_inputs"]
+__all__ = ["Audio", "CpuBackend", "CpuPlatform", "Driver", "Pipeline", "load", "read_inputs"]
