@@ -18,8 +18,8 @@ from ortpipe.folder import LocalFolder
 from ortpipe.sampling.settings import settings_for
 
 # A value other than the default for each kind, and one the table refuses.
-GOOD = {"bool": True, "int": 3, "float": 0.5, "ids": [4, 7], "strings": ["\n\n"]}
-BAD = {"bool": "false", "int": 2.5, "float": float("inf"), "ids": [-1], "strings": [""]}
+GOOD = {"bool": True, "int": 3, "float": 0.5, "ids": [4, 7], "strings": ["\n\n"], "path": "draft"}
+BAD = {"bool": "false", "int": 2.5, "float": float("inf"), "ids": [-1], "strings": [""], "path": ""}
 
 
 def write(folder: Path, config: dict) -> LocalFolder:
@@ -63,10 +63,12 @@ def test_each_v2_key_reaches_the_request_defaults(tmp_path: Path, setting) -> No
     "setting", [s for s in SETTINGS if s.v1 and s.kind in ("bool", "int", "float")], ids=lambda s: s.name
 )
 def test_each_v1_search_key_is_translated(tmp_path: Path, setting) -> None:
+    """A v1 key is under `search`, or under the top-level block it names (onnxruntime-genai's `speculative`)."""
     value = GOOD[setting.kind]
+    block, _, key = setting.v1.rpartition(".")
     v1 = {
         "model": {"type": "x", "eos_token_id": 2, "decoder": {"filename": "model.onnx"}},
-        "search": {setting.v1: value},
+        block or "search": {key: value},
     }
     config = load_config(write(tmp_path, v1))
     got = (

@@ -84,6 +84,14 @@ export interface GenerateOptions {
   earlyStopping?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
+  /** Speculative decoding with drafts looked up in the prompt and the text so far, at most this many tokens a step (transformers' name); 0 turns it off. */
+  promptLookupNumTokens?: number;
+  /** Speculative decoding with drafts that continue an earlier occurrence of the last this-many tokens (onnxruntime-genai's speculative.ngram_size); 0 turns it off. */
+  ngramSize?: number;
+  /** Drafted tokens checked in one run at most (speculative decoding; the draft length adapts below it). */
+  maxDraftTokens?: number;
+  /** Speculative decoding with drafts from this smaller model folder, which must have the same tokenizer (in a config: a folder inside the model folder). */
+  draftModel?: string;
   // end of the generation settings
 }
 

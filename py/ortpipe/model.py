@@ -8,20 +8,22 @@ construction. The public APIs (targets/cpython.py's Pipeline, the browser worker
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from .chat import Chat
-from .config import load_config
-from .errors import ConfigError, GenerationError
+from .config import Config, load_config
+from .errors import ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, Work
 from .folder import Folder
 from .graphfacts import decoder_facts
-from .jsonfile import quote
+from .jsonfile import quote, read_json
 from .loops.autoregressive import Limits, TokenGenerator, check_ids
 from .loops.beam import BeamSearch
+from .loops.speculative import cannot_verify
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
 from .plan import FROM_REQUEST, Plan, make_plan
@@ -47,16 +49,23 @@ class Platform(Protocol):
     @property
     def compile_template(self) -> Compiler: ...
 
+    def folder(self, location: str) -> Folder:
+        """The model folder a caller names (a draft model): a local path, or a URL in the browser."""
+        ...
+
 
 Progress = Callable[[str], None]
 
 
-def load_model(folder: Folder, platform: Platform) -> Work:
+def load_model(folder: Folder, platform: Platform, prefix: str = "") -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
     `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
-    (Model, {session name: the target's session})."""
+    (Model, {session name: the target's session}). `prefix` goes before every session name (a draft
+    model's sessions beside the model's)."""
     start = time.perf_counter()
     config = load_config(folder)
+    if prefix:
+        config = _prefixed(config, prefix)
     used = {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}
@@ -71,8 +80,56 @@ def load_model(folder: Folder, platform: Platform) -> Work:
     tokenizer = load_tokenizer(folder, platform)
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
+    model.platform = platform
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
+
+
+def _prefixed(config: Config, prefix: str) -> Config:
+    """The config with `prefix` before every session name, wherever one is named."""
+    p = config.pipeline
+
+    def name(session: str | None) -> str | None:
+        return None if session is None else prefix + session
+
+    def dotted(ref: str | None) -> str | None:
+        return None if ref is None else prefix + ref
+
+    sessions = {prefix + n: dataclasses.replace(s, name=prefix + s.name) for n, s in p.sessions.items()}
+    flow = tuple(dataclasses.replace(s, run=prefix + s.run, after=tuple(prefix + a for a in s.after),
+                                     cross_attention_from=name(s.cross_attention_from)) for s in p.flow)
+    wires = tuple(dataclasses.replace(w, from_session=prefix + w.from_session,
+                                      to_session=prefix + w.to_session) for w in p.dataflow)
+    state = p.state
+    if state.cross_cache is not None:
+        state = dataclasses.replace(state, cross_cache=dataclasses.replace(
+            state.cross_cache, source=prefix + state.cross_cache.source))
+    positions = dataclasses.replace(state.position_ids, grid_source=dotted(state.position_ids.grid_source))
+    state = dataclasses.replace(state, position_ids=positions)
+    pipeline = dataclasses.replace(p, sessions=sessions, flow=flow, dataflow=wires, state=state)
+    return dataclasses.replace(config, pipeline=pipeline)
+
+
+def same_vocabulary(a: Folder, b: Folder) -> str | None:
+    """Why the tokenizers of two folders may give different ids to the same token, or None: their
+    tokenizer.json must map the same tokens to the same ids (vocabulary and added tokens)."""
+    for folder in (a, b):
+        if not folder.exists(TOKENIZER_FILE):
+            return f"{folder.describe()} has no {TOKENIZER_FILE} to compare"
+
+    def ids(folder: Folder) -> tuple[Any, Any]:
+        raw = read_json(folder, TOKENIZER_FILE)
+        model = raw.get("model") if isinstance(raw.get("model"), Mapping) else {}
+        added = raw.get("added_tokens") if isinstance(raw.get("added_tokens"), list) else []
+        pairs = sorted((t.get("id"), t.get("content")) for t in added if isinstance(t, Mapping))
+        return model.get("vocab"), pairs
+
+    (vocab_a, added_a), (vocab_b, added_b) = ids(a), ids(b)
+    if vocab_a != vocab_b:
+        return "their tokenizer.json vocabularies differ"
+    if added_a != added_b:
+        return "their tokenizer.json added tokens differ"
+    return None
 
 
 def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
@@ -115,6 +172,8 @@ class Model:
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
+        self.platform: Platform | None = None  # set by load_model: draft models load through it
+        self.drafts: dict[str, Model] = {}  # draft models by location, loaded once
 
     # requests
 
@@ -140,6 +199,7 @@ class Model:
             prompt = self.chat_template().render(messages)
         ids = self.prompt_ids(prompt, prompt_ids)
         search = settings_for(self.config.generation.settings, settings)
+        draft = yield from self.prepare(settings)
         if images or audios:
             made = yield from media_inputs(
                 self.plan, self.folder, self.backend, list(images or []), list(audios or [])
@@ -151,7 +211,7 @@ class Model:
             check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)
         gen = TokenGenerator(
-            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
         gen.append_tokens(ids)
         request = Request(gen, search, self.tokenizer, len(ids))
@@ -170,9 +230,56 @@ class Model:
         search = settings_for(self.config.generation.settings, settings)
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
+        location = self._draft_location(settings)
+        draft = None if location is None else self._loaded_draft(location)
         return TokenGenerator(
-            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
+
+    # draft models (speculative decoding)
+
+    def prepare(self, settings: Mapping[str, Any]) -> Work:
+        """Load what the settings need before a request or generator is made: the draft model that
+        draft_model names, once. Returns its plan, or None."""
+        location = self._draft_location(settings)
+        if location is None:
+            return None
+        if location not in self.drafts:
+            self.drafts[location] = yield from self._load_draft(location)
+        return self.drafts[location].plan
+
+    def _draft_location(self, settings: Mapping[str, Any]) -> str | None:
+        """Where the draft model is: the request's draft_model as given (a path, or in the browser a
+        URL), or the config's, a folder inside the model folder."""
+        given = check_setting("draft_model", settings.get("draft_model"))
+        if given is not None:
+            return given
+        configured = self.config.generation.settings.draft_model
+        return None if configured is None else self.folder.locate(configured)
+
+    def _loaded_draft(self, location: str) -> Plan:
+        if location not in self.drafts:
+            raise OrtpipeError(f"the draft model {location} is not loaded: Model.prepare loads it")
+        return self.drafts[location].plan
+
+    def _load_draft(self, location: str) -> Work:
+        """Load a draft model folder with its sessions named apart from this model's; it must share
+        the tokenizer, check drafts this model can take and be rolled back."""
+        if self.platform is None:
+            raise OrtpipeError("this model was not made by load_model: it cannot load a draft model")
+        folder = self.platform.folder(location)
+        why = same_vocabulary(self.folder, folder)
+        if why:
+            raise GenerationError(f"the draft model {folder.describe()} must have the model's tokenizer: "
+                                  f"{why}")
+        draft, _ = yield from load_model(folder, self.platform, f"draft{len(self.drafts) + 1}/")
+        why = cannot_verify(draft.plan)
+        if why:
+            raise GenerationError(f"the draft model {folder.describe()} cannot draft: {why}")
+        if draft.vocab is not None and self.vocab is not None and draft.vocab > self.vocab:
+            raise GenerationError(f"the draft model {folder.describe()} has {draft.vocab} token ids, more "
+                                  f"than the model's {self.vocab}")
+        return draft
 
     def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
         """A multi-turn chat over one KV cache, with the folder's chat template (see chat.py)."""

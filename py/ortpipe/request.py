@@ -27,6 +27,12 @@ class Timings:
     prompt_tokens: int = 0
     new_tokens: int = 0
     fused_steps: int = 0  # decode steps the target ran fused (plain greedy on one decoder session)
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and checked
+    accepted_tokens: int = 0  # of those, the ones the model accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -37,7 +43,8 @@ class Timings:
         return {"load_ms": round(self.load_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
                 "decode_ms": round(self.decode_ms, 3), "prompt_tokens": self.prompt_tokens,
                 "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-                "fused_steps": self.fused_steps}
+                "fused_steps": self.fused_steps, "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens}
 
 
 @dataclass
@@ -113,6 +120,9 @@ class Request:
             self.timings.decode_ms += elapsed
         self.timings.new_tokens += len(tokens)
         self.timings.fused_steps = self.gen.fused_steps
+        spec = self.gen.speculator
+        if spec is not None:
+            self.timings.drafted_tokens, self.timings.accepted_tokens = spec.drafted, spec.accepted
         self.tokens.extend(tokens)
         if self.gen.done:
             self.finish_reason = "interrupt" if self.gen.interrupted else (

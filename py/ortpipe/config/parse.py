@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..errors import Problems, did_you_mean, one_of
+from ..errors import ConfigError, Problems, did_you_mean, one_of
 from ..folder import Folder
 from ..jsonfile import quote
 from . import presets
@@ -156,7 +156,7 @@ def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str,
     config = Config(
         pipeline=pipeline,
         tokens=_tokens(top.sub("tokens")),
-        generation=_generation(top.sub("generation")),
+        generation=_generation(top.sub("generation"), folder),
         metadata=_metadata(top.sub("metadata")),
         source=source,
         notes=notes,
@@ -605,13 +605,14 @@ def _tokens(sec: Section) -> Tokens:
     return Tokens(eos=tuple(eos), **values)
 
 
-def _generation(sec: Section) -> Generation:
-    samp = sec.sub("sampling")
+def _generation(sec: Section, folder: Folder) -> Generation:
+    samp, spec = sec.sub("sampling"), sec.sub("speculative")
     top_keys = [key for key, _ in by_v2()]
-    sec.allow("loop", "sampling", "num_steps", "scheduler", "guidance_scale", *top_keys)
+    sec.allow("loop", "sampling", "speculative", "num_steps", "scheduler", "guidance_scale", *top_keys)
     samp.allow(*(key for key, _ in by_v2("sampling")))
+    spec.allow(*(key for key, _ in by_v2("speculative")))
     values: dict[str, Any] = {}
-    for section, where in ((sec, ""), (samp, "sampling")):
+    for section, where in ((sec, ""), (samp, "sampling"), (spec, "speculative")):
         for key, setting in by_v2(where):
             if key not in section.raw:
                 continue
@@ -621,6 +622,11 @@ def _generation(sec: Section) -> Generation:
             elif checked is not None:
                 values[setting.name] = checked
     max_length = values.pop("max_length", None)
+    if values.get("draft_model") is not None:
+        try:
+            folder.locate(values["draft_model"])  # the containment check: a folder inside the model folder
+        except ConfigError as e:
+            sec.problems.add(f"{spec.path}.draft_model: {e}")
     loop = sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop")
     if loop != "autoregressive":
         sec.problems.add(f'generation.loop "{loop}" is not run by this version yet; it runs "autoregressive"')

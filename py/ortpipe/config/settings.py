@@ -28,6 +28,7 @@ KINDS = {
     "float": "number",
     "ids": "number[]",
     "strings": "string | string[]",
+    "path": "string",
 }
 
 
@@ -41,7 +42,7 @@ class Setting:
     high: float | None = None
     low_open: bool = False  # low itself is not allowed
     v2: str | None = None  # the key under `generation` in a v2 config ("sampling.top_p")
-    v1: str | None = None  # the key under `search` in a v1 config
+    v1: str | None = None  # the key under `search` in a v1 config; "block.key": under the top-level block
     cli: bool = True  # `ortpipe run` and `chat` have --NAME
     search: bool = True  # a field of SearchSettings (the lengths are the request's own)
 
@@ -67,6 +68,9 @@ class Setting:
             )
         if kind == "strings":
             return _strings(value)
+        if kind == "path":
+            ok = isinstance(value, str) and value.strip() != "" and "\x00" not in value
+            return (value, None) if ok else (None, f"must be a folder's path or URL, found {quote(value)}")
         if kind == "ids":
             ok = isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 0 for v in value)
             return (
@@ -120,6 +124,7 @@ def _strings(value: Any) -> tuple[Any, str | None]:
 
 
 MAX_BEAMS = 64  # beams multiply the batch: each holds its own KV cache
+MAX_DRAFT = 32  # drafted tokens checked in one run at most
 LARGE = 1e4  # the bound of settings that are otherwise unbounded: beyond it float32 kernels overflow
 
 SETTINGS: tuple[Setting, ...] = (
@@ -157,6 +162,20 @@ SETTINGS: tuple[Setting, ...] = (
             v2="early_stopping", v1="early_stopping"),
     Setting("num_return_sequences", "int", 1, "hypotheses returned by beam search (result.sequences)", low=1,
             high=MAX_BEAMS, v2="num_return_sequences", v1="num_return_sequences"),
+    # speculative decoding (loops/speculative.py): onnxruntime-genai's `speculative` block, and transformers'
+    # prompt_lookup_num_tokens
+    Setting("prompt_lookup_num_tokens", "int", 0, "speculative decoding with drafts looked up in the prompt "
+            "and the text so far, at most this many tokens a step (transformers' name); 0 turns it off",
+            low=0, high=MAX_DRAFT, v2="prompt_lookup_num_tokens"),
+    Setting("ngram_size", "int", 0, "speculative decoding with drafts that continue an earlier occurrence of "
+            "the last this-many tokens (onnxruntime-genai's speculative.ngram_size); 0 turns it off", low=0,
+            high=16, v2="speculative.ngram_size", v1="speculative.ngram_size"),
+    Setting("max_draft_tokens", "int", 4, "drafted tokens checked in one run at most (speculative decoding; "
+            "the draft length adapts below it)", low=1, high=MAX_DRAFT, v2="speculative.max_draft_tokens",
+            v1="speculative.max_draft_tokens"),
+    Setting("draft_model", "path", None, "speculative decoding with drafts from this smaller model folder, "
+            "which must have the same tokenizer (in a config: a folder inside the model folder)",
+            v2="speculative.draft_model"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -175,6 +194,9 @@ class _Derived:
     no_repeat_ngram_size: int
     min_length: int
     min_new_tokens: int
+    prompt_lookup_num_tokens: int
+    ngram_size: int
+    draft_model: str | None
 
     @property
     def sampling(self) -> bool:
@@ -184,6 +206,11 @@ class _Derived:
     def argmax_only(self) -> bool:
         """Token selection is the argmax of the scores, which no penalty changes."""
         return not self.sampling and self.repetition_penalty == 1.0
+
+    @property
+    def speculative(self) -> bool:
+        """Drafted tokens are checked in one run (loops/speculative.py)."""
+        return bool(self.prompt_lookup_num_tokens or self.ngram_size or self.draft_model)
 
     @property
     def plain_greedy(self) -> bool:

@@ -201,6 +201,10 @@ class WebPlatform:
     def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> JsTokenizer:
         return JsTokenizer(self.bridge.tokenizer(tokenizer_json, tokenizer_config), self.bridge)
 
+    def folder(self, location: str) -> RemoteFolder:
+        """A draft model's folder: an absolute URL (the embed API resolves it against the page)."""
+        return RemoteFolder(self.bridge, location)
+
     def compile_template(self, source: str) -> Renderer:
         """@huggingface/jinja: the bridge answers {text} or {error: {kind, message}} as JSON."""
         compiled = json.loads(self.bridge.chatTemplate(source))
@@ -530,11 +534,11 @@ class Worker:
         return request.result().as_dict()
 
     def _open_chat(self, options: dict[str, Any]) -> Work:
+        yield from self._loaded().prepare(options)  # a draft model the settings name
         chat = self._loaded().chat(**options)
         self._chats_made += 1
         self.chats[self._chats_made] = chat
         return self._chats_made
-        yield  # a generator, like every task's work
 
     def _rewind(self, number: Any) -> Work:
         chat = self._chat(number)
