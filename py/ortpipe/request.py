@@ -98,43 +98,60 @@ class Request:
         """The next token's chunk, or several: a burst of fused decode steps (see TokenGenerator)."""
         start = time.perf_counter()
         # A burst must not run past where this request may stop: its own budget, and any token while
-        # stop strings are watched (the text decides).
-        budget = 1 if self.settings.stop else (
-            None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens))
+        # stop strings are watched (the text decides), unless it speculates: then the tokens after a
+        # stop string are taken back.
+        budget = None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens)
+        if self.settings.stop and self.gen.speculator is None:
+            budget = 1
         try:
             tokens = yield from self.gen.next_tokens(budget)
+            chunks = self.accept(tokens, (time.perf_counter() - start) * 1000)
+            if len(chunks) < len(tokens):
+                yield from self.gen.take_back(len(tokens) - len(chunks))
         except OrtpipeError as e:
             if self.tokens and e.partial is None:  # what was generated before the failure is the caller's
                 e.partial = Result(list(self.tokens), self.text + self._held, self.timings, "error")
             raise
-        return self.accept(tokens, (time.perf_counter() - start) * 1000)
+        return chunks
 
     def accept(self, tokens: list[int], elapsed: float) -> list[Chunk]:
         """The chunks of tokens the generator just took, `elapsed` ms after they were asked for: the
         text so far, the finish reason, the timings. `advance` calls it; a loop that steps the
-        generator itself (a batch row) calls it after each step."""
+        generator itself (a batch row) calls it after each step. Tokens after a stop string get no
+        chunk: they are not the request's (the generator takes them back)."""
         if self.timings.new_tokens == 0:
 
             self.timings.prefill_ms = elapsed
         else:
             self.timings.decode_ms += elapsed
-        self.timings.new_tokens += len(tokens)
         self.timings.fused_steps = self.gen.fused_steps
         spec = self.gen.speculator
         if spec is not None:
             self.timings.drafted_tokens, self.timings.accepted_tokens = spec.drafted, spec.accepted
-        self.tokens.extend(tokens)
+        deltas = self.stream.push_many(tokens) if self.stream is not None else None
+        chunks = []
+        for i, token in enumerate(tokens):
+            self.tokens.append(token)
+            last = i == len(tokens) - 1
+            if last:
+                self._finish(token)
+            if deltas is None:
+                chunks.append(Chunk(token, ""))
+                continue
+            delta = deltas[i] + (self.stream.flush() if last and self.done else "")
+            chunks.append(Chunk(token, self._text(delta)))
+            if self.finish_reason == "stop":
+                break
+        self.timings.new_tokens += len(chunks)
+        return chunks
+
+    def _finish(self, token: int) -> None:
+        """The finish reason after the last token of a step, if it ends the request."""
         if self.gen.done:
             self.finish_reason = "interrupt" if self.gen.interrupted else (
-                "eos" if tokens[-1] in self.gen.limits.eos else "length")
+                "eos" if token in self.gen.limits.eos else "length")
         elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        if self.stream is None:
-            return [Chunk(token, "") for token in tokens]
-        deltas = self.stream.push_many(tokens)
-        if self.done:
-            deltas[-1] += self.stream.flush()
-        return [Chunk(token, self._text(delta)) for token, delta in zip(tokens, deltas, strict=True)]
 
     def interrupt(self) -> None:
         self.gen.interrupted = True
@@ -143,7 +160,7 @@ class Request:
     def _text(self, delta: str) -> str:
         """What of the decoded `delta` can be sent: none of a stop string, nor what may start one."""
         if self.finish_reason == "stop":
-            return ""  # a stop string ended the text (only one token a step while they are watched)
+            return ""  # a stop string ended the text
         self._held += delta
         for stop in self.settings.stop:
             at = self._held.find(stop)

@@ -117,13 +117,30 @@ class TokenGenerator:
             yield from cache.truncate(min(seen, cache.length), self.backend)
         self.flow.position = seen
         if self.speculator is not None:
-            self.speculator.reset()
+            yield from self.speculator.rewound(length)
         self._pending = self.tokens[seen:length]
         del self.tokens[length:]
         self.generated = 0
         self.interrupted = False
         if not self._pending:
             self.life.fire(EMPTY)
+
+    def take_back(self, n: int) -> Work:
+        """Forget the last n generated tokens (a request ended at a stop string before them): the
+        sequence is as if generation had stopped after the token before them."""
+        keep = len(self.tokens) - n
+        if n <= 0 or n > self.generated:
+            raise GenerationError(f"cannot take back {n} of {self.generated} generated tokens")
+        self.life.fire(REWIND)
+        for cache in self.flow.caches.values():
+            if cache.length > keep - 1:
+                yield from cache.truncate(keep - 1, self.backend)
+        self.flow.position = keep - 1
+        del self.tokens[keep:]
+        self._pending = self.tokens[-1:]
+        self.generated -= n
+        if self.speculator is not None:
+            yield from self.speculator.rewound(keep)
 
     def next_token(self) -> Work:
         """The next token."""

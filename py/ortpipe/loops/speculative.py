@@ -185,12 +185,12 @@ class Speculator:
         self.accepted += accepted
         self.length.update(drafted, accepted)
 
-    def reset(self) -> None:
-        """The text was rewound: forget what the drafter knew of it."""
+    def rewound(self, length: int) -> Work:
+        """The text was cut to its first `length` tokens: forget what the drafter knew past them."""
         if self.ngram is not None:
             self.ngram.reset()
         if self.draft is not None:
-            self.draft.stale = True
+            yield from self.draft.roll_back(length)
 
     # the fused path
 
@@ -305,15 +305,12 @@ class DraftModel:
         self.step = plan.fused
         self.seq_axes = {e.past_input: e.seq_axis for e in plan.step_phase[0].kv.entries}
         self.dtype = plan.signatures[self.step.session].output(self.step.logits).dtype
-        self.stale = False  # the text was rewound: start over
 
     @property
     def length(self) -> int:
         return self.flow.position
 
     def fused(self) -> DraftDecode:
-        if self.stale:
-            self._restart()
         cache = self.flow.caches[self.step.session]
         return DraftDecode(self.step, cache.feeds, self.flow.position, self.flow.max_length, self.seq_axes)
 
@@ -324,8 +321,6 @@ class DraftModel:
 
     def propose(self, tokens: list[int], k: int, eos: frozenset[int]) -> Work:
         """Up to k greedy tokens after `tokens`: the text it has not seen yet is run first."""
-        if self.stale:
-            self._restart()
         fed = tokens[self.flow.position :]
         drafts: list[int] = []
         while len(drafts) < k:
@@ -339,7 +334,3 @@ class DraftModel:
 
     def roll_back(self, length: int) -> Work:
         yield from roll_back(self.flow, min(length, self.flow.position))
-
-    def _restart(self) -> None:
-        self.flow = FlowRun(self.plan, self.backend, 1, self.flow.max_length)
-        self.stale = False
