@@ -48,6 +48,9 @@ def test_typescript_declarations_follow_the_table() -> None:
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s.v2], ids=lambda s: s.name)
 def test_each_v2_key_reaches_the_request_defaults(tmp_path: Path, setting) -> None:
     value = GOOD[setting.kind]
+    if setting.kind == "path":  # a folder inside the model folder, with a tokenizer
+        (tmp_path / value).mkdir()
+        (tmp_path / value / "tokenizer.json").write_text("{}")
     config = load_config(write(tmp_path, v2(nested(setting.v2, value))))
     got = (
         config.generation.max_length

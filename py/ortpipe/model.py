@@ -81,6 +81,11 @@ def load_model(folder: Folder, platform: Platform, prefix: str = "") -> Work:
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.platform = platform
+    if config.generation.settings.draft_model is not None:  # the config's draft model is part of the model
+        try:
+            yield from model.prepare({})
+        except GenerationError as e:
+            raise ConfigError(f"generation.speculative.draft_model: {e}") from None
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
 

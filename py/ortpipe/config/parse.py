@@ -8,6 +8,7 @@ All problems are collected and raised together as one ConfigError.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from typing import Any
 
 from ..errors import ConfigError, Problems, did_you_mean, one_of
@@ -622,9 +623,13 @@ def _generation(sec: Section, folder: Folder) -> Generation:
             elif checked is not None:
                 values[setting.name] = checked
     max_length = values.pop("max_length", None)
-    if values.get("draft_model") is not None:
+    draft = values.get("draft_model")
+    if draft is not None:
+        tokenizer = posixpath.join(draft, "tokenizer.json")
         try:
-            folder.locate(values["draft_model"])  # the containment check: a folder inside the model folder
+            if not folder.exists(tokenizer):  # the containment check too: a folder inside the model folder
+                sec.problems.add(f"{spec.path}.draft_model: {folder.describe(tokenizer)} does not exist; the "
+                                 "draft model is a folder inside the model folder, with its tokenizer")
         except ConfigError as e:
             sec.problems.add(f"{spec.path}.draft_model: {e}")
     loop = sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop")
