@@ -66,7 +66,7 @@ def test_each_v2_key_reaches_the_request_defaults(tmp_path: Path, setting) -> No
     "setting", [s for s in SETTINGS if s.v1 and s.kind in ("bool", "int", "float")], ids=lambda s: s.name
 )
 def test_each_v1_search_key_is_translated(tmp_path: Path, setting) -> None:
-    """A v1 key is under `search`, or under the top-level block it names (onnxruntime-genai's `speculative`)."""
+    """A v1 key is under `search`, or under the top-level block it names (genai's `speculative`)."""
     value = GOOD[setting.kind]
     block, _, key = setting.v1.rpartition(".")
     v1 = {

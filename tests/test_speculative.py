@@ -53,7 +53,7 @@ def demo_draft() -> Path:
 def repeating(folder: Path) -> list[int]:
     """The test prompt and its start again: text a model may go on copying."""
     ids = prompt_ids(folder)
-    return ids + ids[:24]
+    return ids + ids[:20]
 
 
 @pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_builder_int4", "qwen2_builder",
@@ -151,7 +151,8 @@ def test_stop_strings_and_eos_inside_an_accepted_run(llama_builder_fp32: Path, t
         assert [c.token for c in chunks] == got.tokens and "".join(c.text for c in chunks) == got.text
         assert request.gen.tokens == ids + got.tokens, "the generator took back what followed the stop"
         assert request.gen.flow.position == len(ids) + len(got.tokens) - 1
-    at = next(i for i, t in enumerate(plain.tokens) if i >= 20 and t not in plain.tokens[:i])
+    at = max(plain.tokens.index(t) for t in plain.tokens)  # the last token that is new there
+    assert at >= 5
     copy = tmp_path / "eos"
     shutil.copytree(llama_builder_fp32, copy)
     config = json.loads((copy / "genai_config.json").read_text())

@@ -14,9 +14,12 @@ decoder run over the pending token and k drafts gives the model's logits at all 
 The KV cache then keeps only the accepted positions: a shared buffer moves its length (the next
 run's mask and writes start there), a concat cache is narrowed by a kernel.
 
-The draft length adapts (DraftLength): it grows after a round that accepted every draft and falls
-to what was accepted after one that did not; rounds that accept nothing at length 1 pause drafting
-for a few steps, longer each time, so open-ended text runs at about the speed of plain decoding.
+The draft length adapts (DraftLength): each round drafts the length that gives the most tokens per
+unit of time, from how often drafts were accepted and what a run of several tokens costs beside a
+run of one; when none pays, rounds are plain steps with a probe now and then, so open-ended text
+runs at about the speed of plain decoding. Targets that run rounds in their bursts measure the
+costs; the core's own rounds (sampling) use fixed guesses, so that a seeded run drafts the same
+everywhere.
 
 Plain greedy requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a
 target runs whole rounds inside its burst (the CPython driver calls this module's Speculator, the
@@ -27,6 +30,8 @@ every target.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 
 LOOKUP_NGRAM = 2  # the longest n-gram prompt lookup matches when only prompt_lookup_num_tokens is given
 MAX_PAUSE = 16  # steps without drafts after rounds that accepted nothing, at most
+SAMPLES = 15  # the measurements of run costs kept
 
 
 def cannot_verify(plan: Plan) -> str | None:
@@ -90,36 +96,85 @@ class NgramIndex:
 
 
 class DraftLength:
-    """How many tokens the next round drafts: up to `most`, grown by one after a round that accepted
-    every draft, set to what was accepted plus one after one that did not; a round that accepted
-    nothing of one draft pauses drafting for 1, 2, 4 ... MAX_PAUSE steps."""
+    """How many tokens the next round drafts: the length that gives the most tokens per unit of time.
 
-    __slots__ = ("most", "k", "pause", "wait")
+    A round of k drafts gives 1 + a + ... + a^k tokens on average, a being the chance that a draft
+    is accepted (accepted drafts over accepted drafts plus rejections, a decaying count), and costs
+    1 + (extra + draft) * k times a plain step: `extra`, what each more token adds to one run, and
+    `draft`, what drafting one costs (a draft model's step), both measured by the target that runs the
+    rounds (`timed`), else guessed. When no length pays, a one-token probe runs after a pause of 1,
+    2, 4 ... MAX_PAUSE steps, so that text which starts repeating itself is noticed.
+    """
 
-    def __init__(self, most: int):
-        self.most, self.k, self.pause, self.wait = most, most, 0, 0
+    DECAY = 0.9  # the weight of earlier rounds in the acceptance count
+    EXTRA = 0.25  # the guess of what one more token costs a run, relative to a run of one
+    DRAFT = 0.3  # the guess of what a draft model's step costs, relative to the model's
+
+    __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause")
+
+    def __init__(self, most: int, model: bool = False):
+        self.most = most
+        self.hits, self.misses = 2.0, 1.0  # a prior acceptance of 2/3
+        # the last measurements (a median of them resists a busy machine's outliers): seconds of a run of
+        # one token, and the extra and drafting costs of a token relative to it
+        self.ones: deque[float] = deque(maxlen=SAMPLES)
+        self.extras: deque[float] = deque([self.EXTRA], maxlen=SAMPLES)
+        self.drafts: deque[float] = deque([self.DRAFT if model else 0.0], maxlen=SAMPLES)
+        self.wait = self.pause = 0
 
     def next(self, room: int) -> int:
         """The draft length of the next round (0: a plain step), at most `room`."""
+        if room <= 0:
+            return 0
         if self.wait:
             self.wait -= 1
             return 0
-        return max(0, min(self.k, room))
+        k = self.best(min(self.most, room))
+        if k:
+            self.pause = 0
+            return k
+        self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
+        self.wait = self.pause
+        return 1
+
+    def best(self, most: int) -> int:
+        """The draft length (0 to most) with the most tokens per unit of time."""
+        rate = self.hits / (self.hits + self.misses)
+        cost = statistics.median(self.extras) + statistics.median(self.drafts)
+        best, best_k, tokens, term = 1.0, 0, 1.0, 1.0
+        for k in range(1, most + 1):
+            term *= rate
+            tokens += term
+            if tokens / (1 + cost * k) > best:
+                best, best_k = tokens / (1 + cost * k), k
+        return best_k
 
     def update(self, drafted: int, accepted: int) -> None:
-        if accepted == drafted:
-            self.k, self.pause = min(self.most, self.k + 1), 0
-        elif accepted == 0 and self.k == 1:
-            self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
-            self.wait = self.pause
-        else:
-            self.k = max(1, accepted + 1)
+        self.hits = self.DECAY * self.hits + accepted
+        self.misses = self.DECAY * self.misses + (accepted < drafted)
 
-    def state(self) -> list[int]:
-        return [self.k, self.pause, self.wait]
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A target's run of `tokens` tokens took `seconds`: what one more token costs, measured."""
+        if tokens == 1:
+            self.ones.append(seconds)
+        elif self.ones:
+            self.extras.append(max(0.0, (seconds / statistics.median(self.ones) - 1) / (tokens - 1)))
 
-    def restore(self, state: list[int]) -> None:
-        self.k, self.pause, self.wait = (int(x) for x in state)
+    def drafted(self, steps: int, seconds: float) -> None:
+        """A draft model took `seconds` for `steps` drafted tokens."""
+        if self.ones and steps:
+            self.drafts.append(seconds / steps / statistics.median(self.ones))
+
+    def state(self) -> dict[str, Any]:
+        measured = {name: list(getattr(self, name)) for name in ("ones", "extras", "drafts")}
+        return {"hits": self.hits, "misses": self.misses, **measured, "wait": self.wait, "pause": self.pause}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.hits, self.misses = float(state["hits"]), float(state["misses"])
+        for name in ("ones", "extras", "drafts"):
+            getattr(self, name).clear()
+            getattr(self, name).extend(float(x) for x in state[name])
+        self.wait, self.pause = int(state["wait"]), int(state["pause"])
 
 
 class DraftDecode(NamedTuple):
@@ -163,7 +218,7 @@ class Speculator:
                                   "model's graph can run; lower max_length or max_new_tokens")
         self.backend, self.eos = backend, eos
         most = settings.prompt_lookup_num_tokens or settings.max_draft_tokens
-        self.length = DraftLength(most)
+        self.length = DraftLength(most, draft is not None)
         self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
         self.draft = DraftModel(draft, backend, max_length) if draft is not None else None
         entries = plan.step_phase[0].kv.entries
@@ -177,6 +232,10 @@ class Speculator:
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         return self.ngram.propose(tokens, k) if self.ngram is not None else []
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A target's run over `tokens` new tokens took `seconds` (see DraftLength)."""
+        self.length.timed(tokens, seconds)
 
     def update(self, drafted: int, accepted: int) -> None:
         """A round checked `drafted` tokens and accepted the first `accepted` of them."""

@@ -48,10 +48,14 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
             k = speculator.draft_length(d.limit - len(out) - 1)
             drafts: list[int] = []
             if k and draft is not None:
+                started = time.perf_counter()
                 drafts, drafted_to = _draft(draft, text, drafted_to, k, d.eos)
+                speculator.length.drafted(len(drafts), time.perf_counter() - started)
             elif k:
                 drafts = speculator.lookup(text, k)
+            started = time.perf_counter()
             picks = target.run([text[-1], *drafts], position)
+            speculator.timed(len(drafts) + 1, time.perf_counter() - started)
             accepted = agreeing(drafts, picks)
             new = cut_at_eos([*drafts[:accepted], picks[accepted]], d.eos)
             if drafts:
