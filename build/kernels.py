@@ -353,6 +353,38 @@ def spec_accept(_: int) -> onnx.GraphProto:
     )
 
 
+def logprobs(elem: int) -> onnx.GraphProto:
+    """logits [b, s, v], token [b], k [1] -> the log-probability of each row's token at the last position,
+    and that position's k most likely tokens with theirs (an OpenAI response's logprobs)."""
+    nodes = [
+        _const("start", [-1]),
+        _const("end", [INT64_MAX]),
+        _const("axis1", [1]),
+        helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
+        helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
+        helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
+        helper.make_node("LogSoftmax", ["last"], ["logp"], axis=-1),
+        helper.make_node("Unsqueeze", ["token", "axis1"], ["token2"]),
+        helper.make_node("GatherElements", ["logp", "token2"], ["chosen2"], axis=1),
+        helper.make_node("Squeeze", ["chosen2", "axis1"], ["chosen"]),
+        helper.make_node("TopK", ["logp", "k"], ["values", "indices"], axis=-1),
+    ]
+    return helper.make_graph(
+        nodes,
+        "logprobs",
+        [
+            helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]),
+            helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"]),
+            _scalar("k", TensorProto.INT64),
+        ],
+        [
+            helper.make_tensor_value_info("chosen", TensorProto.FLOAT, ["batch"]),
+            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["batch", "k"]),
+            helper.make_tensor_value_info("indices", TensorProto.INT64, ["batch", "k"]),
+        ],
+    )
+
+
 def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
     def make(elem: int) -> onnx.GraphProto:
         """x, rows [n] -> x's rows along the batch axis, in that order (beam search reorders caches)."""
@@ -381,6 +413,8 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "sample": (sample, ("float32",)),
     "argmax": (argmax, ("float32",)),
     "beam_topk": (beam_topk, tuple(FLOAT_TYPES)),
+    "logprobs": (logprobs, tuple(FLOAT_TYPES)),
+
     "gather_rows0": (_gather_rows(0), tuple(FLOAT_TYPES)),
     "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
     "unfold": (unfold, tuple(FLOAT_TYPES)),

@@ -297,8 +297,10 @@ BAD_CHAT = [
     ({"temperature": 3}, "temperature", "decimal_above_max_value"),
     ({"top_p": 1.5}, "top_p", "decimal_above_max_value"),
     ({"n": 2}, "n", "unsupported_parameter"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ({"logprobs": 1}, "logprobs", "invalid_type"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # logprobs must be true too
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+
     ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
@@ -604,7 +606,62 @@ def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> 
         proc.stderr.close()
 
 
-def test_serve_refuses_a_profile_it_does_not_have(folder: Path) -> None:
-    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--profile", "raspberry-pi"]
+def test_serve_loads_with_the_profile_and_providers_asked_for(folder: Path) -> None:
+    """--profile and --ep reach the load: an unknown profile, or a provider this environment lacks, is the
+    load's ConfigError."""
+    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0"]
+    out = subprocess.run([*command, "--profile", "raspberri-pi"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and 'Unknown profile "raspberri-pi"' in out.stderr
+    assert 'Did you mean "raspberry-pi"?' in out.stderr
+    command += ["--profile", "raspberry-pi", "--ep", "qnn"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "device profiles" in out.stderr
+    assert out.returncode == 2 and 'pip install "ortpipe[qnn]" installs it' in out.stderr
+
+
+# --- logprobs --------------------------------------------------------------------------------------------
+
+def test_logprobs_in_chat_and_completions_equal_the_pipelines(server: Served, pipe: Any,
+                                                              folder: Path) -> None:
+    """The chosen tokens' log-probabilities and their alternatives, in OpenAI's two shapes, are what
+    pipe.generate gives (tests/test_sampling.py checks those against a hand computation)."""
+    client = server.client(max_retries=0)
+    prompt = render(folder, USER)
+    expected = list(pipe.stream(prompt, max_new_tokens=6, logprobs=2))
+    name = lambda t: pipe.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    chat = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [name(c.token) for c in expected]
+    assert [e.logprob for e in content] == pytest.approx([c.logprob for c in expected], abs=1e-5)
+    assert [[t.token for t in e.top_logprobs] for e in content] == [
+        [name(t) for t, _ in c.top_logprobs] for c in expected
+    ]
+    streamed = [
+        e
+        for chunk in client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert logprobs.tokens == [name(c.token) for c in expected]
+    assert logprobs.token_logprobs == pytest.approx([c.logprob for c in expected], abs=1e-5)
+    assert [list(d) for d in logprobs.top_logprobs] == [
+        [name(t) for t, _ in c.top_logprobs] for c in expected
+    ]
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(expected))]
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
+    assert (
+        plain.choices[0].logprobs is None
+        and plain.choices[0].message.content == chat.choices[0].message.content
+    )

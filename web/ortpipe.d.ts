@@ -84,6 +84,8 @@ export interface GenerateOptions {
   earlyStopping?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
+  /** Give each generated token's log-probability and this many most likely alternatives (chunk.logprob, chunk.top_logprobs). */
+  logprobs?: number;
   /** Speculative decoding with drafts looked up in the prompt and the text so far, at most this many tokens a step (transformers' name); 0 turns it off. */
   promptLookupNumTokens?: number;
   /** Speculative decoding with drafts that continue an earlier occurrence of the last this-many tokens (onnxruntime-genai's speculative.ngram_size); 0 turns it off. */

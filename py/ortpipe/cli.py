@@ -11,6 +11,7 @@ signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 import argparse
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from .errors import ConfigError, GenerationError, OrtpipeError
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    warnings.showwarning = _show_warning
     try:
         signal.signal(signal.SIGINT, _interrupt)  # from here on, Ctrl-C is a KeyboardInterrupt
         return int(args.func(args) or 0)
@@ -48,6 +50,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _interrupted = False
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message: Any, category: type[Warning], *where: Any, **kw: Any) -> None:
+    """ortpipe's warnings (a provider passed over, a v1 key ignored) as one line each, no source line."""
+    if issubclass(category, UserWarning):
+        print(f"ortpipe: warning: {message}", file=sys.stderr)
+    else:
+        _python_showwarning(message, category, *where, **kw)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -101,8 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     _generation_args(chat, max_new_tokens=256)
     chat.set_defaults(func=_chat)
 
-    inspect = sub.add_parser("inspect", help="show what was detected and the expanded v2 config")
+    inspect = sub.add_parser(
+        "inspect", help="show where each session runs, what was detected and the expanded v2 config"
+    )
     inspect.add_argument("model", metavar="MODEL_DIR")
+    _provider_args(inspect)
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=_inspect)
 
@@ -110,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         "validate", help="check a model folder; exit 0, or print every problem and exit 2"
     )
     validate.add_argument("model", metavar="MODEL_DIR")
+    _provider_args(validate)
     validate.set_defaults(func=_validate)
 
     from . import static_server  # standard library only
@@ -122,15 +137,36 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
     serve_command.add_arguments(serve)
+    _provider_args(serve)
     serve.set_defaults(func=serve_command.run)
     return parser
 
 
 def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    _provider_args(p)
+
+
+def _provider_args(p: argparse.ArgumentParser) -> None:
+    """Where the sessions run (README, "On edge devices")."""
     p.add_argument(
-        "--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ..."
+        "--ep", "--provider", action="append", default=[], metavar="[SESSION=]EP[,EP...]",
+        help="execution providers tried in order, for every session (--ep openvino) or one (--ep "
+        "vision=openvino,cpu): cpu, openvino, qnn, dml, cuda, tensorrt, coreml (repeatable)",
     )
+    p.add_argument(
+        "--profile", metavar="NAME|FILE.json",
+        help="a device profile layered over the config: raspberry-pi, intel-cpu, intel-gpu, intel-npu, "
+        "snapdragon-npu, windows-gpu, or a profile file",
+    )
+
+
+def _load(args: argparse.Namespace, progress: bool = True) -> Any:
+    """The pipeline of args.model with the command's providers, profile and threads."""
+    from .targets.cpython import load, providers
+
+    return load(args.model, provider=providers.parse_overrides(args.ep), profile=args.profile,
+                threads=getattr(args, "threads", None), on_progress=_progress() if progress else None)
 
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = None) -> None:
@@ -163,10 +199,10 @@ def _ids(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .targets.cpython import load, read_inputs
+    from .targets.cpython import read_inputs
     from .trace import Trace
 
-    pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
+    pipe = _load(args)
     request = pipe.request(
         args.prompt,
         prompt_ids=args.prompt_ids,
@@ -263,9 +299,7 @@ def _settings(args: argparse.Namespace, *leave_out: str) -> dict[str, Any]:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .targets.cpython import load
-
-    pipe = load(args.model, provider=args.provider, threads=args.threads, on_progress=_progress())
+    pipe = _load(args)
     chat = pipe.chat(**_settings(args, "max_new_tokens"))
     print(
         "ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
@@ -317,25 +351,29 @@ def _reply(chat: Any, line: str, max_new_tokens: int) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .config.expand import as_v2
-    from .targets.cpython import load
+    from .targets.cpython import providers
 
-    pipe = load(_path(args.model))
-    plan, sessions = pipe.plan, {name: pipe.driver.sessions[name] for name in pipe.plan.signatures}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", providers.ProviderWarning)  # the report says them
+        pipe = _load(args, progress=False)
+    plan, placed = pipe.plan, pipe.assignments
     report = {
         "config_source": plan.config.source,
         "sessions": {
             name: {
                 "file": plan.config.pipeline.sessions[name].file,
-                "provider": s.get_providers()[0],
+                "provider": placed[name].provider,
+                "placement": placed[name].as_dict(),
                 "inputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].inputs],
                 "outputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].outputs],
             }
-            for name, s in sessions.items()
+            for name in plan.signatures
         },
         "steps": [_step_report(s) for s in plan.all_steps],
         "config": as_v2(plan.config),
     }
-    print(json.dumps(report, indent=2) if args.json else _format_report(report))
+    placement = providers.report(placed.values())
+    print(json.dumps(report, indent=2) if args.json else _format_report(report, placement))
     return 0
 
 
@@ -363,8 +401,9 @@ def _step_report(s: Any) -> dict[str, Any]:
     return report
 
 
-def _format_report(report: dict[str, Any]) -> str:
-    lines = [f"config: {report['config_source']}"]
+def _format_report(report: dict[str, Any], placement: str) -> str:
+    lines = [f"config: {report['config_source']}", "providers:"]
+    lines += [f"  {line}" for line in placement.splitlines()]
     for name, s in report["sessions"].items():
         lines.append(f"session {name}: {s['file']} on {s['provider']}")
         lines += [f"  in  {t}" for t in s["inputs"]] + [f"  out {t}" for t in s["outputs"]]
@@ -379,24 +418,13 @@ def _format_report(report: dict[str, Any]) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .targets.cpython import load
-
-    plan = load(_path(args.model)).plan
+    plan = _load(args, progress=False).plan
     steps = len(plan.config.pipeline.flow)
     print(
         f"{args.model}: ok ({plan.config.source} config, {len(plan.signatures)} session(s), "
         f"{steps} flow step(s))"
     )
     return 0
-
-
-def _path(model: str) -> Any:
-    from pathlib import Path
-
-    path = Path(model)
-    if not path.is_dir():
-        raise ConfigError(f"model folder {path} does not exist or is not a directory")
-    return path
 
 
 if __name__ == "__main__":

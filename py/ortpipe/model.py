@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from .chat import Chat
 from .config import Config, load_config
+from .config.profiles import Profile
 from .errors import ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, Work
 from .folder import Folder
@@ -57,13 +58,15 @@ class Platform(Protocol):
 Progress = Callable[[str], None]
 
 
-def load_model(folder: Folder, platform: Platform, prefix: str = "") -> Work:
+def load_model(folder: Folder, platform: Platform, profile: str | Profile | None = None,
+               prefix: str = "") -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
-    `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
-    (Model, {session name: the target's session}). `prefix` goes before every session name (a draft
-    model's sessions beside the model's)."""
+    `Open` per session the flow runs, the plan, the tokenizer and the chat template. `profile`: a
+    device profile layered over the config's sessions (config/profiles.py). `prefix` goes before every
+    session name (a draft model's sessions beside the model's). Returns (Model, {session name: the
+    target's session})."""
     start = time.perf_counter()
-    config = load_config(folder)
+    config = load_config(folder, profile=profile)
     if prefix:
         config = _prefixed(config, prefix)
     used = {s.run for s in config.pipeline.flow}
@@ -80,7 +83,7 @@ def load_model(folder: Folder, platform: Platform, prefix: str = "") -> Work:
     tokenizer = load_tokenizer(folder, platform)
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
-    model.platform = platform
+    model.platform, model.profile = platform, profile
     if config.generation.settings.draft_model is not None:  # the config's draft model is part of the model
         try:
             yield from model.prepare({})
@@ -177,7 +180,8 @@ class Model:
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
-        self.platform: Platform | None = None  # set by load_model: draft models load through it
+        self.platform: Platform | None = None  # set by load_model: draft models load through it, with
+        self.profile: str | Profile | None = None  # the model's device profile
         self.drafts: dict[str, Model] = {}  # draft models by location, loaded once
 
     # requests
@@ -277,7 +281,7 @@ class Model:
         if why:
             raise GenerationError(f"the draft model {folder.describe()} must have the model's tokenizer: "
                                   f"{why}")
-        draft, _ = yield from load_model(folder, self.platform, f"draft{len(self.drafts) + 1}/")
+        draft, _ = yield from load_model(folder, self.platform, self.profile, f"draft{len(self.drafts) + 1}/")
         why = cannot_verify(draft.plan)
         if why:
             raise GenerationError(f"the draft model {folder.describe()} cannot draft: {why}")

@@ -67,6 +67,9 @@ class Result:
 class Chunk:
     token: int
     text: str  # the text this token completes ("" while a character or a possible stop string is open)
+    logprob: float | None = None  # with the logprobs setting: the token's log-probability
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # and the most likely tokens with theirs
+
 
 
 class Request:
@@ -129,17 +132,18 @@ class Request:
         if spec is not None:
             self.timings.drafted_tokens, self.timings.accepted_tokens = spec.drafted, spec.accepted
         deltas = self.stream.push_many(tokens) if self.stream is not None else None
+        asked = self.settings.logprobs is not None
+        probs = self.gen.logprobs[-len(tokens):] if asked else [None] * len(tokens)
         chunks = []
         for i, token in enumerate(tokens):
             self.tokens.append(token)
             last = i == len(tokens) - 1
             if last:
                 self._finish(token)
-            if deltas is None:
-                chunks.append(Chunk(token, ""))
-                continue
-            delta = deltas[i] + (self.stream.flush() if last and self.done else "")
-            chunks.append(Chunk(token, self._text(delta)))
+            text = ""
+            if deltas is not None:
+                text = self._text(deltas[i] + (self.stream.flush() if last and self.done else ""))
+            chunks.append(Chunk(token, text, *(probs[i] or (None, ()))))
             if self.finish_reason == "stop":
                 break
         self.timings.new_tokens += len(chunks)
@@ -168,7 +172,7 @@ class Request:
                 self._held = self._held[:at]
                 self.finish_reason = "stop"
         keep = 0 if self.done else _open_stop_prefix(self._held, self.settings.stop)
-        out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         self.text += out
         return out
 
@@ -179,8 +183,9 @@ class Request:
 class BeamRequest(Request):
     """Beam search: one advance runs the whole search; its chunks are the best hypothesis's tokens."""
 
-    def __init__(self, search: BeamSearch, prompt: list[int], settings: SearchSettings,
-                 tokenizer: Tokenizer | None):
+    def __init__(
+        self, search: BeamSearch, prompt: list[int], settings: SearchSettings, tokenizer: Tokenizer | None
+    ):
         super().__init__(None, settings, tokenizer, len(prompt))
         self.search, self.prompt = search, prompt
         self.sequences: list[list[int]] = []

@@ -14,14 +14,13 @@ from typing import Any
 from ..errors import ConfigError, Problems, did_you_mean, one_of
 from ..folder import Folder
 from ..jsonfile import quote
-from . import presets
+from . import ep, presets
 from .schema import (
     GENERATION_LOOPS,
     KV_FORMATS,
     LOOP_MODES,
     MAX_FLOW_STEPS,
     POSITION_STRATEGIES,
-    SESSION_OPTIONS,
     WHEN,
     WHEN_ALIASES,
     Config,
@@ -43,7 +42,6 @@ from .settings import SearchSettings, by_v2
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                list: "a list", dict: "an object"}
 MAX_REPEAT = 64  # a flow step run more often than this per iteration is a plugin's job
-MAX_THREADS = 1024
 
 
 class Section:
@@ -230,7 +228,7 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             file=file,
             providers=_providers(s),
             provider_options=_provider_options(s),
-            session_options=_session_options(s.sub("session_options")),
+            session_options=_session_options(s),
             optional=optional,
             inputs=_role_map(s, "inputs"),
             outputs=_role_map(s, "outputs"),
@@ -239,51 +237,25 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
 
 
 def _providers(s: Section) -> tuple[str, ...]:
-    value = s.raw.get("execution_provider", "cpu")
-    providers = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
-    if not providers or not all(isinstance(p, str) and p for p in providers):
-        s.problems.add(
-            f"{s.path}.execution_provider must be a provider name or a list of names (a fallback "
-            f'order, e.g. ["openvino", "cpu"]), found {quote(value)}'
-        )
+    """`execution_provider`: a name or an ordered fallback list, as provider keys (config/ep.py)."""
+    if "execution_provider" not in s.raw:
         return ("cpu",)
-    return providers
+    providers = ep.provider_names(s.raw["execution_provider"], f"{s.path}.execution_provider", s.problems)
+    return providers or ("cpu",)
 
 
-def _provider_options(s: Section) -> dict[str, dict[str, Any]]:
-    value = s.get("provider_options", dict, {})
-    for provider, options in value.items():
-        if not isinstance(options, dict):
-            s.problems.add(
-                f"{s.path}.provider_options.{provider} must be an object of option names and values, "
-                f"found {quote(options)}"
-            )
-            return {}
-    return dict(value)
+def _provider_options(s: Section) -> dict[str, dict[str, str]]:
+    """`provider_options`: options per provider, keyed by provider key, values as onnxruntime takes them."""
+    if "provider_options" not in s.raw:
+        return {}
+    return ep.check_provider_options(s.raw["provider_options"], f"{s.path}.provider_options", s.problems)
 
 
-def _session_options(sec: Section) -> dict[str, Any]:
-    sec.allow(*SESSION_OPTIONS)
-    options = {}
-    for key, kind in SESSION_OPTIONS.items():
-        if key not in sec.raw:
-            continue
-        if kind is int:
-            value = sec.number(key, int, None, 0, MAX_THREADS)
-        elif isinstance(kind, tuple):
-            value = sec.choice(key, kind, kind[0])
-        else:
-            value = sec.get(key, kind)
-        if value is not None:
-            options[key] = value
-    entries = options.get("config_entries", {})
-    if not all(isinstance(v, str) for v in entries.values()):
-        sec.problems.add(
-            f"{sec.path}.config_entries maps onnxruntime session config keys to strings, "
-            f"found {quote(entries)}"
-        )
-        options.pop("config_entries")
-    return options
+def _session_options(s: Section) -> dict[str, Any]:
+    """`session_options`: onnxruntime-genai's keys, a provider's own under its key (config/ep.py)."""
+    if "session_options" not in s.raw:
+        return {}
+    return ep.check_session_options(s.raw["session_options"], f"{s.path}.session_options", s.problems)
 
 
 def _role_map(sec: Section, key: str) -> dict[str, str]:

@@ -18,27 +18,16 @@ KV_FORMATS = ("auto", "separate", "combined")
 POSITION_STRATEGIES = ("auto", "default", "mrope_3d", "windowed")
 GENERATION_LOOPS = ("autoregressive", "single_pass", "denoising")
 MAX_FLOW_STEPS = 10
-# session_options a session may set, and what each takes (a tuple: the allowed names, default first).
-# They become onnxruntime SessionOptions on CPython; the browser's sessions take none of them.
-SESSION_OPTIONS: dict[str, Any] = {
-    "intra_op_num_threads": int,
-    "inter_op_num_threads": int,
-    "graph_optimization_level": ("all", "extended", "basic", "disable"),
-    "execution_mode": ("sequential", "parallel"),
-    "enable_cpu_mem_arena": bool,
-    "enable_mem_pattern": bool,
-    "enable_mem_reuse": bool,
-    # onnxruntime session config entries, e.g. {"session.use_device_allocator_for_initializers": "1"}
-    "config_entries": dict,
-}
 
 
 @dataclass(frozen=True)
 class SessionSpec:
     name: str
     file: str
-    providers: tuple[str, ...] = ("cpu",)  # the first available wins; later ones are fallbacks
-    provider_options: dict[str, Any] = field(default_factory=dict)
+    # provider keys (config/ep.py), tried in order: the first that is installed and compiles the graph wins
+    providers: tuple[str, ...] = ("cpu",)
+    provider_options: dict[str, dict[str, str]] = field(default_factory=dict)  # provider key -> options
+    # onnxruntime-genai's session options (config/ep.py's table), a provider's own under its key
     session_options: dict[str, Any] = field(default_factory=dict)
     optional: bool = False
     inputs: dict[str, str] = field(default_factory=dict)  # role -> graph input name

@@ -162,6 +162,8 @@ SETTINGS: tuple[Setting, ...] = (
             v2="early_stopping", v1="early_stopping"),
     Setting("num_return_sequences", "int", 1, "hypotheses returned by beam search (result.sequences)", low=1,
             high=MAX_BEAMS, v2="num_return_sequences", v1="num_return_sequences"),
+    Setting("logprobs", "int", None, "give each generated token's log-probability and this many most likely "
+            "alternatives (chunk.logprob, chunk.top_logprobs)", low=0, high=20),
     # speculative decoding (loops/speculative.py): onnxruntime-genai's `speculative` block, and transformers'
     # prompt_lookup_num_tokens
     Setting("prompt_lookup_num_tokens", "int", 0, "speculative decoding with drafts looked up in the prompt "
@@ -197,6 +199,8 @@ class _Derived:
     prompt_lookup_num_tokens: int
     ngram_size: int
     draft_model: str | None
+    logprobs: int | None
+
 
     @property
     def sampling(self) -> bool:
@@ -221,6 +225,7 @@ class _Derived:
             and not self.no_repeat_ngram_size
             and not self.min_length
             and not self.min_new_tokens
+            and self.logprobs is None  # they are read from the logits, which a fused step keeps to itself
         )
 
 

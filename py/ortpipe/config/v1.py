@@ -72,21 +72,9 @@ _SLIDING = {
     "slide_key_value_cache": (bool, True),
     "alignment": (str, True),
 }
-# v1 session_options -> v2 session_options, and the v1 names of graph_optimization_level's values.
-_SESSION_OPTIONS = {
-    "intra_op_num_threads": "intra_op_num_threads",
-    "inter_op_num_threads": "inter_op_num_threads",
-    "enable_cpu_mem_arena": "enable_cpu_mem_arena",
-    "enable_mem_pattern": "enable_mem_pattern",
-    "graph_optimization_level": "graph_optimization_level",
-    "config_entries": "config_entries",
-}
-_OPT_LEVELS = {
-    "ORT_DISABLE_ALL": "disable",
-    "ORT_ENABLE_BASIC": "basic",
-    "ORT_ENABLE_EXTENDED": "extended",
-    "ORT_ENABLE_ALL": "all",
-}
+# the v1 session_options that carry over to v2 as they are (names and values: config/ep.py's table)
+_SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "enable_cpu_mem_arena",
+                    "enable_mem_pattern", "graph_optimization_level", "config_entries")
 _SESSION_KEYS = {
     "log_id": (str, True),
     "provider_options": (list, True),
@@ -265,11 +253,7 @@ def _renamed_wires(sections: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
 
 def _session(section: dict[str, Any]) -> dict[str, Any]:
     v1_options = section.get("session_options") or {}
-    options = {v2: v1_options[v1] for v1, v2 in _SESSION_OPTIONS.items() if v1_options.get(v1) is not None}
-    if "graph_optimization_level" in options:
-        options["graph_optimization_level"] = _OPT_LEVELS.get(
-            options["graph_optimization_level"], options["graph_optimization_level"]
-        )
+    options = {k: v1_options[k] for k in _SESSION_OPTIONS if v1_options.get(k) is not None}
     session: dict[str, Any] = {"file": section.get("filename", "model.onnx"), "session_options": options}
     providers, provider_options = [], {}
     for entry in v1_options.get("provider_options") or []:

@@ -69,14 +69,17 @@ class TokenGenerator:
         self._pending: list[int] = []  # ids the graph has not seen yet
         self.interrupted = False
         self.fused_steps = 0  # decode steps the target ran as `Decode`s
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []  # per token, when asked
+
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
         self._fused: FusedStep | None = fused if fusable and self.sampler.settings.plain_greedy else None
         settings = self.sampler.settings
+        # logprobs are given one token a step: a request that asks for them does not speculate
         self.speculator = (
             Speculator(plan, backend, settings, limits.max_length, limits.eos, draft)
-            if settings.speculative else None
+            if settings.speculative and settings.logprobs is None else None
         )
 
     @property
@@ -185,6 +188,8 @@ class TokenGenerator:
         self.life.fail(error)
 
     def _took(self, tokens: list[int]) -> None:
+        if self.sampler.settings.logprobs is not None:  # one token per step: logprobs keep the generic path
+            self.logprobs.append(self.sampler.last_logprobs)
         self.tokens.extend(tokens)
         self._pending = [tokens[-1]]
         self.generated += len(tokens)

@@ -67,9 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"finished requests' KV caches kept for requests that continue them (default "
         f"{DEFAULTS['prompt_cache']}; 0: none)",
     )
-    p.add_argument("--profile", metavar="NAME", help="a device profile (not in this version yet)")
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
-    p.add_argument("--provider", help="execution provider for every session: cpu, openvino, qnn, ...")
+    # --ep and --profile: the CLI adds them, as to every command that loads a model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,22 +76,18 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ..errors import ConfigError
+    from ..targets.cpython import providers
     from .app import create_app
     from .engine import Engine
 
-    if args.profile:
-        raise ConfigError(
-            f"--profile {args.profile}: device profiles (edge/profiles/) are not in this "
-            "version yet; use --provider and --threads"
-        )
+    overrides = providers.parse_overrides(args.ep)
     _log_to_stderr()
     failure: list[BaseException] = []
 
     def load() -> Any:
         from ..targets.cpython import load as load_cpython
 
-        return load_cpython(args.model, provider=args.provider, threads=args.threads)
+        return load_cpython(args.model, provider=overrides, profile=args.profile, threads=args.threads)
 
     def fatal(e: BaseException) -> None:
         failure.append(e)

@@ -151,20 +151,23 @@ class JobResponse:
         self.job.events.put_nowait(DISCONNECTED)  # type: ignore[arg-type]
 
     async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
-        texts = []
+        texts, logprobs = [], []
         while True:
             event = await self.job.events.get()
             if event is DISCONNECTED:
                 return
             if isinstance(event, Delta):
                 texts.append(event.text)
+                logprobs += event.logprobs or []
                 continue
             self.finished = True
             if isinstance(event, Failed):
                 response = _error(event.error)
             else:
                 assert isinstance(event, Finished)
-                response = JSONResponse(self.reply.response("".join(texts), event.finish_reason, event.usage))
+                asked = self.job.completion.settings.get("logprobs") is not None
+                response = JSONResponse(self.reply.response("".join(texts), event.finish_reason, event.usage,
+                                                            logprobs if asked else None))
             await response(scope, receive, send)
             return
 
@@ -179,8 +182,9 @@ class JobResponse:
             if event is DISCONNECTED:
                 return
             if isinstance(event, Delta):
-                await _event(send, self.reply.chunk(event.text))
+                await _event(send, self.reply.chunk(event.text, logprobs=event.logprobs))
                 continue
+
             self.finished = True
             if isinstance(event, Finished):
                 await _event(send, self.reply.chunk(finish_reason=event.finish_reason))

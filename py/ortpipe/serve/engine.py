@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from ..errors import GenerationError
 from ..loops.batched import Batch, batchable
 from .metrics import Gauges, Metrics
-from .protocol import Completion, InvalidRequest, Usage
+from .protocol import Completion, InvalidRequest, TokenLogprob, Usage
 from .rows import PromptCache, Row, chat_template, prompt_ids, slot_length
 
 log = logging.getLogger("ortpipe.serve")
@@ -48,6 +48,7 @@ class Started:
 @dataclass(frozen=True)
 class Delta:
     text: str  # the text of one step (one token, or a burst); never part of a stop string
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them: one per token of the step
 
 
 @dataclass(frozen=True)
@@ -142,13 +143,21 @@ class TimeSliced:
             try:
                 chunks = row.step()
             except Exception as e:  # a failing run ends its own request only
-                del self.open[job]
-                row.close()
-                self._fail(job, e)
+                self._drop(job, row, e)
                 continue
-            self._emit(job, "".join(c.text for c in chunks), len(chunks))
-            if row.request.done:
-                self._finish(job, row, row.request.finish_reason)
+            self._advanced(job, row, chunks)
+
+    def _advanced(self, job: Job, row: Row, chunks: list[Any]) -> None:
+        """Send the chunks of a step of the row; a row that is done leaves."""
+        self._emit(job, chunks)
+
+        if row.request.done:
+            self._finish(job, row, row.request.finish_reason)
+
+    def _drop(self, job: Job, row: Row, error: Exception) -> None:
+        del self.open[job]
+        row.close()
+        self._fail(job, error)
 
     def close(self, error: InvalidRequest) -> None:
         for job, row in list(self.open.items()):
@@ -156,13 +165,25 @@ class TimeSliced:
             row.close()
             self._fail(job, error)
 
-    def _emit(self, job: Job, text: str, tokens: int) -> None:
+    def _emit(self, job: Job, chunks: list[Any]) -> None:
         if not job.first_token:
             job.first_token = time.monotonic()
             self.metrics.first_token(job.first_token - job.arrived)
-        self.metrics.tokens(tokens)
-        if text:
-            job.emit(Delta(text))
+        self.metrics.tokens(len(chunks))
+        text = "".join(c.text for c in chunks)
+        logprobs = None
+        if job.completion.settings.get("logprobs") is not None:
+            name = self._token_text
+            logprobs = [
+                TokenLogprob(name(c.token), c.logprob, tuple((name(t), lp) for t, lp in c.top_logprobs))
+                for c in chunks
+            ]
+        if text or logprobs:
+            job.emit(Delta(text, logprobs))
+
+    def _token_text(self, token: int) -> str:
+        tokenizer = self.pipe.tokenizer
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
     def _finish(self, job: Job, row: Row, reason: str) -> None:
         del self.open[job]
@@ -182,8 +203,9 @@ class TimeSliced:
             error = InvalidRequest(str(e))
         else:
             log.exception("%s failed", job.id)
-            error = InvalidRequest(f"The server failed on this request: {type(e).__name__}: {e}", status=500,
-                                   kind="server_error")
+            error = InvalidRequest(
+                f"The server failed on this request: {type(e).__name__}: {e}", status=500, kind="server_error"
+            )
         job.emit(Failed(error))
         self.metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
         log.info("%s error=%d %s", job.id, error.status, error.message)
@@ -193,8 +215,9 @@ class TimeSliced:
 class Batched(TimeSliced):
     """Up to `max_rows` requests as rows of one batched decoder run: continuous batching."""
 
-    def __init__(self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics,
-                 leave: Callable[[Job], None]):
+    def __init__(
+        self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None]
+    ):
         super().__init__(pipe, max_rows, cache_size, metrics, leave)
         self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length)
 
@@ -209,13 +232,9 @@ class Batched(TimeSliced):
             if not row.request.done:
                 self.pipe.driver.drive(self.batch.join(row.gen.core))
         except Exception as e:  # a failing prefill ends its own request only
-            del self.open[job]
-            row.close()
-            self._fail(job, e)
+            self._drop(job, row, e)
             return
-        self._emit(job, "".join(c.text for c in chunks), len(chunks))
-        if row.request.done:
-            self._finish(job, row, row.request.finish_reason)
+        self._advanced(job, row, chunks)
 
     def step(self) -> None:
         self.metrics.step(len(self.open))
@@ -232,18 +251,15 @@ class Batched(TimeSliced):
         except Exception as e:  # every row of the failed run ends; the next requests start a new batch
             self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length)
             for job, row in list(self.open.items()):
-                del self.open[job]
-                row.close()
-                self._fail(job, e)
+                self._drop(job, row, e)
             return
         elapsed = (time.perf_counter() - start) * 1000
         for gen, token in zip(list(self.batch.rows), tokens, strict=True):
             job, row = rows[gen]
             chunks = row.request.accept([token], elapsed)
-            self._emit(job, "".join(c.text for c in chunks), len(chunks))
             if row.request.done:
                 self._leave_batch(row)
-                self._finish(job, row, row.request.finish_reason)
+            self._advanced(job, row, chunks)
 
     def _leave_batch(self, row: Row) -> None:
         if row.gen.core in self.batch.rows:
@@ -254,17 +270,33 @@ def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:
     ttft = (job.first_token - job.arrived) * 1000 if job.first_token else 0.0
     decode = now - job.first_token if job.first_token else 0.0
     rate = (usage.completion_tokens - 1) / decode if usage.completion_tokens > 1 and decode > 0 else 0.0
-    log.info("%s prompt=%d cached=%d completion=%d ttft=%.1fms %.1f tokens/s finish=%s", job.id,
-             usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, ttft, rate, reason)
+    log.info(
+        "%s prompt=%d cached=%d completion=%d ttft=%.1fms %.1f tokens/s finish=%s",
+        job.id,
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.completion_tokens,
+        ttft,
+        rate,
+        reason,
+    )
 
 
 # --- the engine ------------------------------------------------------------------------------------------
 
+
 class Engine:
     """Loads the model on its own thread, then admits queued jobs into the scheduler and steps it."""
 
-    def __init__(self, load: Callable[[], Any], *, max_batch: int = 1, max_queue: int = 16,
-                 prompt_cache: int = 4, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        *,
+        max_batch: int = 1,
+        max_queue: int = 16,
+        prompt_cache: int = 4,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         if max_batch < 1 or max_queue < 0 or prompt_cache < 0:
             raise ValueError("max_batch must be at least 1; max_queue and prompt_cache at least 0")
         self.max_batch, self.max_queue, self.prompt_cache = max_batch, max_queue, prompt_cache
@@ -314,8 +346,13 @@ class Engine:
 
     def gauges(self) -> Gauges:
         scheduler = self.scheduler  # read once: the engine thread may drop it
-        return Gauges(scheduler is not None, len(self._waiting), scheduler.rows if scheduler else 0,
-                      self.max_batch, self.max_queue)
+        return Gauges(
+            scheduler is not None,
+            len(self._waiting),
+            scheduler.rows if scheduler else 0,
+            self.max_batch,
+            self.max_queue,
+        )
 
     def _leave(self, job: Job) -> None:
         with self._cond:
@@ -338,8 +375,9 @@ class Engine:
         except Exception as e:  # a bug in the engine: every job is told, /health turns 503, nobody waits
             log.exception("the engine stopped")
             self.error = e
-            ending = InvalidRequest(f"The engine stopped: {type(e).__name__}: {e}", status=500,
-                                    kind="server_error")
+            ending = InvalidRequest(
+                f"The engine stopped: {type(e).__name__}: {e}", status=500, kind="server_error"
+            )
         finally:
             with self._cond:
                 self.scheduler, self._stopping = None, True

@@ -71,12 +71,15 @@ def _type_error(name: str, expected: str, value: Any) -> InvalidRequest:
                           "invalid_type")
 
 
-def _integer(value: Any, name: str, low: int | None = None) -> int:
+def _integer(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise _type_error(name, "an integer", value)
     if low is not None and value < low:
         raise InvalidRequest(f"Invalid '{name}': integer below minimum value. Expected a value >= {low}, "
                              f"but got {value} instead.", name, "integer_below_min_value")
+    if high is not None and value > high:
+        raise InvalidRequest(f"Invalid '{name}': integer above maximum value. Expected a value <= {high}, "
+                             f"but got {value} instead.", name, "integer_above_max_value")
     return value
 
 
@@ -150,13 +153,11 @@ def _settings(body: dict[str, Any]) -> dict[str, Any]:
 # Parameters accepted only at a value that changes nothing (null is always such a value).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias": ({},),
-    "logprobs": (False,), "top_logprobs": (), "tools": ([],), "tool_choice": ("none", "auto"),
+    "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
     "suffix": ("",)}
-WHY_NOT = {"n": "must be 1 on this server (one choice per request)", "best_of": "must be 1 on this server",
-           "logprobs": "is not supported by this server yet (the runtime does not hand out logits yet)",
-           "top_logprobs": "is not supported by this server yet (the runtime does not hand out logits yet)"}
+WHY_NOT = {"n": "must be 1 on this server (one choice per request)", "best_of": "must be 1 on this server"}
 
 
 def _neutral(body: dict[str, Any], name: str) -> None:
@@ -172,15 +173,50 @@ def _neutral(body: dict[str, Any], name: str) -> None:
 # Fields each endpoint knows: served ones are read by the parsers; NEUTRAL ones by `_neutral`; IGNORED ones
 # change nothing the server does.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "top_k", "min_p", "repetition_penalty"}
+          "top_k", "min_p", "repetition_penalty", "logprobs"}
+
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options", "verbosity", "moderation", "reasoning_effort",
            "parallel_tool_calls"}
-CHAT_NEUTRAL = {"n", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
-                "tools", "tool_choice", "functions", "function_call", "response_format", "modalities",
-                "audio", "prediction", "web_search_options"}
-TEXT_NEUTRAL = {"n", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of",
-                "suffix"}
+CHAT_NEUTRAL = {
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+}
+TEXT_NEUTRAL = {"n", "frequency_penalty", "presence_penalty", "logit_bias", "echo", "best_of", "suffix"}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat: `logprobs` true gives the chosen tokens' log-probabilities, `top_logprobs` (0 to 20) as many
+    alternatives for each; None when not asked."""
+    wanted = body.get("logprobs")
+    if wanted is not None and type(wanted) is not bool:
+        raise _type_error("logprobs", "a boolean", wanted)
+    top = body.get("top_logprobs")
+    top = None if top is None else _integer(top, "top_logprobs", low=0, high=20)
+    if top is not None and not wanted:
+        raise InvalidRequest(
+            "Invalid value for 'top_logprobs': 'logprobs' must be true to use it.",
+            "top_logprobs",
+            "invalid_value",
+        )
+    return (top or 0) if wanted else None
+
+
+def _text_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions: `logprobs` N (0 to 5) gives the chosen tokens' and N alternatives' log-probabilities."""
+    value = body.get("logprobs")
+    return None if value is None else _integer(value, "logprobs", low=0, high=5)
 
 
 def _check_names(body: Any, known: set[str]) -> dict[str, Any]:
@@ -204,14 +240,20 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     if options is None:
         return stream, False
     if not stream:
-        raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                             "stream_options", "invalid_value")
+        raise InvalidRequest(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+            "invalid_value",
+        )
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     for name in options:
         if name not in ("include_usage", "include_obfuscation"):
-            raise InvalidRequest(f"Unrecognized request argument supplied: stream_options.{name}",
-                                 f"stream_options.{name}", "unknown_parameter")
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: stream_options.{name}",
+                f"stream_options.{name}",
+                "unknown_parameter",
+            )
     usage = options.get("include_usage")
     return stream, _boolean(usage, "stream_options.include_usage") if usage is not None else False
 
@@ -225,6 +267,7 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> int | None:
 
 # --- chat ------------------------------------------------------------------------------------------------
 
+
 def _content(value: Any, where: str) -> str:
     """A message's content: a string, or text parts (joined by newlines, as vLLM joins them)."""
     if isinstance(value, str):
@@ -236,17 +279,28 @@ def _content(value: Any, where: str) -> str:
         if not isinstance(part, dict):
             raise _type_error(f"{where}[{i}]", "an object", part)
         if part.get("type") != "text":
-            raise InvalidRequest(f"Invalid '{where}[{i}].type': this model reads text only; content parts of "
-                                 f"type {part.get('type')!r} are not supported.", f"{where}[{i}].type",
-                                 "unsupported_value")
+            raise InvalidRequest(
+                f"Invalid '{where}[{i}].type': this model reads text only; content parts of "
+                f"type {part.get('type')!r} are not supported.",
+                f"{where}[{i}].type",
+                "unsupported_value",
+            )
         if not isinstance(part.get("text"), str):
             raise _type_error(f"{where}[{i}].text", "a string", part.get("text"))
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls", "refusal", "function_call",
-                  "audio"}
+MESSAGE_FIELDS = {
+    "role",
+    "content",
+    "name",
+    "tool_call_id",
+    "tool_calls",
+    "refusal",
+    "function_call",
+    "audio",
+}
 
 
 def _message(message: Any, i: int) -> dict[str, str]:
@@ -255,12 +309,18 @@ def _message(message: Any, i: int) -> dict[str, str]:
         raise _type_error(where, "an object", message)
     for name in message:
         if name not in MESSAGE_FIELDS:
-            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{name}", f"{where}.{name}",
-                                 "unknown_parameter")
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {where}.{name}",
+                f"{where}.{name}",
+                "unknown_parameter",
+            )
     role = message.get("role")
     if role not in ROLES:
-        raise InvalidRequest(f"Invalid value: {role!r}. Supported values are: {', '.join(map(repr, ROLES))}.",
-                             f"{where}.role", "invalid_value")
+        raise InvalidRequest(
+            f"Invalid value: {role!r}. Supported values are: {', '.join(map(repr, ROLES))}.",
+            f"{where}.role",
+            "invalid_value",
+        )
     for name in ("tool_calls", "function_call", "audio"):
         if message.get(name):
             raise _unsupported(f"{where}.{name}")
@@ -274,21 +334,34 @@ def _message(message: Any, i: int) -> dict[str, str]:
 
 
 def parse_chat(body: Any) -> Completion:
-    body = _check_names(body, COMMON | IGNORED | CHAT_NEUTRAL | {"messages", "max_completion_tokens"})
+    body = _check_names(
+        body, COMMON | IGNORED | CHAT_NEUTRAL | {"messages", "max_completion_tokens", "top_logprobs"}
+    )
+
     messages = body.get("messages")
     if messages is None:
         raise _missing("messages")
     if not isinstance(messages, list):
         raise _type_error("messages", "an array", messages)
     if not messages:
-        raise InvalidRequest("Invalid 'messages': empty array. Expected an array with minimum length 1, but "
-                             "got an empty array instead.", "messages", "empty_array")
+        raise InvalidRequest(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but "
+            "got an empty array instead.",
+            "messages",
+            "empty_array",
+        )
     for name in sorted(CHAT_NEUTRAL):
         _neutral(body, name)
     stream, usage = _stream(body)
-    return Completion("chat", body["model"], tuple(_message(m, i) for i, m in enumerate(messages)),
-                      max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")),
-                      settings=_settings(body), stream=stream, include_usage=usage)
+    return Completion(
+        "chat",
+        body["model"],
+        tuple(_message(m, i) for i, m in enumerate(messages)),
+        max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")),
+        settings=_with_logprobs(_settings(body), _chat_logprobs(body)),
+        stream=stream,
+        include_usage=usage,
+    )
 
 
 # --- text completions ------------------------------------------------------------------------------------
@@ -304,8 +377,9 @@ def _prompt(value: Any) -> tuple[str | None, tuple[int, ...] | None]:
         return value, None
     if isinstance(value, list) and value and all(type(t) is int for t in value):
         if any(t < 0 for t in value):
-            raise InvalidRequest("Invalid 'prompt': token ids must be non-negative.", "prompt",
-                                 "invalid_value")
+            raise InvalidRequest(
+                "Invalid 'prompt': token ids must be non-negative.", "prompt", "invalid_value"
+            )
         return None, tuple(value)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
         raise _unsupported("prompt", "takes one prompt per request on this server (send others separately)")
@@ -321,9 +395,20 @@ def parse_text(body: Any) -> Completion:
         _neutral(body, name)
     stream, usage = _stream(body)
     max_tokens = _max_tokens(body, ("max_tokens",))
-    return Completion("text", body["model"], prompt=prompt, prompt_ids=ids,
-                      max_tokens=DEFAULT_TEXT_MAX_TOKENS if max_tokens is None else max_tokens,
-                      settings=_settings(body), stream=stream, include_usage=usage)
+    return Completion(
+        "text",
+        body["model"],
+        prompt=prompt,
+        prompt_ids=ids,
+        max_tokens=DEFAULT_TEXT_MAX_TOKENS if max_tokens is None else max_tokens,
+        settings=_with_logprobs(_settings(body), _text_logprobs(body)),
+        stream=stream,
+        include_usage=usage,
+    )
+
+
+def _with_logprobs(settings: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
+    return settings if logprobs is None else {**settings, "logprobs": logprobs}
 
 
 # --- replies ---------------------------------------------------------------------------------------------
@@ -338,12 +423,27 @@ class Usage:
     cached_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "audio_tokens": 0},
-                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-                                              "accepted_prediction_tokens": 0,
-                                              "rejected_prediction_tokens": 0}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives, with their text."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 class Reply:
@@ -353,38 +453,112 @@ class Reply:
         self.id, self.completion, self.model, self.fingerprint = request_id, completion, model, fingerprint
         self.created = int(time.time())
         self.chat = completion.endpoint == "chat"
+        self._offset = 0  # the completions API's text_offset so far
 
     def _head(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
         finish = FINISH_REASONS.get(finish_reason, "stop")
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "annotations": []},
-                      "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict(),
-                    "service_tier": "default"}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                "logprobs": self._logprobs(logprobs),
+                "finish_reason": finish,
+            }
+            return {
+                **self._head("chat.completion"),
+                "choices": [choice],
+                "usage": usage.as_dict(),
+                "service_tier": "default",
+            }
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None,
-              first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
         """A stream chunk: text, or the last one with a finish reason; a chat stream's first chunk opens the
         assistant's message."""
         finish = FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": "", "refusal": None} if first else (
-                {"content": text} if text is not None else {})
-            out = {**self._head("chat.completion.chunk"), "service_tier": "default",
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": "", "refusal": None}
+                if first
+                else ({"content": text} if text is not None else {})
+            )
+            out = {
+                **self._head("chat.completion.chunk"),
+                "service_tier": "default",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "logprobs": self._logprobs(logprobs),
+                        "finish_reason": finish,
+                    }
+                ],
+            }
         else:
-            out = {**self._head("text_completion"),
-                   "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            out = {
+                **self._head("text_completion"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text or "",
+                        "logprobs": self._logprobs(logprobs),
+                        "finish_reason": finish,
+                    }
+                ],
+            }
+
         if self.completion.include_usage:
             out["usage"] = None  # OpenAI: null on every chunk but the last
         return out
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists (whose
+        `text_offset` counts from the start of the completion, across the chunks of a stream)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": e.token,
+                        "logprob": e.logprob,
+                        "bytes": list(e.token.encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top
+                        ],
+                    }
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries],
+            "text_offset": offsets,
+        }
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with no choices and the whole request's usage."""

@@ -13,13 +13,14 @@ warn_if_mixed()  # before onnxruntime is imported: two flavours in one environme
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...chat import Chat
+from ...config.profiles import Profile
 from ...errors import ConfigError, GenerationError
 from ...execute.work import Work
 from ...folder import LocalFolder
@@ -28,6 +29,7 @@ from ...model import Model, load_model
 from ...plan import Plan
 from ...request import Chunk, Request, Result
 from ...trace import Trace
+from . import providers
 from .driver import Driver
 from .media import decode_image, read_wav
 from .text import HFTokenizer, compile_template
@@ -111,6 +113,12 @@ class Pipeline:
     @property
     def load_ms(self) -> float:
         return self.model.load_ms
+
+    @property
+    def assignments(self) -> dict[str, providers.Assignment]:
+        """Per session: the provider it was opened with and the nodes onnxruntime placed on each
+        provider (`providers.report(pipe.assignments.values())` is `ortpipe inspect`'s text)."""
+        return self.driver.assignments
 
     def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
                   inputs: dict[str, Any] | None = None, **settings: Any) -> StepGenerator:
@@ -256,12 +264,17 @@ Progress = Callable[[str], None]
 def load(
     model_dir: str | os.PathLike[str],
     *,
-    provider: str | None = None,
+    provider: str | Sequence[str] | Mapping[str | None, str | Sequence[str]] | None = None,
+    profile: str | Profile | None = None,
     threads: int | None = None,
     on_progress: Progress | None = None,
 ) -> Pipeline:
     """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime.
 
+    `provider` overrides the sessions' execution providers: a name or a fallback list for every
+    session ("openvino", ["openvino", "cpu"]), or {session name: name or list} for some (the key
+    None: every other session). `profile`: a device profile, by name (edge/profiles/) or .json path,
+    layered over the config first. Where each session was placed is `Pipeline.assignments`.
     `on_progress` receives a line of text as each session starts and ends loading.
     """
     path = Path(model_dir)
@@ -271,9 +284,11 @@ def load(
         raise ConfigError(
             f"threads must be an integer from 0 (onnxruntime's default) to 1024, found {threads!r}"
         )
+    overrides = providers.overrides_from(provider)
     start = time.perf_counter()
-    driver = Driver(provider, threads, on_progress)
-    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform()))
+    driver = Driver(overrides, threads, on_progress)
+    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform(), profile))
+    providers.check_overrides(overrides, model.config.pipeline.sessions)
     model.load_ms = (time.perf_counter() - start) * 1000
     return Pipeline(model, driver, path)
 

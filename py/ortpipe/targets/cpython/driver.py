@@ -21,7 +21,8 @@ from ...errors import OrtpipeError
 from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, drive
 from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
-from .sessions import ORT_TYPES, open_session, signature_of
+from . import providers
+from .sessions import ORT_TYPES, signature_of
 from .speculate import speculate
 
 # A burst of fused decode steps (one `Decode`) stops once it has run this long, so that a stream's
@@ -118,9 +119,11 @@ class Driver:
     makes a second thread wait for the step being run, so requests from several threads interleave
     step by step)."""
 
-    def __init__(self, provider: str | None = None, threads: int | None = None, on_progress: Any = None):
-        self.provider, self.threads, self.on_progress = provider, threads, on_progress
+    def __init__(self, overrides: providers.Overrides | None = None, threads: int | None = None,
+                 on_progress: Any = None):
+        self.overrides, self.threads, self.on_progress = overrides or {}, threads, on_progress
         self.sessions: dict[str, Any] = {}
+        self.assignments: dict[str, providers.Assignment] = {}  # session -> where onnxruntime placed it
         self._bindings: dict[str, _Binding] = {}
         self._fused: dict[str, _Fused] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -160,8 +163,9 @@ class Driver:
         start = time.perf_counter()
         if self.on_progress:
             self.on_progress(f"loading session {spec.name} ({spec.file})")
-        session = open_session(work, self.provider, self.threads)
-        self.sessions[spec.name] = session
+        override = providers.override_for(self.overrides, spec.name)
+        session, assignment = providers.open_session(work.path, spec, override, threads=self.threads)
+        self.sessions[spec.name], self.assignments[spec.name] = session, assignment
         if self.on_progress:
             self.on_progress(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")
         return Opened(session, signature_of(session))
