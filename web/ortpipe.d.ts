@@ -92,7 +92,7 @@ export interface GenerateOptions {
   ngramSize?: number;
   /** Drafted tokens checked in one run at most (speculative decoding; the draft length adapts below it). */
   maxDraftTokens?: number;
-  /** Speculative decoding with drafts from this smaller model folder, which must have the same tokenizer (in a config: a folder inside the model folder). */
+  /** Speculative decoding with drafts from this smaller model folder (a path; in the browser a URL; in a config a folder inside the model folder), which must have the model's tokenizer. */
   draftModel?: string;
   // end of the generation settings
 }
@@ -114,6 +114,9 @@ export interface Timings {
   decodeTokensPerS: number;
   /** Decode steps run fused (plain greedy on one decoder session: the cache stays in onnxruntime-web). */
   fusedSteps: number;
+  /** Speculative decoding: tokens drafted and checked, and of those the ones the model accepted. */
+  draftedTokens: number;
+  acceptedTokens: number;
   /** From the call to the first token, as the page saw it (null when no token came). */
   firstTokenMs: number | null;
   /** From the call to the result, as the page saw it. */

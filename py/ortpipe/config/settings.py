@@ -175,9 +175,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_draft_tokens", "int", 4, "drafted tokens checked in one run at most (speculative decoding; "
             "the draft length adapts below it)", low=1, high=MAX_DRAFT, v2="speculative.max_draft_tokens",
             v1="speculative.max_draft_tokens"),
-    Setting("draft_model", "path", None, "speculative decoding with drafts from this smaller model folder, "
-            "which must have the same tokenizer (in a config: a folder inside the model folder)",
-            v2="speculative.draft_model"),
+    Setting("draft_model", "path", None, "speculative decoding with drafts from this smaller model folder (a "
+            "path; in the browser a URL; in a config a folder inside the model folder), which must have the "
+            "model's tokenizer", v2="speculative.draft_model"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

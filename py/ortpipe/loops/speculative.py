@@ -224,6 +224,7 @@ class Speculator:
         entries = plan.step_phase[0].kv.entries
         self.seq_axes = {e.past_input: e.seq_axis for e in entries}
         self.drafted = self.accepted = self.rounds = 0
+        self.resets = 0  # rewinds of the text, for a target that keeps its own index of it
 
     # what targets call
 
@@ -244,8 +245,17 @@ class Speculator:
         self.accepted += accepted
         self.length.update(drafted, accepted)
 
+    def absorb(self, state: Mapping[str, Any]) -> None:
+        """What a target that mirrors this speculator (web/speculate.js) did in a burst: its draft
+        length's state, and the drafts it checked and accepted."""
+        self.length.restore(state["length"])
+        self.drafted += int(state["drafted"])
+        self.accepted += int(state["accepted"])
+        self.rounds += int(state["rounds"])
+
     def rewound(self, length: int) -> Work:
         """The text was cut to its first `length` tokens: forget what the drafter knew past them."""
+        self.resets += 1
         if self.ngram is not None:
             self.ngram.reset()
         if self.draft is not None:
