@@ -26,6 +26,7 @@ from build.references import prompt_ids
 
 import ortpipe
 from ortpipe.errors import ConfigError, GenerationError, OrtpipeError
+from ortpipe.loops.speculative import DraftLength, NgramIndex
 from tests.handloop import _run, _step_feeds, empty_pasts
 
 NEW = 48
@@ -347,3 +348,29 @@ def test_seeded_speculative_sampling_is_reproducible(llama_builder_fp32: Path) -
         runs = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **SAMPLED, **settings).tokens
                 for seed in (1, 1, 2)]
         assert runs[0] == runs[1] != runs[2]
+
+
+def test_prompt_lookup_drafts() -> None:
+    index = NgramIndex(3)
+    assert index.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # after the latest earlier (1, 2)
+    assert index.propose([1, 2, 3, 4, 1, 2, 3, 9], 3) == []  # nothing ever followed 9
+    assert index.propose([1, 2, 3, 4, 1, 2, 3, 9, 1], 2) == [2, 3]  # only (9, 1) is new: a 1-gram match
+    assert NgramIndex(2).propose([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5], "a copy goes on over what it copied"
+    index = NgramIndex(2)
+    assert index.propose([7, 8, 7], 2) == [8, 7]
+    assert index.propose([7, 3], 2) == [], "a shorter text (a rewind) starts the index over"
+
+
+def test_the_draft_length_follows_acceptance_and_cost() -> None:
+    length = DraftLength(8)
+    assert length.next(20) == 2  # the prior (2/3 accepted, 0.25 a token): two drafts pay best
+    for _ in range(10):
+        length.update(8, 8)
+    assert length.next(20) == 8 and length.next(3) == 3, "high acceptance: as many as allowed"
+    length.extras.extend([2.0] * 15)  # measured: each more token costs two steps
+    assert length.best(8) == 0, "nothing pays: plain steps (and probes)"
+    length = DraftLength(8)
+    for _ in range(12):
+        length.update(2, 0)
+    got = [length.next(20) for _ in range(12)]
+    assert got == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0], "one-token probes, the pauses doubling"

@@ -18,7 +18,7 @@ const DECAY = 0.9;
 const BURST_MS = 50; // as the plain Decoder's bursts
 
 /** What followed the latest earlier occurrence of each n-gram of the text (NgramIndex). */
-class NgramIndex {
+export class NgramIndex {
   constructor(size) {
     this.size = size;
     this.reset();
@@ -62,7 +62,7 @@ function keepLast(values, value) {
 }
 
 /** The draft length with the most tokens per unit of time (DraftLength). */
-class DraftLength {
+export class DraftLength {
   constructor(most, state) {
     this.most = most;
     Object.assign(this, state); // hits, misses, ones, extras, drafts, wait, pause
