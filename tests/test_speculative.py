@@ -363,7 +363,7 @@ def test_prompt_lookup_drafts() -> None:
 
 def test_the_draft_length_follows_acceptance_and_cost() -> None:
     length = DraftLength(8)
-    assert length.next(20) == 2  # the prior (2/3 accepted, 0.25 a token): two drafts pay best
+    assert length.next(20) == 1  # the prior (2/3 accepted, 0.4 a token): one draft pays best
     for _ in range(10):
         length.update(8, 8)
     assert length.next(20) == 8 and length.next(3) == 3, "high acceptance: as many as allowed"
@@ -374,3 +374,14 @@ def test_the_draft_length_follows_acceptance_and_cost() -> None:
         length.update(2, 0)
     got = [length.next(20) for _ in range(12)]
     assert got == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0], "one-token probes, the pauses doubling"
+
+
+def test_a_config_that_speculates_on_a_sliding_cache_is_refused_at_load(gemma_builder: Path,
+                                                                          tmp_path: Path) -> None:
+    folder = tmp_path / "gemma"
+    shutil.copytree(gemma_builder, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["speculative"] = {"ngram_size": 3}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="speculative decoding, which this model cannot run: its KV cache"):
+        ortpipe.load(folder)

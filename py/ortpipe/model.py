@@ -84,6 +84,9 @@ def load_model(folder: Folder, platform: Platform, profile: str | Profile | None
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.platform, model.profile = platform, profile
+    why = cannot_verify(plan) if config.generation.settings.speculative else None
+    if why:
+        raise ConfigError(f"the config asks for speculative decoding, which this model cannot run: {why}")
     if config.generation.settings.draft_model is not None:  # the config's draft model is part of the model
         try:
             yield from model.prepare({})

@@ -107,7 +107,7 @@ class DraftLength:
     """
 
     DECAY = 0.9  # the weight of earlier rounds in the acceptance count
-    EXTRA = 0.25  # the guess of what one more token costs a run, relative to a run of one
+    EXTRA = 0.4  # the guess of what one more token costs a run, relative to a run of one
     DRAFT = 0.3  # the guess of what a draft model's step costs, relative to the model's
 
     __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause")
