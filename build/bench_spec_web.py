@@ -65,6 +65,9 @@ def workloads() -> dict[str, tuple[str, Path, dict[str, Any]]]:
                        "doSample": True, "temperature": 0.7, "topK": 40, "topP": 0.95}),
         "100m-repetitive": ("100m", CACHE / "100m",
                             {"promptIds": pattern * 4, "maxNewTokens": 64, "doSample": False}),
+        "200m-repetitive": ("200m", bench_spec.folder_of(bench_spec.WORKLOADS["200m-repetitive"]),
+                            {"promptIds": bench_spec.prompt_of(bench_spec.WORKLOADS["200m-repetitive"]),
+                             "maxNewTokens": 128, "doSample": False}),
     }
 
 
