@@ -36,6 +36,14 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo"
 
 
+@pytest.fixture(autouse=True)
+def unclocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft length from the guessed cost of longer runs, not from the driver's clock: rounds that
+    do not depend on how busy the machine is (tokens never do)."""
+    monkeypatch.setattr(DraftLength, "timed", lambda *_: None)
+    monkeypatch.setattr(DraftLength, "drafted", lambda *_: None)
+
+
 @pytest.fixture(scope="session")
 def llama_draft_builder() -> Path:
     return draft_models.get("llama-draft-builder")
@@ -71,8 +79,9 @@ def test_greedy_with_prompt_lookup_equals_greedy(model: str, request: pytest.Fix
             assert got.tokens == plain.tokens, (settings, path)
             assert got.finish_reason == plain.finish_reason
             t = got.timings
-            assert 0 < t.accepted_tokens <= t.drafted_tokens, "rounds ran and the model accepted drafts"
-            assert t.fused_steps == (0 if path else NEW - 1)
+            assert t.drafted_tokens > 0 and t.fused_steps == (0 if path else NEW - 1)
+            if model in ("llama_builder_fp32", "llama_concat", "qwen2_builder"):  # their text loops
+                assert 0 < t.accepted_tokens <= t.drafted_tokens
 
 
 @pytest.mark.parametrize(("model", "draft"), [("llama_builder_fp32", "llama_draft_builder"),
