@@ -57,6 +57,8 @@ WORKLOADS = {w.name: w for w in (
              "(its continuation repeats itself)", 192),
     Workload("200m-repetitive", "200m-fp32", "extractive", "the ~200M fp32 model on a prompt of 40 random "
              "ids four times, greedy", 128),
+    Workload("200m-int4-repetitive", "200m-int4", "extractive", "the ~200M model's int4 export on the same "
+             "prompt, greedy", 128),
     Workload("demo-open", "demo", "open-ended", "the demo model from `def `, sampled with the folder's "
              "defaults (temperature 0.7, top-k 40, top-p 0.95)", 128, DEMO_SAMPLING),
     Workload("200m-open", "200m-fp32", "open-ended", "the ~200M fp32 model on 160 random ids, sampled "
@@ -82,7 +84,7 @@ def prompt_of(w: Workload) -> list[int]:
         code = source[source.index("def insort_right"):][:800]
         return tokenizer.encode(code + "\n\n" + code[:120]).ids
     rng = random.Random(0)
-    if w.name == "200m-repetitive":
+    if w.name in ("200m-repetitive", "200m-int4-repetitive"):
         return [rng.randrange(3, 32000) for _ in range(40)] * 4
     return [rng.randrange(3, 32000) for _ in range(160)]
 
