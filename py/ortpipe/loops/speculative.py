@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..config.settings import SearchSettings
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
-from ..execute.work import Backend, FusedStep, Handle, Run, Work, kernel
+from ..execute.work import Backend, Decoded, FusedStep, Handle, Run, Work, kernel
 from ..plan import Plan
 from ..sampling.processors import banned_ids
 
@@ -267,9 +267,10 @@ class Speculator:
         draft = self.draft.fused() if self.draft is not None else None
         return Speculation(self, tokens, self.seq_axes, draft)
 
-    def took(self, answer: Any) -> None:
-        """After a fused Decode: the draft model's cache as the target answered it."""
-        if self.draft is not None and getattr(answer, "draft", None) is not None:
+    def took(self, answer: Decoded) -> None:
+        """After a fused Decode: the draft model's cache as the target answered it (none: it ran
+        plain steps, and the draft model catches up when it drafts next)."""
+        if self.draft is not None and answer.draft is not None:
             self.draft.take(*answer.draft)
 
     # rounds run here (sampling, logits processors, targets that do not fuse)
@@ -374,10 +375,6 @@ class DraftModel:
         self.step = plan.fused
         self.seq_axes = {e.past_input: e.seq_axis for e in plan.step_phase[0].kv.entries}
         self.dtype = plan.signatures[self.step.session].output(self.step.logits).dtype
-
-    @property
-    def length(self) -> int:
-        return self.flow.position
 
     def fused(self) -> DraftDecode:
         cache = self.flow.caches[self.step.session]
