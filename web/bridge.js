@@ -15,7 +15,7 @@ const ARRAYS = {
 };
 
 /** Typed array of `type` holding `values` (numbers or BigInts). */
-function typedArray(type, values) {
+export function typedArray(type, values) {
   const Array_ = ARRAYS[type];
   if (!Array_) throw new Error(`ortpipe cannot make ${type} tensors`);
   if (Array_ === BigInt64Array || Array_ === BigUint64Array) return Array_.from(values, (v) => BigInt(v));
@@ -101,9 +101,12 @@ export class Bridge {
       executionProviders: [options.device],
       graphOptimizationLevel: 'all',
       logSeverityLevel: 3, // errors only: ortpipe reports what matters itself
-      externalData: await Promise.all(options.externalData.map(async (url) => ({
-        path: url.slice(url.lastIndexOf('/') + 1), data: await this.prefetch?.take(url) ?? url,
-      }))),
+      // the bytes, downloaded here when the prefetch has none (a draft model's): onnxruntime-web's own
+      // download of a URL needs a file system its worker build lacks
+      externalData: await Promise.all(options.externalData.map(async (url) => {
+        const path = url.slice(url.lastIndexOf('/') + 1);
+        return { path, data: await this.fetchBytes(url, path) };
+      })),
     };
     if (options.gpuOutputs) sessionOptions.preferredOutputLocation = 'gpu-buffer';
     return ort.InferenceSession.create(bytes, sessionOptions);
@@ -302,7 +305,7 @@ export async function downloadBytes(url, name, onProgress, signal = undefined) {
  * The first index of the largest of `vocab` values from `start` (float16 as IEEE half bits). A NaN
  * or an infinite maximum is an error, as under CPython (numpy's argmax picks the NaN).
  */
-function argmaxRow(data, start, vocab) {
+export function argmaxRow(data, start, vocab) {
   const row = data.subarray(start, start + vocab);
   const values = row instanceof Uint16Array ? Float32Array.from(row, halfToFloat) : row;
   let best = 0;

@@ -101,6 +101,14 @@ export interface GenerateOptions {
   guidanceScale?: number;
   /** What the image should not show (the unconditional row's text). */
   negativePrompt?: string;
+  /** Speculative decoding with drafts looked up in the prompt and the text so far, at most this many tokens a step (transformers' name); 0 turns it off. */
+  promptLookupNumTokens?: number;
+  /** Speculative decoding with drafts that continue an earlier occurrence of the last this-many tokens (onnxruntime-genai's speculative.ngram_size); 0 turns it off. */
+  ngramSize?: number;
+  /** Drafted tokens checked in one run at most (speculative decoding; the draft length adapts below it). */
+  maxDraftTokens?: number;
+  /** Speculative decoding with drafts from this smaller model folder (a path; in the browser a URL; in a config a folder inside the model folder), which must have the model's tokenizer. */
+  draftModel?: string;
   // end of the generation settings
 }
 
@@ -126,6 +134,9 @@ export interface Timings {
   steps?: number;
   stepMs?: number;
   finalMs?: number;
+  /** Speculative decoding: tokens drafted and checked, and of those the ones the model accepted. */
+  draftedTokens: number;
+  acceptedTokens: number;
   /** From the call to the first token, as the page saw it (null when no token came). */
   firstTokenMs: number | null;
   /** From the call to the result, as the page saw it. */

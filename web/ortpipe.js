@@ -39,7 +39,7 @@ export class OrtpipeError extends Error {
  */
 export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
   const pipe = new Pipeline(takeWorker(), onProgress);
-  const url = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, globalThis.location?.href).href;
+  const url = folderUrl(modelUrl);
   try {
     pipe.info = await pipe._call('load', { modelUrl: url, device });
   } catch (error) {
@@ -47,6 +47,11 @@ export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
     throw error;
   }
   return pipe;
+}
+
+/** A model folder's absolute URL, ending in "/": `url` is relative to the page or absolute. */
+function folderUrl(url) {
+  return new URL(url.endsWith('/') ? url : `${url}/`, globalThis.location?.href).href;
 }
 
 /** The spare worker if there is one, else a new worker. */
@@ -331,6 +336,8 @@ const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase()
 function pythonOptions(options) {
   const named = Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
   if (Array.isArray(named.images)) named.images = named.images.map(absoluteImageUrl);
+  // a draft model folder is a URL relative to the page, as the model's is
+  if (typeof named.draft_model === 'string' && named.draft_model) named.draft_model = folderUrl(named.draft_model);
   return named;
 }
 

@@ -12,6 +12,7 @@
 import { Bridge, downloadBytes } from './bridge.js';
 import { decodeImages } from './images.js';
 import { Prefetch } from './prefetch.js';
+import { speculator } from './speculate.js';
 
 // One onnxruntime-web build per device (see build/web.py).
 const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.min.mjs' };
@@ -60,6 +61,11 @@ class ModelBridge extends Bridge {
   async release() {
     await Promise.all(this.sessions.map((session) => session.release()));
     this.sessions = [];
+  }
+
+  /** Speculative rounds over Decoders (web/speculate.js). */
+  speculator(target, draft, spec, narrowGraphs) {
+    return speculator(this, target, draft, spec, narrowGraphs);
   }
 }
 

@@ -217,6 +217,8 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = No
             g.add_argument(s.flag, type=_ids, help=help_text + ": comma-separated ids")
         elif s.kind == "string":
             g.add_argument(s.flag, help=help_text)
+        elif s.kind == "path":
+            g.add_argument(s.flag, metavar="DIR", help=help_text)
         else:
             g.add_argument(s.flag, type=int if s.kind == "int" else float, default=default, help=help_text)
 

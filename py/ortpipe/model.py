@@ -8,23 +8,25 @@ construction. The public APIs (targets/cpython.py's Pipeline, the browser worker
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from .chat import Chat
-from .config import load_config
+from .config import Config, load_config
 from .config.profiles import Profile
-from .errors import ConfigError, GenerationError
+from .errors import ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
 from .graphfacts import decoder_facts
-from .jsonfile import quote
+from .jsonfile import quote, read_json
 from .loops.autoregressive import Limits, TokenGenerator, check_ids
 from .loops.beam import BeamSearch
 from .loops.setup import LoopSetup, embed_request, loop_setup, output_request
 from .loops.single_pass import DEFAULT_BATCH
+from .loops.speculative import cannot_verify
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
 from .outputs import OutputRequest
@@ -53,19 +55,26 @@ class Platform(Protocol):
     @property
     def compile_template(self) -> Compiler: ...
 
+    def folder(self, location: str) -> Folder:
+        """The model folder a caller names (a draft model): a local path, or a URL in the browser."""
+        ...
+
 
 Progress = Callable[[str], None]
 
 
 def load_model(folder: Folder, platform: Platform, profile: str | Profile | None = None,
-               allow_plugins: bool = False) -> Work:
+               allow_plugins: bool = False, prefix: str = "") -> Work:
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
     `Open` per session the flow runs (every session, for a plugin's loop), the plan, the tokenizer
     and the chat template. `profile`: a device profile layered over the config's sessions
     (config/profiles.py); `allow_plugins`: run the config's plugin, if it has one (plugins.py).
-    Returns (Model, {session name: the target's session})."""
+    `prefix` goes before every session name (a draft model's sessions beside the model's). Returns
+    (Model, {session name: the target's session})."""
     start = time.perf_counter()
     config = load_config(folder, profile=profile)
+    if prefix:
+        config = _prefixed(config, prefix)
     plugin = config.pipeline.plugin
     factory = None
     if plugin:
@@ -93,8 +102,69 @@ def load_model(folder: Folder, platform: Platform, profile: str | Profile | None
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.plugin = factory
     model.loop = loop_setup(plan, folder, tokenizer)
+    model.platform, model.profile = platform, profile
+    why = cannot_verify(plan) if config.generation.settings.speculative else None
+    if why:
+        raise ConfigError(f"the config asks for speculative decoding, which this model cannot run: {why}")
+    if config.generation.settings.draft_model is not None:  # the config's draft model is part of the model
+        try:
+            yield from model.prepare({})
+        except GenerationError as e:
+            raise ConfigError(f"generation.speculative.draft_model: {e}") from None
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
+
+
+def _prefixed(config: Config, prefix: str) -> Config:
+    """The config with `prefix` before every session name, wherever one is named."""
+    p = config.pipeline
+
+    def name(session: str | None) -> str | None:
+        return None if session is None else prefix + session
+
+    def dotted(ref: str | None) -> str | None:
+        return None if ref is None else prefix + ref
+
+    sessions = {prefix + n: dataclasses.replace(s, name=prefix + s.name) for n, s in p.sessions.items()}
+    flow = tuple(dataclasses.replace(s, run=prefix + s.run, after=tuple(prefix + a for a in s.after),
+                                     cross_attention_from=name(s.cross_attention_from)) for s in p.flow)
+    wires = tuple(dataclasses.replace(w, from_session=prefix + w.from_session,
+                                      to_session=prefix + w.to_session) for w in p.dataflow)
+    state = p.state
+    if state.cross_cache is not None:
+        state = dataclasses.replace(state, cross_cache=dataclasses.replace(
+            state.cross_cache, source=prefix + state.cross_cache.source))
+    positions = dataclasses.replace(state.position_ids, grid_source=dotted(state.position_ids.grid_source))
+    state = dataclasses.replace(state, position_ids=positions)
+    outputs = tuple(dataclasses.replace(o, session=prefix + o.session) for o in p.outputs)
+    pipeline = dataclasses.replace(
+        p, sessions=sessions, flow=flow, dataflow=wires, state=state, outputs=outputs
+    )
+
+
+    return dataclasses.replace(config, pipeline=pipeline)
+
+
+def same_vocabulary(a: Folder, b: Folder) -> str | None:
+    """Why the tokenizers of two folders may give different ids to the same token, or None: their
+    tokenizer.json must map the same tokens to the same ids (vocabulary and added tokens)."""
+    for folder in (a, b):
+        if not folder.exists(TOKENIZER_FILE):
+            return f"{folder.describe()} has no {TOKENIZER_FILE} to compare"
+
+    def ids(folder: Folder) -> tuple[Any, Any]:
+        raw = read_json(folder, TOKENIZER_FILE)
+        model = raw.get("model") if isinstance(raw.get("model"), Mapping) else {}
+        added = raw.get("added_tokens") if isinstance(raw.get("added_tokens"), list) else []
+        pairs = sorted((t.get("id"), t.get("content")) for t in added if isinstance(t, Mapping))
+        return model.get("vocab"), pairs
+
+    (vocab_a, added_a), (vocab_b, added_b) = ids(a), ids(b)
+    if vocab_a != vocab_b:
+        return "their tokenizer.json vocabularies differ"
+    if added_a != added_b:
+        return "their tokenizer.json added tokens differ"
+    return None
 
 
 def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
@@ -144,6 +214,9 @@ class Model:
         self.vocab = plan.vocab_size
         self.plugin: Factory | None = None
         self.loop: LoopSetup | None = None  # what a single_pass or denoising loop reads from the folder
+        self.platform: Platform | None = None  # set by load_model: draft models load through it, with
+        self.profile: str | Profile | None = None  # the model's device profile
+        self.drafts: dict[str, Model] = {}  # draft models by location, loaded once
 
     # requests
 
@@ -172,8 +245,18 @@ class Model:
                 )
 
             check_inputs(self.plan, {k: v for k, v in (inputs or {}).items() if k != "latents"}, self.backend)
-            made = output_request(self.plan, self.backend, self.loop, self.tokenizer, prompt, prompt_ids,
-                                  inputs, max_new_tokens=max_new_tokens, max_length=max_length, **settings)
+            made = output_request(
+                self.plan,
+                self.backend,
+                self.loop,
+                self.tokenizer,
+                prompt,
+                prompt_ids,
+                inputs,
+                max_new_tokens=max_new_tokens,
+                max_length=max_length,
+                **settings,
+            )
             made.timings.load_ms = self.load_ms
             return made
         if messages is not None:
@@ -182,6 +265,7 @@ class Model:
             prompt = self.chat_template().render(messages)
         ids = self.prompt_ids(prompt, prompt_ids)
         search = settings_for(self.config.generation.settings, settings)
+        draft = yield from self.prepare(settings)
         if images or audios:
             made = yield from media_inputs(
                 self.plan, self.folder, self.backend, list(images or []), list(audios or [])
@@ -200,7 +284,7 @@ class Model:
             check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)
         gen = TokenGenerator(
-            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
         gen.append_tokens(ids)
         request = Request(gen, search, self.tokenizer, len(ids))
@@ -226,9 +310,61 @@ class Model:
         search = settings_for(self.config.generation.settings, settings)
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
+        location = self._draft_location(settings)
+        draft = None if location is None else self._loaded_draft(location)
         return TokenGenerator(
-            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
+
+    # draft models (speculative decoding)
+
+    def prepare(self, settings: Mapping[str, Any]) -> Work:
+        """Load what the settings need before a request or generator is made: the draft model that
+        draft_model names, once. Returns its plan, or None."""
+        location = self._draft_location(settings)
+        if location is None:
+            return None
+        if location not in self.drafts:
+            self.drafts[location] = yield from self._load_draft(location)
+        return self.drafts[location].plan
+
+    def _draft_location(self, settings: Mapping[str, Any]) -> str | None:
+        """Where the draft model is: the request's draft_model as given (a path, or in the browser a
+        URL), or the config's, a folder inside the model folder."""
+        given = check_setting("draft_model", settings.get("draft_model"))
+        if given is not None:
+            return given
+        configured = self.config.generation.settings.draft_model
+        return None if configured is None else self.folder.locate(configured)
+
+    def _loaded_draft(self, location: str) -> Plan:
+        if location not in self.drafts:
+            raise OrtpipeError(f"the draft model {location} is not loaded: Model.prepare loads it")
+        return self.drafts[location].plan
+
+    def _load_draft(self, location: str) -> Work:
+        """Load a draft model folder with its sessions named apart from this model's; it must share
+        the tokenizer, check drafts this model can take and be rolled back."""
+        if self.platform is None:
+            raise OrtpipeError("this model was not made by load_model: it cannot load a draft model")
+        folder = self.platform.folder(location)
+        why = same_vocabulary(self.folder, folder)
+        if why:
+            raise GenerationError(
+                f"the draft model {folder.describe()} must have the model's tokenizer: {why}"
+            )
+        draft, _ = yield from load_model(
+            folder, self.platform, self.profile, prefix=f"draft{len(self.drafts) + 1}/"
+        )
+        why = cannot_verify(draft.plan)
+        if why:
+            raise GenerationError(f"the draft model {folder.describe()} cannot draft: {why}")
+        if draft.vocab is not None and self.vocab is not None and draft.vocab > self.vocab:
+            raise GenerationError(
+                f"the draft model {folder.describe()} has {draft.vocab} token ids, more "
+                f"than the model's {self.vocab}"
+            )
+        return draft
 
     def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
         """A multi-turn chat over one KV cache, with the folder's chat template (see chat.py)."""
@@ -241,9 +377,11 @@ class Model:
 
     def _token_loop(self, what: str) -> None:
         if self.loop is not None:
-            raise GenerationError(f'{what} makes tokens; this folder\'s loop is '
-                                  f'"{self.config.generation.loop}": '
-                                  "use generate (or embed)")
+            raise GenerationError(
+                f"{what} makes tokens; this folder's loop is "
+                f'"{self.config.generation.loop}": '
+                "use generate (or embed)"
+            )
 
     def chat_template(self) -> ChatTemplate:
         if self.template is None:
@@ -348,7 +486,6 @@ class _Reader(NamedTuple):
 
 
 def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:
-
     """Request inputs against the graphs that read them: known names, rank, element type, fixed dims.
     A plugin's loop feeds its sessions itself: any session's input name is a request input there."""
     if plan.config.pipeline.plugin:

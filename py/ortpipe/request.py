@@ -33,6 +33,12 @@ class Timings:
     steps: int = 0
     steps_ms: float = 0.0
     final_ms: float = 0.0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and checked
+    accepted_tokens: int = 0  # of those, the ones the model accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -48,7 +54,8 @@ class Timings:
         out = {"load_ms": round(self.load_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
                "decode_ms": round(self.decode_ms, 3), "prompt_tokens": self.prompt_tokens,
                "new_tokens": self.new_tokens, "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-               "fused_steps": self.fused_steps}
+               "fused_steps": self.fused_steps, "drafted_tokens": self.drafted_tokens,
+               "accepted_tokens": self.accepted_tokens}
         if self.steps or self.final_ms:
             out.update(steps=self.steps, step_ms=round(self.step_ms, 3), final_ms=round(self.final_ms, 3))
         return out
@@ -131,47 +138,61 @@ class Request:
         """The next token's chunk, or several: a burst of fused decode steps (see TokenGenerator)."""
         start = time.perf_counter()
         # A burst must not run past where this request may stop: its own budget, and any token while
-        # stop strings are watched (the text decides).
-        budget = 1 if self.settings.stop else (
-            None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens))
+        # stop strings are watched (the text decides), unless it speculates: then the tokens after a
+        # stop string are taken back.
+        budget = None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens)
+        if self.settings.stop and self.gen.speculator is None:
+            budget = 1
         try:
             tokens = yield from self.gen.next_tokens(budget)
+            chunks = self.accept(tokens, (time.perf_counter() - start) * 1000)
+            if len(chunks) < len(tokens):
+                yield from self.gen.take_back(len(tokens) - len(chunks))
         except OrtpipeError as e:
             if self.tokens and e.partial is None:  # what was generated before the failure is the caller's
                 e.partial = Result(list(self.tokens), self.text + self._held, self.timings, "error")
             raise
-        return self.accept(tokens, (time.perf_counter() - start) * 1000)
+        return chunks
 
     def accept(self, tokens: list[int], elapsed: float) -> list[Chunk]:
         """The chunks of tokens the generator just took, `elapsed` ms after they were asked for: the
         text so far, the finish reason, the timings. `advance` calls it; a loop that steps the
-        generator itself (a batch row) calls it after each step."""
+        generator itself (a batch row) calls it after each step. Tokens after a stop string get no
+        chunk: they are not the request's (the generator takes them back)."""
         if self.timings.new_tokens == 0:
 
             self.timings.prefill_ms = elapsed
         else:
             self.timings.decode_ms += elapsed
-        self.timings.new_tokens += len(tokens)
         self.timings.fused_steps = self.gen.fused_steps
-        self.tokens.extend(tokens)
-        if self.gen.done:
-            self.finish_reason = "interrupt" if self.gen.interrupted else (
-                "eos" if tokens[-1] in self.gen.limits.eos else "length")
-        elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
-            self.finish_reason = "length"
+        spec = self.gen.speculator
+        if spec is not None:
+            self.timings.drafted_tokens, self.timings.accepted_tokens = spec.drafted, spec.accepted
+        deltas = self.stream.push_many(tokens) if self.stream is not None else None
         asked = self.settings.logprobs is not None
         probs = self.gen.logprobs[-len(tokens):] if asked else [None] * len(tokens)
-        if self.stream is None:
-            texts = [""] * len(tokens)
-        else:
-            deltas = self.stream.push_many(tokens)
-            if self.done:
-                deltas[-1] += self.stream.flush()
-            texts = [self._text(delta) for delta in deltas]
-        return [
-            Chunk(token, text, *(p or (None, ())))
-            for token, text, p in zip(tokens, texts, probs, strict=True)
-        ]
+        chunks = []
+        for i, token in enumerate(tokens):
+            self.tokens.append(token)
+            last = i == len(tokens) - 1
+            if last:
+                self._finish(token)
+            text = ""
+            if deltas is not None:
+                text = self._text(deltas[i] + (self.stream.flush() if last and self.done else ""))
+            chunks.append(Chunk(token, text, *(probs[i] or (None, ()))))
+            if self.finish_reason == "stop":
+                break
+        self.timings.new_tokens += len(chunks)
+        return chunks
+
+    def _finish(self, token: int) -> None:
+        """The finish reason after the last token of a step, if it ends the request."""
+        if self.gen.done:
+            self.finish_reason = "interrupt" if self.gen.interrupted else (
+                "eos" if token in self.gen.limits.eos else "length")
+        elif self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
 
     def interrupt(self) -> None:
         self.gen.interrupted = True
@@ -180,7 +201,7 @@ class Request:
     def _text(self, delta: str) -> str:
         """What of the decoded `delta` can be sent: none of a stop string, nor what may start one."""
         if self.finish_reason == "stop":
-            return ""  # a stop string ended the text (only one token a step while they are watched)
+            return ""  # a stop string ended the text
         self._held += delta
         for stop in self.settings.stop:
             at = self._held.find(stop)

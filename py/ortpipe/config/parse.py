@@ -8,9 +8,10 @@ All problems are collected and raised together as one ConfigError.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from typing import Any
 
-from ..errors import Problems, did_you_mean, one_of
+from ..errors import ConfigError, Problems, did_you_mean, one_of
 from ..folder import Folder
 from ..jsonfile import quote
 from . import ep, presets
@@ -154,7 +155,7 @@ def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str,
         )
         problems.raise_if_any()
     pipeline = _pipeline(_resolve_preset(pipe_raw, problems), folder, problems)
-    generation = _generation(top.sub("generation"))
+    generation = _generation(top.sub("generation"), folder)
     _check_loop(pipeline, generation.loop, problems)
     config = Config(
         pipeline=pipeline,
@@ -720,13 +721,14 @@ def _tokens(sec: Section) -> Tokens:
     return Tokens(eos=tuple(eos), **values)
 
 
-def _generation(sec: Section) -> Generation:
-    samp = sec.sub("sampling")
+def _generation(sec: Section, folder: Folder) -> Generation:
+    samp, spec = sec.sub("sampling"), sec.sub("speculative")
     top_keys = [key for key, _ in by_v2()]
-    sec.allow("loop", "sampling", "num_steps", "scheduler", "guidance_scale", *top_keys)
+    sec.allow("loop", "sampling", "speculative", "scheduler", *top_keys)
     samp.allow(*(key for key, _ in by_v2("sampling")))
+    spec.allow(*(key for key, _ in by_v2("speculative")))
     values: dict[str, Any] = {}
-    for section, where in ((sec, ""), (samp, "sampling")):
+    for section, where in ((sec, ""), (samp, "sampling"), (spec, "speculative")):
         for key, setting in by_v2(where):
             if key not in section.raw:
                 continue
@@ -736,14 +738,23 @@ def _generation(sec: Section) -> Generation:
             elif checked is not None:
                 values[setting.name] = checked
     max_length = values.pop("max_length", None)
+    draft = values.get("draft_model")
+    if draft is not None:
+        tokenizer = posixpath.join(draft, "tokenizer.json")
+        try:
+            if not folder.exists(tokenizer):  # the containment check too: a folder inside the model folder
+                sec.problems.add(f"{spec.path}.draft_model: {folder.describe(tokenizer)} does not exist; the "
+                                 "draft model is a folder inside the model folder, with its tokenizer")
+        except ConfigError as e:
+            sec.problems.add(f"{spec.path}.draft_model: {e}")
     loop = sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop")
     by_key = {s.v2: s for s in SETTINGS if s.v2}
-    for key in [k for k in sec.raw if k != "sampling"] + [f"sampling.{k}" for k in samp.raw]:
+    given = [k for k in sec.raw if k not in ("sampling", "speculative")]
+    for key in given + [f"sampling.{k}" for k in samp.raw] + [f"speculative.{k}" for k in spec.raw]:
         setting = by_key.get(key)
         if setting is not None and loop not in setting.loops:
             sec.problems.add(
-                f"generation.{key} is a setting of the {_loops(setting.loops)} loop; this "
-                f"config's "
+                f"generation.{key} is a setting of the {_loops(setting.loops)} loop; this config's "
                 f'loop is "{loop}": drop it'
             )
     if "scheduler" in sec.raw and loop != "denoising":

@@ -26,7 +26,7 @@ _KV_KEYS = {
 _ENCODERS = (("vision", True), ("speech", True), ("encoder", False), ("embedding", False))
 
 # What onnxruntime-genai reads, and the type of each: (type or types, whether ortpipe uses it).
-_TOP = {"model": (dict, True), "search": (dict, True)}
+_TOP = {"model": (dict, True), "search": (dict, True), "speculative": (dict, True)}
 _MODEL = {
     "type": (str, True),
     "bos_token_id": (int, True),
@@ -104,14 +104,21 @@ _SESSION_KEYS = {
         for k in _SESSION_OPTIONS
     },
 }
-_SEARCH = {
-    **{
-        s.v1: ((bool if s.kind == "bool" else int if s.kind == "int" else (int, float)), True)
-        for s in SETTINGS
-        if s.v1
-    },
-    **{k: ((bool, int, float), k != "batch_size") for k in V1_OTHER_SEARCH_KEYS},
-}
+def _v1_keys(block: str) -> dict[str, tuple[Any, bool]]:
+    """The settings table's v1 keys of `block`: "search", or a top-level block ("speculative")."""
+    keys = {}
+    for s in SETTINGS:
+        head, _, key = (s.v1 or "").rpartition(".")
+        if s.v1 and (head or "search") == block:
+            keys[key] = ((bool if s.kind == "bool" else int if s.kind == "int" else (int, float)), True)
+    return keys
+
+
+_SEARCH = {**_v1_keys("search"), **{k: ((bool, int, float), k != "batch_size") for k in V1_OTHER_SEARCH_KEYS}}
+# onnxruntime-genai's speculative decoding block; its n-gram chaining, adaptive floor and cooldown
+# are its own tuning (ortpipe adapts the draft length its own way): known, not used.
+_SPECULATIVE = {**_v1_keys("speculative"), "ngram_chained_lookup": (bool, False),
+                "min_adaptive_k": (int, False), "cooldown": (bool, False)}
 
 
 def is_v1(raw: Any) -> bool:
@@ -132,6 +139,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     decoder = model["decoder"]
     search = raw.get("search") if isinstance(raw.get("search"), dict) else {}
     _check(search, _SEARCH, "search", problems, notes)
+    speculative = raw.get("speculative") if isinstance(raw.get("speculative"), dict) else {}
+    _check(speculative, _SPECULATIVE, "speculative", problems, notes)
     if search.get("diversity_penalty", 0) not in (0, 0.0, None):
         problems.add(
             "search.diversity_penalty asks for group beam search, which ortpipe does not run; set it to 0"
@@ -165,7 +174,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
             "state": state,
         },
         "tokens": _tokens(model),
-        "generation": _generation(search),
+        "generation": _generation(search, speculative),
         "metadata": _metadata(model),
     }
     return v2, tuple(notes)
@@ -294,12 +303,14 @@ def _tokens(model: dict[str, Any]) -> dict[str, Any]:
     return tokens
 
 
-def _generation(search: dict[str, Any]) -> dict[str, Any]:
+def _generation(search: dict[str, Any], speculative: dict[str, Any]) -> dict[str, Any]:
     gen: dict[str, Any] = {}
     for s in SETTINGS:
-        if s.v1 is None or s.v2 is None or search.get(s.v1) is None:
+        block, _, v1_key = (s.v1 or "").rpartition(".")
+        section = speculative if block == "speculative" else search
+        if s.v1 is None or s.v2 is None or section.get(v1_key) is None:
             continue
-        value = search[s.v1]
+        value = section[v1_key]
         if s.name == "seed" and value < 0:
             continue  # onnxruntime-genai's random_seed -1: a fresh seed per run, ortpipe's default
         head, _, key = s.v2.rpartition(".")

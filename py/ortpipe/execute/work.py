@@ -112,7 +112,10 @@ class Decode(NamedTuple):
     `position`, each later one the token the step before selected. The target must stop after a
     token in `eos` and answers a `Decoded` with 1 to `limit` tokens. `cache` is the KV cache as the
     core holds it (past input -> tensor): the target reads it and must not change the mapping;
-    `capacity` is the most positions the request's mask can cover."""
+    `capacity` is the most positions the request's mask can cover.
+
+    `speculation` (loops/speculative.py): the target may run the steps as speculative rounds, drafts
+    checked in one run, which give the same tokens; a target that does not ignores it."""
 
     step: FusedStep
     cache: Mapping[str, Handle]
@@ -122,11 +125,13 @@ class Decode(NamedTuple):
     position: int
     limit: int
     label: str
+    speculation: Any = None  # loops.speculative.Speculation
 
 
 class Decoded(NamedTuple):
     tokens: list[int]
     cache: Mapping[str, Handle]  # the cache after the steps, which the core holds from now on
+    draft: tuple[Mapping[str, Handle], int] | None = None  # speculation's draft model: its cache and length
 
 
 Work = Generator[Any, Any, Any]

@@ -8,6 +8,8 @@ cache (continuous decoding). The generator's lifecycle (lifecycle.py) says what 
 Plain greedy decoding on a plan whose step phase can be fused (plan.fused), on a target that
 fuses its cache layout, runs every iteration after the first as a `Decode`: the target may answer
 one with a burst of tokens, up to the `limit` set from the length limit and the caller's budget.
+With speculative decoding (loops/speculative.py) such a Decode carries the request's speculator,
+and other requests run speculative rounds of drafts checked in one run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Work
 from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, REWIND, STOP, Lifecycle
 from ..plan import Plan
 from ..sampling.sampler import Sampler
+from .speculative import Speculator
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,9 @@ class TokenGenerator:
         limits: Limits,
         settings: SearchSettings | None = None,
         inputs: dict[str, Handle] | None = None,
+        draft: Plan | None = None,
     ):
+        """`draft`: the plan of the draft model that settings.draft_model names, loaded (Model.prepare)."""
         self.plan, self.backend, self.limits = plan, backend, limits
         self.flow = FlowRun(plan, backend, 1, limits.max_length, inputs)
         gen = plan.generator
@@ -70,6 +75,12 @@ class TokenGenerator:
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
         self._fused: FusedStep | None = fused if fusable and self.sampler.settings.plain_greedy else None
+        settings = self.sampler.settings
+        # logprobs are given one token a step: a request that asks for them does not speculate
+        self.speculator = (
+            Speculator(plan, backend, settings, limits.max_length, limits.eos, draft)
+            if settings.speculative and settings.logprobs is None else None
+        )
 
     @property
     def state(self) -> str:
@@ -108,12 +119,31 @@ class TokenGenerator:
         for cache in self.flow.caches.values():
             yield from cache.truncate(min(seen, cache.length), self.backend)
         self.flow.position = seen
+        if self.speculator is not None:
+            yield from self.speculator.rewound(length)
         self._pending = self.tokens[seen:length]
         del self.tokens[length:]
         self.generated = 0
         self.interrupted = False
         if not self._pending:
             self.life.fire(EMPTY)
+
+    def take_back(self, n: int) -> Work:
+        """Forget the last n generated tokens (a request ended at a stop string before them): the
+        sequence is as if generation had stopped after the token before them."""
+        keep = len(self.tokens) - n
+        if n <= 0 or n > self.generated:
+            raise GenerationError(f"cannot take back {n} of {self.generated} generated tokens")
+        self.life.fire(REWIND)
+        for cache in self.flow.caches.values():
+            if cache.length > keep - 1:
+                yield from cache.truncate(keep - 1, self.backend)
+        self.flow.position = keep - 1
+        del self.tokens[keep:]
+        self._pending = self.tokens[-1:]
+        self.generated -= n
+        if self.speculator is not None:
+            yield from self.speculator.rewound(keep)
 
     def next_token(self) -> Work:
         """The next token."""
@@ -169,28 +199,41 @@ class TokenGenerator:
     def _iterate(self, budget: int | None) -> Work:
         if self.flow.iterations == 0:
             yield from self._init_phase()
-        fused = self._fused
-        if fused is not None and self.flow.iterations and len(self._pending) == 1:
-            room = self.limits.max_length - len(self.tokens)
-            limit = max(1, min(self._burst, room, room if budget is None else budget))
-            cache = self.flow.caches[fused.session]
-            answer = yield Decode(
-                fused,
-                cache.feeds,
-                self.flow.max_length,
-                self.limits.eos,
-                self._pending[0],
-                self.flow.position,
-                limit,
-                f"step {self.flow.iterations}",
-            )
-            tokens = self._check_burst(answer, limit)
-            self.flow.advance(fused.session, answer.cache, len(tokens))
-            self.fused_steps += len(tokens)
-            return tokens
+        fused, spec = self._fused, self.speculator
+        if self.flow.iterations and len(self._pending) == 1:
+            if fused is not None:
+                return (yield from self._decode(fused, budget))
+            if spec is not None:
+                tokens = yield from spec.round(self, budget)
+                if tokens:
+                    return tokens
         logits = yield from self.flow.run_iteration(self._pending)
         self.sampler.label = self.flow.label
         return [(yield from self.sampler.select(logits, self.tokens, self.generated))]
+
+    def _decode(self, fused: FusedStep, budget: int | None) -> Work:
+        """A burst of fused steps (speculative rounds, when the request speculates)."""
+        room = self.limits.max_length - len(self.tokens)
+        limit = max(1, min(self._burst, room, room if budget is None else budget))
+        cache = self.flow.caches[fused.session]
+        spec = self.speculator
+        answer = yield Decode(
+            fused,
+            cache.feeds,
+            self.flow.max_length,
+            self.limits.eos,
+            self._pending[0],
+            self.flow.position,
+            limit,
+            f"step {self.flow.iterations}",
+            spec.speculation(self.tokens) if spec is not None else None,
+        )
+        tokens = self._check_burst(answer, limit)
+        self.flow.advance(fused.session, answer.cache, len(tokens))
+        if spec is not None:
+            spec.took(answer)
+        self.fused_steps += len(tokens)
+        return tokens
 
     def _init_phase(self) -> Work:
         expanded = yield from self.flow.run_init(self._pending)

@@ -195,12 +195,19 @@ class JsTextStream:
 class WebPlatform:
     name = "pyodide"
 
-    def __init__(self, bridge: JsProxy):
-        self.bridge = bridge
+    def __init__(self, bridge: JsProxy, driver: Driver | None = None):
+        self.bridge, self.driver = bridge, driver
         self.backend = WebBackend(bridge)
 
     def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> JsTokenizer:
         return JsTokenizer(self.bridge.tokenizer(tokenizer_json, tokenizer_config), self.bridge)
+
+    def folder(self, location: str) -> RemoteFolder:
+        """A draft model's folder: an absolute URL (the embed API resolves it against the page)."""
+        folder = RemoteFolder(self.bridge, location)
+        if self.driver is not None:
+            self.driver.folders.append(folder)
+        return folder
 
     def compile_template(self, source: str) -> Renderer:
         """@huggingface/jinja: the bridge answers {text} or {error: {kind, message}} as JSON."""
@@ -233,9 +240,11 @@ class Driver:
 
     def __init__(self, bridge: JsProxy, folder: RemoteFolder, device: str):
         self.bridge, self.folder, self.device = bridge, folder, device
+        self.folders = [folder]  # the model's, and the draft models' (WebPlatform.folder)
         self.sessions: dict[str, JsProxy] = {}
         self._gpu = device == "webgpu"
         self._decoders: dict[str, tuple[JsProxy, Mapping[str, Any], CacheSlot]] = {}
+        self._speculators: dict[str, tuple[JsProxy, JsProxy | None, JsProxy]] = {}  # by the model's session
         self._kernels_sent: set[str] = set()
 
     def start(self, work: Any) -> tuple[bool, Any]:
@@ -300,10 +309,12 @@ class Driver:
         """A session on the worker's device for every model session (the config's execution providers
         are for CPython)."""
         file = work.spec.file
+        # the folder the graph is in: the model's, or a draft model's
+        folder = max((f for f in self.folders if work.path.startswith(f.base)), key=lambda f: len(f.base))
         weights = [
-            self.folder.locate(n)
+            folder.locate(n)
             for n in (p.format(file=file) for p in EXTERNAL_DATA)
-            if self.folder.exists(n)
+            if folder.exists(n)
         ]
         options = {"name": file, "device": self.device, "gpuOutputs": self._gpu, "externalData": weights}
         return self.bridge.createSession(work.path, _js_object(options))
@@ -311,7 +322,13 @@ class Driver:
     # fused decode steps
 
     def decoder(self, d: Decode) -> tuple[JsProxy, bool]:
-        """The JS Decoder of `d`'s session holding `d.cache`, and whether it was just started."""
+        """What runs `d`'s burst: the JS Decoder of its session holding `d.cache`, or a JS Speculator
+        over it when `d` speculates; and whether it was just made (the worker reads it again)."""
+        if d.speculation is not None:
+            return self._speculator(d)
+        return self._decoder(d)
+
+    def _decoder(self, d: Decode) -> tuple[JsProxy, bool]:
         decoder, cache, first = self._decoders.get(d.step.session) or (None, None, None)
         # The core's KVCache replaces all its entries at once (a generic step, a rewind): the first
         # entry tells whether the decoder still holds the cache.
@@ -320,7 +337,48 @@ class Driver:
         return self._start_decoder(d), True
 
     def decoded(self, d: Decode, tokens: list[int]) -> Decoded:
-        return Decoded(tokens, self._decoders[d.step.session][1])
+        cache = self._decoders[d.step.session][1]
+        if d.speculation is None:
+            return Decoded(tokens, cache)
+        spec = d.speculation
+        state = json.loads(self._speculators[d.step.session][2].state())
+        spec.speculator.absorb(state)
+        draft = None
+        if spec.draft is not None:
+            draft = (self._decoders[spec.draft.step.session][1], state["draftedTo"])
+        return Decoded(tokens, cache, draft)
+
+    def _speculator(self, d: Decode) -> tuple[JsProxy, bool]:
+        """The JS Speculator over the Decoders of the model and of the draft model, given the text so
+        far and the draft length's state (web/speculate.js)."""
+        spec = d.speculation
+        target, fresh = self._decoder(d)
+        draft, draft_fresh, drafted_to = None, False, 0
+        if spec.draft is not None:
+            dd = spec.draft
+            alone = Decode(dd.step, dd.cache, dd.capacity, d.eos, 0, dd.length, 1, "draft")
+            draft, draft_fresh = self._decoder(alone)
+            drafted_to = dd.length
+        held = self._speculators.get(d.step.session)
+        fresh = fresh or draft_fresh or held is None
+        if fresh:
+            speculator = spec.speculator
+            config = {
+                "eos": sorted(d.eos), "most": speculator.length.most,
+                "ngram": speculator.ngram.size if speculator.ngram is not None else 0,
+                "layout": d.step.layout, "seqAxes": dict(spec.seq_axes),
+                "draftLayout": spec.draft.step.layout if spec.draft else None,
+                "draftSeqAxes": dict(spec.draft.seq_axes) if spec.draft else None,
+            }
+            graphs = None
+            if self._gpu and "concat" in (config["layout"], config["draftLayout"]):
+                names = [f"{KERNEL}narrow_{t}" for t in ("float32", "float16")]
+                graphs = _js_object({name: to_js(kernel_file(name).read_bytes()) for name in names})
+            held = (target, draft, self.bridge.speculator(target, draft, json.dumps(config), graphs))
+            self._speculators[d.step.session] = held
+        held[2].prepare(json.dumps({"tokens": spec.tokens, "length": spec.speculator.length.state(),
+                                    "draftedTo": drafted_to, "resets": spec.speculator.resets}))
+        return held[2], fresh
 
     def _start_decoder(self, d: Decode) -> JsProxy:
         """A JS Decoder for the request whose cache is `d.cache`, holding that cache from now on."""
@@ -510,7 +568,7 @@ class Worker:
         return _failing(OrtpipeError(f"the worker asked for an unknown task {kind!r}"))
 
     def _load(self, folder: RemoteFolder) -> Work:
-        self.model, _ = yield from load_model(folder, WebPlatform(self.bridge))
+        self.model, _ = yield from load_model(folder, WebPlatform(self.bridge, self.driver))
         return self.info()
 
     def _generate(self, options: dict[str, Any], images: list[Any] | None) -> Work:
@@ -577,11 +635,11 @@ class Worker:
         self.outputs = []
 
     def _open_chat(self, options: dict[str, Any]) -> Work:
+        yield from self._loaded().prepare(options)  # a draft model the settings name
         chat = self._loaded().chat(**options)
         self._chats_made += 1
         self.chats[self._chats_made] = chat
         return self._chats_made
-        yield  # a generator, like every task's work
 
     def _rewind(self, number: Any) -> Work:
         chat = self._chat(number)

@@ -67,6 +67,11 @@ class CpuPlatform:
     def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> HFTokenizer:
         return HFTokenizer.from_text(tokenizer_json)
 
+    def folder(self, location: str) -> LocalFolder:
+        if not os.path.isdir(location):
+            raise GenerationError(f"model folder {location} does not exist or is not a directory")
+        return LocalFolder(location)
+
 
 class StepGenerator:
     """The step-wise API: append tokens, ask for the next one, check whether it is done."""
@@ -117,6 +122,7 @@ class Pipeline:
 
     def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
                   inputs: dict[str, Any] | None = None, **settings: Any) -> StepGenerator:
+        self.driver.drive(self.model.prepare(settings))  # a draft model it names
         return StepGenerator(self.model.generator(prompt_len, max_new_tokens, max_length, inputs, **settings),
                              self.driver)
 
@@ -199,6 +205,7 @@ class Pipeline:
 
     def chat(self, max_length: int | None = None, **settings: Any) -> PipelineChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""
+        self.driver.drive(self.model.prepare(settings))
         return PipelineChat(self.model.chat(max_length, **settings), self)
 
     def run(self, work: Work) -> Any:

@@ -23,6 +23,7 @@ from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
 from . import providers
 from .sessions import ORT_TYPES, signature_of
+from .speculate import speculate
 
 # A burst of fused decode steps (one `Decode`) stops once it has run this long, so that a stream's
 # chunks keep coming and an interrupt lands soon: on a model whose step takes longer, a burst is one step.
@@ -96,6 +97,8 @@ class _Fused:
         self.runs = -1  # the binding's generic run count when it was bound
         self.ids = self.positions = self.logits = self.flat = self.ones = np.empty(0)
         self.keep: list[Any] = []  # OrtValues the binding refers to
+        self.values: dict[str, Any] = {}  # shared: the OrtValues bound to the ids, positions and logits
+        self.widths: dict[int, Any] = {}  # shared: arrays bound for runs of several tokens (speculate.py)
         self.presents: list[tuple[str, int]] = []  # concat: (past input, its present's index in the outputs)
         self.logits_at = 0  # concat: where the logits are among them
         self.masks: list[Any] = []  # [n]: a C++ OrtValue over ones[:, :n], made when first needed
@@ -190,7 +193,10 @@ class Driver:
 
     def decode(self, d: Decode) -> Decoded:
         """`d.limit` greedy decode steps at most, stopping after an eos or once BURST_SECONDS have
-        passed. A traced request runs one step per Decode, so that every step has its own label."""
+        passed. A traced request runs one step per Decode, so that every step has its own label.
+        A Decode that speculates runs speculative rounds instead (speculate.py)."""
+        if d.speculation is not None:
+            return speculate(self, d, BURST_SECONDS)
         if d.step.layout == "shared":
             f = self._shared(d)
             cache = d.cache
@@ -292,10 +298,10 @@ class Driver:
                 b.io.bind_ortvalue_input(inp, b.inplace_inputs[inp])
                 b.inputs[inp] = d.cache[inp]
         f = self._fused.get(step.session) or _Fused()
-        f.keep = []
+        f.keep, f.values, f.widths = [], {}, {}
 
         def bind_array(name: str, array: np.ndarray) -> np.ndarray:
-            value = ort.OrtValue.ortvalue_from_numpy(array)
+            value = f.values[name] = ort.OrtValue.ortvalue_from_numpy(array)
             f.keep.append(value)
             b.io.bind_ortvalue_input(name, value)
             b.inputs[name] = array  # a generic run of the same shape copies into it
@@ -316,7 +322,7 @@ class Driver:
         types = {o.name: o.type for o in session.get_outputs()}
         f.logits = np.empty(step.logits_shape, ORT_TYPES[types[step.logits]])
         f.flat = f.logits.reshape(-1)
-        logits = ort.OrtValue.ortvalue_from_numpy(f.logits)
+        logits = f.values[step.logits] = ort.OrtValue.ortvalue_from_numpy(f.logits)
         f.keep.append(logits)
         b.io.bind_ortvalue_output(step.logits, logits)
         f.step, f.buffer, f.runs, f.binding, f.raw = step, first, b.runs, b, b.raw
