@@ -124,3 +124,22 @@ def test_bad_plugin_entries_are_config_errors(rnnt: Path, tmp_path: Path) -> Non
         (folder / "genai_config.json").write_text(json.dumps(config))
         with pytest.raises(ConfigError, match=message):
             ortpipe.load(folder, allow_plugins=True)
+
+
+def test_settings_the_plugin_does_not_read_are_refused(rnnt: Path, tmp_path: Path) -> None:
+    """The example's factory reads no generation settings: a request or a config that sets one is refused,
+    not passed to a loop that would ignore it."""
+    import shutil
+
+    from ortpipe.errors import GenerationError
+
+    pipe = ortpipe.load(rnnt, allow_plugins=True)
+    with pytest.raises(GenerationError, match=r"plugin loop does not read do_sample, temperature: drop them"):
+        pipe.generate(prompt_ids=[BLANK_ID], inputs={"features": features(3, seed=3)}, temperature=0.5,
+                      do_sample=True)
+    folder = shutil.copytree(rnnt, tmp_path / "configured")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["generation"] = {"sampling": {"top_k": 5}}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="generation sets top_k, which the plugin's loop does not read"):
+        ortpipe.load(folder, allow_plugins=True)

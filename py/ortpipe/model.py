@@ -31,7 +31,7 @@ from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
 from .outputs import OutputRequest
 from .plan import FROM_REQUEST, Plan, make_plan
-from .plugins import Context, Factory, load_factory
+from .plugins import Context, Factory, load_factory, unread_settings
 from .preprocess import load_audio_config
 from .preprocess.request import Image, media_inputs
 from .request import BeamRequest, PluginRequest, Request
@@ -85,6 +85,17 @@ def load_model(folder: Folder, platform: Platform, profile: str | Profile | None
             else None
         )
         factory = load_factory(plugin, allow_plugins, local)
+        configured = [
+            f.name for f in dataclasses.fields(SearchSettings)
+            if getattr(config.generation.settings, f.name) != f.default
+        ]
+        unread = unread_settings(factory, configured)
+        if unread:
+            raise ConfigError(
+                f"generation sets {', '.join(unread)}, which the plugin's loop does not read: drop them "
+                f"from the config (the plugin's factory lists what it reads in its `settings`)"
+            )
+
     used = set(config.pipeline.sessions) if plugin else {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}
@@ -274,6 +285,12 @@ class Model:
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(len(ids), max_new_tokens, max_length)
         if self.plugin is not None:
+            unread = unread_settings(self.plugin, [k for k, v in settings.items() if v is not None])
+            if unread:
+                raise GenerationError(
+                    f"this folder's plugin loop does not read {', '.join(unread)}: drop them (what it "
+                    f"reads: {', '.join(sorted(getattr(self.plugin, 'settings', ()))) or 'no settings'})"
+                )
             check_ids(ids, self.vocab)
             eos = frozenset(self.config.tokens.eos)
             loop = self.plugin(Context(self.plan, self.backend, search, limit, eos, inputs or {}))

@@ -6,7 +6,10 @@ work protocol as ortpipe's own loops: it yields `Run` / `RunAll` work items (mod
 name in `pipeline.sessions`, ortpipe's kernels by `kernel(name, dtype)`) and returns the generated
 token ids. Both targets drive it unchanged. A plugin is code: it runs only when the caller opts in
 (`allow_plugins=True`, `--allow-plugins`, `{allowPlugins: true}`); otherwise loading the folder is a
-ConfigError that names the opt-in. `wheel` (optional) is a pure-Python wheel in the model folder,
+ConfigError that names the opt-in. The factory's `settings` attribute names the generation settings
+its loop reads (Context.settings); a request or config that sets any other is refused. `wheel`
+(optional) is a pure-Python wheel in the model folder,
+
 put on the import path at load (CPython imports it from the file, the browser from a copy in
 Pyodide's file system), so a folder can carry its plugin.
 """
@@ -44,6 +47,15 @@ class Loop(Protocol):
 
 
 Factory = Callable[[Context], Loop]
+
+
+def unread_settings(factory: Factory, given: list[str]) -> list[str]:
+    """Of the generation settings `given`, those the plugin's loop does not read: a factory names the
+    ones it reads in its `settings` attribute (a collection of names; none when it has no such
+    attribute), and ortpipe refuses the others rather than pass on what nothing applies."""
+    reads = set(getattr(factory, "settings", ()))
+    return sorted(name for name in given if name not in reads)
+
 
 
 def load_factory(spec: dict[str, Any], allowed: bool, wheel_path: str | None) -> Factory:

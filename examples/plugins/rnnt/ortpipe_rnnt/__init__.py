@@ -32,6 +32,10 @@ def factory(context: Any) -> Transducer:
     return Transducer(context)
 
 
+factory.settings = ()  # greedy decoding reads no generation settings: ortpipe refuses a request that sets one
+
+
+
 class Transducer:
     def __init__(self, context: Any):
         self.ctx = context
