@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from build.loop_kernels import LOOP_KERNELS
 from build.preprocess import PREPROCESS_KERNELS
 
 OPSET = 17
@@ -275,6 +276,116 @@ def beam_topk(elem: int) -> onnx.GraphProto:
     )
 
 
+# Speculative decoding (py/ortpipe/loops/speculative.py): the logits of every position of one verification
+# run become rows, processed like a batch, and the speculative-sampling rule accepts or resamples.
+
+
+def unfold(elem: int) -> onnx.GraphProto:
+    """logits [1, s, v] -> [s, 1, v]: each position a row of its own (the process kernel's batch)."""
+    nodes = [helper.make_node("Transpose", ["logits"], ["rows"], perm=[1, 0, 2])]
+    return helper.make_graph(
+        nodes, "unfold",
+        [helper.make_tensor_value_info("logits", elem, [1, "seq", "vocab"])],
+        [helper.make_tensor_value_info("rows", elem, ["seq", 1, "vocab"])])
+
+
+def spec_accept(_: int) -> onnx.GraphProto:
+    """scores [s, v] (processed, one row per verified position), drafts [s-1], u [s] in (0, 1] ->
+    accepted [1], token [1]: speculative sampling with a deterministic draft.
+
+    Draft i is accepted when u[i] <= p_i(draft i) (p: the softmax of row i); `accepted` counts the
+    drafts before the first rejection. After a rejection at row m the token is sampled with u[s-1]
+    from p_m without the rejected draft (max(0, p - q) for a draft q that is one token), after all
+    were accepted from p of the last row: the output follows p exactly (Leviathan et al. 2023).
+    """
+    nodes = [
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        _const("zero", [0]), _const("one", [1]), _const("axis0", [0]), _const("axis1", [1]),
+        _const("last", [-1]), _const("end", [INT64_MAX]),
+        helper.make_node("Shape", ["drafts"], ["drafted"]),
+        helper.make_node("Slice", ["probs", "zero", "drafted", "axis0"], ["head"]),
+        helper.make_node("Unsqueeze", ["drafts", "axis1"], ["drafts2"]),
+        helper.make_node("GatherElements", ["head", "drafts2"], ["p_draft2"], axis=1),
+        helper.make_node("Squeeze", ["p_draft2", "axis1"], ["p_draft"]),
+        helper.make_node("Slice", ["u", "zero", "drafted", "axis0"], ["u_draft"]),
+        helper.make_node("LessOrEqual", ["u_draft", "p_draft"], ["accept"]),
+        helper.make_node("Not", ["accept"], ["reject"]),
+        helper.make_node("Cast", ["reject"], ["reject_int"], to=TensorProto.INT64),
+        helper.make_node("CumSum", ["reject_int", "axis0"], ["rejected_before"]),
+        helper.make_node("Equal", ["rejected_before", "zero"], ["leading"]),
+        helper.make_node("Cast", ["leading"], ["leading_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["leading_int", "axis0"], ["accepted"], keepdims=1),
+        # the row to sample from, the rejected draft's probability set to 0 (a padding column when
+        # every draft was accepted)
+        helper.make_node("Gather", ["probs", "accepted"], ["row"], axis=0),
+        helper.make_node("Shape", ["scores"], ["shape"]),
+        helper.make_node("Slice", ["shape", "one", "end", "axis0"], ["vocab"]),
+        helper.make_node("Concat", ["drafts", "vocab"], ["padded_drafts"], axis=0),
+        helper.make_node("Gather", ["padded_drafts", "accepted"], ["removed"], axis=0),
+        helper.make_node("Unsqueeze", ["removed", "axis0"], ["removed2"]),
+        helper.make_node("Concat", ["one", "one"], ["cell_shape"], axis=0),
+        helper.make_node("ConstantOfShape", ["cell_shape"], ["cell"],
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
+        helper.make_node("Concat", ["row", "cell"], ["wide"], axis=1),
+        helper.make_node("ScatterElements", ["wide", "removed2", "cell"], ["residual_wide"], axis=1),
+        helper.make_node("Slice", ["residual_wide", "zero", "vocab", "axis1"], ["residual"]),
+        helper.make_node("CumSum", ["residual", "axis1"], ["cdf"]),
+        helper.make_node("Slice", ["cdf", "last", "end", "axis1"], ["total"]),
+        helper.make_node("Slice", ["u", "last", "end", "axis0"], ["u_last"]),
+        helper.make_node("Mul", ["u_last", "total"], ["target"]),
+        helper.make_node("Less", ["cdf", "target"], ["below"]),
+        helper.make_node("Cast", ["below"], ["below_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["below_int", "axis1"], ["count"], keepdims=0),
+        helper.make_node("Sub", ["vocab", "one"], ["last_id"]),
+        helper.make_node("Min", ["count", "last_id"], ["token"]),  # float rounding past the end
+    ]
+    return helper.make_graph(
+        nodes,
+        "spec_accept",
+        [
+            helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["seq", "vocab"]),
+            helper.make_tensor_value_info("drafts", TensorProto.INT64, ["drafted"]),
+            helper.make_tensor_value_info("u", TensorProto.FLOAT, ["seq"]),
+        ],
+        [
+            helper.make_tensor_value_info("accepted", TensorProto.INT64, [1]),
+            helper.make_tensor_value_info("token", TensorProto.INT64, [1]),
+        ],
+    )
+
+
+def logprobs(elem: int) -> onnx.GraphProto:
+    """logits [b, s, v], token [b], k [1] -> the log-probability of each row's token at the last position,
+    and that position's k most likely tokens with theirs (an OpenAI response's logprobs)."""
+    nodes = [
+        _const("start", [-1]),
+        _const("end", [INT64_MAX]),
+        _const("axis1", [1]),
+        helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
+        helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
+        helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
+        helper.make_node("LogSoftmax", ["last"], ["logp"], axis=-1),
+        helper.make_node("Unsqueeze", ["token", "axis1"], ["token2"]),
+        helper.make_node("GatherElements", ["logp", "token2"], ["chosen2"], axis=1),
+        helper.make_node("Squeeze", ["chosen2", "axis1"], ["chosen"]),
+        helper.make_node("TopK", ["logp", "k"], ["values", "indices"], axis=-1),
+    ]
+    return helper.make_graph(
+        nodes,
+        "logprobs",
+        [
+            helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]),
+            helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"]),
+            _scalar("k", TensorProto.INT64),
+        ],
+        [
+            helper.make_tensor_value_info("chosen", TensorProto.FLOAT, ["batch"]),
+            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["batch", "k"]),
+            helper.make_tensor_value_info("indices", TensorProto.INT64, ["batch", "k"]),
+        ],
+    )
+
+
 def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
     def make(elem: int) -> onnx.GraphProto:
         """x, rows [n] -> x's rows along the batch axis, in that order (beam search reorders caches)."""
@@ -303,10 +414,15 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "sample": (sample, ("float32",)),
     "argmax": (argmax, ("float32",)),
     "beam_topk": (beam_topk, tuple(FLOAT_TYPES)),
+    "logprobs": (logprobs, tuple(FLOAT_TYPES)),
+
     "gather_rows0": (_gather_rows(0), tuple(FLOAT_TYPES)),
     "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
+    "unfold": (unfold, tuple(FLOAT_TYPES)),
+    "spec_accept": (spec_accept, ("float32",)),
 }
 KERNELS.update(PREPROCESS_KERNELS)  # image resize / normalize / patches, Whisper log-mel
+KERNELS.update(LOOP_KERNELS)  # pooling, noise, scheduler steps, images (single_pass and denoising loops)
 
 
 def build_all() -> dict[str, bytes]:

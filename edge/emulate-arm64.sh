@@ -6,7 +6,8 @@
 #
 # Stages, each timed: tools (qemu-user-static, debootstrap), wheel (built from this checkout), rootfs (debootstrap
 # --variant=minbase, kept in $ORTPIPE_CACHE/arm64 and reused), pip (a fresh venv inside the root file system and
-# "ortpipe[cpu]" from PyPI), run (greedy `ortpipe run` on arm64 and on x86, compared).
+# "ortpipe[cpu]" from PyPI), run (greedy `ortpipe run` on arm64 with the raspberry-pi profile, as a Pi runs it,
+# and on x86 with the model's own settings, compared).
 # Needs root (debootstrap, chroot, mounts), Debian's packages and PyPI. Mounts live in a private mount namespace,
 # so none outlives the script. The host's /sys is never mounted: onnxruntime's cpuinfo would read the x86 CPU
 # topology there and crash; without it, it warns and carries on. /proc is needed (onnxruntime opens model files
@@ -24,6 +25,7 @@ QEMU_CPU=${QEMU_CPU:-cortex-a76}  # Raspberry Pi 5's core (Armv8.2-A: dot produc
 PROMPT_IDS=${PROMPT_IDS:-5,17,42,8,23}
 PROMPT=${PROMPT:-def fib(n):}
 NEW=${NEW:-32}
+PROFILE=${PROFILE:-raspberry-pi}  # the arm64 runs' device profile (shipped in the wheel)
 
 if [ -z "${ORTPIPE_PRIVATE_MOUNTS:-}" ]; then
     ORTPIPE_PRIVATE_MOUNTS=1 exec unshare --mount --propagation private bash "$0" "$@"
@@ -105,11 +107,12 @@ print(platform.machine(), 'Python', platform.python_version(), 'onnxruntime', o.
 }
 
 run() {  # writes run-{arm64,x86}-{ids,text}.json; the arm64 runs' stderr (cpuinfo's warnings) goes to a log
-    local args=(--max-new-tokens "$NEW" --temperature 0 --json)
+    local args=(--max-new-tokens "$NEW" --temperature 0 --json) arm=(--profile "$PROFILE")
     : >"$CACHE/run-arm64.log"
     in_root /opt/ortpipe/venv/bin/ortpipe run /opt/ortpipe/models/demo --prompt-ids "$PROMPT_IDS" "${args[@]}" \
-        >"$CACHE/run-arm64-ids.json" 2>>"$CACHE/run-arm64.log" || { tail -20 "$CACHE/run-arm64.log"; exit 1; }
-    in_root /opt/ortpipe/venv/bin/ortpipe run /opt/ortpipe/models/demo --prompt "$PROMPT" "${args[@]}" \
+        "${arm[@]}" >"$CACHE/run-arm64-ids.json" 2>>"$CACHE/run-arm64.log" \
+        || { tail -20 "$CACHE/run-arm64.log"; exit 1; }
+    in_root /opt/ortpipe/venv/bin/ortpipe run /opt/ortpipe/models/demo --prompt "$PROMPT" "${args[@]}" "${arm[@]}" \
         >"$CACHE/run-arm64-text.json" 2>>"$CACHE/run-arm64.log" || { tail -20 "$CACHE/run-arm64.log"; exit 1; }
     PYTHONPATH="$REPO/py" "$PYTHON" -m ortpipe.cli run models/demo --prompt-ids "$PROMPT_IDS" "${args[@]}" \
         >"$CACHE/run-x86-ids.json"

@@ -38,6 +38,13 @@ def probe(python: Path, request: dict[str, Any], tmp_path: Path) -> dict[str, An
     return json.loads(out.read_text())
 
 
+def flavour_cli(python: Path, *args: str) -> subprocess.CompletedProcess:
+    """`ortpipe ARGS` from this checkout in the flavour's virtualenv."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "py")}
+    return subprocess.run([str(python), "-m", "ortpipe.cli", *args], capture_output=True, text=True, env=env,
+                          check=False)
+
+
 def session_request(folder: Path, name: str, override: list[str] | None = None) -> dict[str, Any]:
     """The `open` request for one session of a folder, from its genai_config.json."""
     raw = json.loads((folder / "genai_config.json").read_text())["pipeline"]["sessions"][name]

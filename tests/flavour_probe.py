@@ -5,8 +5,10 @@ print to stdout). Only ortpipe, numpy and the standard library.
     {"installed": true}                                         -> providers and onnxruntime's version
     {"open": PATH, "session": {SessionSpec fields}, "override": [..] or null}
                                                                 -> the Assignment, or the ConfigError
-    {"generate": FOLDER, "prompt_ids": [..], "inputs": NPZ or null, "new": N, "provider": NAME or null}
-                                                                -> the tokens (ortpipe.load, ortpipe.generate)
+    {"generate": FOLDER, "prompt_ids": [..], "inputs": NPZ or null, "new": N,
+     "provider": load()'s provider or null, "profile": NAME or null}
+                                                                -> the tokens and each session's Assignment
+                                                                   (ortpipe.load, Pipeline.generate)
 Every answer carries the warnings raised while it was made.
 """
 
@@ -38,20 +40,19 @@ def open_session(path: str, session: dict[str, Any], override: list[str] | None)
             "session_providers": opened.get_providers()}
 
 
-def generate(folder: str, prompt_ids: list[int], inputs: str | None, new: int,
-             provider: str | None) -> dict[str, Any]:
-    feeds = dict(np.load(inputs)) if inputs else {}
-    pipe = ortpipe.load(folder, threads=1, provider=provider)
-    result = pipe.generate(prompt_ids=prompt_ids, max_new_tokens=new, inputs=feeds)
-    return {"tokens": result.tokens}
+def generate(request: dict[str, Any]) -> dict[str, Any]:
+    feeds = dict(np.load(request["inputs"])) if request.get("inputs") else {}
+    pipe = ortpipe.load(request["generate"], threads=1, provider=request.get("provider"),
+                        profile=request.get("profile"))
+    result = pipe.generate(prompt_ids=request["prompt_ids"], max_new_tokens=request["new"], inputs=feeds)
+    return {"tokens": result.tokens, "assignments": {n: a.as_dict() for n, a in pipe.assignments.items()}}
 
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
     if "open" in request:
         return open_session(request["open"], request["session"], request.get("override"))
     if "generate" in request:
-        return generate(request["generate"], request["prompt_ids"], request.get("inputs"), request["new"],
-                        request.get("provider"))
+        return generate(request)
     return installed()
 
 

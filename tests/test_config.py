@@ -470,3 +470,63 @@ def test_per_image_errors_fire_for_multi_session_configs(tmp_path: Path) -> None
         ("vision.onnx", "decoder.onnx"),
     )
     assert 'loop "per_image" but no "loop_over"' in msg
+
+
+# --- execution providers and session options (config/ep.py is the one table) -------------------
+
+
+def test_providers_and_their_options_are_normalised(tmp_path: Path) -> None:
+    session = {"file": "model.onnx", "execution_provider": ["OpenVINOExecutionProvider", "CPU"],
+               "provider_options": {"OpenVINO": {"device_type": "NPU", "num_streams": 2}},
+               "session_options": {"graph_optimization_level": "all", "execution_mode": "ORT_PARALLEL",
+                                   "openvino": {"intra_op_num_threads": 1}}}
+    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder",
+                                                   "sessions": {"decoder": session}})))
+    decoder = config.pipeline.sessions["decoder"]
+    assert decoder.providers == ("openvino", "cpu")
+    assert decoder.provider_options == {"openvino": {"device_type": "NPU", "num_streams": "2"}}
+    assert decoder.session_options == {"graph_optimization_level": "ORT_ENABLE_ALL", "execution_mode":
+                                       "ORT_PARALLEL", "openvino": {"intra_op_num_threads": 1}}
+    again = load_config(folder_with(tmp_path / "again", as_v2(config)))
+    assert again.pipeline.sessions["decoder"] == decoder
+
+
+def test_bad_providers_and_session_options_are_each_named(tmp_path: Path) -> None:
+    session = {"file": "model.onnx", "execution_provider": ["openvno", "cpu"],
+               "provider_options": {"qnn": {"backend_type": "hpt"}},
+               "session_options": {"intra_op_threads": 2, "inter_op_num_threads": 5000,
+                                   "graph_optimization_level": "most", "config_entries": {"a": 1}}}
+    msg = errors_of(tmp_path, v2({"extends": "autoregressive-decoder", "sessions": {"decoder": session}}))
+    assert "6 problems" in msg
+    assert 'Unknown execution provider "openvno" in pipeline.sessions.decoder.execution_provider' in msg
+    assert 'Did you mean "openvino"?' in msg
+    assert 'backend_type "hpt" is not a QNN backend' in msg and 'Did you mean "htp"?' in msg
+    assert 'Unknown key "intra_op_threads" in pipeline.sessions.decoder.session_options. Did you mean ' \
+           '"intra_op_num_threads"?' in msg
+    assert "inter_op_num_threads must be from 0 (onnxruntime decides) to 1024, found 5000" in msg
+    assert 'graph_optimization_level "most" is not one of ORT_DISABLE_ALL' in msg
+    assert "config_entries maps onnxruntime session config keys to string values" in msg
+
+
+def test_v1_session_options_and_builder_providers_carry_over(tmp_path: Path) -> None:
+    """The model builder's names (ORT_ENABLE_ALL, webgpu) load; onnxruntime-genai appends the CPU."""
+    v1 = {"model": {"type": "phi3", "context_length": 64, "eos_token_id": 2, "decoder": {
+        "filename": "model.onnx", "head_size": 8, "num_key_value_heads": 2,
+        "session_options": {"graph_optimization_level": "ORT_ENABLE_EXTENDED", "enable_cpu_mem_arena": False,
+                            "provider_options": [{"webgpu": {"enableGraphCapture": "1"}}]},
+        "inputs": {"input_ids": "input_ids"}, "outputs": {"logits": "logits"}}}}
+    decoder = load_config(folder_with(tmp_path, v1)).pipeline.sessions["decoder"]
+    assert decoder.session_options == {"graph_optimization_level": "ORT_ENABLE_EXTENDED",
+                                       "enable_cpu_mem_arena": False}
+    assert decoder.providers == ("webgpu", "cpu")
+    assert decoder.provider_options == {"webgpu": {"enableGraphCapture": "1"}}
+
+
+def test_a_profile_is_layered_before_the_config_is_checked(tmp_path: Path) -> None:
+    folder = folder_with(tmp_path, v2({"extends": "vision-language", "sessions": VLM_SESSIONS}), VLM_FILES)
+    sessions = load_config(folder, profile="snapdragon-npu").pipeline.sessions
+    assert sessions["vision"].providers == ("qnn", "cpu") and sessions["decoder"].providers == ("cpu",)
+    assert sessions["vision"].provider_options["qnn"]["backend_type"] == "htp"
+    assert load_config(folder).pipeline.sessions["vision"].providers == ("cpu",)
+    with pytest.raises(ConfigError, match='Unknown profile "raspberry". .* Did you mean "raspberry-pi"?'):
+        load_config(folder, profile="raspberry")

@@ -6,6 +6,10 @@ platform markers. OpenVINO and the QNN plugin run in their own environments (tes
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
+import ortpipe
 from ortpipe.config import load_config
 from ortpipe.config.ep import check_session_options, options_for, provider_key
 from ortpipe.config.profiles import layer_profile, load_profile, parse_profile, profile_names
@@ -219,6 +224,74 @@ def test_ep_overrides_per_session_and_for_all() -> None:
         providers.parse_overrides(["vision=qnm"])
 
 
+# --- ortpipe.load and the command line ---------------------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "py")}
+    command = [sys.executable, "-m", "ortpipe.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+
+
+def test_load_takes_a_profile_and_keeps_each_sessions_assignment() -> None:
+    pipe = ortpipe.load(DEMO.parent, profile="raspberry-pi")
+    options = pipe.driver.sessions["decoder"].get_session_options()
+    assert (options.intra_op_num_threads, options.inter_op_num_threads) == (4, 1)
+    assert options.enable_cpu_mem_arena is False
+    placed = pipe.assignments["decoder"]
+    assert (placed.requested, placed.provider, placed.warnings) == (("cpu",), "cpu", ())
+    assert placed.nodes == {"cpu": placed.total} and placed.total > 0
+    assert ortpipe.load(DEMO.parent, threads=1).assignments["decoder"].nodes == placed.nodes
+
+
+@pytest.mark.parametrize(("profile", "provider", "extra"), [("snapdragon-npu", "qnn", "qnn"),
+                                                            ("windows-gpu", "dml", "directml")])
+def test_qnn_and_directml_through_load_name_their_extra(profile: str, provider: str, extra: str) -> None:
+    hint = f'it is not installed here: pip install "ortpipe[{extra}]" installs it'
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        ortpipe.load(DEMO.parent, provider=provider)
+    with pytest.warns(providers.ProviderWarning, match=re.escape(f"{provider} was passed over: {hint}")):
+        pipe = ortpipe.load(DEMO.parent, provider={"decoder": [provider, "cpu"]}, profile=profile)
+    placed = pipe.assignments["decoder"]
+    assert placed.provider == "cpu" and [s.provider for s in placed.skipped] == [provider]
+
+
+def test_load_refuses_an_override_for_a_session_the_pipeline_lacks() -> None:
+    with pytest.raises(ConfigError, match='names session "decodr", .* Its sessions: decoder. Did you mean'):
+        ortpipe.load(DEMO.parent, provider={"decodr": "cpu"})
+    with pytest.raises(ConfigError, match='Unknown execution provider "cpuu" in provider'):
+        ortpipe.load(DEMO.parent, provider="cpuu")
+
+
+def test_the_cli_takes_ep_and_profile_and_inspect_reports_the_placement() -> None:
+    demo = str(DEMO.parent)
+    out = cli("inspect", demo, "--ep", "qnn")
+    assert out.returncode == 2 and 'pip install "ortpipe[qnn]" installs it' in out.stderr
+    assert "Traceback" not in out.stderr
+
+    out = cli("inspect", demo, "--ep", "decoder=dml,cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    placement = json.loads(out.stdout)["sessions"]["decoder"]["placement"]
+    assert (placement["provider"], placement["requested"]) == ("cpu", ["dml", "cpu"])
+    assert placement["shares"] == {"cpu": 1.0} and placement["total_nodes"] > 0
+    assert placement["skipped"][0]["provider"] == "dml" and "ortpipe[directml]" in placement["warnings"][0]
+    assert out.stderr == ""  # the report holds the warning
+
+    out = cli("inspect", demo)
+    total = placement["total_nodes"]
+    assert f"providers:\n  decoder: cpu, {total} of {total} nodes (100%) on cpu\n" in out.stdout
+
+    out = cli("validate", demo, "--profile", "windows-gpu")
+    assert out.returncode == 0 and "ok (v1 config" in out.stdout
+    assert out.stderr.startswith('ortpipe: warning: session "decoder": dml was passed over: it is not '
+                                 'installed here: pip install "ortpipe[directml]"')
+
+    runs = [cli("run", demo, "--prompt-ids", "5,17,42,8,23", "--max-new-tokens", "6", "--temperature", "0",
+                "--json", *extra) for extra in ((), ("--profile", "raspberry-pi", "--ep", "cpu"))]
+    assert [r.returncode for r in runs] == [0, 0], runs[1].stderr
+    assert json.loads(runs[0].stdout)["tokens"] == json.loads(runs[1].stdout)["tokens"]
+
+
 # --- two flavours in one environment -----------------------------------------------------------
 
 
@@ -271,6 +344,7 @@ PLATFORMS = {  # where PyPI had wheels, checked in November 2026 (the README's e
 
 def test_each_extra_resolves_only_where_pypi_has_its_wheels() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any("onnxruntime" in r for r in extras.pop("serve"))  # pure Python, beside a flavour
     where = {}
     for extra, requirements in extras.items():
         runtime = Requirement(requirements[0])

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from build import pipeline_graphs as pg
 
 from ortpipe.config.profiles import layer_profile, load_profile
 from tests.flavour_env import flavour_python, probe, session_request, with_config
+from tests.pipeline_refs import reference_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +59,25 @@ def test_a_session_the_plugin_cannot_open_falls_back(qnn: Path, snapdragon: Path
     assert answer["provider"] == "cpu"
     reason = "it failed to create the session: Could not determine default backend path for device"
     assert answer["skipped"] == [{"provider": "qnn", "reason": reason}]
+
+
+def test_load_with_the_profile_registers_the_plugin_and_gives_the_all_cpu_tokens(
+        qnn: Path, snapdragon: Path, tmp_path: Path) -> None:
+    """`ortpipe.load(folder, profile="snapdragon-npu")`: the vision session opens on the plugin, whose HTP
+    takes none of its nodes here (x64: ahead of time only), so the CPU runs them and the tokens are the
+    all-CPU reference's."""
+    r = pg.BUILDERS["phi3v"][1](0)
+    cpu = snapdragon.parent / "cpu"
+    np.savez(tmp_path / "inputs.npz", **r.inputs)
+    request = {"generate": str(cpu), "prompt_ids": r.prompt_ids, "inputs": str(tmp_path / "inputs.npz"),
+               "new": 12, "profile": "snapdragon-npu"}
+    answer = probe(qnn, request, tmp_path)
+    assert answer["tokens"] == reference_tokens(cpu, r.prompt_ids, r.inputs, 12)
+    placed = {n: (a["provider"], a["requested"]) for n, a in answer["assignments"].items()}
+    assert placed == {"vision": ("qnn", ["qnn", "cpu"]), "embedding": ("qnn", ["qnn", "cpu"]),
+                      "decoder": ("cpu", ["cpu"])}
+    vision, embedding = answer["warnings"]  # the plugin stays in the vision session, not in the embedding's
+    total = answer["assignments"]["vision"]["total_nodes"]
+    assert vision == f'session "vision": qnn took none of its {total} nodes; they run on cpu'
+    assert embedding.startswith('session "embedding": onnxruntime created the session without qnn '
+                                "(it claimed none of the nodes")

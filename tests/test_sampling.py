@@ -218,3 +218,34 @@ def test_the_sampler_names_the_kernels_it_runs(settings: dict) -> None:
     except StopIteration:
         pass
     assert names == sampler.kernels()
+
+
+def test_logprobs_are_the_models_log_softmax(tmp_path) -> None:
+    """Each token's log-probability and the top alternatives equal numpy's log-softmax of the logits
+    onnxruntime gives for the whole sequence (no cache), greedy and sampled alike; asking for them
+    changes no token."""
+    from build import graphs
+
+    import ortpipe
+    from tests.handloop import _run, _session, _step_feeds, empty_pasts
+
+    folder = graphs.build_separate(tmp_path / "model", seed=0, config=True)
+    pipe = ortpipe.load(folder, threads=1)
+    session = _session(folder, "separate")
+    prompt = [5, 17, 42, 8, 23]
+    for settings in ({}, {"do_sample": True, "seed": 4, "temperature": 1.3}):
+        chunks = list(pipe.stream(prompt_ids=prompt, max_new_tokens=6, logprobs=3, **settings))
+        without = pipe.generate(prompt_ids=prompt, max_new_tokens=6, **settings).tokens
+        assert [c.token for c in chunks] == without
+
+        ids = list(prompt)
+        for chunk in chunks:
+            logits = _run(session, _step_feeds(session, ids, len(ids)) | empty_pasts(session))["logits"][
+                0, -1
+            ]
+            logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+            best = np.argsort(-logp)[:3]
+            assert chunk.logprob == pytest.approx(float(logp[chunk.token]), abs=1e-4)
+            assert [t for t, _ in chunk.top_logprobs] == best.tolist()
+            assert [v for _, v in chunk.top_logprobs] == pytest.approx(logp[best].tolist(), abs=1e-4)
+            ids.append(chunk.token)

@@ -18,8 +18,17 @@ from ortpipe.folder import LocalFolder
 from ortpipe.sampling.settings import settings_for
 
 # A value other than the default for each kind, and one the table refuses.
-GOOD = {"bool": True, "int": 3, "float": 0.5, "ids": [4, 7], "strings": ["\n\n"]}
-BAD = {"bool": "false", "int": 2.5, "float": float("inf"), "ids": [-1], "strings": [""]}
+GOOD = {"bool": True, "int": 3, "float": 0.5, "ids": [4, 7], "strings": ["\n\n"], "string": "blurry",
+        "path": "draft"}
+BAD = {
+    "bool": "false",
+    "int": 2.5,
+    "float": float("inf"),
+    "ids": [-1],
+    "strings": [""],
+    "string": 3,
+    "path": "",
+}
 
 
 def write(folder: Path, config: dict) -> LocalFolder:
@@ -29,8 +38,19 @@ def write(folder: Path, config: dict) -> LocalFolder:
     return LocalFolder(folder)
 
 
-def v2(generation: dict) -> dict:
+def v2(generation: dict, loop: str = "autoregressive") -> dict:
+    if loop == "denoising":
+        pipeline = {
+            "sessions": {"unet": {"file": "model.onnx"}},
+            "flow": [{"run": "unet", "when": "step"}],
+            "output": {"session": "unet", "name": "out_sample"},
+        }
+        return {"version": 2, "pipeline": pipeline, "generation": {"loop": "denoising", **generation}}
     return {"version": 2, "pipeline": {"extends": "autoregressive-decoder"}, "generation": generation}
+
+
+def loop_of(setting) -> str:
+    return setting.loops[0]
 
 
 def nested(path: str, value: object) -> dict:
@@ -48,7 +68,10 @@ def test_typescript_declarations_follow_the_table() -> None:
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s.v2], ids=lambda s: s.name)
 def test_each_v2_key_reaches_the_request_defaults(tmp_path: Path, setting) -> None:
     value = GOOD[setting.kind]
-    config = load_config(write(tmp_path, v2(nested(setting.v2, value))))
+    if setting.kind == "path":  # a folder inside the model folder, with a tokenizer
+        (tmp_path / value).mkdir()
+        (tmp_path / value / "tokenizer.json").write_text("{}")
+    config = load_config(write(tmp_path, v2(nested(setting.v2, value), loop_of(setting))))
     got = (
         config.generation.max_length
         if setting.name == "max_length"
@@ -56,17 +79,31 @@ def test_each_v2_key_reaches_the_request_defaults(tmp_path: Path, setting) -> No
     )
     assert got == (tuple(value) if isinstance(value, list) else value)
     with pytest.raises(ConfigError, match=f"generation.{setting.v2} "):
-        load_config(write(tmp_path, v2(nested(setting.v2, BAD[setting.kind]))))
+        load_config(write(tmp_path, v2(nested(setting.v2, BAD[setting.kind]), loop_of(setting))))
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.v2 and len(s.loops) == 1], ids=lambda s: s.name)
+def test_a_setting_of_another_loop_is_refused(tmp_path: Path, setting) -> None:
+    """A key the config's loop does not read is an error, not a key accepted and ignored."""
+    other = "denoising" if setting.loops == ("autoregressive",) else "autoregressive"
+    with pytest.raises(
+        ConfigError,
+        match=f"generation.{setting.v2} is a setting of the "
+        f'"{setting.loops[0]}" loop; this config\'s loop is "{other}"',
+    ):
+        load_config(write(tmp_path, v2(nested(setting.v2, GOOD[setting.kind]), other)))
 
 
 @pytest.mark.parametrize(
     "setting", [s for s in SETTINGS if s.v1 and s.kind in ("bool", "int", "float")], ids=lambda s: s.name
 )
 def test_each_v1_search_key_is_translated(tmp_path: Path, setting) -> None:
+    """A v1 key is under `search`, or under the top-level block it names (genai's `speculative`)."""
     value = GOOD[setting.kind]
+    block, _, key = setting.v1.rpartition(".")
     v1 = {
         "model": {"type": "x", "eos_token_id": 2, "decoder": {"filename": "model.onnx"}},
-        "search": {setting.v1: value},
+        block or "search": {key: value},
     }
     config = load_config(write(tmp_path, v1))
     got = (

@@ -42,6 +42,7 @@ class ScriptedGenerator:
         self.limits = SimpleNamespace(eos=eos)
         self.interrupted = False
         self.fused_steps = 0
+        self.speculator = None
         self.budgets: list[int | None] = []  # what each next_token was told the request takes at most
 
     @property

@@ -17,7 +17,7 @@ const ARRAYS = {
 };
 
 /** Typed array of `type` holding `values` (numbers or BigInts). */
-function typedArray(type, values) {
+export function typedArray(type, values) {
   const Array_ = ARRAYS[type];
   if (!Array_) throw new Error(`ortpipe cannot make ${type} tensors`);
   if (Array_ === BigInt64Array || Array_ === BigUint64Array) return Array_.from(values, (v) => BigInt(v));
@@ -103,8 +103,10 @@ export class Bridge {
       if (early) return early; // created while Python started, with these options
     }
     if (!options.kernel) this.onProgress({ phase: 'session', file: options.name });
+    // the bytes, downloaded here when the prefetch has none (a draft model's): onnxruntime-web's own
+    // download of a URL needs a file system its worker build lacks
     const externalData = await Promise.all(options.externalData.map(async (url) => ({
-      url, data: await this.prefetch?.take(url) ?? url,
+      url, data: await this.fetchBytes(url, url.slice(url.lastIndexOf('/') + 1)),
     })));
     return ort.InferenceSession.create(bytes, sessionOptions(options.device, externalData, options.gpuOutputs));
   }
@@ -326,7 +328,7 @@ export async function downloadBytes(url, name, onProgress, signal = undefined) {
  * The first index of the largest of `vocab` values from `start` (float16 as IEEE half bits). A NaN
  * or an infinite maximum is an error, as under CPython (numpy's argmax picks the NaN).
  */
-function argmaxRow(data, start, vocab) {
+export function argmaxRow(data, start, vocab) {
   const row = data.subarray(start, start + vocab);
   const values = row instanceof Uint16Array ? Float32Array.from(row, halfToFloat) : row;
   let best = 0;

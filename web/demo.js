@@ -1,9 +1,10 @@
 // The demo page (index.html): load a model folder (a device, a variant), stream a generation with
-// the sampling settings of its panel, show its speed. The status line follows the work at hand and
-// ends with it: loading progress while a model loads, then what the generation did. Once a model
-// has loaded it registers the service worker (sw.js) that keeps the whole bundle for offline use:
-// precaching tens of megabytes must not slow down the first load, which fills the browser's HTTP
-// cache with most of them anyway.
+// the sampling settings of its panel, show its speed; for a folder whose loop makes no tokens, play
+// the audio, draw the image or show the embedding it makes. The status line follows the work at
+// hand and ends with it: loading progress while a model loads, then what the generation did. Once a
+// model has loaded it registers the service worker (sw.js) that keeps the whole bundle for offline
+// use: precaching tens of megabytes must not slow down the first load, which fills the browser's
+// HTTP cache with most of them anyway.
 
 import { load, webgpuAvailable } from './ortpipe.js';
 
@@ -56,6 +57,10 @@ async function ensureLoaded() {
     endProgress('');
   }
   loadedKey = `${url}|${device}|${dtype}`;
+  $('denoising').hidden = pipe.info.loop !== 'denoising';
+  $('token-options').hidden = pipe.info.loop !== 'autoregressive';
+  $('settings').hidden = pipe.info.loop !== 'autoregressive';
+
   enableOffline();
   const seconds = ((performance.now() - started) / 1000).toFixed(1);
   $('stat-load').textContent = `${seconds} s`;
@@ -143,6 +148,7 @@ async function generate(event) {
   let tokens = [];
   const output = $('output');
   const chatting = $('chat-mode').checked;
+  $('media').replaceChildren();
   if (!chatting) output.replaceChildren();
   delete output.dataset.tokens;
   for (const id of ['stat-ttft', 'stat-speed', 'stat-tokens']) $(id).textContent = '–';
@@ -167,9 +173,14 @@ async function generate(event) {
       stream = chat.stream(message, { maxNewTokens });
       $('prompt').value = '';
     } else {
-      const options = { ...promptOptions(), ...samplingOptions(), maxNewTokens };
+      const options = { ...promptOptions(), maxNewTokens };
       if ($('images').files.length) options.images = [...$('images').files];
       const model = await ensureLoaded();
+      if (model.info.loop !== 'autoregressive') { // the sampling panel is for token loops
+        await makeOutputs(model, options);
+        return;
+      }
+      Object.assign(options, samplingOptions());
       output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
       $('status').textContent = 'Generating…';
       stream = model.stream(options);
@@ -189,6 +200,59 @@ async function generate(event) {
   } finally {
     setRunning(false);
   }
+}
+
+/** A single_pass or denoising request: its audio, image or embedding on the page, a bar per step. */
+async function makeOutputs(model, { maxNewTokens, ...options }) {
+  if (model.info.loop === 'denoising') {
+    Object.assign(options, {
+      numSteps: Number($('num-steps').value), guidanceScale: Number($('guidance-scale').value),
+      seed: Number($('image-seed').value),
+    });
+    if ($('negative-prompt').value && options.guidanceScale > 1) options.negativePrompt = $('negative-prompt').value;
+  }
+  options.onProgress = ({ step, steps }) => showProgress(step / steps, `Step ${step} of ${steps}`);
+  let result;
+  try {
+    result = await model.generate(options);
+  } finally {
+    $('progress').hidden = true;
+  }
+  for (const [name, output] of Object.entries(result.outputs)) $('media').append(outputElement(name, output));
+  const { timings } = result;
+  $('status').textContent = timings.steps
+    ? `${timings.steps} steps, ${Math.round(timings.stepMs)} ms a step` : `${Math.round(timings.prefillMs)} ms`;
+  $('output').dataset.outputs = Object.keys(result.outputs).join(',');
+  $('output').dataset.finishReason = result.finishReason;
+}
+
+/** An element showing a named output: an audio player, a canvas, or a line of values. */
+function outputElement(name, output) {
+  if (output.audio) {
+    const audio = Object.assign(document.createElement('audio'), { controls: true, title: name });
+    audio.src = URL.createObjectURL(wavBlob(output.audio, output.samplingRate));
+    return audio;
+  }
+  if (output.image) {
+    const canvas = Object.assign(document.createElement('canvas'), { width: output.image.width, height: output.image.height });
+    canvas.title = name;
+    canvas.getContext('2d').putImageData(output.image, 0, 0);
+    return canvas;
+  }
+  const values = Array.from(output.data.slice(0, 6), (v) => Number(v).toFixed(4)).join(', ');
+  return Object.assign(document.createElement('code'), { textContent: `${name} [${output.dims}]: ${values}, …` });
+}
+
+/** 16-bit PCM WAV of mono float samples. */
+function wavBlob(samples, rate) {
+  const view = new DataView(new ArrayBuffer(44 + samples.length * 2));
+  const text = (at, s) => [...s].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
+  text(0, 'RIFF'); view.setUint32(4, 36 + samples.length * 2, true); text(8, 'WAVEfmt ');
+  view.setUint32(16, 16, true); view.setUint16(20, 1, true); view.setUint16(22, 1, true);
+  view.setUint32(24, rate, true); view.setUint32(28, rate * 2, true); view.setUint16(32, 2, true);
+  view.setUint16(34, 16, true); text(36, 'data'); view.setUint32(40, samples.length * 2, true);
+  samples.forEach((v, i) => view.setInt16(44 + i * 2, Math.round(Math.max(-1, Math.min(1, v)) * 32767), true));
+  return new Blob([view], { type: 'audio/wav' });
 }
 
 /** Chat mode on or off, or a new conversation: the old one is forgotten. */

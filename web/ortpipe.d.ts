@@ -3,9 +3,14 @@
 /** Where a model runs: "auto" takes WebGPU when the browser has an adapter, else wasm. */
 export type Device = 'auto' | 'webgpu' | 'wasm';
 
-/** Loading progress: the runtime starting, a file downloading, a session being prepared. */
+/**
+ * Progress: loading (the runtime starting, a file downloading, a session being prepared), then the
+ * work of a loop that makes no tokens: a denoising step, a batch of texts embedded (`step` of `steps`).
+ */
 export interface Progress {
-  phase: 'runtime' | 'download' | 'session' | 'ready';
+  phase: 'runtime' | 'download' | 'session' | 'ready' | 'step' | 'batch';
+  step?: number;
+  steps?: number;
   /** The file being downloaded or prepared. */
   file?: string;
   /** Bytes downloaded so far, and in all (0 when the server does not say). */
@@ -54,6 +59,10 @@ export interface GenerateOptions {
    * be fetched or decoded.
    */
   images?: ImageSource[];
+  /** A denoising folder's initial latents (as diffusers' `latents=`): float32 [1, channels, height, width]. */
+  latents?: { data: Float32Array | number[]; dims: number[] };
+  /** Each denoising step as it ends ({phase: 'step', step, steps}); the pipeline's onProgress otherwise. */
+  onProgress?: (progress: Progress) => void;
   // generation settings: written by `python -m build.typescript` from py/ortpipe/config/settings.py
   /** Tokens to generate at most. */
   maxNewTokens?: number;
@@ -71,7 +80,7 @@ export interface GenerateOptions {
   minP?: number;
   /** Divide the scores of tokens seen so far; 1 turns it off. */
   repetitionPenalty?: number;
-  /** The sampler's seed: the same seed gives the same tokens on every target. */
+  /** The seed of the sampler and of the initial noise: the same seed gives the same tokens or image on every target. */
   seed?: number;
   /** Never repeat an n-gram of this size; 0 turns it off. */
   noRepeatNgramSize?: number;
@@ -91,6 +100,22 @@ export interface GenerateOptions {
   earlyStopping?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
+  /** Give each generated token's log-probability and this many most likely alternatives (chunk.logprob, chunk.top_logprobs). */
+  logprobs?: number;
+  /** Denoising steps. */
+  numSteps?: number;
+  /** Classifier-free guidance: above 1 runs a conditional and an unconditional row. */
+  guidanceScale?: number;
+  /** What the image should not show (the unconditional row's text). */
+  negativePrompt?: string;
+  /** Speculative decoding with drafts looked up in the prompt and the text so far, at most this many tokens a step (transformers' name); 0 turns it off. */
+  promptLookupNumTokens?: number;
+  /** Speculative decoding with drafts that continue an earlier occurrence of the last this-many tokens (onnxruntime-genai's speculative.ngram_size); 0 turns it off. */
+  ngramSize?: number;
+  /** Drafted tokens checked in one run at most (speculative decoding; the draft length adapts below it). */
+  maxDraftTokens?: number;
+  /** Speculative decoding with drafts from this smaller model folder (a path; in the browser a URL; in a config a folder inside the model folder), which must have the model's tokenizer. */
+  draftModel?: string;
   // end of the generation settings
 }
 
@@ -111,18 +136,56 @@ export interface Timings {
   decodeTokensPerS: number;
   /** Decode steps run fused (plain greedy on one decoder session: the cache stays in onnxruntime-web). */
   fusedSteps: number;
+  /** The loops that make no tokens: denoising steps, their mean time, and the final phase (prefillMs is
+   * the init phase). */
+  steps?: number;
+  stepMs?: number;
+  finalMs?: number;
+  /** Speculative decoding: tokens drafted and checked, and of those the ones the model accepted. */
+  draftedTokens: number;
+  acceptedTokens: number;
   /** From the call to the first token, as the page saw it (null when no token came). */
   firstTokenMs: number | null;
   /** From the call to the result, as the page saw it. */
   totalMs: number;
 }
 
+/** Audio a folder made: mono samples at their rate. */
+export interface Audio {
+  audio: Float32Array;
+  samplingRate: number;
+}
+
+/**
+ * A named output (pipeline.output) of a folder whose loop makes no tokens: `kind` says what it is;
+ * audio and images come as the web platform takes them, other tensors (embeddings) as data and dims.
+ */
+export interface NamedOutput {
+  kind: 'tensor' | 'audio' | 'image' | 'embedding';
+  dtype: string;
+  shape: number[];
+  /** audio */
+  audio?: Float32Array;
+  samplingRate?: number;
+  /** an image (batch 1), RGBA */
+  image?: ImageData;
+  /** any other tensor, row-major */
+  data?: Float32Array | Int32Array | BigInt64Array | Uint8Array;
+  dims?: number[];
+}
+
 export interface GenerateResult {
-  /** Generated ids, prompt excluded. */
+  /** Generated ids, prompt excluded (none for the single_pass and denoising loops). */
   tokens: number[];
   text: string;
-  finishReason: 'eos' | 'length' | 'stop' | 'interrupt';
+  /** "done": a single_pass or denoising request ran to its end. */
+  finishReason: 'eos' | 'length' | 'stop' | 'interrupt' | 'done';
   timings: Timings;
+  /** The named outputs, by name. */
+  outputs?: Record<string, NamedOutput>;
+  /** The first image output, and the first audio output. */
+  image?: ImageData;
+  audio?: Audio;
 }
 
 export interface PipelineInfo {
@@ -140,6 +203,10 @@ export interface PipelineInfo {
   max_length: number | null;
   model_type: string | null;
   load_ms: number;
+  /** generation.loop: "autoregressive", "single_pass" or "denoising". */
+  loop: string;
+  /** The named outputs and their kinds. */
+  outputs: Record<string, string>;
 }
 
 /** An error ortpipe reports; `name` is ConfigError (the model folder), GenerationError (the request), ... */
@@ -159,6 +226,11 @@ export class Pipeline {
    * turn runs only its own new tokens. `maxLength` bounds the whole conversation.
    */
   chat(options?: ChatOptions): Promise<Chat>;
+  /** Speech for a text from a text-to-speech folder. */
+  speak(text: string, options?: GenerateOptions): Promise<Audio>;
+  /** Sentence embeddings, float32 [texts, dim] (a sentence-transformers folder). */
+  embed(texts: string | string[], options?: { batchSize?: number; onProgress?: (progress: Progress) => void }):
+    Promise<{ data: Float32Array; dims: number[] }>;
   /** Stop the running generation (or chat turn) and any queued behind it. */
   interrupt(): void;
   dispose(): void;

@@ -5,6 +5,9 @@
 //   const { tokens, text, timings } = await pipe.generate({ prompt: 'def add(a, b):', maxNewTokens: 32 });
 //   for await (const chunk of pipe.stream({ prompt: 'Hello' })) output.textContent += chunk.text;
 //   const chat = await pipe.chat(); const reply = await chat.say('Hi!', { maxNewTokens: 64 });
+//   const { image } = await sd.generate({ prompt: 'a red cube', numSteps: 20, seed: 1 });  // a diffusers folder
+//   const { audio, samplingRate } = await tts.speak('Hello!');                              // a VITS folder
+//   const { data, dims } = await embedder.embed(['one text', 'another']);                  // sentence-transformers
 //   pipe.dispose();
 //
 // Each pipeline owns a Web Worker (worker.js) that runs Python (Pyodide) and onnxruntime-web; the
@@ -40,7 +43,7 @@ export class OrtpipeError extends Error {
  */
 export async function load(modelUrl, { device = 'auto', dtype = null, onProgress } = {}) {
   const pipe = new Pipeline(takeWorker(), onProgress);
-  const url = new URL(modelUrl.endsWith('/') ? modelUrl : `${modelUrl}/`, globalThis.location?.href).href;
+  const url = folderUrl(modelUrl);
   try {
     pipe.info = await pipe._call('load', { modelUrl: url, device, dtype });
   } catch (error) {
@@ -48,6 +51,11 @@ export async function load(modelUrl, { device = 'auto', dtype = null, onProgress
     throw error;
   }
   return pipe;
+}
+
+/** A model folder's absolute URL, ending in "/": `url` is relative to the page or absolute. */
+function folderUrl(url) {
+  return new URL(url.endsWith('/') ? url : `${url}/`, globalThis.location?.href).href;
 }
 
 /** The spare worker if there is one, else a new worker. */
@@ -104,12 +112,39 @@ export class Pipeline {
   }
 
   /**
-   * Generate until eos, the length limit or `interrupt()`.
+   * Generate until eos, the length limit or `interrupt()`; for a folder whose loop makes no tokens
+   * (single_pass, denoising), its named outputs (`result.outputs`, `result.image`, `result.audio`).
+   * `options.onProgress` gets each denoising step ({phase: 'step', step, steps}).
    * @param {GenerateOptions} options
    * @returns {Promise<GenerateResult>}
    */
   generate(options) {
     return this._result(options);
+  }
+
+  /**
+   * Speech for `text` from a text-to-speech folder (VITS, MMS-TTS).
+   * @param {string} text
+   * @returns {Promise<{audio: Float32Array, samplingRate: number}>}
+   */
+  async speak(text, options = {}) {
+    const { audio } = await this._result({ ...options, prompt: text });
+    if (!audio) throw new OrtpipeError({ name: 'GenerationError', message: 'speak needs a folder whose output is audio' });
+    return audio;
+  }
+
+  /**
+   * Sentence embeddings (a sentence-transformers folder): float32 [texts, dim], pooled and normalised as
+   * the folder says; texts run in batches of `batchSize`, padded.
+   * @param {string|string[]} texts
+   * @param {{batchSize?: number, onProgress?: (p: Progress) => void}} [options]
+   * @returns {Promise<{data: Float32Array, dims: number[]}>}
+   */
+  async embed(texts, { batchSize, onProgress } = {}) {
+    const message = { options: { texts, ...(batchSize === undefined ? {} : { batch_size: batchSize }) } };
+    const result = await this._enqueue(() => this._call('embed', message, undefined, onProgress));
+    const embedding = Object.values(result.outputs ?? {}).find((o) => o.kind === 'embedding');
+    return { data: embedding.data, dims: embedding.dims };
   }
 
   /**
@@ -201,11 +236,12 @@ export class Pipeline {
    */
   _generate(options, onChunk, chat) {
     const number = ++this._queued;
+    const { onProgress, ...rest } = options ?? {}; // a function stays on this side
     const call = this._enqueue(() => {
       this._running = number;
       const interrupted = number <= this._interruptedUpTo || this._cancelled.delete(number);
       const type = chat === undefined ? 'generate' : 'say'; // a chat's turn
-      return this._call(type, { options: pythonOptions(options), interrupted, chat }, onChunk);
+      return this._call(type, { options: pythonOptions(rest), interrupted, chat }, onChunk, onProgress);
     });
     const cancel = () => {
       if (this._running === number) this._worker?.postMessage({ type: 'interrupt' });
@@ -221,21 +257,22 @@ export class Pipeline {
     return call;
   }
 
-  _call(type, message, onChunk) {
+  _call(type, message, onChunk, onProgress) {
     if (!this._worker) return Promise.reject(disposedError());
     const id = this._nextId++;
     return new Promise((resolve, reject) => {
-      this._calls.set(id, { resolve, reject, onChunk });
+      this._calls.set(id, { resolve, reject, onChunk, onProgress });
       this._worker.postMessage({ type, id, ...message });
     });
   }
 
   _receive(data) {
+    const call = this._calls.get(data.id);
     if (data.type === 'progress') {
-      this._onProgress?.(data);
+      const { type, id, ...progress } = data;
+      (call?.onProgress ?? this._onProgress)?.(progress);
       return;
     }
-    const call = this._calls.get(data.id);
     if (!call) return;
     if (data.type === 'chunks') {
       for (const { token, text } of data.chunks) call.onChunk?.({ token, text });
@@ -303,6 +340,8 @@ const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase()
 function pythonOptions(options) {
   const named = Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
   if (Array.isArray(named.images)) named.images = named.images.map(absoluteImageUrl);
+  // a draft model folder is a URL relative to the page, as the model's is
+  if (typeof named.draft_model === 'string' && named.draft_model) named.draft_model = folderUrl(named.draft_model);
   return named;
 }
 
@@ -319,5 +358,14 @@ function finish(result, started, firstToken) {
   const timings = Object.fromEntries(Object.entries(result.timings).map(([k, v]) => [snakeToCamel(k), v]));
   timings.totalMs = performance.now() - started;
   timings.firstTokenMs = firstToken === null ? null : firstToken - started;
-  return { tokens: result.tokens, text: result.text, finishReason: result.finish_reason, timings };
+  const finished = { tokens: result.tokens, text: result.text, finishReason: result.finish_reason, timings };
+  if (result.outputs) {
+    finished.outputs = Object.fromEntries(Object.entries(result.outputs).map(([name, output]) => [
+      name, Object.fromEntries(Object.entries(output).map(([k, v]) => [snakeToCamel(k), v]))]));
+    const all = Object.values(finished.outputs);
+    finished.image = all.find((o) => o.image)?.image;
+    const audio = all.find((o) => o.audio);
+    if (audio) finished.audio = { audio: audio.audio, samplingRate: audio.samplingRate };
+  }
+  return finished;
 }

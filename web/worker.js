@@ -3,13 +3,16 @@
 // whose Task it pumps: every answer says what to await next (a session run or a session to open,
 // a burst of the JS Decoder's fused decode steps), carries the chunks generated so far, and ends
 // with `done` or a typed `error`. Messages in: load, generate, chat, say, rewind, closeChat,
-// interrupt, unload. Messages out: progress, chunks, result, error; each reply carries the id of
-// the message it answers. After `unload` the worker can load another model without starting Python
+// interrupt, unload, embed. Messages out: progress, chunks, result, error; each reply carries the id of
+// the message it answers (progress: a denoising step or a batch of texts done, or loading). A result
+// with named outputs (pipeline.output) carries them as typed arrays: audio as {audio: Float32Array,
+// samplingRate}, an image as {image: ImageData}, other tensors (embeddings) as {data, dims}. After `unload` the worker can load another model without starting Python
 // and onnxruntime-web again.
 
 import { Bridge, downloadBytes, sessionOptions } from './bridge.js';
 import { decodeImages } from './images.js';
 import { Prefetch } from './prefetch.js';
+import { speculator } from './speculate.js';
 
 // One onnxruntime-web build per device (see build/web.py).
 const ORT_BUILDS = { wasm: './ort/ort.wasm.min.mjs', webgpu: './ort/ort.webgpu.min.mjs' };
@@ -36,6 +39,9 @@ self.onmessage = ({ data }) => {
   else if (data.type === 'say') {
     answer(data.id, () => run(data.id, 'say', { ...data.options, chat: data.chat, interrupted: data.interrupted }));
   } else if (data.type === 'chat') answer(data.id, () => run(data.id, 'chat', data.options));
+  else if (data.type === 'embed') {
+    answer(data.id, () => run(data.id, 'embed', { ...data.options, interrupted: data.interrupted }));
+  }
   else if (data.type === 'rewind') answer(data.id, () => run(data.id, 'rewind', { chat: data.chat }));
   else if (data.type === 'closeChat') worker?.close_chat(data.chat);
   else if (data.type === 'interrupt') interrupt();
@@ -55,6 +61,11 @@ class ModelBridge extends Bridge {
   async release() {
     await Promise.all(this.sessions.map((session) => session.release()));
     this.sessions = [];
+  }
+
+  /** Speculative rounds over Decoders (web/speculate.js). */
+  speculator(target, draft, spec, narrowGraphs) {
+    return speculator(this, target, draft, spec, narrowGraphs);
   }
 }
 
@@ -122,20 +133,60 @@ async function openEarly(file, bytes, weights, device) {
   return ort.InferenceSession.create(bytes, sessionOptions(device, weights, device === 'webgpu'));
 }
 
-/** Run the Python task `kind` to its end: its value. */
-function run(id, kind, options) {
+/** Run the Python task `kind` to its end: its value, named outputs read. */
+async function run(id, kind, options) {
   if (!worker) throw new Error('no model is loaded');
-  return pump(worker.task(kind, JSON.stringify(options)), id);
+  return withOutputs(await pump(worker.task(kind, JSON.stringify(options)), id));
 }
 
 /** Stream one generation; `interrupted` (by the page, before it started) ends it at once. */
 async function generate(id, options, interrupted) {
   if (!worker) throw new Error('no model is loaded');
   interruptedEarly = interrupted;
-  const { images, ...settings } = options;
+  const { images, latents, ...settings } = options;
   const tensors = images ? await imageTensors(images) : null;
-  const task = worker.task('generate', JSON.stringify({ ...settings, interrupted: interruptedEarly }), tensors);
-  return pump(task, id);
+  const named = latents ? { latents: latentsTensor(latents) } : undefined;
+  const task = worker.task('generate', JSON.stringify({ ...settings, interrupted: interruptedEarly }), tensors, named);
+  return withOutputs(await pump(task, id));
+}
+
+/** A request's initial latents, {data: Float32Array (or numbers), dims}, as a float32 tensor. */
+function latentsTensor({ data, dims } = {}) {
+  if (!Array.isArray(dims) || !data || data.length !== dims.reduce((a, b) => a * b, 1)) {
+    throw new TaskError({
+      type: 'GenerationError',
+      message: 'latents must be {data: Float32Array, dims: [1, channels, height, width]}, as many values as the dims hold',
+    });
+  }
+  return new bridge.ort.Tensor('float32', Float32Array.from(data), dims);
+}
+
+/** The named outputs of a result, read from their tensors (Python holds them until then). */
+async function withOutputs(value) {
+  if (!value?.outputs || !worker) return value;
+  try {
+    for (const { name, kind, tensor, samplingRate, rgba } of worker.take_outputs()) {
+      const data = await tensor.getData();
+      const dims = [...tensor.dims];
+      value.outputs[name] = { ...value.outputs[name], ...outputValue(kind, data, dims, samplingRate) };
+      if (rgba && dims[0] === 1) value.outputs[name].image = imageData(await rgba.getData(), dims);
+    }
+  } finally {
+    worker.release_outputs();
+  }
+  return value;
+}
+
+/** What the page gets of a named output: audio as the web platform plays it, other tensors (an image's
+ * float values, [1, height, width, 3] in [0, 1]; embeddings) as their data and dims. */
+function outputValue(kind, data, dims, samplingRate) {
+  if (kind === 'audio' && (dims.length === 1 || dims[0] === 1)) return { audio: data, samplingRate };
+  return { data, dims };
+}
+
+/** The first image of RGBA bytes [batch, height, width, 4], as a canvas draws it. */
+function imageData(rgba, [, height, width]) {
+  return new ImageData(new Uint8ClampedArray(rgba.buffer, rgba.byteOffset, height * width * 4), width, height);
 }
 
 function interrupt() {
@@ -170,6 +221,9 @@ async function pump(task, id) {
     let yielded = performance.now();
     for (let reply = JSON.parse(task.advance()); ;) {
       if (reply.chunks?.length) self.postMessage({ type: 'chunks', id, chunks: reply.chunks });
+      for (const { what, step, steps } of reply.progress ?? []) {
+        self.postMessage({ type: 'progress', id, phase: what, step, steps });
+      }
       if (reply.error) throw new TaskError(reply.error);
       if (reply.next === 'done') return reply.value;
       if (performance.now() - yielded > YIELD_EVERY_MS) {

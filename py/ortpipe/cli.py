@@ -1,4 +1,4 @@
-"""The `ortpipe` command: run, chat, inspect, validate, web."""
+"""The `ortpipe` command: run, chat, inspect, validate, serve, web."""
 
 from __future__ import annotations
 
@@ -11,17 +11,20 @@ signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 import argparse
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from . import variants
 from .config.settings import SETTINGS
 from .errors import ConfigError, GenerationError, OrtpipeError
+from .outputs import OutputRequest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    warnings.showwarning = _show_warning
     try:
         signal.signal(signal.SIGINT, _interrupt)  # from here on, Ctrl-C is a KeyboardInterrupt
         return int(args.func(args) or 0)
@@ -49,6 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _interrupted = False
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message: Any, category: type[Warning], *where: Any, **kw: Any) -> None:
+    """ortpipe's warnings (a provider passed over, a v1 key ignored) as one line each, no source line."""
+    if issubclass(category, UserWarning):
+        print(f"ortpipe: warning: {message}", file=sys.stderr)
+    else:
+        _python_showwarning(message, category, *where, **kw)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -69,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (uses the folder's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated: 1,2,3")
     _session_args(run)
+    _plugin_arg(run)
     _generation_args(run)
     run.add_argument(
         "--image",
@@ -91,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=FILE.npy",
         help="feed a raw tensor to a named session input, bypassing preprocessing (repeatable)",
     )
+    run.add_argument(
+        "--out",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="write a named output (pipeline.output) to FILE by its type: .wav (audio, at the folder's "
+        "sampling rate), .png (an image), .npy (any); NAME picks the output (repeatable)",
+    )
     run.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     run.add_argument("--verbose", action="store_true", help="a one-line summary per phase on stderr")
     run.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings")
@@ -99,11 +120,16 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat that keeps the KV cache across turns")
     chat.add_argument("model", metavar="MODEL_DIR")
     _session_args(chat)
+    _plugin_arg(chat)
     _generation_args(chat, max_new_tokens=256)
     chat.set_defaults(func=_chat)
 
-    inspect = sub.add_parser("inspect", help="show what was detected and the expanded v2 config")
+    inspect = sub.add_parser(
+        "inspect", help="show where each session runs, what was detected and the expanded v2 config"
+    )
     inspect.add_argument("model", metavar="MODEL_DIR")
+    _provider_args(inspect)
+    _plugin_arg(inspect)
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=_inspect)
 
@@ -111,23 +137,71 @@ def _parser() -> argparse.ArgumentParser:
         "validate", help="check a model folder; exit 0, or print every problem and exit 2"
     )
     validate.add_argument("model", metavar="MODEL_DIR")
+    _provider_args(validate)
+    _plugin_arg(validate)
+
     validate.set_defaults(func=_validate)
+
+    embed = sub.add_parser("embed", help="sentence embeddings of texts (a sentence-transformers folder)")
+    embed.add_argument("model", metavar="MODEL_DIR")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed")
+    embed.add_argument("--file", metavar="FILE", help="more texts, one a line")
+    embed.add_argument("--batch-size", type=int, default=32, help="texts run together, padded (default 32)")
+    embed.add_argument("--out", metavar="FILE.npy", help="write the embeddings, float32 [texts, dim]")
+    embed.add_argument("--json", action="store_true", help="print {dim, embeddings: [[...], ...]}")
+    _session_args(embed)
+    embed.set_defaults(func=_embed)
 
     from . import static_server  # standard library only
 
     web = sub.add_parser("web", help="serve the browser bundle (dist/web; build it with python -m build.web)")
     static_server.add_arguments(web)
     web.set_defaults(func=static_server.run)
+
+    from . import serve as serve_command  # standard library only until it runs
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the serve extra)")
+    serve_command.add_arguments(serve)
+    _provider_args(serve)
+    serve.set_defaults(func=serve_command.run)
     return parser
 
 
 def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    _provider_args(p)
+
+
+def _provider_args(p: argparse.ArgumentParser) -> None:
+    """Where the sessions run (README, "On edge devices")."""
     p.add_argument(
-        "--provider", help="execution provider for every session: cpu, openvino, qnn, cuda, dml, ..."
+        "--ep", "--provider", action="append", default=[], metavar="[SESSION=]EP[,EP...]",
+        help="execution providers tried in order, for every session (--ep openvino) or one (--ep "
+        "vision=openvino,cpu): cpu, openvino, qnn, dml, cuda, tensorrt, coreml (repeatable)",
+    )
+    p.add_argument(
+        "--profile", metavar="NAME|FILE.json",
+        help="a device profile layered over the config: raspberry-pi, intel-cpu, intel-gpu, intel-npu, "
+        "snapdragon-npu, windows-gpu, or a profile file",
     )
     p.add_argument("--dtype", choices=variants.SUFFIXES, help="the model variant to run when the folder has "
                    "several (model_q4.onnx, model_quantized.onnx, ...; default: the provider's fastest)")
+
+
+def _load(args: argparse.Namespace, progress: bool = True) -> Any:
+    """The pipeline of args.model with the command's providers, profile and threads."""
+    from .targets.cpython import load, providers
+
+    return load(args.model, provider=providers.parse_overrides(args.ep), profile=args.profile,
+                threads=getattr(args, "threads", None), on_progress=_progress() if progress else None,
+                allow_plugins=getattr(args, "allow_plugins", False), dtype=getattr(args, "dtype", None))
+
+
+
+def _plugin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-plugins", action="store_true",
+                   help="run the plugin the config names (pipeline.plugin): its code runs, so only "
+                   "if you trust it")
 
 
 def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = None) -> None:
@@ -144,6 +218,10 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = No
             g.add_argument(s.flag, action="append", help=help_text + " (repeatable)")
         elif s.kind == "ids":
             g.add_argument(s.flag, type=_ids, help=help_text + ": comma-separated ids")
+        elif s.kind == "string":
+            g.add_argument(s.flag, help=help_text)
+        elif s.kind == "path":
+            g.add_argument(s.flag, metavar="DIR", help=help_text)
         else:
             g.add_argument(s.flag, type=int if s.kind == "int" else float, default=default, help=help_text)
 
@@ -158,11 +236,10 @@ def _ids(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .targets.cpython import load, read_inputs
+    from .targets.cpython import read_inputs
     from .trace import Trace
 
-    pipe = load(args.model, provider=args.provider, threads=args.threads, dtype=args.dtype,
-                on_progress=_progress())
+    pipe = _load(args)
     request = pipe.request(
         args.prompt,
         prompt_ids=args.prompt_ids,
@@ -172,7 +249,9 @@ def _run(args: argparse.Namespace) -> int:
         **_settings(args),
     )
     trace = Trace() if args.trace or args.verbose else None
-    if args.json:
+    if isinstance(request, OutputRequest):  # a loop that makes no tokens: named outputs
+        _outputs(pipe, request, trace, args)
+    elif args.json:
         try:
             for _ in pipe.drive(request, trace):
                 pass
@@ -209,6 +288,81 @@ def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
         f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
         file=sys.stderr,
     )
+
+
+def _outputs(pipe: Any, request: Any, trace: Any, args: argparse.Namespace) -> None:
+    """Drive a single_pass or denoising request (a bar on a terminal), write its outputs, report them."""
+    from .targets.cpython.media import plan_files, write_outputs
+
+    files = plan_files(pipe.plan, args.out)  # refused before any model runs
+    bar = ProgressBar() if sys.stderr.isatty() else None
+    try:
+        for progress in pipe.drive(request, trace):
+            if bar:
+                bar.show(progress, request.timings)
+    finally:
+        if bar:
+            bar.close()
+    result = request.result()
+    written = write_outputs(result, files)
+    if args.json:
+        print(json.dumps(result.as_dict(lambda name, value: _described(value, written.get(name)))))
+        return
+    t = result.timings
+    steps = f", {t.steps} steps of {t.step_ms:.1f} ms, final {t.final_ms:.1f} ms" if t.steps else ""
+    for name, value in result.outputs.items():
+        where = f" -> {', '.join(written[name])}" if name in written else " (not written: give --out)"
+        print(f"{name}: {result.kinds[name]['kind']} {value.dtype} {list(value.shape)}{where}")
+    print(f"[init {t.prefill_ms:.1f} ms{steps}; {result.finish_reason}]", file=sys.stderr)
+
+
+def _described(value: Any, files: list[str] | None) -> dict[str, Any]:
+    out = {"dtype": str(value.dtype), "shape": list(value.shape)}
+    if files:
+        out["files"] = files
+    return out
+
+
+class ProgressBar:
+    """A line on stderr redrawn per denoising step (or batch of texts)."""
+
+    WIDTH = 30
+
+    def show(self, progress: Any, timings: Any) -> None:
+        done = self.WIDTH * progress.step // max(progress.steps, 1)
+        speed = f" {timings.step_ms / 1000:.2f} s/step" if timings.steps else ""
+        sys.stderr.write(f"\r{progress.what} {progress.step}/{progress.steps} [{'=' * done}"
+                         f"{' ' * (self.WIDTH - done)}]{speed}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _embed(args: argparse.Namespace) -> int:
+
+    texts = list(args.texts)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerationError(f"--file {args.file}: {e}") from None
+    if not texts:
+        raise GenerationError("give texts to embed (arguments, or --file with one a line)")
+    embeddings = _load(args).embed(texts, batch_size=args.batch_size)
+    if args.out:
+        import numpy as np
+
+        np.save(args.out, embeddings)
+    if args.json:
+        print(json.dumps({"dim": int(embeddings.shape[1]), "embeddings": embeddings.tolist()}))
+    elif not args.out:
+        for text, row in zip(texts, embeddings, strict=True):
+            values = " ".join(f"{v:+.4f}" for v in row[:4])
+            print(f"[{values} ...] (dim {row.shape[0]}) {text[:60]}")
+    return 0
 
 
 def _progress() -> Any:
@@ -259,10 +413,7 @@ def _settings(args: argparse.Namespace, *leave_out: str) -> dict[str, Any]:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .targets.cpython import load
-
-    pipe = load(args.model, provider=args.provider, threads=args.threads, dtype=args.dtype,
-                on_progress=_progress())
+    pipe = _load(args)
     chat = pipe.chat(**_settings(args, "max_new_tokens"))
     print(
         "ortpipe chat: type a message; /rewind drops the last turn, /quit (or end of input) leaves.",
@@ -314,25 +465,29 @@ def _reply(chat: Any, line: str, max_new_tokens: int) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .config.expand import as_v2
-    from .targets.cpython import load
+    from .targets.cpython import providers
 
-    pipe = load(_path(args.model))
-    plan, sessions = pipe.plan, {name: pipe.driver.sessions[name] for name in pipe.plan.signatures}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", providers.ProviderWarning)  # the report says them
+        pipe = _load(args, progress=False)
+    plan, placed = pipe.plan, pipe.assignments
     report = {
         "config_source": plan.config.source,
         "sessions": {
             name: {
                 "file": plan.config.pipeline.sessions[name].file,
-                "provider": s.get_providers()[0],
+                "provider": placed[name].provider,
+                "placement": placed[name].as_dict(),
                 "inputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].inputs],
                 "outputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].outputs],
             }
-            for name, s in sessions.items()
+            for name in plan.signatures
         },
         "steps": [_step_report(s) for s in plan.all_steps],
         "config": as_v2(plan.config),
     }
-    print(json.dumps(report, indent=2) if args.json else _format_report(report))
+    placement = providers.report(placed.values())
+    print(json.dumps(report, indent=2) if args.json else _format_report(report, placement))
     return 0
 
 
@@ -360,8 +515,9 @@ def _step_report(s: Any) -> dict[str, Any]:
     return report
 
 
-def _format_report(report: dict[str, Any]) -> str:
-    lines = [f"config: {report['config_source']}"]
+def _format_report(report: dict[str, Any], placement: str) -> str:
+    lines = [f"config: {report['config_source']}", "providers:"]
+    lines += [f"  {line}" for line in placement.splitlines()]
     for name, s in report["sessions"].items():
         lines.append(f"session {name}: {s['file']} on {s['provider']}")
         lines += [f"  in  {t}" for t in s["inputs"]] + [f"  out {t}" for t in s["outputs"]]
@@ -376,24 +532,13 @@ def _format_report(report: dict[str, Any]) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .targets.cpython import load
-
-    plan = load(_path(args.model)).plan
+    plan = _load(args, progress=False).plan
     steps = len(plan.config.pipeline.flow)
     print(
         f"{args.model}: ok ({plan.config.source} config, {len(plan.signatures)} session(s), "
         f"{steps} flow step(s))"
     )
     return 0
-
-
-def _path(model: str) -> Any:
-    from pathlib import Path
-
-    path = Path(model)
-    if not path.is_dir():
-        raise ConfigError(f"model folder {path} does not exist or is not a directory")
-    return path
 
 
 if __name__ == "__main__":

@@ -5,6 +5,12 @@ Covers the Optimum and transformers.js export layout (`model.onnx` beside `confi
 variants.py) and the dtype transformers.js_config in config.json names. What the graph is
 (decoder, KV layout, layers) is read from its signature by `plan`; here we only find the file
 and the special tokens.
+
+Three layouts run loops that make no tokens (docs/pipelines.md): optimum's diffusers export
+(`model_index.json`, `text_encoder/`, `unet/`, `vae_decoder/`, `scheduler/`, `tokenizer/`: denoising), a
+sentence-transformers folder (`modules.json`, `1_Pooling/config.json`, an ONNX export: single_pass, pooled
+embeddings) and a transformers.js-style speech folder (`config.json` with `sampling_rate`, an ONNX graph
+giving `waveform`: single_pass, audio). Tensor names are optimum's; the plan checks them against the graphs.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 from . import variants
 from .errors import ConfigError
 from .folder import Folder
-from .jsonfile import optional_json
+from .jsonfile import optional_json, read_json
 
 DECODER_FILES = (
     "model.onnx", "decoder_model_merged.onnx", "decoder_model.onnx",
@@ -24,6 +30,10 @@ _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence
 
 
 def detect_config(folder: Folder) -> dict[str, Any]:
+    for layout in (_diffusers, _sentence_transformers, _speech):
+        raw = layout(folder)
+        if raw is not None:
+            return raw
     file = next((f for f in DECODER_FILES if variants.present(folder, f)), None)
     if file is None:
         raise ConfigError(f"{folder.describe()} has no genai_config.json and no decoder graph "
@@ -76,3 +86,120 @@ def _tokens(gen: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             tokens[key] = value
     return tokens
+
+
+DIFFUSERS_PARTS = {"text_encoder": "text_encoder/model.onnx", "unet": "unet/model.onnx",
+                   "vae_decoder": "vae_decoder/model.onnx"}
+GRAPH_FILES = ("onnx/model.onnx", "model.onnx")
+
+
+def _diffusers(folder: Folder) -> dict[str, Any] | None:
+    """optimum's export of a StableDiffusionPipeline: text encoder (init), UNet (step), VAE decoder
+    (final)."""
+    if not folder.exists("model_index.json"):
+        return None
+    index = optional_json(folder, "model_index.json")
+    kind = index.get("_class_name", "a diffusers pipeline")
+    other = [part for part in ("text_encoder_2", "transformer", "prior", "decoder") if part in index]
+    if other:
+        raise ConfigError(f"{folder.describe('model_index.json')} is {kind}, with {', '.join(other)}: "
+                          "ortpipe detects StableDiffusionPipeline-style folders (text_encoder, unet, "
+                          "vae_decoder); write a genai_config.json for this one")
+    missing = [file for file in DIFFUSERS_PARTS.values() if not folder.exists(file)]
+    if missing:
+        raise ConfigError(f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export "
+                          f"the "
+                          "pipeline with optimum (optimum-cli export onnx --task text-to-image)")
+    return {
+        "version": 2,
+        "pipeline": {
+            "sessions": {name: {"file": file} for name, file in DIFFUSERS_PARTS.items()},
+            "flow": [{"run": "text_encoder", "when": "init"}, {"run": "unet", "when": "step"},
+                     {"run": "vae_decoder", "when": "final"}],
+            "dataflow": [{"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"},
+                         {"from": "unet.out_sample", "to": "vae_decoder.latent_sample"}],
+            "output": {"session": "vae_decoder", "name": "sample", "as": "image"},
+            "preprocessing": {"text": {"tokenizer": "tokenizer"}},
+        },
+        "generation": {"loop": "denoising"},
+        "metadata": {"model_type": kind, "detected_from": "model_index.json"},
+    }
+
+
+# sentence-transformers' pooling modes (1_Pooling/config.json), current names and legacy flags
+POOLING = {"mean": "mean", "cls": "cls", "max": "max", "lasttoken": "lasttoken", "mean_tokens": "mean",
+           "cls_token": "cls", "max_tokens": "max"}
+ST_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def _sentence_transformers(folder: Folder) -> dict[str, Any] | None:
+    """A sentence-transformers folder: its Transformer's ONNX export, then Pooling and Normalize as
+    kernels."""
+    if not folder.exists("modules.json"):
+        return None
+    modules = read_json(folder, "modules.json", list)
+    types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    other = [f"{t} ({m.get('path')})" for t, m in types.items() if t not in ST_MODULES]
+    if other or "Pooling" not in types:
+        raise ConfigError(f"{folder.describe('modules.json')} has the modules {', '.join(types)}: ortpipe "
+                          f"runs "
+                          f"{', '.join(ST_MODULES)} (Pooling required)")
+    file = next((f for f in GRAPH_FILES if folder.exists(f)), None)
+    if file is None:
+        raise ConfigError(f"{folder.describe()} is a sentence-transformers folder without an ONNX graph "
+                          f"(looked for "
+                          f"{', '.join(GRAPH_FILES)}): export its Transformer with optimum "
+                          f"(feature-extraction)")
+    pooling_file = f"{types['Pooling'].get('path') or '1_Pooling'}/config.json"
+    pooling = _pooling_mode(read_json(folder, pooling_file), folder.describe(pooling_file))
+    length = optional_json(folder, "sentence_bert_config.json").get("max_seq_length")
+    text: dict[str, Any] = {"max_length": length} if isinstance(length, int) and length > 0 else {}
+    return {
+        "version": 2,
+        "pipeline": {
+            "sessions": {"encoder": {"file": file}},
+            "flow": [{"run": "encoder", "when": "init"}],
+            "output": {"session": "encoder", "name": "last_hidden_state", "as": "embedding",
+                       "pooling": pooling,
+                       "normalize": "Normalize" in types},
+            **({"preprocessing": {"text": text}} if text else {}),
+        },
+        "generation": {"loop": "single_pass"},
+        "metadata": {"model_type": "sentence-transformers", "detected_from": "modules.json"},
+    }
+
+
+def _pooling_mode(config: dict[str, Any], where: str) -> str:
+    """The one pooling mode of a Pooling config: `pooling_mode` (sentence-transformers 6) or its legacy
+    flags."""
+    mode = config.get("pooling_mode")
+    modes = [mode] if isinstance(mode, str) else [k.removeprefix("pooling_mode_") for k, v in config.items()
+                                                  if k.startswith("pooling_mode_") and v is True]
+    if len(modes) != 1 or modes[0] not in POOLING:
+        raise ConfigError(f"{where} pools by {', '.join(modes) or 'nothing'}: ortpipe pools by one of "
+                          "mean, cls, max, lasttoken")
+    if config.get("include_prompt", True) is not True:
+        raise ConfigError(f"{where} sets include_prompt false (the prompt's tokens left out of the pooling), "
+                          f"which "
+                          "ortpipe does not run")
+    return POOLING[modes[0]]
+
+
+def _speech(folder: Folder) -> dict[str, Any] | None:
+    """A transformers.js-style text-to-speech folder (VITS, MMS-TTS): config.json's sampling_rate and one
+    graph from token ids to a waveform."""
+    hf = optional_json(folder, "config.json")
+    rate = hf.get("sampling_rate")
+    file = next((f for f in GRAPH_FILES if folder.exists(f)), None)
+    if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0 or file is None:
+        return None
+    return {
+        "version": 2,
+        "pipeline": {
+            "sessions": {"model": {"file": file}},
+            "flow": [{"run": "model", "when": "init"}],
+            "output": {"session": "model", "name": "waveform", "as": "audio", "sampling_rate": rate},
+        },
+        "generation": {"loop": "single_pass"},
+        "metadata": {"model_type": hf.get("model_type"), "detected_from": "config.json"},
+    }

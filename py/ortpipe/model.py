@@ -11,28 +11,35 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
 
 from .chat import Chat
-from .config import load_config
-from .errors import ConfigError, GenerationError
-from .execute.work import Backend, Handle, Open, Opened, ReadGraph, Work
+from .config import Config, load_config
+from .config.profiles import Profile
+from .errors import ConfigError, GenerationError, OrtpipeError
+from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
 from .graphfacts import decoder_facts
-from .jsonfile import quote
+from .jsonfile import quote, read_json
 from .loops.autoregressive import Limits, TokenGenerator, check_ids
 from .loops.beam import BeamSearch
+from .loops.setup import LoopSetup, embed_request, loop_setup, output_request
+from .loops.single_pass import DEFAULT_BATCH
+from .loops.speculative import cannot_verify
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
+from .outputs import OutputRequest
 from .plan import FROM_REQUEST, Plan, make_plan
+from .plugins import Context, Factory, load_factory, unread_settings
 from .preprocess import load_audio_config
 from .preprocess.request import Image, media_inputs
-from .request import BeamRequest, Request
+from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
 from .variants import check_dtype, choose, present
+from .vocab_tokenizers import load_vocab_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -49,6 +56,10 @@ class Platform(Protocol):
     @property
     def compile_template(self) -> Compiler: ...
 
+    def folder(self, location: str) -> Folder:
+        """The model folder a caller names (a draft model): a local path, or a URL in the browser."""
+        ...
+
 
 Progress = Callable[[str], None]
 
@@ -56,12 +67,19 @@ Progress = Callable[[str], None]
 def load_model(
     folder: Folder,
     platform: Platform,
+    profile: str | Profile | None = None,
+    allow_plugins: bool = False,
+    prefix: str = "",
     dtype: str | dict[str, str] | None = None,
-    device: str | None = None,
+    device: str | Mapping[str | None, str] | None = None,
     f16: bool = True,
 ) -> Work:
+
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
-    `Open` per session the flow runs, the plan, the tokenizer and the chat template. Returns
+    `Open` per session the flow runs (every session, for a plugin's loop), the plan, the tokenizer
+    and the chat template. `profile`: a device profile layered over the config's sessions
+    (config/profiles.py); `allow_plugins`: run the config's plugin, if it has one (plugins.py).
+    `prefix` goes before every session name (a draft model's sessions beside the model's). Returns
     (Model, {session name: the target's session}).
 
     Each session runs the variant of its graph (variants.py) that `dtype` names (one for all, or
@@ -69,8 +87,31 @@ def load_model(
     (`device`: the target's, or None for each session's first execution provider; `f16`: whether
     the device runs float16 graphs)."""
     start = time.perf_counter()
-    config = with_variants(load_config(folder), folder, check_dtype(dtype), device, f16)
-    used = {s.run for s in config.pipeline.flow}
+    config = with_variants(load_config(folder, profile=profile), folder, check_dtype(dtype), device, f16)
+    if prefix:
+        config = _prefixed(config, prefix)
+    plugin = config.pipeline.plugin
+    factory = None
+    if plugin:
+        wheel = plugin.get("wheel")
+        local = (
+            (yield ReadWheel(folder.locate(wheel), folder.describe(wheel)))
+            if wheel and allow_plugins
+            else None
+        )
+        factory = load_factory(plugin, allow_plugins, local)
+        configured = [
+            f.name for f in dataclasses.fields(SearchSettings)
+            if getattr(config.generation.settings, f.name) != f.default
+        ]
+        unread = unread_settings(factory, configured)
+        if unread:
+            raise ConfigError(
+                f"generation sets {', '.join(unread)}, which the plugin's loop does not read: drop them "
+                f"from the config (the plugin's factory lists what it reads in its `settings`)"
+            )
+
+    used = set(config.pipeline.sessions) if plugin else {s.run for s in config.pipeline.flow}
     wanted = [s for n, s in config.pipeline.sessions.items() if n in used and folder.exists(s.file)]
     sessions, signatures, facts = {}, {}, {}
     for spec in wanted:
@@ -81,22 +122,41 @@ def load_model(
         sessions[spec.name], signatures[spec.name] = opened.session, opened.signature
         facts[spec.name] = decoder_facts(graph)
     plan = make_plan(config, signatures, facts)
-    tokenizer = load_tokenizer(folder, platform)
+    text = config.pipeline.preprocessing.get("text", {})
+    tokenizer = load_tokenizer(folder, platform, text.get("tokenizer", ""))
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
+    model.plugin = factory
+    model.loop = loop_setup(plan, folder, tokenizer)
+    model.platform, model.profile, model.device = platform, profile, (device, f16)
+    why = cannot_verify(plan) if config.generation.settings.speculative else None
+    if why:
+        raise ConfigError(f"the config asks for speculative decoding, which this model cannot run: {why}")
+    if config.generation.settings.draft_model is not None:  # the config's draft model is part of the model
+        try:
+            yield from model.prepare({})
+        except GenerationError as e:
+            raise ConfigError(f"generation.speculative.draft_model: {e}") from None
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
 
 
 def with_variants(
-    config: Any, folder: Folder, dtype: str | dict[str, str] | None, device: str | None, f16: bool = True
+    config: Any,
+    folder: Folder,
+    dtype: str | dict[str, str] | None,
+    device: str | Mapping[str | None, str] | None,
+    f16: bool = True,
 ) -> Any:
-    """`config` with each session's file replaced by the variant it runs."""
+    """`config` with each session's file replaced by the variant it runs. `device`: one for every
+    session, or {session name: device} (the key None: every other session)."""
     sessions = {}
     for name, spec in config.pipeline.sessions.items():
         wanted = dtype.get(name, spec.dtype) if isinstance(dtype, dict) else dtype or spec.dtype
+        where = device.get(name, device.get(None)) if isinstance(device, Mapping) else device
         if present(folder, spec.file):
-            file = choose(folder, spec.file, device or spec.providers[0], wanted, name, f16)
+            file = choose(folder, spec.file, where or spec.providers[0], wanted, name, f16)
+
             spec = dataclasses.replace(spec, file=file)
         sessions[name] = spec
     if isinstance(dtype, dict) and set(dtype) - set(sessions):
@@ -106,6 +166,58 @@ def with_variants(
     return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, sessions=sessions))
 
 
+def _prefixed(config: Config, prefix: str) -> Config:
+    """The config with `prefix` before every session name, wherever one is named."""
+    p = config.pipeline
+
+    def name(session: str | None) -> str | None:
+        return None if session is None else prefix + session
+
+    def dotted(ref: str | None) -> str | None:
+        return None if ref is None else prefix + ref
+
+    sessions = {prefix + n: dataclasses.replace(s, name=prefix + s.name) for n, s in p.sessions.items()}
+    flow = tuple(dataclasses.replace(s, run=prefix + s.run, after=tuple(prefix + a for a in s.after),
+                                     cross_attention_from=name(s.cross_attention_from)) for s in p.flow)
+    wires = tuple(dataclasses.replace(w, from_session=prefix + w.from_session,
+                                      to_session=prefix + w.to_session) for w in p.dataflow)
+    state = p.state
+    if state.cross_cache is not None:
+        state = dataclasses.replace(state, cross_cache=dataclasses.replace(
+            state.cross_cache, source=prefix + state.cross_cache.source))
+    positions = dataclasses.replace(state.position_ids, grid_source=dotted(state.position_ids.grid_source))
+    state = dataclasses.replace(state, position_ids=positions)
+    outputs = tuple(dataclasses.replace(o, session=prefix + o.session) for o in p.outputs)
+    pipeline = dataclasses.replace(
+        p, sessions=sessions, flow=flow, dataflow=wires, state=state, outputs=outputs
+    )
+
+
+    return dataclasses.replace(config, pipeline=pipeline)
+
+
+def same_vocabulary(a: Folder, b: Folder) -> str | None:
+    """Why the tokenizers of two folders may give different ids to the same token, or None: their
+    tokenizer.json must map the same tokens to the same ids (vocabulary and added tokens)."""
+    for folder in (a, b):
+        if not folder.exists(TOKENIZER_FILE):
+            return f"{folder.describe()} has no {TOKENIZER_FILE} to compare"
+
+    def ids(folder: Folder) -> tuple[Any, Any]:
+        raw = read_json(folder, TOKENIZER_FILE)
+        model = raw.get("model") if isinstance(raw.get("model"), Mapping) else {}
+        added = raw.get("added_tokens") if isinstance(raw.get("added_tokens"), list) else []
+        pairs = sorted((t.get("id"), t.get("content")) for t in added if isinstance(t, Mapping))
+        return model.get("vocab"), pairs
+
+    (vocab_a, added_a), (vocab_b, added_b) = ids(a), ids(b)
+    if vocab_a != vocab_b:
+        return "their tokenizer.json vocabularies differ"
+    if added_a != added_b:
+        return "their tokenizer.json added tokens differ"
+    return None
+
+
 def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
     """Every external data file the graph names must lie inside the folder (links followed)."""
     base = posixpath.dirname(file)
@@ -113,20 +225,25 @@ def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
         try:
             folder.locate(posixpath.normpath(posixpath.join(base, location)))
         except ConfigError as e:
-            raise ConfigError(f"{folder.describe(file)} keeps weights in {location!r}, which ortpipe does "
-                              f"not open: {e}") from None
+            raise ConfigError(
+                f"{folder.describe(file)} keeps weights in {location!r}, which ortpipe does not open: {e}"
+            ) from None
 
 
-def load_tokenizer(folder: Folder, platform: Platform) -> Tokenizer | None:
-    if not folder.exists(TOKENIZER_FILE):
-        return None
-    text = folder.read_text(TOKENIZER_FILE)
-    config = folder.read_text("tokenizer_config.json") if folder.exists("tokenizer_config.json") else None
+def load_tokenizer(folder: Folder, platform: Platform, where: str = "") -> Tokenizer | None:
+    """The tokenizer in `where` (a folder inside the model folder; preprocessing.text.tokenizer): its
+    tokenizer.json, else the vocabulary of a CLIP or VITS tokenizer (vocab_tokenizers.py), else None."""
+    prefix = f"{where}/" if where else ""
+    if not folder.exists(prefix + TOKENIZER_FILE):
+        return load_vocab_tokenizer(folder, where)
+    text = folder.read_text(prefix + TOKENIZER_FILE)
+    config_file = prefix + "tokenizer_config.json"
+    config = folder.read_text(config_file) if folder.exists(config_file) else None
     try:
         return platform.tokenizer(text, config)
     except Exception as e:  # the tokenizer library's own errors, whatever their type
         raise ConfigError(
-            f"{folder.describe(TOKENIZER_FILE)} cannot be read as a tokenizer: {str(e)[:300]}"
+            f"{folder.describe(prefix + TOKENIZER_FILE)} cannot be read as a tokenizer: {str(e)[:300]}"
         ) from None
 
 
@@ -146,6 +263,12 @@ class Model:
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
+        self.plugin: Factory | None = None
+        self.loop: LoopSetup | None = None  # what a single_pass or denoising loop reads from the folder
+        self.platform: Platform | None = None  # set by load_model: draft models load through it, with
+        self.profile: str | Profile | None = None  # the model's device profile
+        self.device: tuple[Any, bool] = (None, True)  # load_model's device and f16: a draft's variants
+        self.drafts: dict[str, Model] = {}  # draft models by location, loaded once
 
     # requests
 
@@ -164,13 +287,37 @@ class Model:
     ) -> Work:
         """A Request for what the caller asks (work: images and audio are preprocessed by kernels).
         `images`: decoded uint8 [h, w, 3] images with their height and width; `audios`: float32
-        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs."""
+        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs.
+        A single_pass or denoising folder makes an OutputRequest (loops/setup.py)."""
+        if self.loop is not None:
+            if messages is not None or images or audios:
+                raise GenerationError(
+                    "messages, images and audios are for the autoregressive loop; this folder's loop is "
+                    f'"{self.config.generation.loop}"'
+                )
+
+            check_inputs(self.plan, {k: v for k, v in (inputs or {}).items() if k != "latents"}, self.backend)
+            made = output_request(
+                self.plan,
+                self.backend,
+                self.loop,
+                self.tokenizer,
+                prompt,
+                prompt_ids,
+                inputs,
+                max_new_tokens=max_new_tokens,
+                max_length=max_length,
+                **settings,
+            )
+            made.timings.load_ms = self.load_ms
+            return made
         if messages is not None:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
             prompt = self.chat_template().render(messages)
         ids = self.prompt_ids(prompt, prompt_ids)
         search = settings_for(self.config.generation.settings, settings)
+        draft = yield from self.prepare(settings)
         if images or audios:
             made = yield from media_inputs(
                 self.plan, self.folder, self.backend, list(images or []), list(audios or [])
@@ -178,16 +325,35 @@ class Model:
             inputs = {**made, **(inputs or {})}
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(len(ids), max_new_tokens, max_length)
+        if self.plugin is not None:
+            unread = unread_settings(self.plugin, [k for k, v in settings.items() if v is not None])
+            if unread:
+                raise GenerationError(
+                    f"this folder's plugin loop does not read {', '.join(unread)}: drop them (what it "
+                    f"reads: {', '.join(sorted(getattr(self.plugin, 'settings', ()))) or 'no settings'})"
+                )
+            check_ids(ids, self.vocab)
+            eos = frozenset(self.config.tokens.eos)
+            loop = self.plugin(Context(self.plan, self.backend, search, limit, eos, inputs or {}))
+            request = PluginRequest(loop, ids, search, self.tokenizer, limit, eos)
+            request.timings.load_ms = self.load_ms
+            return request
         if search.num_beams > 1:
             check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)
         gen = TokenGenerator(
-            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
         gen.append_tokens(ids)
         request = Request(gen, search, self.tokenizer, len(ids))
         request.timings.load_ms = self.load_ms
         return request
+
+    def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH) -> OutputRequest:
+        """A request for the embeddings of `texts` (a string or a list of them), in batches."""
+        made = embed_request(self.plan, self.backend, self.loop, self.tokenizer, texts, batch_size)
+        made.timings.load_ms = self.load_ms
+        return made
 
     def generator(
         self,
@@ -198,20 +364,88 @@ class Model:
         **settings: Any,
     ) -> TokenGenerator:
         """A step-wise generator sized for the request; its caches never exceed the requested length."""
+        self._token_loop("the step-wise generator")
         search = settings_for(self.config.generation.settings, settings)
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
+        location = self._draft_location(settings)
+        draft = None if location is None else self._loaded_draft(location)
         return TokenGenerator(
-            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs
+            self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
+
+    # draft models (speculative decoding)
+
+    def prepare(self, settings: Mapping[str, Any]) -> Work:
+        """Load what the settings need before a request or generator is made: the draft model that
+        draft_model names, once. Returns its plan, or None."""
+        location = self._draft_location(settings)
+        if location is None:
+            return None
+        if location not in self.drafts:
+            self.drafts[location] = yield from self._load_draft(location)
+        return self.drafts[location].plan
+
+    def _draft_location(self, settings: Mapping[str, Any]) -> str | None:
+        """Where the draft model is: the request's draft_model as given (a path, or in the browser a
+        URL), or the config's, a folder inside the model folder."""
+        given = check_setting("draft_model", settings.get("draft_model"))
+        if given is not None:
+            return given
+        configured = self.config.generation.settings.draft_model
+        return None if configured is None else self.folder.locate(configured)
+
+    def _loaded_draft(self, location: str) -> Plan:
+        if location not in self.drafts:
+            raise OrtpipeError(f"the draft model {location} is not loaded: Model.prepare loads it")
+        return self.drafts[location].plan
+
+    def _load_draft(self, location: str) -> Work:
+        """Load a draft model folder with its sessions named apart from this model's; it must share
+        the tokenizer, check drafts this model can take and be rolled back."""
+        if self.platform is None:
+            raise OrtpipeError("this model was not made by load_model: it cannot load a draft model")
+        folder = self.platform.folder(location)
+        why = same_vocabulary(self.folder, folder)
+        if why:
+            raise GenerationError(
+                f"the draft model {folder.describe()} must have the model's tokenizer: {why}"
+            )
+        draft, _ = yield from load_model(
+            folder,
+            self.platform,
+            self.profile,
+            prefix=f"draft{len(self.drafts) + 1}/",
+            device=self.device[0],
+            f16=self.device[1],
+
+        )
+        why = cannot_verify(draft.plan)
+        if why:
+            raise GenerationError(f"the draft model {folder.describe()} cannot draft: {why}")
+        if draft.vocab is not None and self.vocab is not None and draft.vocab > self.vocab:
+            raise GenerationError(
+                f"the draft model {folder.describe()} has {draft.vocab} token ids, more "
+                f"than the model's {self.vocab}"
+            )
+        return draft
 
     def chat(self, max_length: int | None = None, **settings: Any) -> Chat:
         """A multi-turn chat over one KV cache, with the folder's chat template (see chat.py)."""
+        self._token_loop("chat")
         if self.tokenizer is None:
             raise GenerationError(
                 f"{self.folder.describe(TOKENIZER_FILE)} is missing: chat needs the tokenizer"
             )
         return Chat(self, self.chat_template(), max_length, **settings)
+
+    def _token_loop(self, what: str) -> None:
+        if self.loop is not None:
+            raise GenerationError(
+                f"{what} makes tokens; this folder's loop is "
+                f'"{self.config.generation.loop}": '
+                "use generate (or embed)"
+            )
 
     def chat_template(self) -> ChatTemplate:
         if self.template is None:
@@ -261,12 +495,13 @@ class Model:
             )
         positions = self.plan.max_positions
         if positions is not None and max_length > positions:
-            raise GenerationError(f"max_length {max_length} is more than the {positions} positions the "
-                                  "model's graph can run (the size of its position tables); lower max_length "
-                                  "or max_new_tokens")
+            raise GenerationError(
+                f"max_length {max_length} is more than the {positions} positions the "
+                "model's graph can run (the size of its position tables); lower max_length "
+                "or max_new_tokens"
+            )
 
         if max_length <= prompt_len:
-
             raise GenerationError(
                 f"max_length {max_length} leaves no room to generate after a "
                 f"{prompt_len}-token prompt; raise max_length or use max_new_tokens"
@@ -310,9 +545,17 @@ class Model:
         return request
 
 
+class _Reader(NamedTuple):
+    session: str
+
+
 def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:
-    """Request inputs against the graphs that read them: known names, rank, element type, fixed dims."""
-    readers = {f.input: s for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
+    """Request inputs against the graphs that read them: known names, rank, element type, fixed dims.
+    A plugin's loop feeds its sessions itself: any session's input name is a request input there."""
+    if plan.config.pipeline.plugin:
+        readers = {t.name: _Reader(n) for n, sig in plan.signatures.items() for t in sig.inputs}
+    else:
+        readers = {f.input: s for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
     controls = {s.step.dynamic_shape.source for s in plan.init_steps if s.step.dynamic_shape}
     grid = plan.config.pipeline.state.position_ids.grid_source
     controls |= {grid.split(".", 1)[-1]} if grid else set()

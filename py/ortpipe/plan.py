@@ -31,6 +31,11 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
     "from_request",
     "empty",
 )
+# LOOP: what a loop that makes no tokens supplies itself, named by Feed.source: the denoising loop's model
+# input ("sample") and timestep ("timestep") for its step session, its final latents ("latents") for a final
+# session wired to the step session's output.
+LOOP = "loop"
+DENOISING_ROLES = ("sample", "timestep")
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
 SEPARATE_PATTERNS = (
@@ -173,7 +178,10 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         _fused_step(step, by_phase["final"], signatures),
         facts,
     )
-    if config.generation.loop == "autoregressive" and plan.generator is None:
+    _check_outputs(config, signatures, problems)
+    if config.generation.loop == "denoising":
+        _check_denoising(config, plan, problems)
+    if config.generation.loop == "autoregressive" and plan.generator is None and not config.pipeline.plugin:
         steps = [s.run for s in config.pipeline.flow if s.when == "step"]
         problems.add(
             'generation.loop is "autoregressive" but no step-phase session has a logits output '
@@ -182,6 +190,63 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         )
     problems.raise_if_any()
     return plan
+
+
+# The ranks each kind of named output may have (OutputSpec.kind).
+OUTPUT_RANKS = {"audio": (1, 2), "image": (4,), "embedding": (3,)}
+
+
+def _check_outputs(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
+    """Each named output is an output of a session the flow runs, of a shape its kind can take."""
+    for o in config.pipeline.outputs:
+        sig = sigs.get(o.session)
+        if sig is None:
+            if o.session in config.pipeline.sessions and not config.pipeline.sessions[o.session].optional:
+                problems.add(f'pipeline.output names session "{o.session}", which no flow step runs')
+            continue
+        info = sig.output(o.name)
+        if info is None:
+            problems.add(f'pipeline.output names "{o.name}", but session "{o.session}" has no such output '
+                         f"(outputs: {one_of(sig.output_names)}).{did_you_mean(o.name, sig.output_names)}")
+            continue
+        ranks = OUTPUT_RANKS.get(o.kind)
+        if ranks and info.rank not in ranks:
+            problems.add(f'pipeline.output "{o.name}" is {o.kind} ("as": "{o.kind}"), which needs rank '
+                         f"{' or '.join(map(str, ranks))}; session \"{o.session}\" gives {list(info.shape)}")
+        elif o.kind == "image" and info.shape[1] not in (3, None) and isinstance(info.shape[1], int):
+            problems.add(
+                f'pipeline.output "{o.name}" is an image: [batch, 3, height, width] in [-1, 1]; session '
+                f'"{o.session}" gives {list(info.shape)}'
+            )
+        if o.kind != "tensor" and info.dtype not in ("float32", "float16"):
+            problems.add(
+                f'pipeline.output "{o.name}" is {o.kind}, which needs float32 or float16 values; '
+                f'session "{o.session}" gives {info.dtype}'
+            )
+
+
+def _check_denoising(config: Config, plan: Plan, problems: Problems) -> None:
+    """The denoising session takes the loop's sample and timestep; a final session reads its latents."""
+    for s in plan.step_phase:
+        fed = {f.source for f in s.feeds if f.kind == LOOP}
+        spec = config.pipeline.sessions[s.session]
+        for role in DENOISING_ROLES:
+            if role not in fed:
+                name = spec.inputs.get(role, role)
+                inputs = plan.signatures[s.session].input_names
+                problems.add(
+                    f'generation.loop is "denoising", but session "{s.session}" has no input "{name}" '
+                    f"for the loop's {role} (inputs: {one_of(inputs)}).{did_you_mean(name, inputs)} "
+                    f"Name it in sessions.{s.session}.inputs.{role}"
+                )
+    final = [f for s in plan.final_phase for f in s.feeds if f.kind == LOOP]
+    if plan.final_phase and not final:
+        names = [s.session for s in plan.final_phase]
+        problems.add(
+            f'generation.loop is "denoising", but no final session ({one_of(names)}) reads the latents: '
+            'wire the step session\'s output to it, e.g. {"from": "unet.out_sample", "to": '
+            '"vae_decoder.latent_sample"}'
+        )
 
 
 def _fused_step(
@@ -281,8 +346,14 @@ def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems)
             )
 
 
-def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature],
-               facts: DecoderFacts | None, problems: Problems) -> FlowStepPlan:
+def _step_plan(
+    config: Config,
+    step: FlowStep,
+    flow: list[FlowStep],
+    sigs: dict[str, Signature],
+    facts: DecoderFacts | None,
+    problems: Problems,
+) -> FlowStepPlan:
     spec, sig = config.session_of(step), sigs[step.run]
     kv = _kv_plan(config, step.run, sig, facts, problems)
     cache_inputs = {e.past_input for e in kv.entries} if kv else set()
@@ -294,7 +365,15 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
     }
     if step.counter:
         roles[COUNTER] = step.counter
+    loop = config.generation.loop
+    if loop != "autoregressive":  # a loop that makes no tokens feeds its sessions itself (LOOP, FROM_REQUEST)
+        roles = {}
     by_name = {name: role for role, name in roles.items()}
+    loop_roles = (
+        {spec.inputs.get(r, r): r for r in DENOISING_ROLES}
+        if loop == "denoising" and step.when == "step"
+        else {}
+    )
     feeds = []
     positions = "default"
     for t in sig.inputs:
@@ -302,12 +381,15 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
             feeds.append(Feed(t.name, KV_PAST, dtype=t.dtype))
             continue
         feed = (
-            _explicit_wire(config, step, t)
+            (Feed(t.name, LOOP, loop_roles[t.name], t.dtype) if t.name in loop_roles else None)
+            or _explicit_wire(config, step, t)
             or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
             or _same_name_output(config, step, flow, sigs, t)
         )
         if feed is None and step.when == "init":
             feed = Feed(t.name, FROM_REQUEST, dtype=t.dtype)
+        if loop == "denoising" and step.when == "final" and _from_step(feed, flow):
+            feed = Feed(t.name, LOOP, "latents", t.dtype)  # the step session's wire carries the final latents
         if feed is None:
             problems.add(_unfed_message(step.run, t))
             continue
@@ -319,6 +401,12 @@ def _step_plan(config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[
     logits = logits if logits in sig.output_names else None
     outputs = tuple(t.name for t in sig.outputs)
     return FlowStepPlan(step, step.run, tuple(feeds), outputs, kv, logits, positions)
+
+
+def _from_step(feed: Feed | None, flow: list[FlowStep]) -> bool:
+    """Whether `feed` takes a step-phase session's output."""
+    producer = feed.source.split(".")[0] if feed is not None and feed.kind == FROM_OUTPUT else None
+    return any(s.run == producer and s.when == "step" for s in flow)
 
 
 def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
@@ -333,7 +421,7 @@ def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
         )
     elif step.dynamic_shape and any(d >= info.rank for d in step.dynamic_shape.apply_to_dims):
         problems.add(
-            f"Flow step \"{step.run}\" crops dims {list(step.dynamic_shape.apply_to_dims)} of "
+            f'Flow step "{step.run}" crops dims {list(step.dynamic_shape.apply_to_dims)} of '
             f'"{step.loop_over}", '
             f"which has only {info.rank} dims {list(info.shape)}"
         )
@@ -402,8 +490,9 @@ def _position_strategy(config: Config, session: str, t: TensorInfo, problems: Pr
     return strategy
 
 
-def _kv_plan(config: Config, session: str, sig: Signature, facts: DecoderFacts | None,
-             problems: Problems) -> KVPlan | None:
+def _kv_plan(
+    config: Config, session: str, sig: Signature, facts: DecoderFacts | None, problems: Problems
+) -> KVPlan | None:
     spec = config.pipeline.state.kv_cache
     pairs, fmt = _match_cache(spec, sig)
     if not pairs:
@@ -438,7 +527,6 @@ def _kv_plan(config: Config, session: str, sig: Signature, facts: DecoderFacts |
     return KVPlan(fmt, share and fmt == "separate", tuple(entries))
 
 
-
 def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str, str]], str]:
     """[(layer, past input, present output)] for the first pattern family that matches any input."""
     separate = [
@@ -465,8 +553,14 @@ def _match_cache(spec: KVCacheSpec, sig: Signature) -> tuple[list[tuple[int, str
     return [], "separate"
 
 
-def _cache_shape(config: Config, t: TensorInfo, batch_axis: int, seq_axis: int, facts: DecoderFacts | None,
-                 problems: Problems) -> tuple[int | None, ...]:
+def _cache_shape(
+    config: Config,
+    t: TensorInfo,
+    batch_axis: int,
+    seq_axis: int,
+    facts: DecoderFacts | None,
+    problems: Problems,
+) -> tuple[int | None, ...]:
     """The cache's dims: fixed ones from the signature; the heads and head size it leaves symbolic
     from the graph's attention nodes (graphfacts), else from the config's metadata."""
     site = facts.for_cache(t.name) if facts else None
@@ -483,8 +577,10 @@ def _cache_shape(config: Config, t: TensorInfo, batch_axis: int, seq_axis: int, 
         declared = config.metadata.get(key) if key else None
         size = dim if isinstance(dim, int) else graph if graph is not None else declared
         if isinstance(declared, int) and isinstance(size, int) and declared != size:
-            problems.add(f'metadata.{key} is {declared}, but the graph\'s cache input "{t.name}" has {size} '
-                         f"there; fix or drop metadata.{key} (ortpipe reads it from the graph)")
+            problems.add(
+                f'metadata.{key} is {declared}, but the graph\'s cache input "{t.name}" has {size} '
+                f"there; fix or drop metadata.{key} (ortpipe reads it from the graph)"
+            )
         if not isinstance(size, int):
             problems.add(
                 f'Cache input "{t.name}" has a symbolic dimension {axis} ({dim!r}) that neither the '

@@ -14,7 +14,8 @@ class Tokenizer(Protocol):
 
     # A tokenizer may also have `text_stream()`, giving an object that behaves like `TextStream(self)`
     # in what Request calls (push_many, flush) at less cost: the browser's runs in JS, next to
-    # tokenizers.js.
+    # tokenizers.js; and `encode_batch(texts)`, each text's ids with the special tokens in one call
+    # (CPython's encodes them in parallel).
 
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

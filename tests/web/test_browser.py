@@ -174,8 +174,9 @@ def test_interrupt_stops_a_stream_and_what_is_queued(page: Any) -> None:
     result = page.evaluate("""async () => {
       const {load} = await import('./ortpipe.js');
       const pipe = await load('models/v2/', {device: 'wasm'});
-      // long enough that the generation outlasts a few bursts of decode steps (50 ms each)
-      const options = {promptIds: [5, 17, 42], maxNewTokens: 2000};
+      // within the graph's 256 positions; a stop string that never comes makes every decode step its
+      // own crossing into Python (no bursts), so the interrupt lands after a few tokens
+      const options = {promptIds: [5, 17, 42], maxNewTokens: 250, stop: ['@@never@@']};
       const running = [];
       for await (const chunk of pipe.stream(options)) {
         running.push(chunk.token);
@@ -190,7 +191,8 @@ def test_interrupt_stops_a_stream_and_what_is_queued(page: Any) -> None:
       pipe.dispose();
       return results;
     }""")
-    assert 3 <= result["running"] < 2000
+    assert 3 <= result["running"] < 250
+
     assert result["queued"]["finishReason"] == "interrupt" and result["queued"]["tokens"] == []
     assert result["left"] == 2
     assert result["after"]["finishReason"] == "length" and len(result["after"]["tokens"]) == 5

@@ -12,6 +12,7 @@ from ..jsonfile import read_json
 from . import v1
 from .parse import parse_config
 from .presets import PRESETS
+from .profiles import Profile, layer_profile, load_profile
 from .schema import Config
 
 CONFIG_FILE = "genai_config.json"
@@ -36,11 +37,15 @@ def raw_config(folder: Folder) -> tuple[dict[str, Any], str, tuple[str, ...]] | 
     return raw, "v2", ()
 
 
-def load_config(folder: Folder, warn: bool = True) -> Config:
+def load_config(folder: Folder, warn: bool = True, profile: str | Profile | None = None) -> Config:
     """The folder's Config; without genai_config.json, one detected from the folder's files.
-    `warn`: show the config's notes (unknown v1 keys, ...) as Python warnings."""
+    `profile`: a device profile (a built-in name, a .json path, or a Profile) layered over its sessions
+    before the config is checked (config/profiles.py). `warn`: show the config's notes (unknown v1
+    keys, ...) as Python warnings."""
     found = raw_config(folder)
     raw, source, notes = found if found else (detect_config(folder), "detected", ())
+    if profile is not None:
+        raw = layer_profile(raw, profile if isinstance(profile, Profile) else load_profile(profile))
     config = parse_config(raw, folder, source, notes)
     if warn:
         for note in config.notes:

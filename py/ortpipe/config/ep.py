@@ -20,7 +20,7 @@ from ..errors import Problems, did_you_mean, one_of
 class Provider:
     key: str  # the name configs use: "openvino"
     ort_name: str  # onnxruntime's name: "OpenVINOExecutionProvider"
-    extra: str | None  # the pip extra of ortpipe that installs it: pip install "ortpipe[openvino]"
+    extra: str | None  # the extra of ortpipe that installs it (pip install "ortpipe[openvino]"), or None
     packages: tuple[str, ...]  # the PyPI packages that carry it
     plugin: str | None = None  # a plugin EP package's module, whose get_library_path() onnxruntime registers
 
@@ -34,11 +34,18 @@ PROVIDERS = {p.key: p for p in (
     Provider("cuda", "CUDAExecutionProvider", "cuda", ("onnxruntime-gpu",)),
     Provider("tensorrt", "TensorrtExecutionProvider", "cuda", ("onnxruntime-gpu",)),
     Provider("coreml", "CoreMLExecutionProvider", "cpu", ("onnxruntime",)),  # in the macOS wheels
+    # named by onnxruntime-genai's model builder (-e webgpu, -e NvTensorRtRtx): such folders load, and a
+    # CPython session passes over them to the next provider; the browser target runs every session on its
+    # own device whatever the config names
+    Provider("webgpu", "WebGpuExecutionProvider", None, ("onnxruntime-web",)),
+    Provider("nv_tensorrt_rtx", "NvTensorRTRTXExecutionProvider", None, ()),
 )}
-ALIASES = {"directml": "dml", "trt": "tensorrt"}
+ALIASES = {"directml": "dml", "trt": "tensorrt", "nvtensorrtrtx": "nv_tensorrt_rtx",
+           "trt-rtx": "nv_tensorrt_rtx"}
 _BY_ORT_NAME = {p.ort_name.lower(): p.key for p in PROVIDERS.values()}
 
-# onnxruntime-genai's session_options keys, with the type each takes
+# onnxruntime-genai's session_options keys, with the type each takes: the one table of session options
+# (config/parse.py checks a config's with it, config/v1.py translates into it)
 SESSION_OPTION_TYPES: dict[str, type] = {
     "intra_op_num_threads": int, "inter_op_num_threads": int,
     "enable_cpu_mem_arena": bool, "enable_mem_pattern": bool, "enable_mem_reuse": bool,
@@ -53,6 +60,15 @@ SESSION_OPTION_CHOICES = {
                                  "ORT_ENABLE_ALL"),
     "execution_mode": ("ORT_SEQUENTIAL", "ORT_PARALLEL"),
 }
+# the short names onnxruntime-web uses (and ortpipe's configs did before), taken as the names above
+SESSION_OPTION_ALIASES = {
+    "graph_optimization_level": {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+                                 "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"},
+    "execution_mode": {"sequential": "ORT_SEQUENTIAL", "parallel": "ORT_PARALLEL"},
+}
+MAX_THREADS = 1024
+_INT_LIMITS = {"intra_op_num_threads": MAX_THREADS, "inter_op_num_threads": MAX_THREADS,
+               "log_severity_level": 4}
 # provider options whose values are checked here; the rest go to the provider as written
 _OPENVINO_DEVICE = re.compile(r"^(CPU|GPU(\.\d+)?|NPU(\.\d+)?|(AUTO|HETERO|MULTI):[A-Z0-9.,]+)$")
 _QNN_BACKENDS = ("htp", "cpu", "gpu", "saver", "ir")
@@ -136,6 +152,7 @@ def check_session_options(value: Any, path: str, problems: Problems, nested: boo
         if key is not None:
             out[key] = check_session_options(v, f"{path}.{name}", problems, nested=True)
         elif name in SESSION_OPTION_TYPES:
+            v = SESSION_OPTION_ALIASES.get(name, {}).get(v, v) if isinstance(v, str) else v
             if _check_option(name, v, f"{path}.{name}", problems):
                 out[name] = v
         else:
@@ -150,8 +167,11 @@ def _check_option(name: str, value: Any, path: str, problems: Problems) -> bool:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         problems.add(f"{path} must be {_TYPE_NAMES[kind]}, found {value!r}")
         return False
-    if kind is int and value < 0:
-        problems.add(f"{path} must be 0 (onnxruntime decides) or more, found {value}")
+    high = _INT_LIMITS.get(name)
+    if kind is int and (value < 0 or (high is not None and value > high)):
+        low = "0 (onnxruntime decides)" if name.endswith("_threads") else "0"
+        problems.add(f"{path} must be from {low} to {high}, found {value}" if high is not None
+                     else f"{path} must be {low} or more, found {value}")
         return False
     choices = SESSION_OPTION_CHOICES.get(name)
     if choices and value not in choices:

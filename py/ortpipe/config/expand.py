@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .schema import Config, FlowStep, SessionSpec
+from .schema import Config, FlowStep, OutputSpec, SessionSpec
 from .settings import SETTINGS
 
 
@@ -23,6 +23,8 @@ def as_v2(config: Config) -> dict[str, Any]:
     for key in ("preprocessing", "plugin"):
         if getattr(p, key):
             pipeline[key] = getattr(p, key)
+    if p.outputs:
+        pipeline["output"] = [_output(o) for o in p.outputs]
     return {
         "version": 2,
         "pipeline": pipeline,
@@ -37,13 +39,21 @@ def _generation(config: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"loop": gen.loop}
     for s in SETTINGS:
         value = gen.max_length if s.name == "max_length" else getattr(gen.settings, s.name, None)
-        if s.v2 is None or value is None:
+        if s.v2 is None or value is None or gen.loop not in s.loops:
             continue
         head, _, key = s.v2.rpartition(".")
         (out.setdefault(head, {}) if head else out)[key] = list(value) if isinstance(value, tuple) else value
-    for key in ("num_steps", "scheduler", "guidance_scale"):
-        if getattr(gen, key) is not None:
-            out[key] = getattr(gen, key)
+    if gen.scheduler is not None:
+        out["scheduler"] = gen.scheduler
+    return out
+
+
+def _output(o: OutputSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"session": o.session, "name": o.name, "as": o.kind}
+    if o.sampling_rate is not None:
+        out["sampling_rate"] = o.sampling_rate
+    if o.kind == "embedding":
+        out.update(pooling=o.pooling, normalize=o.normalize)
     return out
 
 

@@ -8,20 +8,22 @@ All problems are collected and raised together as one ConfigError.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from typing import Any
 
 from .. import variants
 from ..errors import ConfigError, Problems, did_you_mean, one_of
 from ..folder import Folder
 from ..jsonfile import quote
-from . import presets
+from . import ep, presets
 from .schema import (
     GENERATION_LOOPS,
     KV_FORMATS,
     LOOP_MODES,
     MAX_FLOW_STEPS,
+    OUTPUT_KINDS,
+    POOLING_MODES,
     POSITION_STRATEGIES,
-    SESSION_OPTIONS,
     WHEN,
     WHEN_ALIASES,
     Config,
@@ -30,6 +32,7 @@ from .schema import (
     FlowStep,
     Generation,
     KVCacheSpec,
+    OutputSpec,
     PipelineSpec,
     PositionIdsSpec,
     SessionSpec,
@@ -38,12 +41,11 @@ from .schema import (
     Tokens,
     Wire,
 )
-from .settings import SearchSettings, by_v2
+from .settings import SETTINGS, SearchSettings, by_v2
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                list: "a list", dict: "an object"}
 MAX_REPEAT = 64  # a flow step run more often than this per iteration is a plugin's job
-MAX_THREADS = 1024
 
 
 class Section:
@@ -154,10 +156,12 @@ def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str,
         )
         problems.raise_if_any()
     pipeline = _pipeline(_resolve_preset(pipe_raw, problems), folder, problems)
+    generation = _generation(top.sub("generation"), folder)
+    _check_loop(pipeline, generation.loop, problems)
     config = Config(
         pipeline=pipeline,
         tokens=_tokens(top.sub("tokens")),
-        generation=_generation(top.sub("generation")),
+        generation=generation,
         metadata=_metadata(top.sub("metadata")),
         source=source,
         notes=notes,
@@ -181,12 +185,11 @@ def _resolve_preset(pipe_raw: dict[str, Any], problems: Problems) -> dict[str, A
 
 def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> PipelineSpec:
     sec = Section(raw, "pipeline", problems, nulls=False)
-    sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin")
-    if "plugin" in sec.raw:
-        sec.problems.add("pipeline.plugin: plugins are not run by this version yet; drop the key")
+    sec.allow("extends", "sessions", "flow", "dataflow", "state", "preprocessing", "plugin", "output")
+    plugin = _plugin(sec.sub("plugin"), folder) if "plugin" in sec.raw else None
 
     sessions = _sessions(sec.sub("sessions"), folder, problems)
-    flow = _flow(sec.get("flow", list), sessions, problems)
+    flow = () if plugin and "flow" not in sec.raw else _flow(sec.get("flow", list), sessions, problems)
     dataflow = _dataflow(sec.get("dataflow", list, []), sessions, problems)
     _check_cycles(flow, dataflow, problems)
     return PipelineSpec(
@@ -195,12 +198,125 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
         dataflow=dataflow,
         state=_cross_attention(_state(sec.sub("state")), flow, sessions, problems),
         preprocessing=_preprocessing(sec.sub("preprocessing"), folder),
-        plugin=sec.get("plugin", dict),
+        plugin=plugin,
         extends=sec.get("extends", str),
+        outputs=_outputs(sec, sessions, problems),
     )
 
 
+def _plugin(sec: Section, folder: Folder) -> dict[str, Any]:
+    """{module: "package.module:factory", wheel: a pure-Python wheel in the folder (optional)}: the
+    loop is the plugin's (plugins.py), every session of the pipeline is opened for it, and the flow
+    may be left out."""
+    sec.allow("module", "wheel")
+    module = sec.get("module", str)
+    if module is None or not all(part.isidentifier() for part in module.replace(":", ".").split(".")):
+        sec.problems.add(f'{sec.path}.module must name a factory as "package.module:factory", '
+                         f"found {quote(module)}")
+    wheel = sec.get("wheel", str)
+    if wheel is not None:
+        from ..errors import ConfigError
+
+        try:
+            found = wheel.endswith(".whl") and folder.exists(wheel)
+        except ConfigError as e:
+            sec.problems.add(f"{sec.path}.wheel: {e}")
+        else:
+            if not found:
+                sec.problems.add(
+                    f"{sec.path}.wheel must be a .whl file in the model folder, found {quote(wheel)}"
+                )
+    return {k: v for k, v in (("module", module), ("wheel", wheel)) if v is not None}
+
+
+def _outputs(sec: Section, sessions: dict[str, SessionSpec], problems: Problems) -> tuple[OutputSpec, ...]:
+    """pipeline.output: one {session, name, ...} or a list of them."""
+    raw = sec.raw.get("output")
+    if raw is None:
+        return ()
+    items = raw if isinstance(raw, list) else [raw]
+    outputs = []
+    for i, item in enumerate(items):
+        o = Section(item, f"pipeline.output[{i}]" if isinstance(raw, list) else "pipeline.output", problems,
+                    nulls=False)
+        o.allow("session", "name", "as", "sampling_rate", "pooling", "normalize")
+        session, name = o.get("session", str), o.get("name", str)
+        if session is None or name is None:
+            problems.add(
+                f'{o.path} needs "session" and "name": the session and its output a request returns, '
+                'e.g. {"session": "vocoder", "name": "waveform"}'
+            )
+            continue
+        if sessions and session not in sessions:
+            problems.add(
+                f'{o.path}.session names session "{session}", which is not declared in pipeline.sessions '
+                f"(declared: {one_of(sessions)}).{did_you_mean(session, sessions)}"
+            )
+        kind = o.choice("as", OUTPUT_KINDS, "tensor", what="output kind (as)")
+        outputs.append(
+            OutputSpec(session, name, kind, _sampling_rate(o, kind), _pooling(o, kind), _normalize(o, kind))
+        )
+    names = [o.name for o in outputs]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.add(f'pipeline.output names "{name}" twice: a request returns its outputs by name')
+    return tuple(outputs)
+
+
+def _sampling_rate(o: Section, kind: str) -> int | None:
+    rate = o.number("sampling_rate", int, None, 1, 1_000_000)
+    if kind == "audio" and rate is None and "sampling_rate" not in o.raw:
+        o.problems.add(
+            f'{o.path} is audio ("as": "audio") but has no "sampling_rate": give the samples per second'
+        )
+    elif kind != "audio" and "sampling_rate" in o.raw:
+        o.problems.add(f'{o.path}.sampling_rate is for audio outputs ("as": "audio"); this one is "{kind}"')
+    return rate
+
+
+def _pooling(o: Section, kind: str) -> str | None:
+    if kind != "embedding":
+        for key in ("pooling", "normalize"):
+            if key in o.raw:
+                o.problems.add(
+                    f'{o.path}.{key} is for embedding outputs ("as": "embedding"); this one is "{kind}"'
+                )
+        return None
+    return o.choice("pooling", POOLING_MODES, "mean", what="pooling")
+
+
+def _normalize(o: Section, kind: str) -> bool:
+    return bool(o.get("normalize", bool, False)) if kind == "embedding" else False
+
+
+def _check_loop(pipeline: PipelineSpec, loop: str, problems: Problems) -> None:
+    """What each generation loop needs of the pipeline: named outputs for the loops that make no tokens, one
+    denoising session run per step."""
+    steps = [s.run for s in pipeline.flow if s.when == "step"]
+    if loop != "autoregressive" and not pipeline.outputs:
+        problems.add(
+            f'generation.loop "{loop}" makes no tokens: name what a request returns in pipeline.output, '
+            'e.g. {"session": "vocoder", "name": "waveform", "as": "audio", "sampling_rate": 16000}'
+        )
+    if loop == "single_pass" and steps:
+        problems.add(
+            f'generation.loop "single_pass" runs the init and final phases once; flow steps with '
+            f'"when": "step" ({one_of(steps)}) would never run: make them "init"'
+        )
+    final = [s.run for s in pipeline.flow if s.when == "final"]
+    if loop == "autoregressive" and final:
+        problems.add(
+            f'flow steps with "when": "final" ({one_of(final)}) run after the single_pass and '
+            "denoising loops; the autoregressive loop does not run them yet: drop them"
+        )
+    if loop == "denoising" and len(steps) != 1:
+        problems.add(
+            f'generation.loop "denoising" runs one session per step (the UNet), found {len(steps)} '
+            f'("when": "step": {one_of(steps) or "none"})'
+        )
+
+
 def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, SessionSpec]:
+
     if not sec.raw:
         problems.add(
             'Pipeline config requires at least one session. Add "sessions": '
@@ -231,7 +347,7 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             file=file,
             providers=_providers(s),
             provider_options=_provider_options(s),
-            session_options=_session_options(s.sub("session_options")),
+            session_options=_session_options(s),
             optional=optional,
             inputs=_role_map(s, "inputs"),
             outputs=_role_map(s, "outputs"),
@@ -255,51 +371,25 @@ def _dtype(s: Section) -> str | None:
 
 
 def _providers(s: Section) -> tuple[str, ...]:
-    value = s.raw.get("execution_provider", "cpu")
-    providers = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
-    if not providers or not all(isinstance(p, str) and p for p in providers):
-        s.problems.add(
-            f"{s.path}.execution_provider must be a provider name or a list of names (a fallback "
-            f'order, e.g. ["openvino", "cpu"]), found {quote(value)}'
-        )
+    """`execution_provider`: a name or an ordered fallback list, as provider keys (config/ep.py)."""
+    if "execution_provider" not in s.raw:
         return ("cpu",)
-    return providers
+    providers = ep.provider_names(s.raw["execution_provider"], f"{s.path}.execution_provider", s.problems)
+    return providers or ("cpu",)
 
 
-def _provider_options(s: Section) -> dict[str, dict[str, Any]]:
-    value = s.get("provider_options", dict, {})
-    for provider, options in value.items():
-        if not isinstance(options, dict):
-            s.problems.add(
-                f"{s.path}.provider_options.{provider} must be an object of option names and values, "
-                f"found {quote(options)}"
-            )
-            return {}
-    return dict(value)
+def _provider_options(s: Section) -> dict[str, dict[str, str]]:
+    """`provider_options`: options per provider, keyed by provider key, values as onnxruntime takes them."""
+    if "provider_options" not in s.raw:
+        return {}
+    return ep.check_provider_options(s.raw["provider_options"], f"{s.path}.provider_options", s.problems)
 
 
-def _session_options(sec: Section) -> dict[str, Any]:
-    sec.allow(*SESSION_OPTIONS)
-    options = {}
-    for key, kind in SESSION_OPTIONS.items():
-        if key not in sec.raw:
-            continue
-        if kind is int:
-            value = sec.number(key, int, None, 0, MAX_THREADS)
-        elif isinstance(kind, tuple):
-            value = sec.choice(key, kind, kind[0])
-        else:
-            value = sec.get(key, kind)
-        if value is not None:
-            options[key] = value
-    entries = options.get("config_entries", {})
-    if not all(isinstance(v, str) for v in entries.values()):
-        sec.problems.add(
-            f"{sec.path}.config_entries maps onnxruntime session config keys to strings, "
-            f"found {quote(entries)}"
-        )
-        options.pop("config_entries")
-    return options
+def _session_options(s: Section) -> dict[str, Any]:
+    """`session_options`: onnxruntime-genai's keys, a provider's own under its key (config/ep.py)."""
+    if "session_options" not in s.raw:
+        return {}
+    return ep.check_session_options(s.raw["session_options"], f"{s.path}.session_options", s.problems)
 
 
 def _role_map(sec: Section, key: str) -> dict[str, str]:
@@ -499,8 +589,14 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-PATTERN_KEYS = ("past_key_pattern", "present_key_pattern", "past_value_pattern", "present_value_pattern",
-                "past_pattern", "present_pattern")
+PATTERN_KEYS = (
+    "past_key_pattern",
+    "present_key_pattern",
+    "past_value_pattern",
+    "present_value_pattern",
+    "past_pattern",
+    "present_pattern",
+)
 
 
 def _state(sec: Section) -> StateSpec:
@@ -527,7 +623,6 @@ def _state(sec: Section) -> StateSpec:
             format=kv.choice("format", KV_FORMATS, "auto", what="kv_cache format"),
             **patterns,
             share_buffer=kv.get("share_buffer", bool),
-
             sliding_window=_sliding(kv),
         ),
         position_ids=PositionIdsSpec(
@@ -577,8 +672,10 @@ def _sliding(kv: Section) -> SlidingWindow | None:
 
 
 def _preprocessing(sec: Section, folder: Folder) -> dict[str, Any]:
-    sec.allow("image", "audio")
+    sec.allow("image", "audio", "text")
     found = {}
+    if "text" in sec.raw:
+        found["text"] = _text_preprocessing(sec.sub("text"), folder)
     for kind in ("image", "audio"):
         if kind not in sec.raw:
             continue
@@ -595,6 +692,25 @@ def _preprocessing(sec: Section, folder: Folder) -> dict[str, Any]:
                 continue
         found[kind] = dict(s.raw)
     return found
+
+
+def _text_preprocessing(s: Section, folder: Folder) -> dict[str, Any]:
+    """`tokenizer`: the folder (inside the model folder) holding the tokenizer files; `max_length`: texts are
+    truncated to this many tokens, special tokens included (single_pass and denoising loops)."""
+    s.allow("tokenizer", "max_length")
+    text: dict[str, Any] = {}
+    where = s.get("tokenizer", str)
+    if where is not None:
+        from ..folder import inside
+
+        if where not in ("", ".") and not inside(where):
+            s.problems.add(f'{s.path}.tokenizer "{where}" is not a folder inside the model folder')
+        else:
+            text["tokenizer"] = where.strip("/")
+    length = s.number("max_length", int, None, 1, 1 << 20)
+    if length is not None:
+        text["max_length"] = length
+    return text
 
 
 # metadata is for people and logs, but for the sizes the runtime reads when a graph leaves them symbolic
@@ -622,13 +738,14 @@ def _tokens(sec: Section) -> Tokens:
     return Tokens(eos=tuple(eos), **values)
 
 
-def _generation(sec: Section) -> Generation:
-    samp = sec.sub("sampling")
+def _generation(sec: Section, folder: Folder) -> Generation:
+    samp, spec = sec.sub("sampling"), sec.sub("speculative")
     top_keys = [key for key, _ in by_v2()]
-    sec.allow("loop", "sampling", "num_steps", "scheduler", "guidance_scale", *top_keys)
+    sec.allow("loop", "sampling", "speculative", "scheduler", *top_keys)
     samp.allow(*(key for key, _ in by_v2("sampling")))
+    spec.allow(*(key for key, _ in by_v2("speculative")))
     values: dict[str, Any] = {}
-    for section, where in ((sec, ""), (samp, "sampling")):
+    for section, where in ((sec, ""), (samp, "sampling"), (spec, "speculative")):
         for key, setting in by_v2(where):
             if key not in section.raw:
                 continue
@@ -638,18 +755,37 @@ def _generation(sec: Section) -> Generation:
             elif checked is not None:
                 values[setting.name] = checked
     max_length = values.pop("max_length", None)
+    draft = values.get("draft_model")
+    if draft is not None:
+        tokenizer = posixpath.join(draft, "tokenizer.json")
+        try:
+            if not folder.exists(tokenizer):  # the containment check too: a folder inside the model folder
+                sec.problems.add(f"{spec.path}.draft_model: {folder.describe(tokenizer)} does not exist; the "
+                                 "draft model is a folder inside the model folder, with its tokenizer")
+        except ConfigError as e:
+            sec.problems.add(f"{spec.path}.draft_model: {e}")
     loop = sec.choice("loop", GENERATION_LOOPS, "autoregressive", what="generation loop")
-    if loop != "autoregressive":
-        sec.problems.add(f'generation.loop "{loop}" is not run by this version yet; it runs "autoregressive"')
-    for key in ("num_steps", "scheduler", "guidance_scale"):
-        if key in sec.raw and loop != "denoising":
-            sec.problems.add(f'generation.{key} is a setting of the "denoising" loop; this config\'s loop is '
-                             f'"{loop}": drop it')
+    by_key = {s.v2: s for s in SETTINGS if s.v2}
+    given = [k for k in sec.raw if k not in ("sampling", "speculative")]
+    for key in given + [f"sampling.{k}" for k in samp.raw] + [f"speculative.{k}" for k in spec.raw]:
+        setting = by_key.get(key)
+        if setting is not None and loop not in setting.loops:
+            sec.problems.add(
+                f"generation.{key} is a setting of the {_loops(setting.loops)} loop; this config's "
+                f'loop is "{loop}": drop it'
+            )
+    if "scheduler" in sec.raw and loop != "denoising":
+        sec.problems.add(
+            f'generation.scheduler is a setting of the "denoising" loop; this config\'s loop is '
+            f'"{loop}": drop it'
+        )
     return Generation(
         loop=loop,
         max_length=max_length,
         settings=SearchSettings(**values),
-        num_steps=sec.number("num_steps", int, None, 1, 10_000),
         scheduler=sec.get("scheduler", str),
-        guidance_scale=sec.number("guidance_scale", float, None, 0.0, 1000.0),
     )
+
+
+def _loops(loops: tuple[str, ...]) -> str:
+    return " and ".join(f'"{loop}"' for loop in loops)

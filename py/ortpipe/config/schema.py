@@ -17,28 +17,21 @@ LOOP_MODES = ("batched", "per_image")
 KV_FORMATS = ("auto", "separate", "combined")
 POSITION_STRATEGIES = ("auto", "default", "mrope_3d", "windowed")
 GENERATION_LOOPS = ("autoregressive", "single_pass", "denoising")
+# What a named output is (pipeline.output[].as): a plain tensor, mono audio [batch, samples], an image from a
+# VAE ([batch, 3, height, width] in [-1, 1]), or token states pooled into one embedding per text.
+OUTPUT_KINDS = ("tensor", "audio", "image", "embedding")
+POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 MAX_FLOW_STEPS = 10
-# session_options a session may set, and what each takes (a tuple: the allowed names, default first).
-# They become onnxruntime SessionOptions on CPython; the browser's sessions take none of them.
-SESSION_OPTIONS: dict[str, Any] = {
-    "intra_op_num_threads": int,
-    "inter_op_num_threads": int,
-    "graph_optimization_level": ("all", "extended", "basic", "disable"),
-    "execution_mode": ("sequential", "parallel"),
-    "enable_cpu_mem_arena": bool,
-    "enable_mem_pattern": bool,
-    "enable_mem_reuse": bool,
-    # onnxruntime session config entries, e.g. {"session.use_device_allocator_for_initializers": "1"}
-    "config_entries": dict,
-}
 
 
 @dataclass(frozen=True)
 class SessionSpec:
     name: str
     file: str
-    providers: tuple[str, ...] = ("cpu",)  # the first available wins; later ones are fallbacks
-    provider_options: dict[str, Any] = field(default_factory=dict)
+    # provider keys (config/ep.py), tried in order: the first that is installed and compiles the graph wins
+    providers: tuple[str, ...] = ("cpu",)
+    provider_options: dict[str, dict[str, str]] = field(default_factory=dict)  # provider key -> options
+    # onnxruntime-genai's session options (config/ep.py's table), a provider's own under its key
     session_options: dict[str, Any] = field(default_factory=dict)
     optional: bool = False
     inputs: dict[str, str] = field(default_factory=dict)  # role -> graph input name
@@ -121,6 +114,22 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class OutputSpec:
+    """A tensor a request returns (pipeline.output): `name` of session `session`, and what it is."""
+
+    session: str
+    name: str
+    kind: str = "tensor"  # one of OUTPUT_KINDS
+    sampling_rate: int | None = None  # audio
+    pooling: str | None = None  # embedding: one of POOLING_MODES
+    normalize: bool = False  # embedding: divided by its L2 norm
+
+    @property
+    def source(self) -> str:
+        return f"{self.session}.{self.name}"
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     sessions: dict[str, SessionSpec]
     flow: tuple[FlowStep, ...]
@@ -129,6 +138,7 @@ class PipelineSpec:
     preprocessing: dict[str, Any] = field(default_factory=dict)
     plugin: dict[str, Any] | None = None
     extends: str | None = None
+    outputs: tuple[OutputSpec, ...] = ()  # pipeline.output, in the config's order
 
 
 @dataclass(frozen=True)
@@ -146,9 +156,7 @@ class Generation:
     loop: str = "autoregressive"
     max_length: int | None = None
     settings: SearchSettings = field(default_factory=SearchSettings)  # the request defaults (settings.py)
-    num_steps: int | None = None
-    scheduler: str | None = None
-    guidance_scale: float | None = None
+    scheduler: str | None = None  # denoising: a scheduler class (loops/schedulers.py); None: the folder's
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,12 @@ KINDS = {
     "float": "number",
     "ids": "number[]",
     "strings": "string | string[]",
+    "string": "string",
+    "path": "string",
 }
+
+TOKEN_LOOP = ("autoregressive",)
+DENOISING_LOOP = ("denoising",)
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,10 @@ class Setting:
     high: float | None = None
     low_open: bool = False  # low itself is not allowed
     v2: str | None = None  # the key under `generation` in a v2 config ("sampling.top_p")
-    v1: str | None = None  # the key under `search` in a v1 config
+    v1: str | None = None  # the key under `search` in a v1 config; "block.key": under the top-level block
     cli: bool = True  # `ortpipe run` and `chat` have --NAME
     search: bool = True  # a field of SearchSettings (the lengths are the request's own)
+    loops: tuple[str, ...] = TOKEN_LOOP  # the generation loops that read it; others refuse it
 
     @property
     def flag(self) -> str:
@@ -67,6 +73,14 @@ class Setting:
             )
         if kind == "strings":
             return _strings(value)
+        if kind == "string":
+            return (
+                (value, None) if isinstance(value, str) else (None, f"must be a string, found {quote(value)}")
+            )
+
+        if kind == "path":
+            ok = isinstance(value, str) and value.strip() != "" and "\x00" not in value
+            return (value, None) if ok else (None, f"must be a folder's path or URL, found {quote(value)}")
         if kind == "ids":
             ok = isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 0 for v in value)
             return (
@@ -120,43 +134,233 @@ def _strings(value: Any) -> tuple[Any, str | None]:
 
 
 MAX_BEAMS = 64  # beams multiply the batch: each holds its own KV cache
+MAX_DRAFT = 32  # drafted tokens checked in one run at most
 LARGE = 1e4  # the bound of settings that are otherwise unbounded: beyond it float32 kernels overflow
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("max_new_tokens", "int", None, "tokens to generate at most", low=1, search=False),
-    Setting("max_length", "int", None, "prompt and generated tokens together, at most", low=1,
-            v2="max_length", v1="max_length", search=False),
-    Setting("do_sample", "bool", False, "sample instead of taking the most likely token",
-            v2="sampling.do_sample", v1="do_sample"),
-    Setting("temperature", "float", 1.0, "0 is greedy", low=0.0, high=LARGE, v2="sampling.temperature",
-            v1="temperature"),
-    Setting("top_k", "int", 0, "keep the k most likely tokens; 0 turns it off", low=0,
-            v2="sampling.top_k", v1="top_k"),
-    Setting("top_p", "float", 1.0, "keep the most likely tokens up to this probability; 1 turns it off",
-            low=0.0, high=1.0, low_open=True, v2="sampling.top_p", v1="top_p"),
-    Setting("min_p", "float", 0.0, "drop tokens less likely than this times the most likely; 0 turns it off",
-            low=0.0, high=1.0, v2="sampling.min_p"),
-    Setting("repetition_penalty", "float", 1.0, "divide the scores of tokens seen so far; 1 turns it off",
-            low=0.0, high=LARGE, low_open=True, v2="sampling.repetition_penalty", v1="repetition_penalty"),
-    Setting("seed", "int", None, "the sampler's seed: the same seed gives the same tokens on every target",
-            v2="sampling.seed", v1="random_seed"),
-    Setting("no_repeat_ngram_size", "int", 0, "never repeat an n-gram of this size; 0 turns it off", low=0,
-            v2="no_repeat_ngram_size", v1="no_repeat_ngram_size"),
-    Setting("min_length", "int", 0, "no eos before prompt and generated tokens reach this length", low=0,
-            v2="min_length", v1="min_length"),
-    Setting("min_new_tokens", "int", 0, "no eos before this many tokens were generated", low=0,
-            v2="min_new_tokens"),
+    Setting(
+        "max_length",
+        "int",
+        None,
+        "prompt and generated tokens together, at most",
+        low=1,
+        v2="max_length",
+        v1="max_length",
+        search=False,
+    ),
+    Setting(
+        "do_sample",
+        "bool",
+        False,
+        "sample instead of taking the most likely token",
+        v2="sampling.do_sample",
+        v1="do_sample",
+    ),
+    Setting(
+        "temperature",
+        "float",
+        1.0,
+        "0 is greedy",
+        low=0.0,
+        high=LARGE,
+        v2="sampling.temperature",
+        v1="temperature",
+    ),
+    Setting(
+        "top_k",
+        "int",
+        0,
+        "keep the k most likely tokens; 0 turns it off",
+        low=0,
+        v2="sampling.top_k",
+        v1="top_k",
+    ),
+    Setting(
+        "top_p",
+        "float",
+        1.0,
+        "keep the most likely tokens up to this probability; 1 turns it off",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        v2="sampling.top_p",
+        v1="top_p",
+    ),
+    Setting(
+        "min_p",
+        "float",
+        0.0,
+        "drop tokens less likely than this times the most likely; 0 turns it off",
+        low=0.0,
+        high=1.0,
+        v2="sampling.min_p",
+    ),
+    Setting(
+        "repetition_penalty",
+        "float",
+        1.0,
+        "divide the scores of tokens seen so far; 1 turns it off",
+        low=0.0,
+        high=LARGE,
+        low_open=True,
+        v2="sampling.repetition_penalty",
+        v1="repetition_penalty",
+    ),
+    Setting(
+        "seed",
+        "int",
+        None,
+        "the seed of the sampler and of the initial noise: the same seed gives the "
+        "same tokens or image on every target",
+        v2="sampling.seed",
+        v1="random_seed",
+        loops=TOKEN_LOOP + DENOISING_LOOP,
+    ),
+    Setting(
+        "no_repeat_ngram_size",
+        "int",
+        0,
+        "never repeat an n-gram of this size; 0 turns it off",
+        low=0,
+        v2="no_repeat_ngram_size",
+        v1="no_repeat_ngram_size",
+    ),
+    Setting(
+        "min_length",
+        "int",
+        0,
+        "no eos before prompt and generated tokens reach this length",
+        low=0,
+        v2="min_length",
+        v1="min_length",
+    ),
+    Setting(
+        "min_new_tokens",
+        "int",
+        0,
+        "no eos before this many tokens were generated",
+        low=0,
+        v2="min_new_tokens",
+    ),
     Setting("suppress_tokens", "ids", (), "token ids never generated", v2="suppress_tokens"),
-    Setting("stop", "strings", (), "generation ends before any of these strings, which are not returned",
-            v2="stop"),
-    Setting("num_beams", "int", 1, "beam search with this many beams; 1 turns it off", low=1, high=MAX_BEAMS,
-            v2="num_beams", v1="num_beams"),
-    Setting("length_penalty", "float", 1.0, "beam scores are divided by length to this power", low=-LARGE,
-            high=LARGE, v2="length_penalty", v1="length_penalty"),
-    Setting("early_stopping", "bool", False, "beam search ends once num_beams hypotheses are finished",
-            v2="early_stopping", v1="early_stopping"),
-    Setting("num_return_sequences", "int", 1, "hypotheses returned by beam search (result.sequences)", low=1,
-            high=MAX_BEAMS, v2="num_return_sequences", v1="num_return_sequences"),
+    Setting(
+        "stop",
+        "strings",
+        (),
+        "generation ends before any of these strings, which are not returned",
+        v2="stop",
+    ),
+    Setting(
+        "num_beams",
+        "int",
+        1,
+        "beam search with this many beams; 1 turns it off",
+        low=1,
+        high=MAX_BEAMS,
+        v2="num_beams",
+        v1="num_beams",
+    ),
+    Setting(
+        "length_penalty",
+        "float",
+        1.0,
+        "beam scores are divided by length to this power",
+        low=-LARGE,
+        high=LARGE,
+        v2="length_penalty",
+        v1="length_penalty",
+    ),
+    Setting(
+        "early_stopping",
+        "bool",
+        False,
+        "beam search ends once num_beams hypotheses are finished",
+        v2="early_stopping",
+        v1="early_stopping",
+    ),
+    Setting(
+        "num_return_sequences",
+        "int",
+        1,
+        "hypotheses returned by beam search (result.sequences)",
+        low=1,
+        high=MAX_BEAMS,
+        v2="num_return_sequences",
+        v1="num_return_sequences",
+    ),
+    Setting(
+        "logprobs",
+        "int",
+        None,
+        "give each generated token's log-probability and this many most likely "
+        "alternatives (chunk.logprob, chunk.top_logprobs)",
+        low=0,
+        high=20,
+    ),
+    Setting(
+        "num_steps", "int", 50, "denoising steps", low=1, high=1000, v2="num_steps", loops=DENOISING_LOOP
+    ),
+    Setting(
+        "guidance_scale",
+        "float",
+        7.5,
+        "classifier-free guidance: above 1 runs a conditional and an unconditional row",
+        low=0.0,
+        high=LARGE,
+        v2="guidance_scale",
+        loops=DENOISING_LOOP,
+    ),
+    Setting(
+        "negative_prompt",
+        "string",
+        None,
+        "what the image should not show (the unconditional row's text)",
+        v2="negative_prompt",
+        loops=DENOISING_LOOP,
+    ),
+    # speculative decoding (loops/speculative.py): onnxruntime-genai's `speculative` block, and transformers'
+    # prompt_lookup_num_tokens
+    Setting(
+        "prompt_lookup_num_tokens",
+        "int",
+        0,
+        "speculative decoding with drafts looked up in the prompt "
+        "and the text so far, at most this many tokens a step (transformers' name); 0 turns it off",
+        low=0,
+        high=MAX_DRAFT,
+        v2="prompt_lookup_num_tokens",
+    ),
+    Setting(
+        "ngram_size",
+        "int",
+        0,
+        "speculative decoding with drafts that continue an earlier occurrence of "
+        "the last this-many tokens (onnxruntime-genai's speculative.ngram_size); 0 turns it off",
+        low=0,
+        high=16,
+        v2="speculative.ngram_size",
+        v1="speculative.ngram_size",
+    ),
+    Setting(
+        "max_draft_tokens",
+        "int",
+        4,
+        "drafted tokens checked in one run at most (speculative decoding; the draft length adapts below it)",
+        low=1,
+        high=MAX_DRAFT,
+        v2="speculative.max_draft_tokens",
+        v1="speculative.max_draft_tokens",
+    ),
+    Setting(
+        "draft_model",
+        "path",
+        None,
+        "speculative decoding with drafts from this smaller model folder (a "
+        "path; in the browser a URL; in a config a folder inside the model folder), which must have the "
+        "model's tokenizer",
+        v2="speculative.draft_model",
+    ),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -175,6 +379,10 @@ class _Derived:
     no_repeat_ngram_size: int
     min_length: int
     min_new_tokens: int
+    prompt_lookup_num_tokens: int
+    ngram_size: int
+    draft_model: str | None
+    logprobs: int | None
 
     @property
     def sampling(self) -> bool:
@@ -186,6 +394,11 @@ class _Derived:
         return not self.sampling and self.repetition_penalty == 1.0
 
     @property
+    def speculative(self) -> bool:
+        """Drafted tokens are checked in one run (loops/speculative.py)."""
+        return bool(self.prompt_lookup_num_tokens or self.ngram_size or self.draft_model)
+
+    @property
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits at every step: no penalty and no ban could change it."""
         return (
@@ -194,6 +407,7 @@ class _Derived:
             and not self.no_repeat_ngram_size
             and not self.min_length
             and not self.min_new_tokens
+            and self.logprobs is None  # they are read from the logits, which a fused step keeps to itself
         )
 
 

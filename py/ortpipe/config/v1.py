@@ -26,7 +26,7 @@ _KV_KEYS = {
 _ENCODERS = (("vision", True), ("speech", True), ("encoder", False), ("embedding", False))
 
 # What onnxruntime-genai reads, and the type of each: (type or types, whether ortpipe uses it).
-_TOP = {"model": (dict, True), "search": (dict, True)}
+_TOP = {"model": (dict, True), "search": (dict, True), "speculative": (dict, True)}
 _MODEL = {
     "type": (str, True),
     "bos_token_id": (int, True),
@@ -72,21 +72,9 @@ _SLIDING = {
     "slide_key_value_cache": (bool, True),
     "alignment": (str, True),
 }
-# v1 session_options -> v2 session_options, and the v1 names of graph_optimization_level's values.
-_SESSION_OPTIONS = {
-    "intra_op_num_threads": "intra_op_num_threads",
-    "inter_op_num_threads": "inter_op_num_threads",
-    "enable_cpu_mem_arena": "enable_cpu_mem_arena",
-    "enable_mem_pattern": "enable_mem_pattern",
-    "graph_optimization_level": "graph_optimization_level",
-    "config_entries": "config_entries",
-}
-_OPT_LEVELS = {
-    "ORT_DISABLE_ALL": "disable",
-    "ORT_ENABLE_BASIC": "basic",
-    "ORT_ENABLE_EXTENDED": "extended",
-    "ORT_ENABLE_ALL": "all",
-}
+# the v1 session_options that carry over to v2 as they are (names and values: config/ep.py's table)
+_SESSION_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "enable_cpu_mem_arena",
+                    "enable_mem_pattern", "graph_optimization_level", "config_entries")
 _SESSION_KEYS = {
     "log_id": (str, True),
     "provider_options": (list, True),
@@ -116,14 +104,21 @@ _SESSION_KEYS = {
         for k in _SESSION_OPTIONS
     },
 }
-_SEARCH = {
-    **{
-        s.v1: ((bool if s.kind == "bool" else int if s.kind == "int" else (int, float)), True)
-        for s in SETTINGS
-        if s.v1
-    },
-    **{k: ((bool, int, float), k != "batch_size") for k in V1_OTHER_SEARCH_KEYS},
-}
+def _v1_keys(block: str) -> dict[str, tuple[Any, bool]]:
+    """The settings table's v1 keys of `block`: "search", or a top-level block ("speculative")."""
+    keys = {}
+    for s in SETTINGS:
+        head, _, key = (s.v1 or "").rpartition(".")
+        if s.v1 and (head or "search") == block:
+            keys[key] = ((bool if s.kind == "bool" else int if s.kind == "int" else (int, float)), True)
+    return keys
+
+
+_SEARCH = {**_v1_keys("search"), **{k: ((bool, int, float), k != "batch_size") for k in V1_OTHER_SEARCH_KEYS}}
+# onnxruntime-genai's speculative decoding block; its n-gram chaining, adaptive floor and cooldown
+# are its own tuning (ortpipe adapts the draft length its own way): known, not used.
+_SPECULATIVE = {**_v1_keys("speculative"), "ngram_chained_lookup": (bool, False),
+                "min_adaptive_k": (int, False), "cooldown": (bool, False)}
 
 
 def is_v1(raw: Any) -> bool:
@@ -144,6 +139,8 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     decoder = model["decoder"]
     search = raw.get("search") if isinstance(raw.get("search"), dict) else {}
     _check(search, _SEARCH, "search", problems, notes)
+    speculative = raw.get("speculative") if isinstance(raw.get("speculative"), dict) else {}
+    _check(speculative, _SPECULATIVE, "speculative", problems, notes)
     if search.get("diversity_penalty", 0) not in (0, 0.0, None):
         problems.add(
             "search.diversity_penalty asks for group beam search, which ortpipe does not run; set it to 0"
@@ -177,7 +174,7 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
             "state": state,
         },
         "tokens": _tokens(model),
-        "generation": _generation(search),
+        "generation": _generation(search, speculative),
         "metadata": _metadata(model),
     }
     return v2, tuple(notes)
@@ -256,11 +253,7 @@ def _renamed_wires(sections: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
 
 def _session(section: dict[str, Any]) -> dict[str, Any]:
     v1_options = section.get("session_options") or {}
-    options = {v2: v1_options[v1] for v1, v2 in _SESSION_OPTIONS.items() if v1_options.get(v1) is not None}
-    if "graph_optimization_level" in options:
-        options["graph_optimization_level"] = _OPT_LEVELS.get(
-            options["graph_optimization_level"], options["graph_optimization_level"]
-        )
+    options = {k: v1_options[k] for k in _SESSION_OPTIONS if v1_options.get(k) is not None}
     session: dict[str, Any] = {"file": section.get("filename", "model.onnx"), "session_options": options}
     providers, provider_options = [], {}
     for entry in v1_options.get("provider_options") or []:
@@ -310,12 +303,14 @@ def _tokens(model: dict[str, Any]) -> dict[str, Any]:
     return tokens
 
 
-def _generation(search: dict[str, Any]) -> dict[str, Any]:
+def _generation(search: dict[str, Any], speculative: dict[str, Any]) -> dict[str, Any]:
     gen: dict[str, Any] = {}
     for s in SETTINGS:
-        if s.v1 is None or s.v2 is None or search.get(s.v1) is None:
+        block, _, v1_key = (s.v1 or "").rpartition(".")
+        section = speculative if block == "speculative" else search
+        if s.v1 is None or s.v2 is None or section.get(v1_key) is None:
             continue
-        value = search[s.v1]
+        value = section[v1_key]
         if s.name == "seed" and value < 0:
             continue  # onnxruntime-genai's random_seed -1: a fresh seed per run, ortpipe's default
         head, _, key = s.v2.rpartition(".")

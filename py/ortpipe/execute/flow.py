@@ -21,6 +21,7 @@ from ..plan import (
     FROM_REQUEST,
     INPUT_IDS,
     KV_PAST,
+    LOOP,
     POSITION_IDS,
     FlowStepPlan,
     Plan,
@@ -41,9 +42,11 @@ class FlowRun:
         steps = plan.all_steps
         self.caches = {s.session: KVCache(s.kv, backend, batch, max_length) for s in steps if s.kv}
         read = {f.source for s in steps for f in s.feeds if f.kind in (FROM_OUTPUT, CARRIED)}
+        read |= {o.source for o in plan.config.pipeline.outputs}  # what the request returns
         # each session's outputs that a later step reads: only these are kept
         self._read_later = {s.session: [o for o in s.outputs if f"{s.session}.{o}" in read] for s in steps}
         self.values: dict[str, Handle] = {}
+        self.loop_inputs: dict[str, Handle] = {}  # LOOP feeds, by Feed.source: set by the loop before a run
         self.skipped: list[str] = []
         self.item_rows: dict[str, list[int]] = {}  # encoder -> rows of its output per item
         self.rope_delta = 0
@@ -218,6 +221,17 @@ class FlowRun:
         self.position += n
         self.iterations += n
 
+    def run_steps(self) -> Work:
+        """One pass of the step phase for a loop that makes no tokens (a denoising step): the last
+        session's outputs."""
+        self.label = f"step {self.iterations}"
+        out = {}
+        for s in self.plan.step_phase:
+            out = yield self._run(s, [])
+            self._store(s, out)
+        self.iterations += 1
+        return out
+
     def run_final(self) -> Work:
         self.label = "final"
         for s in self.plan.final_phase:
@@ -266,6 +280,8 @@ class FlowRun:
                 feeds[f.input] = b.tensor([counter], (1,), f.dtype)
             elif kind == FROM_REQUEST:
                 feeds[f.input] = self.inputs[f.input]
+            elif kind == LOOP:
+                feeds[f.input] = self.loop_inputs[f.source]
             elif kind == EMPTY:
                 feeds[f.input] = self._empty(s, f.input)
             else:

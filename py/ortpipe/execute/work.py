@@ -4,13 +4,14 @@ Core generators yield work items and receive their answers (psycopg's generators
 CPython driver answers with onnxruntime, the browser's with onnxruntime-web. Work items are
 immutable values; what changes hands (a KV cache after fused steps) comes back in the answer.
 
-| work      | answer                                   |
-| --------- | ---------------------------------------- |
-| `ReadGraph` | the graph file: a path, bytes or a seekable binary file (onnxinfo reads it) |
-| `Open`    | `Opened`: the session and its signature  |
-| `Run`     | {output name: tensor}                    |
-| `RunAll`  | a list of those, in order                |
-| `Decode`  | `Decoded`: token ids and the cache after |
+| work        | answer                                                                  |
+| ----------- | ----------------------------------------------------------------------- |
+| `ReadGraph` | the graph file: a path, bytes or a seekable binary file (onnxinfo reads) |
+| `ReadWheel` | a local path Python can import the plugin's wheel from                  |
+| `Open`      | `Opened`: the session and its signature                                 |
+| `Run`       | {output name: tensor}                                                   |
+| `RunAll`    | a list of those, in order                                               |
+| `Decode`    | `Decoded`: token ids and the cache after                                |
 
 Tensors are opaque handles owned by the target; the core only creates small integer tensors and
 reads small integer results through `Backend`.
@@ -34,6 +35,15 @@ KERNEL = "kernel:"  # session names starting with this are ortpipe's kernel grap
 class ReadGraph:
     """The graph file at `path` (a checked real path, or a URL), for the core to read its structure
     before the session is made (what its external data names, what its attention nodes say)."""
+
+    path: str
+    shown: str
+
+
+@dataclass(frozen=True)
+class ReadWheel:
+    """A plugin's pure-Python wheel at `path` (plugins.py): answered with a path in this process's
+    file system that Python can import it from (the file itself, or a copy)."""
 
     path: str
     shown: str
@@ -103,7 +113,11 @@ class Decode(NamedTuple):
     and answers a `Decoded` with 1 to `limit` tokens. `cache` is the KV cache as the core holds it
     (past input -> tensor): the target reads it and must not change the mapping; `capacity` is the
     most positions the request's mask can cover. `pick`: how each step selects its token when it is
-    not the argmax of the logits (sampling/sampler.py `Pick`), for targets with `fused_sampling`."""
+    not the argmax of the logits (sampling/sampler.py `Pick`), for targets with `fused_sampling`.
+
+    `speculation` (loops/speculative.py, plain greedy requests only): the target may run the steps as
+    speculative rounds, drafts checked in one run, which give the same tokens; a target that does not
+    ignores it."""
 
     step: FusedStep
     cache: Mapping[str, Handle]
@@ -113,12 +127,14 @@ class Decode(NamedTuple):
     position: int
     limit: int
     label: str
-    pick: Any = None
+    speculation: Any = None  # loops.speculative.Speculation
+    pick: Any = None  # sampling.sampler.Pick
 
 
 class Decoded(NamedTuple):
     tokens: list[int]
     cache: Mapping[str, Handle]  # the cache after the steps, which the core holds from now on
+    draft: tuple[Mapping[str, Handle], int] | None = None  # speculation's draft model: its cache and length
 
 
 Work = Generator[Any, Any, Any]

@@ -11,8 +11,9 @@ from ..execute.work import KERNEL
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # Preprocessing kernels take decoded pixels and samples, which are on the CPU, and compute in
-# float64: a target with a GPU device runs them on its CPU provider.
-CPU_ONLY = tuple(f"{KERNEL}{name}" for name in ("resize_", "normalize_", "patchify_", "log_mel_"))
+# float64, as the noise kernel does (Box-Muller on the core's uniforms): a target with a GPU device runs
+# them on its CPU provider.
+CPU_ONLY = tuple(f"{KERNEL}{name}" for name in ("resize_", "normalize_", "patchify_", "log_mel_", "normal_"))
 
 
 def kernel_file(session: str) -> Path:

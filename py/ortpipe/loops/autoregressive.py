@@ -10,6 +10,8 @@ layout, runs every iteration after the first as a `Decode`: the target may answe
 of tokens, up to the `limit` set from the length limit and the caller's budget. Plain greedy
 requests select the argmax; others (sampling, penalties, bans) are fused on targets that select as
 the sampler does (`Backend.fused_sampling`), with the sampler's `Pick` and its random numbers.
+With speculative decoding (loops/speculative.py) a plain greedy request's Decode carries its
+speculator, and other requests run speculative rounds of drafts checked in one run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Work
 from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, REWIND, STOP, Lifecycle
 from ..plan import Plan
 from ..sampling.sampler import Sampler
+from .speculative import Speculator
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class TokenGenerator:
         limits: Limits,
         settings: SearchSettings | None = None,
         inputs: dict[str, Handle] | None = None,
+        draft: Plan | None = None,
     ):
+        """`draft`: the plan of the draft model that settings.draft_model names, loaded (Model.prepare)."""
         self.plan, self.backend, self.limits = plan, backend, limits
         self.flow = FlowRun(plan, backend, 1, limits.max_length, inputs)
         gen = plan.generator
@@ -66,11 +71,20 @@ class TokenGenerator:
         self._pending: list[int] = []  # ids the graph has not seen yet
         self.interrupted = False
         self.fused_steps = 0  # decode steps the target ran as `Decode`s
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []  # per token, when asked
+
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
-        selects = self.sampler.settings.plain_greedy or (
-            getattr(backend, "fused_sampling", False) and self.sampler.fusable
+        settings = self.sampler.settings
+        # logprobs are given one token a step: a request that asks for them does not speculate
+        self.speculator = (
+            Speculator(plan, backend, settings, limits.max_length, limits.eos, draft)
+            if settings.speculative and settings.logprobs is None else None
+        )
+        # a sampled request that speculates runs its rounds here (speculative sampling), not fused
+        selects = settings.plain_greedy or (
+            self.speculator is None and getattr(backend, "fused_sampling", False) and self.sampler.fusable
         )
         self._fused: FusedStep | None = fused if fusable and selects else None
 
@@ -111,12 +125,31 @@ class TokenGenerator:
         for cache in self.flow.caches.values():
             yield from cache.truncate(min(seen, cache.length), self.backend)
         self.flow.position = seen
+        if self.speculator is not None:
+            yield from self.speculator.rewound(length)
         self._pending = self.tokens[seen:length]
         del self.tokens[length:]
         self.generated = 0
         self.interrupted = False
         if not self._pending:
             self.life.fire(EMPTY)
+
+    def take_back(self, n: int) -> Work:
+        """Forget the last n generated tokens (a request ended at a stop string before them): the
+        sequence is as if generation had stopped after the token before them."""
+        keep = len(self.tokens) - n
+        if n <= 0 or n > self.generated:
+            raise GenerationError(f"cannot take back {n} of {self.generated} generated tokens")
+        self.life.fire(REWIND)
+        for cache in self.flow.caches.values():
+            if cache.length > keep - 1:
+                yield from cache.truncate(keep - 1, self.backend)
+        self.flow.position = keep - 1
+        del self.tokens[keep:]
+        self._pending = self.tokens[-1:]
+        self.generated -= n
+        if self.speculator is not None:
+            yield from self.speculator.rewound(keep)
 
     def next_token(self) -> Work:
         """The next token."""
@@ -134,40 +167,83 @@ class TokenGenerator:
         except BaseException as e:  # the target failed (or Ctrl-C) mid-step: the cache cannot be trusted
             self.life.fail(e)
             raise
+        self._took(tokens)
+        return tokens
+
+    @property
+    def pending(self) -> list[int]:
+        """The ids the graph has not seen yet (after a step: the last token)."""
+        return self._pending
+
+    # Steps another loop runs for this sequence: a batch (loops/batched.py) whose row it is.
+
+    def begin_external(self) -> None:
+        if self.life.state == READY and self.done:
+            self.life.fire(STOP)
+        self.life.fire(BEGIN)
+
+    def end_external(self, tokens: list[int]) -> None:
+        """The step fed the one pending id and selected `tokens`."""
+        for cache in self.flow.caches.values():
+            cache.length += 1
+        self.flow.position += 1
+        self.flow.iterations += 1
+        self._took(tokens)
+
+    def fail_external(self, error: BaseException) -> None:
+        self.life.fail(error)
+
+    def _took(self, tokens: list[int]) -> None:
+        if self.sampler.settings.logprobs is not None:  # one token per step: logprobs keep the generic path
+            self.logprobs.append(self.sampler.last_logprobs)
         self.tokens.extend(tokens)
         self._pending = [tokens[-1]]
         self.generated += len(tokens)
         self.life.fire(FINISH if self.done else END)
-        return tokens
+
 
     def _iterate(self, budget: int | None) -> Work:
         if self.flow.iterations == 0:
             yield from self._init_phase()
-        fused = self._fused
-        if fused is not None and self.flow.iterations and len(self._pending) == 1:
-            room = self.limits.max_length - len(self.tokens)
-            limit = max(1, min(self._burst, room, room if budget is None else budget))
-            pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
-            cache = self.flow.caches[fused.session]
-            answer = yield Decode(
-                fused,
-                cache.feeds,
-                self.flow.max_length,
-                self.limits.eos,
-                self._pending[0],
-                self.flow.position,
-                limit,
-                f"step {self.flow.iterations}",
-                pick,
-            )
-            tokens = self._check_burst(answer, limit)
-            self.sampler.drew(len(tokens))
-            self.flow.advance(fused.session, answer.cache, len(tokens))
-            self.fused_steps += len(tokens)
-            return tokens
+        fused, spec = self._fused, self.speculator
+        if self.flow.iterations and len(self._pending) == 1:
+            if fused is not None:
+                return (yield from self._decode(fused, budget))
+            if spec is not None:
+                tokens = yield from spec.round(self, budget)
+                if tokens:
+                    return tokens
         logits = yield from self.flow.run_iteration(self._pending)
         self.sampler.label = self.flow.label
         return [(yield from self.sampler.select(logits, self.tokens, self.generated))]
+
+    def _decode(self, fused: FusedStep, budget: int | None) -> Work:
+        """A burst of fused steps (speculative rounds, when the request speculates)."""
+        room = self.limits.max_length - len(self.tokens)
+        limit = max(1, min(self._burst, room, room if budget is None else budget))
+        pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
+        cache = self.flow.caches[fused.session]
+        spec = self.speculator
+        answer = yield Decode(
+            fused,
+            cache.feeds,
+            self.flow.max_length,
+            self.limits.eos,
+            self._pending[0],
+            self.flow.position,
+            limit,
+            f"step {self.flow.iterations}",
+            speculation=spec.speculation(self.tokens) if spec is not None else None,
+            pick=pick,
+        )
+        tokens = self._check_burst(answer, limit)
+        self.sampler.drew(len(tokens))
+
+        self.flow.advance(fused.session, answer.cache, len(tokens))
+        if spec is not None:
+            spec.took(answer)
+        self.fused_steps += len(tokens)
+        return tokens
 
     def _init_phase(self) -> Work:
         expanded = yield from self.flow.run_init(self._pending)

@@ -46,6 +46,8 @@ class Sampler:
         self._vocab = 0
         self._drawn: object = None  # the generator's state before a burst's draws
         self.label = ""  # the step the logits come from, for messages and traces
+        self.last_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
+
 
     def kernels(self) -> list[str]:
         """The kernel sessions `select` runs when nothing is banned: a target may open them early."""
@@ -62,7 +64,8 @@ class Sampler:
     def fusable(self) -> bool:
         """Whether a target can select as `select` does, from `pick`: every ban but the n-gram
         one is known before a burst."""
-        return not self.settings.no_repeat_ngram_size
+        return not self.settings.no_repeat_ngram_size and self.settings.logprobs is None
+
 
     def pick(self, tokens: list[int], generated: int, limit: int) -> tuple[Pick | None, int]:
         """How a burst of at most `limit` fused steps after `tokens` selects (None: the argmax of the
@@ -101,6 +104,20 @@ class Sampler:
                 self.rng.random()
 
     def select(self, logits: Handle, tokens: list[int], generated: int) -> Work:
+        """The next token; with `logprobs` set, its log-probability and the most likely alternatives
+        are left in `last_logprobs` (from the model's own distribution, before any penalty or warper)."""
+        token = yield from self._pick(logits, tokens, generated)
+        k = self.settings.logprobs
+        if k is not None:
+            b = self.backend
+            out = yield Run(kernel("logprobs", self.dtype), {
+                "logits": logits, "token": b.tensor([token], (1,), "int64"),
+                "k": b.tensor([max(k, 1)], (1,), "int64")}, ("chosen", "values", "indices"), None, self.label)
+            top = list(zip(b.to_list(out["indices"])[:k], b.to_list(out["values"])[:k], strict=True))
+            self.last_logprobs = (b.to_list(out["chosen"])[0], tuple(top))
+        return token
+
+    def _pick(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         s, b = self.settings, self.backend
         banned = banned_ids(s, tokens, generated, self.eos)
         if s.argmax_only and not banned:

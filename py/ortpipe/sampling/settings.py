@@ -42,7 +42,15 @@ def check_combination(s: SearchSettings) -> None:
         raise GenerationError(
             "beam search with sampling is not supported; set do_sample false or num_beams 1"
         )
+    if s.num_beams > 1 and s.speculative:
+        raise GenerationError(
+            "beam search with speculative decoding is not supported; drop prompt_lookup_num_tokens, "
+            "ngram_size and draft_model, or set num_beams 1"
+        )
+    if s.num_beams > 1 and s.logprobs is not None:
+        raise GenerationError("beam search does not give logprobs; set num_beams 1 or drop logprobs")
     if s.num_return_sequences > s.num_beams:
+
         raise GenerationError(
             f"num_return_sequences ({s.num_return_sequences}) needs as many beams; raise "
             f"num_beams to at least {s.num_return_sequences} (sampling returns one sequence)"

@@ -49,8 +49,10 @@ class KVCache:
 
     def take(self, cache: Mapping[str, Handle], steps: int) -> None:
         """After `steps` fused decode steps: the cache the target answered is this cache from now on."""
-        if cache is not self.feeds:
-            self.feeds = dict(cache)
+        # adopted as it is, not copied: a target that keeps the cache between steps (the browser's JS
+        # Decoder) knows its own mapping again on the next Decode
+        self.feeds = cache if isinstance(cache, dict) else dict(cache)
+
         self.length += steps
 
     def truncate(self, length: int, backend: Backend) -> Work:

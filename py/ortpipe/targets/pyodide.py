@@ -32,10 +32,11 @@ from pyodide.ffi import JsException, JsProxy, to_js
 
 from ..config.settings import SEARCH
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work
+from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work, kernel
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
 from ..model import Model, load_model
+from ..outputs import OutputRequest, Progress
 from ..request import Chunk, Request
 from ..sampling.sampler import Sampler
 from ..signature import Signature, TensorInfo
@@ -199,12 +200,19 @@ class JsTextStream:
 class WebPlatform:
     name = "pyodide"
 
-    def __init__(self, bridge: JsProxy):
-        self.bridge = bridge
+    def __init__(self, bridge: JsProxy, driver: Driver | None = None):
+        self.bridge, self.driver = bridge, driver
         self.backend = WebBackend(bridge)
 
     def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> JsTokenizer:
         return JsTokenizer(self.bridge.tokenizer(tokenizer_json, tokenizer_config), self.bridge)
+
+    def folder(self, location: str) -> RemoteFolder:
+        """A draft model's folder: an absolute URL (the embed API resolves it against the page)."""
+        folder = RemoteFolder(self.bridge, location)
+        if self.driver is not None:
+            self.driver.folders.append(folder)
+        return folder
 
     def compile_template(self, source: str) -> Renderer:
         """@huggingface/jinja: the bridge answers {text} or {error: {kind, message}} as JSON."""
@@ -237,9 +245,11 @@ class Driver:
 
     def __init__(self, bridge: JsProxy, folder: RemoteFolder, device: str):
         self.bridge, self.folder, self.device = bridge, folder, device
+        self.folders = [folder]  # the model's, and the draft models' (WebPlatform.folder)
         self.sessions: dict[str, JsProxy] = {}
         self._gpu = device == "webgpu"
         self._decoders: dict[str, tuple[JsProxy, Mapping[str, Any], CacheSlot]] = {}
+        self._speculators: dict[str, tuple[JsProxy, JsProxy | None, JsProxy]] = {}  # by the model's session
         self._kernels_sent: set[str] = set()
 
     def start(self, work: Any) -> tuple[bool, Any]:
@@ -314,10 +324,12 @@ class Driver:
         """A session on the worker's device for every model session (the config's execution providers
         are for CPython)."""
         file = work.spec.file
+        # the folder the graph is in: the model's, or a draft model's
+        folder = max((f for f in self.folders if work.path.startswith(f.base)), key=lambda f: len(f.base))
         weights = [
-            self.folder.locate(n)
+            folder.locate(n)
             for n in (p.format(file=file) for p in EXTERNAL_DATA)
-            if self.folder.exists(n)
+            if folder.exists(n)
         ]
         options = {"name": file, "device": self.device, "gpuOutputs": self._gpu, "externalData": weights}
         return self.bridge.createSession(work.path, _js_object(options))
@@ -325,7 +337,13 @@ class Driver:
     # fused decode steps
 
     def decoder(self, d: Decode) -> tuple[JsProxy, bool]:
-        """The JS Decoder of `d`'s session holding `d.cache`, and whether it was just started."""
+        """What runs `d`'s burst: the JS Decoder of its session holding `d.cache`, or a JS Speculator
+        over it when `d` speculates; and whether it was just made (the worker reads it again)."""
+        if d.speculation is not None:
+            return self._speculator(d)
+        return self._decoder(d)
+
+    def _decoder(self, d: Decode) -> tuple[JsProxy, bool]:
         decoder, cache, first = self._decoders.get(d.step.session) or (None, None, None)
         # The core's KVCache replaces all its entries at once (a generic step, a rewind): the first
         # entry tells whether the decoder still holds the cache.
@@ -334,7 +352,48 @@ class Driver:
         return self._start_decoder(d), True
 
     def decoded(self, d: Decode, tokens: list[int]) -> Decoded:
-        return Decoded(tokens, self._decoders[d.step.session][1])
+        cache = self._decoders[d.step.session][1]
+        if d.speculation is None:
+            return Decoded(tokens, cache)
+        spec = d.speculation
+        state = json.loads(self._speculators[d.step.session][2].state())
+        spec.speculator.absorb(state)
+        draft = None
+        if spec.draft is not None:
+            draft = (self._decoders[spec.draft.step.session][1], state["draftedTo"])
+        return Decoded(tokens, cache, draft)
+
+    def _speculator(self, d: Decode) -> tuple[JsProxy, bool]:
+        """The JS Speculator over the Decoders of the model and of the draft model, given the text so
+        far and the draft length's state (web/speculate.js)."""
+        spec = d.speculation
+        target, fresh = self._decoder(d)
+        draft, draft_fresh, drafted_to = None, False, 0
+        if spec.draft is not None:
+            dd = spec.draft
+            alone = Decode(dd.step, dd.cache, dd.capacity, d.eos, 0, dd.length, 1, "draft")
+            draft, draft_fresh = self._decoder(alone)
+            drafted_to = dd.length
+        held = self._speculators.get(d.step.session)
+        fresh = fresh or draft_fresh or held is None
+        if fresh:
+            speculator = spec.speculator
+            config = {
+                "eos": sorted(d.eos), "most": speculator.length.most,
+                "ngram": speculator.ngram.size if speculator.ngram is not None else 0,
+                "layout": d.step.layout, "seqAxes": dict(spec.seq_axes),
+                "draftLayout": spec.draft.step.layout if spec.draft else None,
+                "draftSeqAxes": dict(spec.draft.seq_axes) if spec.draft else None,
+            }
+            graphs = None
+            if self._gpu and "concat" in (config["layout"], config["draftLayout"]):
+                names = [f"{KERNEL}narrow_{t}" for t in ("float32", "float16")]
+                graphs = _js_object({name: to_js(kernel_file(name).read_bytes()) for name in names})
+            held = (target, draft, self.bridge.speculator(target, draft, json.dumps(config), graphs))
+            self._speculators[d.step.session] = held
+        held[2].prepare(json.dumps({"tokens": spec.tokens, "length": spec.speculator.length.state(),
+                                    "draftedTo": drafted_to, "resets": spec.speculator.resets}))
+        return held[2], fresh
 
     def _start_decoder(self, d: Decode) -> JsProxy:
         """A JS Decoder for the request whose cache is `d.cache`, holding that cache from now on."""
@@ -401,17 +460,18 @@ def signature_of(bridge: JsProxy, session: JsProxy) -> Signature:
 
 
 class Emit:
-    """Chunks a task has for the page; the Task collects them into its next answer."""
+    """Chunks (and the Progress of loops that make no tokens) a task has for the page; the Task collects
+    them into its next answer."""
 
     __slots__ = ("chunks",)
 
-    def __init__(self, chunks: list[Chunk]):
+    def __init__(self, chunks: list[Chunk | Progress]):
         self.chunks = chunks
 
 
 class Task:
     """One message's work, pumped by the worker: every call answers JSON, one of
-    {"chunks", "next": "wait"}: await `pending`, then `advance(result)`;
+    {"chunks", "progress", "next": "wait"}: await `pending`, then `advance(result)`;
     {"chunks", "next": "decode", "decode": [token, position, limit, pick], "fresh"}: run a burst of
       the JS Decoder (`decoder`, read again when fresh; `pick`: how it selects, or null for the
       argmax), then `decoded(...tokens)`;
@@ -440,11 +500,14 @@ class Task:
 
     def _answer(self, resume: Any) -> str:
         chunks: list[dict[str, Any]] = []
+        progress: list[dict[str, Any]] = []
         try:
             item = resume()
             while True:
                 if type(item) is Emit:
-                    chunks += [{"token": c.token, "text": c.text} for c in item.chunks]
+                    chunks += [{"token": c.token, "text": c.text} for c in item.chunks if type(c) is Chunk]
+                    progress += [{"step": c.step, "steps": c.steps, "what": c.what} for c in item.chunks
+                                 if type(c) is Progress]
                     item = self.work.send(None)
                 elif type(item) is Decode:
                     self._item = item
@@ -453,6 +516,7 @@ class Task:
                     return json.dumps(
                         {
                             "chunks": chunks,
+                            "progress": progress,
                             "next": "decode",
                             "fresh": fresh,
                             "decode": [item.token, item.position, item.limit, pick],
@@ -462,12 +526,13 @@ class Task:
                     now, value = self.driver.start(item)
                     if not now:
                         self._item, self.pending = item, value
-                        return json.dumps({"chunks": chunks, "next": "wait"})
+                        return json.dumps({"chunks": chunks, "progress": progress, "next": "wait"})
                     item = self.work.send(value)
         except StopIteration as stop:
-            return json.dumps({"chunks": chunks, "next": "done", "value": stop.value})
+            return json.dumps({"chunks": chunks, "progress": progress, "next": "done", "value": stop.value})
         except OrtpipeError as e:
-            return json.dumps({"chunks": chunks, "error": {"type": type(e).__name__, "message": str(e)}})
+            return json.dumps({"chunks": chunks, "progress": progress,
+                               "error": {"type": type(e).__name__, "message": str(e)}})
         except Exception as e:  # a bug: the page gets the traceback to report
             return json.dumps(
                 {
@@ -489,21 +554,29 @@ class Worker:
         self.driver: Driver | None = None
         self.chats: dict[int, Any] = {}
         self._chats_made = 0
-        self.active: Request | None = None
+        self.active: Request | OutputRequest | None = None
         self._interrupted = False  # an interrupt that came before the running task made its request
+        self.outputs: list[dict[str, Any]] = []  # the last result's named outputs, for take_outputs
 
-    def task(self, kind: str, options: str, images: JsProxy | None = None) -> Task:
-        """A Task for the worker's message `kind` with its JSON `options` (and decoded images)."""
-        return Task(self._work(kind, json.loads(options), images), self.driver)
+    def task(self, kind: str, options: str, images: JsProxy | None = None,
+             tensors: JsProxy | None = None) -> Task:
+        """A Task for the worker's message `kind` with its JSON `options` (and decoded images, and named
+        tensors: a denoising request's latents)."""
+        return Task(self._work(kind, json.loads(options), images, tensors), self.driver)
 
-    def _work(self, kind: str, options: dict[str, Any], images: JsProxy | None) -> Work:
+    def _work(self, kind: str, options: dict[str, Any], images: JsProxy | None,
+              tensors: JsProxy | None) -> Work:
         if kind == "load":
             folder = RemoteFolder(self.bridge, options["url"])
             self.driver = Driver(self.bridge, folder, options["device"])
             return self._load(folder, options.get("dtype"), options.get("f16", True))
         if kind == "generate":
-            tensors = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
-            return self._generate(options, tensors)
+            decoded = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
+            if tensors:
+                options["inputs"] = {name: Tensor(t) for name, t in tensors.object_entries()}
+            return self._generate(options, decoded)
+        if kind == "embed":
+            return self._embed(options)
         if kind == "chat":
             return self._open_chat(options)
         if kind == "say":
@@ -513,8 +586,10 @@ class Worker:
         return _failing(OrtpipeError(f"the worker asked for an unknown task {kind!r}"))
 
     def _load(self, folder: RemoteFolder, dtype: Any, f16: bool) -> Work:
-        platform = WebPlatform(self.bridge)
-        self.model, _ = yield from load_model(folder, platform, dtype, self.driver.device, f16)
+        platform = WebPlatform(self.bridge, self.driver)
+        device = self.driver.device
+        self.model, _ = yield from load_model(folder, platform, dtype=dtype, device=device, f16=f16)
+
         self.driver.warm(self._default_kernels())
         return self.info()
 
@@ -547,8 +622,17 @@ class Worker:
             )
         return (yield from self._run(chat.say(content, options.get("max_new_tokens"))))
 
-    def _run(self, request: Request) -> Work:
-        """The request run to its end, its chunks emitted as they come; returns the result."""
+    def _embed(self, options: dict[str, Any]) -> Work:
+        self._interrupted = bool(options.pop("interrupted", False))
+        unknown = sorted(set(options) - {"texts", "batch_size"})
+        if unknown:
+            raise GenerationError(f"embed takes texts and batchSize, not {', '.join(unknown)}")
+        request = self._loaded().embed(options.get("texts"), options.get("batch_size", 32))
+        return (yield from self._run(request))
+
+    def _run(self, request: Request | OutputRequest) -> Work:
+        """The request run to its end, its chunks emitted as they come; returns the result (its named
+        outputs described, their tensors kept for take_outputs)."""
         if self._interrupted:
             request.interrupt()
         self.active = request
@@ -557,14 +641,37 @@ class Worker:
                 yield Emit((yield from request.advance()))
         finally:
             self.active = None
-        return request.result().as_dict()
+        result = request.result()
+        self.outputs = []
+        for name, value in result.outputs.items():
+            kind = result.kinds[name]
+            entry = {"name": name, "kind": kind["kind"], "tensor": value,
+                     "samplingRate": kind.get("sampling_rate")}
+            if kind["kind"] == "image":  # what a canvas takes: RGBA bytes
+                made = yield Run(kernel("rgba8", "uint8"), {"image": value}, ("rgba",), None, "final")
+                entry["rgba"] = made["rgba"]
+            self.outputs.append(entry)
+        backend = self._loaded().backend
+        return result.as_dict(lambda name, value: {"dtype": backend.dtype(value),
+                                                   "shape": list(backend.shape(value))})
+
+    def take_outputs(self) -> JsProxy:
+        """The last result's named outputs for the worker: [{name, kind, tensor, samplingRate, rgba}] (an
+        image also as RGBA bytes [batch, height, width, 4]). The worker reads them, then calls
+        release_outputs."""
+        listed = [{k: v.js if isinstance(v, Tensor) else v for k, v in entry.items()}
+                  for entry in self.outputs]
+        return to_js(listed, dict_converter=js.Object.fromEntries)
+
+    def release_outputs(self) -> None:
+        self.outputs = []
 
     def _open_chat(self, options: dict[str, Any]) -> Work:
+        yield from self._loaded().prepare(options)  # a draft model the settings name
         chat = self._loaded().chat(**options)
         self._chats_made += 1
         self.chats[self._chats_made] = chat
         return self._chats_made
-        yield  # a generator, like every task's work
 
     def _rewind(self, number: Any) -> Work:
         chat = self._chat(number)
@@ -608,6 +715,8 @@ class Worker:
             "notes": list(model.config.notes),
             # the generation settings a request gets unless it says otherwise (the page's placeholders)
             "defaults": {s.name: _plain(getattr(model.config.generation.settings, s.name)) for s in SEARCH},
+            "loop": model.config.generation.loop,
+            "outputs": {o.name: o.kind for o in model.config.pipeline.outputs},
         }
 
 

@@ -13,13 +13,14 @@ warn_if_mixed()  # before onnxruntime is imported: two flavours in one environme
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...chat import Chat
+from ...config.profiles import Profile
 from ...errors import ConfigError, GenerationError
 from ...execute.work import Work
 from ...folder import LocalFolder
@@ -28,8 +29,9 @@ from ...model import Model, load_model
 from ...plan import Plan
 from ...request import Chunk, Request, Result
 from ...trace import Trace
+from . import providers
 from .driver import Driver
-from .media import decode_image, read_wav
+from .media import Audio, decode_image, read_wav
 from .text import HFTokenizer, compile_template
 
 
@@ -65,6 +67,11 @@ class CpuPlatform:
 
     def tokenizer(self, tokenizer_json: str, tokenizer_config: str | None) -> HFTokenizer:
         return HFTokenizer.from_text(tokenizer_json)
+
+    def folder(self, location: str) -> LocalFolder:
+        if not os.path.isdir(location):
+            raise GenerationError(f"model folder {location} does not exist or is not a directory")
+        return LocalFolder(location)
 
 
 class StepGenerator:
@@ -108,8 +115,15 @@ class Pipeline:
     def load_ms(self) -> float:
         return self.model.load_ms
 
+    @property
+    def assignments(self) -> dict[str, providers.Assignment]:
+        """Per session: the provider it was opened with and the nodes onnxruntime placed on each
+        provider (`providers.report(pipe.assignments.values())` is `ortpipe inspect`'s text)."""
+        return self.driver.assignments
+
     def generator(self, prompt_len: int = 0, max_new_tokens: int | None = None, max_length: int | None = None,
                   inputs: dict[str, Any] | None = None, **settings: Any) -> StepGenerator:
+        self.driver.drive(self.model.prepare(settings))  # a draft model it names
         return StepGenerator(self.model.generator(prompt_len, max_new_tokens, max_length, inputs, **settings),
                              self.driver)
 
@@ -171,8 +185,28 @@ class Pipeline:
             collected.write(trace)
         return request.result()
 
+    def embed(self, texts: str | list[str], *, batch_size: int = 32) -> np.ndarray:
+        """Embeddings of a sentence-transformers (or any embedding) folder: float32 [len(texts), dim], or
+        [dim] for one string; texts run in batches of `batch_size`, padded."""
+        request = self.model.embed(texts, batch_size)
+        for _ in self.drive(request):
+            pass
+        embeddings = request.result().output_of("embedding")
+        return embeddings[0] if isinstance(texts, str) else embeddings
+
+    def speak(self, text: str, **settings: Any) -> Audio:
+        """Speech for `text` from a text-to-speech folder (an "audio" output): mono samples and their rate."""
+        result = self.generate(text, **settings)
+        name = next((n for n, k in result.kinds.items() if k["kind"] == "audio"), None)
+        if name is None:
+            raise GenerationError("speak needs a folder whose pipeline.output is audio")
+        samples = result.outputs[name]
+        return Audio(samples.reshape(-1) if samples.ndim == 1 or samples.shape[0] == 1 else samples,
+                     result.kinds[name]["sampling_rate"])
+
     def chat(self, max_length: int | None = None, **settings: Any) -> PipelineChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""
+        self.driver.drive(self.model.prepare(settings))
         return PipelineChat(self.model.chat(max_length, **settings), self)
 
     def run(self, work: Work) -> Any:
@@ -250,17 +284,24 @@ Progress = Callable[[str], None]
 def load(
     model_dir: str | os.PathLike[str],
     *,
-    provider: str | None = None,
+    provider: str | Sequence[str] | Mapping[str | None, str | Sequence[str]] | None = None,
+    profile: str | Profile | None = None,
     threads: int | None = None,
     on_progress: Progress | None = None,
     dtype: str | dict[str, str] | None = None,
+    allow_plugins: bool = False,
 ) -> Pipeline:
     """Load a model folder (genai_config.json v1 or v2, or a detected export) for onnxruntime.
 
+    `provider` overrides the sessions' execution providers: a name or a fallback list for every
+    session ("openvino", ["openvino", "cpu"]), or {session name: name or list} for some (the key
+    None: every other session). `profile`: a device profile, by name (edge/profiles/) or .json path,
+    layered over the config first. Where each session was placed is `Pipeline.assignments`.
     `on_progress` receives a line of text as each session starts and ends loading. `dtype` picks
     the model variant when the folder holds several exports of a graph (fp32, fp16, q8, q4, q4f16,
     ...: transformers.js's names, model_q4.onnx and so on), for every session or per session name;
     by default each session runs the first of its provider's defaults (ortpipe.variants.DEFAULTS).
+    `allow_plugins`: run the config's plugin (its code), if it names one (ortpipe/plugins.py).
     """
     path = Path(model_dir)
     if not path.is_dir():
@@ -269,11 +310,17 @@ def load(
         raise ConfigError(
             f"threads must be an integer from 0 (onnxruntime's default) to 1024, found {threads!r}"
         )
+    overrides = providers.overrides_from(provider)
     start = time.perf_counter()
-    driver = Driver(provider, threads, on_progress)
-    model, _ = driver.drive(load_model(LocalFolder(path), CpuPlatform(), dtype, provider))
+    driver = Driver(overrides, threads, on_progress)
+    devices = {session: names[0] for session, names in overrides.items() if names}
+    model, _ = driver.drive(
+        load_model(LocalFolder(path), CpuPlatform(), profile, allow_plugins, dtype=dtype, device=devices)
+    )
+
+    providers.check_overrides(overrides, model.config.pipeline.sessions)
     model.load_ms = (time.perf_counter() - start) * 1000
     return Pipeline(model, driver, path)
 
 
-__all__ = ["CpuBackend", "CpuPlatform", "Driver", "Pipeline", "load", "read_inputs"]
+__all__ = ["Audio", "CpuBackend", "CpuPlatform", "Driver", "Pipeline", "load", "read_inputs"]

@@ -18,11 +18,13 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import OrtpipeError
-from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, drive
+from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, ReadWheel, Run, RunAll, drive
 from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
+from . import providers
 from .sampling import Picker
-from .sessions import ORT_TYPES, open_session, signature_of
+from .sessions import ORT_TYPES, signature_of
+from .speculate import speculate
 
 # A burst of fused decode steps (one `Decode`) stops once it has run this long, so that a stream's
 # chunks keep coming and an interrupt lands soon: on a model whose step takes longer, a burst is one step.
@@ -100,6 +102,8 @@ class _Fused:
         self.runs = -1  # the binding's generic run count when it was bound
         self.ids = self.positions = self.logits = self.flat = self.ones = np.empty(0)
         self.keep: list[Any] = []  # OrtValues the binding refers to
+        self.values: dict[str, Any] = {}  # shared: the OrtValues bound to the ids, positions and logits
+        self.widths: dict[int, Any] = {}  # shared: arrays bound for runs of several tokens (speculate.py)
         self.presents: list[tuple[str, int]] = []  # concat: (past input, its present's index in the outputs)
         self.logits_at = 0  # concat: where the logits are among them
         self.masks: list[Any] = []  # [n]: a C++ OrtValue over ones[:, :n], made when first needed
@@ -120,9 +124,11 @@ class Driver:
     makes a second thread wait for the step being run, so requests from several threads interleave
     step by step)."""
 
-    def __init__(self, provider: str | None = None, threads: int | None = None, on_progress: Any = None):
-        self.provider, self.threads, self.on_progress = provider, threads, on_progress
+    def __init__(self, overrides: providers.Overrides | None = None, threads: int | None = None,
+                 on_progress: Any = None):
+        self.overrides, self.threads, self.on_progress = overrides or {}, threads, on_progress
         self.sessions: dict[str, Any] = {}
+        self.assignments: dict[str, providers.Assignment] = {}  # session -> where onnxruntime placed it
         self._bindings: dict[str, _Binding] = {}
         self._fused: dict[str, _Fused] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -153,8 +159,8 @@ class Driver:
             return list(self._pool.map(self.run, work.runs))  # onnxruntime releases the GIL in run()
         if kind is Open:
             return self.open(work)
-        if kind is ReadGraph:
-            return work.path  # the core's reader opens it and reads only the graph's structure
+        if kind is ReadGraph or kind is ReadWheel:
+            return work.path  # a checked path: the core reads the graph, Python imports the wheel
         raise OrtpipeError(f"the CPython driver got work it does not know: {type(work).__name__}")
 
     def open(self, work: Open) -> Opened:
@@ -162,8 +168,9 @@ class Driver:
         start = time.perf_counter()
         if self.on_progress:
             self.on_progress(f"loading session {spec.name} ({spec.file})")
-        session = open_session(work, self.provider, self.threads)
-        self.sessions[spec.name] = session
+        override = providers.override_for(self.overrides, spec.name)
+        session, assignment = providers.open_session(work.path, spec, override, threads=self.threads)
+        self.sessions[spec.name], self.assignments[spec.name] = session, assignment
         if self.on_progress:
             self.on_progress(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")
         return Opened(session, signature_of(session))
@@ -192,7 +199,10 @@ class Driver:
     def decode(self, d: Decode) -> Decoded:
         """`d.limit` decode steps at most, stopping after an eos or once BURST_SECONDS have passed;
         each selects the argmax, or as `d.pick` says. A traced request runs one step per Decode, so
-        that every step has its own label."""
+        that every step has its own label. A Decode that speculates (plain greedy only) runs
+        speculative rounds instead (speculate.py)."""
+        if d.speculation is not None:
+            return speculate(self, d, BURST_SECONDS)
         picker = Picker(d.pick, d.step.logits_shape[-1]) if d.pick is not None else None
         if d.step.layout == "shared":
             f = self._shared(d)
@@ -297,10 +307,10 @@ class Driver:
                 b.io.bind_ortvalue_input(inp, b.inplace_inputs[inp])
                 b.inputs[inp] = d.cache[inp]
         f = self._fused.get(step.session) or _Fused()
-        f.keep = []
+        f.keep, f.values, f.widths = [], {}, {}
 
         def bind_array(name: str, array: np.ndarray) -> np.ndarray:
-            value = ort.OrtValue.ortvalue_from_numpy(array)
+            value = f.values[name] = ort.OrtValue.ortvalue_from_numpy(array)
             f.keep.append(value)
             b.io.bind_ortvalue_input(name, value)
             b.inputs[name] = array  # a generic run of the same shape copies into it
@@ -321,7 +331,7 @@ class Driver:
         types = {o.name: o.type for o in session.get_outputs()}
         f.logits = np.empty(step.logits_shape, ORT_TYPES[types[step.logits]])
         f.flat = f.logits.reshape(-1)
-        logits = ort.OrtValue.ortvalue_from_numpy(f.logits)
+        logits = f.values[step.logits] = ort.OrtValue.ortvalue_from_numpy(f.logits)
         f.keep.append(logits)
         b.io.bind_ortvalue_output(step.logits, logits)
         f.step, f.buffer, f.runs, f.binding, f.raw = step, first, b.runs, b, b.raw

@@ -1,15 +1,20 @@
-"""Reading media files in CPython: images with Pillow, WAV audio with the standard library.
+"""Media files in CPython: images read with Pillow, WAV audio read with the standard library; WAV and PNG
+written with the standard library (what `--out` writes).
 
-The arrays these return are what the core's preprocessing takes: uint8 [h, w, 3] RGB images and
-float32 mono waveforms.
+The arrays read are what the core's preprocessing takes: uint8 [h, w, 3] RGB images and float32 mono
+waveforms.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import struct
 import wave
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,3 +99,105 @@ def resample(samples: np.ndarray, source_rate: int, rate: int, zeros: int = 16) 
         values = np.where(inside, samples[np.clip(taps, 0, len(samples) - 1)], 0.0)
         out[begin:begin + len(centers)] = (values * weights).sum(axis=1)
     return out
+
+
+@dataclass(frozen=True)
+class Audio:
+    """Mono samples (float32, nominally in [-1, 1]) and their rate."""
+
+    samples: np.ndarray
+    sampling_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return self.samples.shape[-1] / self.sampling_rate
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        write_wav(path, self.samples, self.sampling_rate)
+
+
+def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:
+    """16-bit PCM WAV of float samples [samples] or [channels, samples], clipped to [-1, 1]."""
+    data = np.asarray(samples, dtype=np.float32)
+    data = data.reshape(1, -1) if data.ndim == 1 else data
+    pcm = np.round(np.clip(data, -1.0, 1.0) * 32767).astype("<i2").T  # frames of interleaved channels
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(data.shape[0])
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+
+
+def image_bytes(image: np.ndarray) -> np.ndarray:
+    """A float image [height, width, 3] in [0, 1] as uint8, round(x * 255) (diffusers' numpy_to_pil)."""
+    return np.round(np.asarray(image, dtype=np.float32) * 255).astype(np.uint8)
+
+
+def write_png(path: str | os.PathLike[str], image: np.ndarray) -> None:
+    """An 8-bit RGB PNG of a float image [height, width, 3] in [0, 1] (or uint8)."""
+    pixels = image if image.dtype == np.uint8 else image_bytes(image)
+    height, width = pixels.shape[:2]
+    rows = b"".join(b"\x00" + pixels[y].tobytes() for y in range(height))  # filter 0 on each row
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + body)
+
+
+OUT_KINDS = {".wav": "audio", ".png": "image", ".npy": None}  # what each file type takes (None: any)
+
+
+def plan_files(plan: Any, specs: list[str]) -> dict[str, list[str]]:
+    """The CLI's `--out [NAME=]FILE` as {output name: [files]}, checked against the folder's named outputs
+    before any model runs: a .wav takes an audio output, a .png an image, a .npy any; without NAME, the
+    first output of the file's kind (or the only output, for .npy)."""
+    outputs = {o.name: o.kind for o in plan.config.pipeline.outputs}
+    files: dict[str, list[str]] = {}
+    for spec in specs:
+        name, _, file = spec.rpartition("=")
+        kind_wanted = OUT_KINDS.get(Path(file).suffix.lower(), "")
+        if kind_wanted == "":
+            raise GenerationError(f"--out {spec}: write .wav, .png or .npy files")
+        if not outputs:
+            raise GenerationError("--out: this folder names no outputs (pipeline.output); it makes tokens")
+        if not name:
+            fitting = [n for n, k in outputs.items() if kind_wanted in (None, k)]
+            if not fitting or (kind_wanted is None and len(outputs) > 1):
+                raise GenerationError(f"--out {spec}: say which output, NAME={file} (outputs: "
+                                      f"{', '.join(f'{n} ({k})' for n, k in outputs.items())})")
+            name = fitting[0]
+        if name not in outputs:
+            raise GenerationError(f"--out {spec}: no output named {name!r} (outputs: {', '.join(outputs)})")
+        if kind_wanted not in (None, outputs[name]):
+            raise GenerationError(f"--out {spec}: {name} is {outputs[name]}, which a {Path(file).suffix} "
+                                  "file does not hold; write .npy")
+        files.setdefault(name, []).append(file)
+    return files
+
+
+def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Write each named output to its files; a batch of several images or clips to FILE-0, FILE-1, ...
+    Returns {name: [the files written]}."""
+    written: dict[str, list[str]] = {}
+    for name, targets in files.items():
+        value, kind = result.outputs.get(name), result.kinds.get(name, {})
+        if value is None:
+            continue
+        for target in targets:
+            path = Path(target)
+            if path.suffix.lower() == ".npy":
+                np.save(path, value)
+                written.setdefault(name, []).append(str(path))
+                continue
+            items = value if kind["kind"] == "image" or value.ndim == 2 else value[None]
+            for i, item in enumerate(items):
+                one = path if len(items) == 1 else path.with_name(f"{path.stem}-{i}{path.suffix}")
+                if kind["kind"] == "image":
+                    write_png(one, item)
+                else:
+                    write_wav(one, item, kind["sampling_rate"])
+                written.setdefault(name, []).append(str(one))
+    return written

@@ -22,7 +22,7 @@ import json
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ import onnxruntime as ort
 
 from ...config import ep
 from ...config.schema import SessionSpec
-from ...errors import ConfigError, Problems
+from ...errors import ConfigError, Problems, did_you_mean
 
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 # genai's boolean session_options that onnxruntime takes as session config entries
@@ -116,6 +116,9 @@ def installed() -> dict[str, str]:
 
 def _install_hint(key: str) -> str:
     info = ep.PROVIDERS[key]
+    if info.extra is None:
+        carried = f" ({' or '.join(info.packages)} has it)" if info.packages else ""
+        return f"ortpipe has no extra that installs it{carried}"
     return f'pip install "ortpipe[{info.extra}]" installs it (package {" or ".join(info.packages)})'
 
 
@@ -196,7 +199,7 @@ def request_for(spec: SessionSpec, override: str | Sequence[str] | None = None) 
     problems = Problems()
     where = f"pipeline.sessions.{spec.name}"
     wanted = override if override else list(spec.providers)
-    label = "the override (--ep, --provider)" if override else f"{where}.execution_provider"
+    label = "the override (--ep, load(provider=))" if override else f"{where}.execution_provider"
     providers = ep.provider_names(list(wanted) if not isinstance(wanted, str) else wanted, label, problems)
     provider_options = ep.check_provider_options(spec.provider_options, f"{where}.provider_options", problems)
     settings = ep.check_session_options(spec.session_options, f"{where}.session_options", problems)
@@ -266,6 +269,8 @@ def _create(path: Path, request: SessionRequest, chain: list[str], have: dict[st
 def _none_left(request: SessionRequest, skipped: list[Skipped], have: dict[str, str], file: str) -> str:
     asked = " or ".join(request.providers)
     reasons = "; ".join(f"{s.provider}: {s.reason}" for s in skipped)
+    if all(s.provider in have for s in skipped):  # installed, and each failed: the graph, not the setup
+        return f'session "{request.name}" could not be created from {file} on {asked}: {reasons}'
     example = json.dumps([request.providers[0], "cpu"])
     return (f'session "{request.name}" ({file}) asks for {asked}, and none could run it. {reasons}. '
             f"Installed here: {', '.join(sorted(have)) or 'none'}. Install the provider it asks for (one "
@@ -302,11 +307,12 @@ def _assignment(session: ort.InferenceSession, request: SessionRequest, key: str
     name = f'session "{request.name}"'
     messages = [f"{name}: {s.provider} was passed over: {s.reason}; using {key}, next in its "
                 "execution_provider list" for s in skipped]
-    if ep.PROVIDERS[key].ort_name not in session.get_providers():
-        messages.append(f"{name}: onnxruntime created the session without {key} (a missing device or driver: "
-                        f"its log above says which); it runs on {', '.join(session.get_providers())}")
     total = sum(nodes.values())
-    if nodes and key not in nodes:
+    if ep.PROVIDERS[key].ort_name not in session.get_providers():  # one message for both causes
+        messages.append(f"{name}: onnxruntime created the session without {key} (it claimed none of the "
+                        "nodes, or its device or driver is missing: its log above says which); it runs on "
+                        f"{', '.join(session.get_providers())}")
+    elif nodes and key not in nodes:
         messages.append(f"{name}: {key} took none of its {total} nodes; they run on {', '.join(nodes)}")
     for provider, count in nodes.items():
         if provider not in accepted:
@@ -326,13 +332,42 @@ def _last_line(error: BaseException) -> str:
     return (lines[-1] if lines else type(error).__name__)[:300]
 
 
-# --- the CLI's overrides -----------------------------------------------------------------------
+# --- overrides: the CLI's --ep, load(provider=) ------------------------------------------------
+
+Overrides = dict[str | None, tuple[str, ...]]  # session name, or None for every session -> provider keys
 
 
-def parse_overrides(values: Iterable[str]) -> dict[str | None, tuple[str, ...]]:
+def overrides_from(provider: str | Sequence[str] | Mapping[str | None, str | Sequence[str]] | None
+                   ) -> Overrides:
+    """`load(provider=...)`: a name or a fallback list for every session, or {session: name or list}
+    (the key None: every session, as `parse_overrides` gives)."""
+    if provider is None:
+        return {}
+    items = provider.items() if isinstance(provider, Mapping) else [(None, provider)]
+    problems = Problems()
+    out: Overrides = {}
+    for session, names in items:
+        label = "provider" if session is None else f"provider[{session!r}]"
+        value = names if isinstance(names, str) else list(names) if isinstance(names, Sequence) else names
+        out[session] = ep.provider_names(value, label, problems)
+    problems.raise_if_any()
+    return out
+
+
+def check_overrides(overrides: Overrides, sessions: Iterable[str]) -> None:
+    """Every session an override names must be one of the pipeline's."""
+    names = list(sessions)
+    unknown = [s for s in overrides if s is not None and s not in names]
+    if unknown:
+        raise ConfigError([f'The execution provider override (--ep {s}=...) names session "{s}", which '
+                           f"this pipeline does not have. Its sessions: {', '.join(names)}."
+                           f"{did_you_mean(s, names)}" for s in unknown])
+
+
+def parse_overrides(values: Iterable[str]) -> Overrides:
     """`--ep openvino` (every session) and `--ep vision=openvino,cpu` (one session) -> {None | name: keys}."""
     problems = Problems()
-    out: dict[str | None, tuple[str, ...]] = {}
+    out: Overrides = {}
     for value in values:
         session, _, providers = value.rpartition("=")
         keys = ep.provider_names(providers.split(","), f"--ep {value}", problems)
@@ -341,7 +376,7 @@ def parse_overrides(values: Iterable[str]) -> dict[str | None, tuple[str, ...]]:
     return out
 
 
-def override_for(overrides: dict[str | None, tuple[str, ...]], session: str) -> tuple[str, ...] | None:
+def override_for(overrides: Overrides, session: str) -> tuple[str, ...] | None:
     """The providers `--ep` gives one session: its own entry, else the entry for every session."""
     return overrides.get(session) or overrides.get(None)
 

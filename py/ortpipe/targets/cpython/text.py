@@ -40,6 +40,13 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids with the special tokens, encoded in parallel by the Rust library (one by one
+        when tokenizer.json pads: a batch would be padded to its longest text)."""
+        if self._tok.padding is not None:
+            return [self.encode(text) for text in texts]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=True)]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

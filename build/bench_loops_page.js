@@ -1,0 +1,86 @@
+// The page of build/bench_loops_web.py (copied into its bundle as bench-loops.js): one engine, one task per
+// page load, on wasm, every time taken on the page's thread.
+//
+//   bench-loops.html?engine=ortpipe&task=embed&model=st-bench&batch=32&runs=3
+//   bench-loops.html?engine=transformers.js&task=embed&model=st-bench&batch=32&runs=3
+//   bench-loops.html?engine=ortpipe&task=tts&model=vits-tiny&runs=3
+//
+// embed: texts.json (the bundle's) embedded in batches of `batch`: ortpipe's embed (its own batches, longest
+// first), or transformers.js's feature-extraction pipeline (mean pooling, normalised) on the batches in the
+// texts' order ("transformers.js") or longest first by characters ("transformers.js-sorted", as a careful
+// caller would batch), over the onnxruntime-web build ortpipe bundles (the same kernels). tts: ortpipe's
+// speak, timed per second of audio. window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings]} or
+// {error}.
+
+const here = (path) => new URL(path, import.meta.url).href;
+const SPEECH = 'The quick brown fox jumps over the lazy dog while the parser reads each line of the file and '
+  + 'keeps the fields it needs.';
+
+async function run(params) {
+  const engine = params.get('engine');
+  const task = params.get('task');
+  const model = params.get('model');
+  const runs = Number(params.get('runs'));
+  const batch = Number(params.get('batch') ?? 32);
+  const texts = task === 'embed' ? await (await fetch(here('./texts.json'))).json() : null;
+  const work = engine === 'ortpipe' ? await ortpipeTask(task, model, batch)
+    : await transformersJs(model, batch, engine === 'transformers.js-sorted');
+  await work(texts?.slice(0, batch)); // warm-up
+  const times = [];
+  let last = null;
+  for (let i = 0; i < runs; i++) {
+    const started = performance.now();
+    last = await work(texts);
+    times.push((performance.now() - started) / 1000);
+  }
+  return { engine, task, model, runs: times, ...last };
+}
+
+async function ortpipeTask(task, model, batch) {
+  const { load } = await import('./ortpipe.js');
+  const pipe = await load(`models/${model}/`, { device: 'wasm' });
+  if (task === 'tts') {
+    return async () => {
+      const { audio, samplingRate } = await pipe.speak(SPEECH);
+      return { audioSeconds: audio.length / samplingRate };
+    };
+  }
+  return async (texts) => {
+    const { data, dims } = await pipe.embed(texts, { batchSize: batch });
+    return { count: dims[0], first: Array.from(data.slice(0, 4 * dims[1])) };
+  };
+}
+
+async function transformersJs(model, batch, sorted) {
+  globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
+  const tjs = await import('./tjs/transformers.min.js');
+  const { env } = tjs;
+  env.allowRemoteModels = false;
+  env.allowLocalModels = true;
+  env.localModelPath = here('./models/');
+  env.useBrowserCache = false;
+  env.backends.onnx.wasm.wasmPaths = here('./ort/');
+  env.backends.onnx.wasm.numThreads = 1;
+  // Made from the folder's files: AutoTokenizer's existence check skips local files given by http URL
+  // (as web/bench.js finds); the pipeline is what tjs.pipeline('feature-extraction') makes.
+  const [json, config] = await Promise.all(['tokenizer.json', 'tokenizer_config.json'].map(
+    (file) => fetch(here(`./models/${model}/${file}`)).then((r) => r.json())));
+  const encoder = await tjs.AutoModel.from_pretrained(model, {
+    device: 'auto', session_options: { executionProviders: ['wasm'] }, dtype: 'fp32',
+  });
+  const extractor = new tjs.FeatureExtractionPipeline({
+    task: 'feature-extraction', model: encoder, tokenizer: new tjs.BertTokenizer(json, config),
+  });
+  return async (given) => {
+    const texts = sorted ? [...given].sort((a, b) => b.length - a.length) : given;
+    const rows = [];
+    for (let at = 0; at < texts.length; at += batch) {
+      const out = await extractor(texts.slice(at, at + batch), { pooling: 'mean', normalize: true });
+      rows.push(out.data);
+    }
+    const dim = rows[0].length / Math.min(batch, texts.length);
+    return { count: texts.length, first: Array.from(rows[0].slice(0, 4 * dim)) };
+  };
+}
+
+window.benchResult = run(new URLSearchParams(location.search)).catch((error) => ({ error: String(error?.stack ?? error) }));

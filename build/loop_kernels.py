@@ -1,0 +1,253 @@
+"""Kernels of the loops that make no tokens (issue 16): pooling sentence embeddings, the denoising loop's
+noise and scheduler steps, and turning a VAE's output into an image.
+
+- `pool_*`: token states [batch, tokens, dim] and the attention mask -> one float32 vector per text, as
+  sentence-transformers' Pooling computes it (mean, cls, max, lasttoken); `l2_normalize` as its Normalize.
+- `normal`: standard normal noise from uniforms the core draws (random.Random(seed)), by Box-Muller in
+  float64 on the CPU, so a seeded image is the same on every target.
+- `denoise_init`, `denoise_step`: the scheduler's arithmetic between two UNet runs, one kernel a step. The
+  core computes each step's coefficients from the scheduler's config (py/ortpipe/loops/schedulers.py); the
+  kernel applies classifier-free guidance, the prediction of the clean latents, the update of the latents
+  and the scaling (and repetition, for guidance) of the next UNet input.
+- `divide`, `vae_image`, `rgba8`: the final latents divided by the VAE's scaling factor; the VAE's
+  [-1, 1] output as a [0, 1] image [batch, height, width, 3]; that image as RGBA bytes.
+
+`LOOP_KERNELS` has the format of build/kernels.py's `KERNELS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import onnx
+from onnx import TensorProto, helper
+
+from build.preprocess import _Nodes, _tensor
+
+F32 = TensorProto.FLOAT
+F64 = TensorProto.DOUBLE
+I64 = TensorProto.INT64
+INT64_MAX = 2**63 - 1
+FLOATS = ("float32", "float16")
+
+# The order of denoise_step's coefficients (loops/schedulers.py StepCoefficients writes them so).
+STEP_COEFFICIENTS = (
+    "guidance",
+    "x0_from_x",
+    "x0_from_output",
+    "clip_low",
+    "clip_high",
+    "from_x",
+    "from_x0",
+    "from_output",
+    "from_noise",
+    "from_previous_x0",
+    "next_input_scale",
+)
+
+
+def _states(elem: int) -> onnx.ValueInfoProto:
+    return _tensor("states", elem, ["batch", "tokens", "dim"])
+
+
+def _mask() -> onnx.ValueInfoProto:
+    return _tensor("mask", I64, ["batch", "tokens"])
+
+
+def _embeddings(name: str = "embeddings") -> onnx.ValueInfoProto:
+    return _tensor(name, F32, ["batch", "dim"])
+
+
+def pool_mean(elem: int) -> onnx.GraphProto:
+    """The mean of the states the mask keeps (sentence-transformers: the sum over max(count, 1e-9))."""
+    n = _Nodes("")
+    states = n.op("Cast", "states", to=F32)
+    mask = n.op("Unsqueeze", n.op("Cast", "mask", to=F32), n.const([2], I64))
+    total = n.op("ReduceSum", n.op("Mul", states, mask), n.const([1], I64), keepdims=0)
+    count = n.op("ReduceSum", mask, n.const([1], I64), keepdims=0)
+    n.op("Div", total, n.op("Max", count, n.const(1e-9, F32)), out="embeddings")
+    return helper.make_graph(n.nodes, "pool_mean", [_states(elem), _mask()], [_embeddings()])
+
+
+def pool_cls(elem: int) -> onnx.GraphProto:
+    """The first token's state."""
+    n = _Nodes("")
+    n.op("Cast", n.op("Gather", "states", n.const(0, I64), axis=1), to=F32, out="embeddings")
+    return helper.make_graph(n.nodes, "pool_cls", [_states(elem)], [_embeddings()])
+
+
+def pool_max(elem: int) -> onnx.GraphProto:
+    """The largest value of each dim over the kept tokens (masked ones count as -1e9, as in
+    sentence-transformers)."""
+    n = _Nodes("")
+    states = n.op("Cast", "states", to=F32)
+    kept = n.op("Unsqueeze", n.op("Cast", "mask", to=TensorProto.BOOL), n.const([2], I64))
+    masked = n.op("Where", kept, states, n.const(-1e9, F32))
+    n.op("ReduceMax", masked, axes=[1], keepdims=0, out="embeddings")
+    return helper.make_graph(n.nodes, "pool_max", [_states(elem), _mask()], [_embeddings()])
+
+
+def pool_lasttoken(elem: int) -> onnx.GraphProto:
+    """The state of the last token the mask keeps (padding on either side); the first when it keeps none."""
+    n = _Nodes("")
+    tokens = n.op("Slice", n.op("Shape", "mask"), n.const([1], I64), n.const([2], I64))
+    positions = n.op("Range", n.const(0, I64), n.op("Squeeze", tokens, n.const([0], I64)), n.const(1, I64))
+    last = n.op("ReduceMax", n.op("Mul", "mask", positions), axes=[1], keepdims=1)  # [batch, 1]
+    index = n.op("Unsqueeze", last, n.const([2], I64))  # [batch, 1, 1]
+    dims = n.op("Shape", "states")
+    wide = n.op(
+        "Concat",
+        n.op("Slice", dims, n.const([0], I64), n.const([1], I64)),
+        n.const([1], I64),
+        n.op("Slice", dims, n.const([2], I64), n.const([3], I64)),
+        axis=0,
+    )
+    picked = n.op("GatherElements", "states", n.op("Expand", index, wide), axis=1)
+    n.op("Cast", n.op("Squeeze", picked, n.const([1], I64)), to=F32, out="embeddings")
+    return helper.make_graph(n.nodes, "pool_lasttoken", [_states(elem), _mask()], [_embeddings()])
+
+
+def l2_normalize(_: int) -> onnx.GraphProto:
+    """x / max(||x||, 1e-12) per row (torch.nn.functional.normalize)."""
+    n = _Nodes("")
+    norm = n.op("ReduceL2", "x", axes=[1], keepdims=1)
+    n.op("Div", "x", n.op("Max", norm, n.const(1e-12, F32)), out="y")
+    return helper.make_graph(n.nodes, "l2_normalize", [_embeddings("x")], [_embeddings("y")])
+
+
+def normal(_: int) -> onnx.GraphProto:
+    """u [2, m] float64 uniforms in (0, 1], count [1], shape [rank] -> float32 standard normal noise of
+    `shape`: Box-Muller, r = sqrt(-2 ln u0), theta = 2 pi u1, giving r cos(theta) then r sin(theta), the
+    first `count`."""
+    n = _Nodes("")
+    u0 = n.op("Gather", "u", n.const(0, I64), axis=0)
+    u1 = n.op("Gather", "u", n.const(1, I64), axis=0)
+    radius = n.op("Sqrt", n.op("Mul", n.const(-2.0, F64), n.op("Log", u0)))
+    theta = n.op("Mul", n.const(2 * math.pi, F64), u1)
+    both = n.op(
+        "Concat", n.op("Mul", radius, n.op("Cos", theta)), n.op("Mul", radius, n.op("Sin", theta)), axis=0
+    )
+    first = n.op("Slice", both, n.const([0], I64), "count")
+    n.op("Reshape", n.op("Cast", first, to=F32), "shape", out="noise")
+    inputs = [_tensor("u", F64, [2, "m"]), _tensor("count", I64, [1]), _tensor("shape", I64, ["rank"])]
+    return helper.make_graph(n.nodes, "normal", inputs, [_tensor("noise", F32, None)])
+
+
+def _latents(name: str, elem: int = F32) -> onnx.ValueInfoProto:
+    return _tensor(name, elem, ["batch", "channels", "height", "width"])
+
+
+def denoise_init(elem: int) -> onnx.GraphProto:
+    """latents, coefficients [init_noise_sigma, input scale], repeats [4] -> the first latents (the given ones
+    times the scheduler's initial sigma) and the first UNet input (scaled, repeated for guidance)."""
+    n = _Nodes("")
+    sigma = n.op("Gather", "coefficients", n.const(0, I64))
+    scale = n.op("Gather", "coefficients", n.const(1, I64))
+    x = n.op("Mul", "latents", sigma, out="x")
+    n.op("Cast", n.op("Tile", n.op("Mul", x, scale), "repeats"), to=elem, out="sample")
+    inputs = [_latents("latents"), _tensor("coefficients", F32, [2]), _tensor("repeats", I64, [4])]
+    return helper.make_graph(n.nodes, "denoise_init", inputs, [_latents("x"), _latents("sample", elem)])
+
+
+def denoise_step(elem: int) -> onnx.GraphProto:
+    """One scheduler step. `output` is the UNet's, [rows * batch, ...] with rows 1, or 2 for guidance
+    ([unconditional, conditional]); `noise` and `previous_x0` broadcast ([1] zeros when a step has none).
+
+        guided = out[first] + guidance * (out[last] - out[first])
+        x0 = clip(x0_from_x * x + x0_from_output * guided, clip_low, clip_high)
+        x_next = from_x * x + from_x0 * x0 + from_output * guided + from_noise * noise
+                 + from_previous_x0 * previous_x0
+        sample = tile(x_next * next_input_scale, repeats), cast to the UNet's type
+    """
+    n = _Nodes("")
+    c = {name: n.op("Gather", "coefficients", n.const(i, I64)) for i, name in enumerate(STEP_COEFFICIENTS)}
+    out = n.op("Cast", "output", to=F32)
+    batch = n.op("Slice", n.op("Shape", "x"), n.const([0], I64), n.const([1], I64))
+    first = n.op("Slice", out, n.const([0], I64), batch, n.const([0], I64))
+    last = n.op("Slice", out, n.op("Neg", batch), n.const([INT64_MAX], I64), n.const([0], I64))
+    guided = n.op("Add", first, n.op("Mul", c["guidance"], n.op("Sub", last, first)))
+    estimate = n.op("Add", n.op("Mul", c["x0_from_x"], "x"), n.op("Mul", c["x0_from_output"], guided))
+    x0 = n.op("Clip", estimate, c["clip_low"], c["clip_high"], out="x0")
+    terms = [
+        n.op("Mul", c["from_x"], "x"),
+        n.op("Mul", c["from_x0"], x0),
+        n.op("Mul", c["from_output"], guided),
+        n.op("Mul", c["from_noise"], "noise"),
+        n.op("Mul", c["from_previous_x0"], "previous_x0"),
+    ]
+    total = terms[0]
+    for term in terms[1:]:
+        total = n.op("Add", total, term)
+    x_next = n.op("Identity", total, out="x_next")
+    n.op("Cast", n.op("Tile", n.op("Mul", x_next, c["next_input_scale"]), "repeats"), to=elem, out="sample")
+    inputs = [
+        _latents("x"),
+        _latents("output", elem),
+        _tensor("previous_x0", F32, None),
+        _tensor("noise", F32, None),
+        _tensor("coefficients", F32, [len(STEP_COEFFICIENTS)]),
+        _tensor("repeats", I64, [4]),
+    ]
+    return helper.make_graph(
+        n.nodes, "denoise_step", inputs, [_latents("x_next"), _latents("x0"), _latents("sample", elem)]
+    )
+
+
+def divide(elem: int) -> onnx.GraphProto:
+    """x / d, in x's type (the final latents over the VAE's scaling factor, as diffusers divides them)."""
+    n = _Nodes("")
+    n.op("Div", "x", n.op("Cast", "d", to=elem), out="y")
+    return helper.make_graph(
+        n.nodes, "divide", [_tensor("x", elem, None), _tensor("d", F32, [1])], [_tensor("y", elem, None)]
+    )
+
+
+def vae_image(elem: int) -> onnx.GraphProto:
+    """sample [batch, 3, height, width] in [-1, 1] -> float32 image [batch, height, width, 3] in [0, 1]
+    (diffusers: (x / 2 + 0.5).clamp(0, 1), channels last)."""
+    n = _Nodes("")
+    x = n.op("Cast", "sample", to=F32)
+    shifted = n.op("Add", n.op("Div", x, n.const(2.0, F32)), n.const(0.5, F32))
+    clipped = n.op("Clip", shifted, n.const(0.0, F32), n.const(1.0, F32))
+    n.op("Transpose", clipped, perm=[0, 2, 3, 1], out="image")
+    return helper.make_graph(
+        n.nodes,
+        "vae_image",
+        [_latents("sample", elem)],
+        [_tensor("image", F32, ["batch", "height", "width", 3])],
+    )
+
+
+def rgba8(_: int) -> onnx.GraphProto:
+    """image [batch, height, width, 3] in [0, 1] -> uint8 RGBA, round(x * 255) (diffusers' numpy_to_pil),
+    alpha 255: what a canvas's ImageData holds."""
+    n = _Nodes("")
+    levels = n.op("Cast", n.op("Round", n.op("Mul", "image", n.const(255.0, F32))), to=TensorProto.UINT8)
+    dims = n.op("Shape", "image")
+    alpha_shape = n.op(
+        "Concat", n.op("Slice", dims, n.const([0], I64), n.const([3], I64)), n.const([1], I64), axis=0
+    )
+    alpha = n.op("ConstantOfShape", alpha_shape, value=helper.make_tensor("v", TensorProto.UINT8, [1], [255]))
+    n.op("Concat", levels, alpha, axis=3, out="rgba")
+    return helper.make_graph(
+        n.nodes,
+        "rgba8",
+        [_tensor("image", F32, ["batch", "height", "width", 3])],
+        [_tensor("rgba", TensorProto.UINT8, ["batch", "height", "width", 4])],
+    )
+
+
+LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
+    "pool_mean": (pool_mean, FLOATS),
+    "pool_cls": (pool_cls, FLOATS),
+    "pool_max": (pool_max, FLOATS),
+    "pool_lasttoken": (pool_lasttoken, FLOATS),
+    "l2_normalize": (l2_normalize, ("float32",)),
+    "normal": (normal, ("float32",)),
+    "denoise_init": (denoise_init, ("float32",)),
+    "denoise_step": (denoise_step, ("float32",)),
+    "divide": (divide, ("float32",)),
+    "vae_image": (vae_image, FLOATS),
+    "rgba8": (rgba8, ("uint8",)),
+}

@@ -1,0 +1,159 @@
+"""Continuous batching: the decode steps of several requests as rows of one batched decoder run.
+
+A request prefills alone (its own TokenGenerator, batch 1), then joins the batch between steps: its
+KV cache becomes a row of the batch's cache. Each `step` runs the decoder once for every row, each
+at its own position, and gives every row its next token; a row that is done (eos, its length, a
+stop string, an interrupt) leaves between steps, taking its cache rows back, so its generator can
+go on alone (a chat's next turn, a prompt cache) or join again.
+
+Rows may have different lengths. The model builder's graphs (GroupQueryAttention over one shared
+past/present buffer per layer) read each row's length from its attention mask (the sum of the row,
+right-padded), write the row's new key and value at that position and rotate by it, so a row
+attends to exactly what it would alone. That is the layout batched here: the plan's fused step
+with a shared buffer, every row sized to the batch's capacity. A plan without it is served one
+request at a time.
+"""
+
+from __future__ import annotations
+
+from ..errors import GenerationError
+from ..execute.work import Backend, Handle, Run, Work, kernel
+from ..plan import Plan
+from .autoregressive import TokenGenerator
+
+
+def batchable(plan: Plan) -> str | None:
+    """Why the plan's requests cannot be batched, or None when they can."""
+    step = plan.fused
+    if step is None:
+        return "its step phase is not a single decoder run over a KV cache (a multi-session pipeline)"
+    if step.layout != "shared":
+        return "its KV cache is not one shared past/present buffer (GroupQueryAttention, the model builder's)"
+    session = plan.step_phase[0]
+    if session.kv.format != "separate" or any(e.window is not None for e in session.kv.entries):
+        return "its KV cache is combined or slides (rows of such caches are not batched yet)"
+    if step.mask is None:
+        return "its decoder takes no attention mask, which is how rows of different lengths are told apart"
+    return None
+
+
+class Batch:
+    """Rows decoding together. `join` and `leave` between steps; `step` runs them all once."""
+
+    def __init__(self, plan: Plan, backend: Backend, capacity: int):
+        why = batchable(plan)
+        if why:
+            raise GenerationError(f"this model's requests cannot be batched: {why}")
+        self.plan, self.backend, self.capacity = plan, backend, capacity
+        self.fused = plan.fused
+        self.entries = plan.step_phase[0].kv.entries
+        self.rows: list[TokenGenerator] = []
+        self.cache: dict[str, Handle] = {}  # past input -> [rows, heads, capacity, head_size]
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, gen: TokenGenerator) -> Work:
+        """Add a prefilled generator (READY, one id pending) as the batch's last row."""
+        if gen.flow.iterations == 0 or len(gen.pending) != 1 or gen.state != "ready":
+            raise GenerationError("a row joins a batch after its prefill, with one token to feed")
+        if gen.flow.max_length != self.capacity:
+            raise GenerationError(
+                f"a row's cache holds {gen.flow.max_length} positions; this batch's rows hold "
+                f"{self.capacity}: make the generator with max_length {self.capacity}"
+            )
+        own = gen.flow.caches[self.fused.session].feeds
+        if not self.rows:
+            self.cache = dict(own)
+        else:
+            for e in self.entries:
+                out = yield Run(
+                    kernel("concat0", e.dtype),
+                    {"a": self.cache[e.past_input], "b": own[e.past_input]},
+                    ("y",),
+                    None,
+                    "join",
+                )
+                self.cache[e.past_input] = out["y"]
+        self.rows.append(gen)
+
+    def leave(self, gen: TokenGenerator) -> Work:
+        """Take a row out: its cache rows go back to its generator, the others stay batched."""
+        i = self.rows.index(gen)
+        keep = [j for j in range(len(self.rows)) if j != i]
+        own = gen.flow.caches[self.fused.session]
+        for e in self.entries:
+            batched = self.cache[e.past_input]
+            if len(self.rows) == 1:
+                own.feeds[e.past_input] = batched
+                continue
+            picked = yield from self._rows(batched, e.dtype, [i])
+            own.feeds[e.past_input] = picked
+            self.cache[e.past_input] = yield from self._rows(batched, e.dtype, keep)
+        own.inplace = {e.present_output: e.past_input for e in self.entries}
+        del self.rows[i]
+        if not self.rows:
+            self.cache = {}
+
+    def step(self) -> Work:
+        """One decoder run for every row; each row's generator takes its next token."""
+        rows, b, step = self.rows, self.backend, self.fused
+        for gen in rows:
+            gen.begin_external()
+        try:
+            lengths = [gen.flow.position + 1 for gen in rows]  # what each row's graph will have seen
+            width = max(lengths)
+            feeds = dict(self.cache)
+            feeds[step.ids[0]] = b.tensor([gen.pending[0] for gen in rows], (len(rows), 1), step.ids[1])
+            mask = [v for n in lengths for v in [1] * n + [0] * (width - n)]
+            feeds[step.mask[0]] = b.tensor(mask, (len(rows), width), step.mask[1])
+            if step.positions:
+                feeds[step.positions[0]] = b.tensor(
+                    [n - 1 for n in lengths], (len(rows), 1), step.positions[1]
+                )
+            out = yield Run(
+                step.session, feeds, step.outputs, dict(step.presents), f"batch step {self.steps}"
+            )
+            for e in self.entries:  # a target that could not write in place answered new buffers
+                if e.present_output in out:
+                    self.cache[e.past_input] = out[e.present_output]
+            tokens = yield from self._select(out[step.logits])
+        except BaseException as e:
+            for gen in rows:
+                gen.fail_external(e)
+            raise
+        self.steps += 1
+        for gen, token in zip(rows, tokens, strict=True):
+            gen.end_external([token])
+        return tokens
+
+    def _select(self, logits: Handle) -> Work:
+        """Each row's token: one argmax over the batch when every row is plain greedy, else each row
+        through its own sampler (penalties, bans, its own seeded generator)."""
+        rows = self.rows
+        if all(gen.sampler.settings.plain_greedy for gen in rows):
+            out = yield Run(
+                kernel("argmax_last", self._logits_dtype()),
+                {"logits": logits},
+                ("token",),
+                None,
+                f"batch step {self.steps}",
+            )
+
+            return self.backend.to_list(out["token"])
+        tokens = []
+        for i, gen in enumerate(rows):
+            row = yield from self._rows(logits, self._logits_dtype(), [i])
+            gen.sampler.label = f"batch step {self.steps}"
+            tokens.append((yield from gen.sampler.select(row, gen.tokens, gen.generated)))
+        return tokens
+
+    def _logits_dtype(self) -> str:
+        gen = self.plan.generator
+        return self.plan.signatures[gen.session].output(gen.logits).dtype
+
+    def _rows(self, x: Handle, dtype: str, rows: list[int]) -> Work:
+        index = self.backend.tensor(rows, (len(rows),), "int64")
+        out = yield Run(kernel("gather_rows0", dtype), {"x": x, "rows": index}, ("y",), None, "batch rows")
+        return out["y"]

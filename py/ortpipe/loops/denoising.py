@@ -1,0 +1,305 @@
+"""The denoising loop: the init phase (the text encoder, on the negative and the positive prompt as one
+batch), then `num_steps` runs of the step session (the UNet) with a scheduler's arithmetic between them as
+a kernel, then the final phase (the VAE decoder) on the latents divided by the VAE's scaling factor.
+
+As diffusers' StableDiffusionPipeline does: guidance above 1 runs the UNet on [unconditional, conditional]
+rows in one batch and mixes them by guidance_scale; the initial latents are standard normal noise (or the
+request's `latents`) times the scheduler's initial sigma. The noise comes from the core's
+random.Random(seed) through the `normal` kernel (Noise), so a seeded image is the same on every target.
+
+Where things come from: the scheduler from the folder's scheduler/scheduler_config.json and
+generation.scheduler; the latents' default size from the UNet graph's fixed dims or its config.json
+(sample_size, in_channels); the VAE's scaling factor from the config.json beside the final session's graph
+(diffusers' AutoencoderKL default, 0.18215, without one). The wire from the UNet's output to the final
+session carries the final latents (docs/pipelines.md).
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, GenerationError
+from ..execute.flow import FlowRun
+from ..execute.work import Backend, Handle, Run, Work, kernel
+from ..folder import Folder
+from ..jsonfile import optional_json
+from ..outputs import OutputRequest, Progress, finish_outputs
+from ..plan import LOOP, Plan
+from .schedulers import Schedule, scheduler_config
+from .text import TextSetup, text_inputs
+
+SCHEDULER_FILE = "scheduler/scheduler_config.json"
+DEFAULT_SCALING = 0.18215  # diffusers' AutoencoderKL scaling_factor
+LATENT_RANK = 4
+
+
+@dataclass(frozen=True)
+class DenoisingSetup:
+    """What the denoising loop learns from the folder at load."""
+
+    scheduler: dict[str, Any]  # scheduler_config() of the folder's scheduler
+    session: str  # the step session (the UNet)
+    sample: str  # its input of the latents, and the input's element type
+    sample_dtype: str
+    timestep: str
+    timestep_dtype: str
+    timestep_shape: tuple[Any, ...]
+    noise_pred: str  # its output
+    latent_shape: tuple[int | None, int | None, int | None]  # channels, height, width (None: not known)
+    scaling_factor: float
+    batch_fixed: bool  # the UNet's batch dim is fixed to 1: no guidance
+
+
+def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
+    """The denoising loop's setup; a ConfigError for what it cannot run."""
+    config = plan.config
+    (step,) = plan.step_phase  # config/parse.py checked that there is one
+    spec, sig = config.pipeline.sessions[step.session], plan.signatures[step.session]
+    feeds = {f.source: f for f in step.feeds if f.kind == LOOP}
+    sample, timestep = feeds["sample"], feeds["timestep"]
+    problems = []
+    if sample.dtype != "float32":
+        problems.append(
+            f'session "{step.session}" input "{sample.input}" is {sample.dtype}: the denoising loop '
+            "runs float32 UNets (its scheduler kernels compute in float32)"
+        )
+    info = sig.input(sample.input)
+    if info.rank != LATENT_RANK:
+        problems.append(
+            f'session "{step.session}" input "{sample.input}" has shape {list(info.shape)}: the '
+            "denoising loop runs latents [batch, channels, height, width]"
+        )
+    outputs = sig.output_names
+    noise_pred = spec.outputs.get("noise_pred") or (outputs[0] if len(outputs) == 1 else None)
+    if noise_pred not in outputs:
+        problems.append(
+            f'session "{step.session}" has outputs {", ".join(outputs)}: name the noise prediction in '
+            f"sessions.{step.session}.outputs.noise_pred"
+        )
+    if problems:
+        raise ConfigError(problems)
+    raw = optional_json(folder, SCHEDULER_FILE)
+    where = folder.describe(SCHEDULER_FILE) if folder.exists(SCHEDULER_FILE) else "generation.scheduler"
+    if not raw and config.generation.scheduler is None:
+        raise ConfigError(
+            f"the denoising loop needs a scheduler: {folder.describe(SCHEDULER_FILE)} does not "
+            'exist and generation.scheduler names none (e.g. "EulerDiscreteScheduler")'
+        )
+    unet = _beside(folder, spec.file)
+    dims = [d if isinstance(d, int) else None for d in info.shape[1:]]
+    size = unet.get("sample_size")
+    size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, list) else (None, None)
+    channels = dims[0] if dims[0] is not None else unet.get("in_channels")
+    shape = (channels, dims[1] or size[0], dims[2] or size[1])
+    final = next((s for s in plan.final_phase if any(f.kind == LOOP for f in s.feeds)), None)
+    vae = _beside(folder, config.pipeline.sessions[final.session].file) if final else {}
+    scaling = vae.get("scaling_factor", DEFAULT_SCALING)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
+        raise ConfigError(f"the VAE's scaling_factor must be a positive number, found {scaling!r}")
+    t_info = sig.input(timestep.input)
+    return DenoisingSetup(
+        scheduler_config(raw, config.generation.scheduler, where),
+        step.session,
+        sample.input,
+        sample.dtype,
+        timestep.input,
+        timestep.dtype,
+        t_info.shape,
+        noise_pred,
+        shape,
+        float(scaling),
+        info.shape[0] == 1,
+    )
+
+
+def _beside(folder: Folder, graph: str) -> dict[str, Any]:
+    """The config.json beside a graph file (diffusers writes one per model), or {}."""
+    return optional_json(folder, posixpath.join(posixpath.dirname(graph), "config.json"))
+
+
+class Noise:
+    """Standard normal noise from random.Random(seed): float64 uniforms in (0, 1] drawn here, turned into
+    normal values by the `normal` kernel (Box-Muller)."""
+
+    def __init__(self, backend: Backend, seed: int | None):
+        self.backend = backend
+        self.rng = random.Random(seed)
+
+    def draw(self, shape: tuple[int, ...], label: str = "") -> Work:
+        count = math.prod(shape)
+        pairs = (count + 1) // 2
+        b = self.backend
+        uniforms = [1.0 - self.rng.random() for _ in range(2 * pairs)]
+        out = yield Run(
+            kernel("normal", "float32"),
+            {
+                "u": b.tensor(uniforms, (2, pairs), "float64"),
+                "count": b.tensor([count], (1,), "int64"),
+                "shape": b.tensor(list(shape), (len(shape),), "int64"),
+            },
+            ("noise",),
+            None,
+            label,
+        )
+        return out["noise"]
+
+
+class DenoisingRequest(OutputRequest):
+    """One image: the first advance runs the init phase and makes the first latents, each later one a step,
+    the last one also the final phase and the outputs."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        backend: Backend,
+        setup: DenoisingSetup,
+        schedule: Schedule,
+        guidance: float,
+        rows: list[list[int]],
+        text: TextSetup,
+        latents: Handle | None,
+        seed: int | None,
+        inputs: dict[str, Handle] | None = None,
+    ):
+        super().__init__(plan)
+        self.backend, self.setup, self.schedule = backend, setup, schedule
+        self.guided = guidance > 1  # diffusers: guidance 1 or less runs no unconditional row
+        self.guidance = guidance
+        self.noise = Noise(backend, seed)
+        self.latents = latents
+        self.shape = _latent_shape(setup, latents, backend)
+        text_feeds, _ = text_inputs(plan, backend, rows, text) if rows else ({}, None)
+        self.flow = FlowRun(plan, backend, 1, 0, {**text_feeds, **(inputs or {})})
+        self.x: Handle = None
+        self.sample: Handle = None
+        self.previous_x0: Handle = None
+        self.step = 0
+        self._zero = backend.full((1,), 0.0, "float32")
+        self.repeats = backend.tensor([2 if self.guided else 1, 1, 1, 1], (4,), "int64")
+
+    def _advance(self) -> Work:
+        start = time.perf_counter()
+        if self._interrupted:  # after the step that was running, as the token loop stops
+            self.finish_reason = "interrupt"
+            return Progress(self.step, len(self.schedule.steps))
+        if self.x is None:
+            yield from self._start()
+            self.timings.prefill_ms = _since(start)
+            return Progress(0, len(self.schedule.steps))
+        yield from self._step()
+        self.step += 1
+        self.timings.steps, self.timings.steps_ms = self.step, self.timings.steps_ms + _since(start)
+        if self.step == len(self.schedule.steps):
+            start = time.perf_counter()
+            yield from self._finish()
+            self.timings.final_ms = _since(start)
+        return Progress(self.step, len(self.schedule.steps))
+
+    def _start(self) -> Work:
+        """The text encoder, the first latents and the first UNet input."""
+        yield from self.flow.run_init([])
+        b = self.backend
+        latents = self.latents
+        if latents is None:
+            latents = yield from self.noise.draw(self.shape, "init")
+        first = self.schedule.steps[0]
+        out = yield Run(
+            kernel("denoise_init", "float32"),
+            {
+                "latents": latents,
+                "coefficients": b.tensor(
+                    [self.schedule.init_noise_sigma, first.input_scale], (2,), "float32"
+                ),
+                "repeats": self.repeats,
+            },
+            ("x", "sample"),
+            None,
+            "init",
+        )
+        self.x, self.sample = out["x"], out["sample"]
+
+    def _step(self) -> Work:
+        b, step = self.backend, self.schedule.steps[self.step]
+        self.flow.loop_inputs["sample"] = self.sample
+        self.flow.loop_inputs["timestep"] = _timestep(b, self.setup, step.timestep, 2 if self.guided else 1)
+        out = yield from self.flow.run_steps()
+        label = self.flow.label
+        noise = (yield from self.noise.draw(self.shape, label)) if step.noise else self._zero
+        steps = self.schedule.steps
+        following = steps[self.step + 1].input_scale if self.step + 1 < len(steps) else 1.0
+        coefficients = [self.guidance if self.guided else 0.0, *step.coefficients, following]
+        made = yield Run(
+            kernel("denoise_step", "float32"),
+            {
+                "x": self.x,
+                "output": out[self.setup.noise_pred],
+                "previous_x0": self._zero if self.previous_x0 is None else self.previous_x0,
+                "noise": noise,
+                "coefficients": b.tensor(coefficients, (len(coefficients),), "float32"),
+                "repeats": self.repeats,
+            },
+            ("x_next", "x0", "sample"),
+            None,
+            label,
+        )
+        self.x, self.previous_x0, self.sample = made["x_next"], made["x0"], made["sample"]
+
+    def _finish(self) -> Work:
+        """The final latents over the VAE's scaling factor into the final phase; the named outputs."""
+        b = self.backend
+        scaled = yield Run(
+            kernel("divide", "float32"),
+            {"x": self.x, "d": b.tensor([self.setup.scaling_factor], (1,), "float32")},
+            ("y",),
+            None,
+            "final",
+        )
+        self.flow.loop_inputs["latents"] = scaled["y"]
+        yield from self.flow.run_final()
+        replace = {
+            f"{self.setup.session}.{self.setup.noise_pred}": self.x
+        }  # the UNet's output names the latents
+        self.outputs = yield from finish_outputs(self.plan, b, self.flow.values, None, replace)
+        self.finish_reason = "done"
+
+
+def _since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+def _latent_shape(setup: DenoisingSetup, latents: Handle | None, backend: Backend) -> tuple[int, ...]:
+    if latents is not None:
+        shape, dtype = tuple(backend.shape(latents)), backend.dtype(latents)
+        channels = setup.latent_shape[0]
+        if (
+            len(shape) != LATENT_RANK
+            or shape[0] != 1
+            or dtype != "float32"
+            or (channels and shape[1] != channels)
+        ):
+            raise GenerationError(
+                f"latents must be float32 [1, {channels or 'channels'}, height, width], found "
+                f"{dtype} {list(shape)}"
+            )
+        return shape
+    if None in setup.latent_shape:
+        raise GenerationError(
+            f'session "{setup.session}" leaves the latents\' size open and its config.json has no '
+            "sample_size and in_channels: pass latents"
+        )
+    return (1, *setup.latent_shape)
+
+
+def _timestep(b: Backend, setup: DenoisingSetup, t: float, rows: int) -> Handle:
+    """The UNet's timestep input: a scalar, or one value per row, of its element type."""
+    value = t if setup.timestep_dtype.startswith("float") else int(t)
+    shape = setup.timestep_shape
+    if not shape:
+        return b.tensor([value], (), setup.timestep_dtype)
+    n = shape[0] if isinstance(shape[0], int) else rows
+    return b.tensor([value] * n, (n,), setup.timestep_dtype)

@@ -1,0 +1,466 @@
+"""Denoising schedulers, read from diffusers' scheduler_config.json by class name and fields.
+
+A scheduler here is the schedule of one request: each step's timestep, the scale of the UNet's input and
+the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
+latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
+(EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ of order
+1 or 2), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2). A
+field whose value changes what diffusers computes and that is not followed here is a ConfigError at load.
+
+Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
+when the config says so), the step's noise and the previous step's x0 (DPM-Solver's second order):
+
+    x0 = clip(x0_from_x * x + x0_from_output * output)
+    x_next = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
+             + from_previous_x0 * x0_prev
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, GenerationError
+from ..jsonfile import quote
+
+INF = math.inf
+ALIASES = {  # the seed's snake-case names (section 12.3)
+    "euler_discrete": "EulerDiscreteScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler_ancestral_discrete": "EulerAncestralDiscreteScheduler",
+    "euler_ancestral": "EulerAncestralDiscreteScheduler",
+    "ddim": "DDIMScheduler",
+    "lcm": "LCMScheduler",
+    "dpm_solver_multistep": "DPMSolverMultistepScheduler",
+    "dpmsolver_multistep": "DPMSolverMultistepScheduler",
+}
+_BETAS = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "trained_betas": None,
+    "prediction_type": "epsilon",
+    "steps_offset": 0,
+    "rescale_betas_zero_snr": False,
+}
+# diffusers' defaults of each class: what a field the config leaves out means.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "EulerDiscreteScheduler": {
+        **_BETAS,
+        "timestep_spacing": "linspace",
+        "interpolation_type": "linear",
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "timestep_type": "discrete",
+        "final_sigmas_type": "zero",
+    },
+    "EulerAncestralDiscreteScheduler": {**_BETAS, "timestep_spacing": "linspace"},
+    "DDIMScheduler": {
+        **_BETAS,
+        "timestep_spacing": "leading",
+        "clip_sample": True,
+        "clip_sample_range": 1.0,
+        "set_alpha_to_one": True,
+        "thresholding": False,
+    },
+    "LCMScheduler": {
+        **_BETAS,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "beta_schedule": "scaled_linear",
+        "original_inference_steps": 50,
+        "clip_sample": False,
+        "clip_sample_range": 1.0,
+        "set_alpha_to_one": True,
+        "thresholding": False,
+        "timestep_spacing": "leading",
+        "timestep_scaling": 10.0,
+    },
+    "DPMSolverMultistepScheduler": {
+        **_BETAS,
+        "timestep_spacing": "linspace",
+        "solver_order": 2,
+        "algorithm_type": "dpmsolver++",
+        "solver_type": "midpoint",
+        "lower_order_final": True,
+        "euler_at_final": False,
+        "thresholding": False,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_lu_lambdas": False,
+        "use_flow_sigmas": False,
+        "final_sigmas_type": "zero",
+        "lambda_min_clipped": -INF,
+        "variance_type": None,
+    },
+}
+SCHEDULERS = tuple(DEFAULTS)
+# The values of the fields this module follows, per class (None: any value of the right kind).
+_COMMON: dict[str, tuple[Any, ...] | None] = {
+    "beta_schedule": ("linear", "scaled_linear"),
+    "prediction_type": ("epsilon", "v_prediction"),
+    "timestep_spacing": ("linspace", "leading", "trailing"),
+    "rescale_betas_zero_snr": (False,),
+}
+ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
+    "EulerDiscreteScheduler": {
+        **_COMMON,
+        "interpolation_type": ("linear",),
+        "use_karras_sigmas": (False,),
+        "use_exponential_sigmas": (False,),
+        "use_beta_sigmas": (False,),
+        "timestep_type": ("discrete",),
+        "final_sigmas_type": ("zero",),
+    },
+    "EulerAncestralDiscreteScheduler": dict(_COMMON),
+    "DDIMScheduler": {**_COMMON, "thresholding": (False,)},
+    "LCMScheduler": {**_COMMON, "thresholding": (False,)},
+    "DPMSolverMultistepScheduler": {
+        **_COMMON,
+        "algorithm_type": ("dpmsolver++",),
+        "solver_order": (1, 2),
+        "solver_type": ("midpoint", "heun"),
+        "thresholding": (False,),
+        "use_karras_sigmas": (False,),
+        "use_exponential_sigmas": (False,),
+        "use_beta_sigmas": (False,),
+        "use_lu_lambdas": (False,),
+        "use_flow_sigmas": (False,),
+        "final_sigmas_type": ("zero", "sigma_min"),
+        "variance_type": (None,),
+        "lambda_min_clipped": (-INF,),
+    },
+}
+NUMBERS = (
+    "num_train_timesteps",
+    "beta_start",
+    "beta_end",
+    "steps_offset",
+    "clip_sample_range",
+    "original_inference_steps",
+    "timestep_scaling",
+)
+
+
+def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> dict[str, Any]:
+    """The scheduler's config: `raw` (a scheduler_config.json, or {}) with its class's defaults under it,
+    the class `name` if given (as diffusers' `Cls.from_config(config)` switches schedulers) else the file's
+    `_class_name`. A ConfigError names every field this module does not follow."""
+    wanted = ALIASES.get(name, name) if name else raw.get("_class_name")
+    if wanted not in DEFAULTS:
+        found = quote(name if name else wanted)
+        raise ConfigError(
+            f"{where}: scheduler {found} is not run by ortpipe; it runs "
+            f"{', '.join(SCHEDULERS)} (or {', '.join(ALIASES)})"
+        )
+    config = {
+        **DEFAULTS[wanted],
+        **{k: v for k, v in raw.items() if not k.startswith("_")},
+        "_class_name": wanted,
+    }
+    if config.get("lambda_min_clipped") is None or config.get("lambda_min_clipped") == "-inf":
+        config["lambda_min_clipped"] = -INF
+    problems = []
+    for key, allowed in ALLOWED[wanted].items():
+        if allowed is not None and config.get(key) not in allowed:
+            problems.append(
+                f"{where}: {wanted} with {key} {quote(config.get(key))} is not run by ortpipe "
+                f"(it runs {', '.join(map(quote, allowed))})"
+            )
+    for key in NUMBERS:
+        value = config.get(key)
+        if key in config and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
+            problems.append(f"{where}: {key} must be a number of 0 or more, found {quote(value)}")
+    betas = config.get("trained_betas")
+    if betas is not None and (
+        not isinstance(betas, list)
+        or len(betas) != config["num_train_timesteps"]
+        or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+    ):
+        problems.append(f"{where}: trained_betas must be num_train_timesteps numbers in [0, 1)")
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+@dataclass(frozen=True)
+class Step:
+    timestep: float  # what the UNet's timestep input gets
+    input_scale: float  # the UNet's input is x times this
+    coefficients: tuple[float, ...]  # x0_from_x ... from_previous_x0, in denoise_step's order
+    noise: bool  # the step adds fresh noise
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    init_noise_sigma: float  # the initial latents are standard normal noise times this
+    steps: tuple[Step, ...]
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32, as diffusers keeps its timesteps."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _linspace(start: float, stop: float, count: int) -> list[float]:
+    """numpy.linspace's values."""
+    if count == 1:
+        return [float(start)]
+    step = (stop - start) / (count - 1)
+    values = [start + i * step for i in range(count)]
+    values[-1] = float(stop)
+    return values
+
+
+def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
+    count, start, end = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
+    if config.get("trained_betas"):
+        betas = [float(b) for b in config["trained_betas"]]
+    elif config["beta_schedule"] == "scaled_linear":
+        betas = [b * b for b in _linspace(start**0.5, end**0.5, count)]
+    else:
+        betas = _linspace(start, end, count)
+    product, out = 1.0, []
+    for beta in betas:
+        product *= 1.0 - beta
+        out.append(product)
+    return out
+
+
+def spaced(config: Mapping[str, Any], steps: int) -> list[float]:
+    """diffusers' timestep spacings: float, descending, not rounded."""
+    count, spacing = config["num_train_timesteps"], config["timestep_spacing"]
+    if spacing == "linspace":
+        return _linspace(0, count - 1, steps)[::-1]
+    if spacing == "leading":
+        ratio = count // steps
+        return [float(round(i * ratio)) + config["steps_offset"] for i in range(steps)][::-1]
+    # trailing: numpy.arange(count, 0, -ratio).round() - 1, whose values numpy computes as start + i * delta
+    ratio = count / steps
+    delta = (count - ratio) - count
+    length = math.ceil(count / ratio)
+    return [float(round(count + i * delta)) - 1 for i in range(length)]
+
+
+def _interp(x: float, table: list[float]) -> float:
+    """numpy.interp(x, arange(len(table)), table)."""
+    if x <= 0:
+        return table[0]
+    if x >= len(table) - 1:
+        return table[-1]
+    i = int(math.floor(x))
+    return table[i] + (x - i) * (table[i + 1] - table[i])
+
+
+def _x0_sigma(config: Mapping[str, Any], sigma: float) -> tuple[float, float]:
+    """(from x, from output) of the clean latents in the sigma parametrisation (Euler)."""
+    if config["prediction_type"] == "epsilon":
+        return 1.0, -sigma
+    return 1.0 / (sigma * sigma + 1), -sigma / (sigma * sigma + 1) ** 0.5
+
+
+def _x0_alpha(config: Mapping[str, Any], alpha_prod: float) -> tuple[float, float]:
+    """(from x, from output) of the clean latents in the alpha parametrisation (DDIM, LCM)."""
+    if config["prediction_type"] == "epsilon":
+        return 1.0 / alpha_prod**0.5, -((1 - alpha_prod) ** 0.5) / alpha_prod**0.5
+    return alpha_prod**0.5, -((1 - alpha_prod) ** 0.5)
+
+
+def _step(
+    timestep: float,
+    scale: float,
+    x0: tuple[float, float],
+    clip: float = INF,
+    *,
+    x: float = 0.0,
+    from_x0: float = 0.0,
+    output: float = 0.0,
+    noise: float = 0.0,
+    previous: float = 0.0,
+) -> Step:
+    coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous)
+    return Step(timestep, scale, coefficients, noise != 0.0)
+
+
+def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
+    cumprod = alphas_cumprod(config)
+    timesteps = [_f32(t) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
+    table = [((1 - a) / a) ** 0.5 for a in cumprod]
+    sigmas = [_interp(t, table) for t in timesteps] + [0.0]
+    top = max(sigmas)
+    init = top if config["timestep_spacing"] in ("linspace", "trailing") else (top * top + 1) ** 0.5
+    out = []
+    for i, t in enumerate(timesteps):
+        sigma, after = sigmas[i], sigmas[i + 1]
+        noise = 0.0
+        if ancestral:  # x + d * (down - sigma) + noise * up
+            up = (after**2 * (sigma**2 - after**2) / sigma**2) ** 0.5
+            after, noise = (after**2 - up**2) ** 0.5, up
+        dt = after - sigma  # x + (x - x0) / sigma * dt
+        out.append(
+            _step(
+                t,
+                1 / (sigma * sigma + 1) ** 0.5,
+                _x0_sigma(config, sigma),
+                x=1 + dt / sigma,
+                from_x0=-dt / sigma,
+                noise=noise,
+            )
+        )
+    return Schedule(config["_class_name"], init, tuple(out))
+
+
+def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
+    cumprod = alphas_cumprod(config)
+    final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
+    clip = config["clip_sample_range"] if config["clip_sample"] else INF
+    out = []
+    timesteps = [int(round(t)) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
+    for t in timesteps:
+        prev = t - config["num_train_timesteps"] // steps  # whatever the spacing, as diffusers does
+        a, a_prev = cumprod[t], (cumprod[prev] if prev >= 0 else final)
+        # x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps, eps the model's own (before any clipping)
+        if config["prediction_type"] == "epsilon":
+            eps = (0.0, 1.0)
+        else:
+            eps = ((1 - a) ** 0.5, a**0.5)
+        direction = (1 - a_prev) ** 0.5
+        out.append(
+            _step(
+                float(t),
+                1.0,
+                _x0_alpha(config, a),
+                clip,
+                x=direction * eps[0],
+                from_x0=a_prev**0.5,
+                output=direction * eps[1],
+            )
+        )
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def lcm(config: Mapping[str, Any], steps: int) -> Schedule:
+    original = config["original_inference_steps"]
+    if steps > original:
+        raise GenerationError(
+            f"num_steps {steps} is more than the LCM scheduler's original_inference_steps "
+            f"{original}; lower num_steps"
+        )
+    cumprod = alphas_cumprod(config)
+    final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
+    count = config["num_train_timesteps"]
+    origin = [(i + 1) * (count // original) - 1 for i in range(original)][::-1]
+    stride = len(origin) / steps  # numpy.linspace(0, len, steps, endpoint=False), floored
+    timesteps = [origin[int(math.floor(i * stride))] for i in range(steps)]
+    clip = config["clip_sample_range"] if config["clip_sample"] else INF
+    out = []
+    for i, t in enumerate(timesteps):
+        prev = timesteps[i + 1] if i + 1 < steps else t
+        a, a_prev = cumprod[t], (cumprod[prev] if prev >= 0 else final)
+        scaled = t * config["timestep_scaling"]
+        c_skip, c_out = 0.25 / (scaled**2 + 0.25), scaled / (scaled**2 + 0.25) ** 0.5  # sigma_data 0.5
+        last = (
+            i == steps - 1
+        )  # denoised = c_out x0 + c_skip x; then sqrt(a_prev) denoised + sqrt(1 - a_prev) noise
+        keep = 1.0 if last else a_prev**0.5
+        out.append(
+            _step(
+                float(t),
+                1.0,
+                _x0_alpha(config, a),
+                clip,
+                x=keep * c_skip,
+                from_x0=keep * c_out,
+                noise=0.0 if last else (1 - a_prev) ** 0.5,
+            )
+        )
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def _alpha_sigma_lambda(sigma: float) -> tuple[float, float, float]:
+    alpha = 1 / (sigma * sigma + 1) ** 0.5
+    return alpha, sigma * alpha, (INF if sigma == 0 else math.log(alpha) - math.log(sigma * alpha))
+
+
+def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
+    cumprod = alphas_cumprod(config)
+    count = config["num_train_timesteps"]
+    if config["timestep_spacing"] == "linspace":  # steps + 1 points, the last (0) dropped
+        timesteps = [int(round(t)) for t in _linspace(0, count - 1, steps + 1)][::-1][:-1]
+    elif config["timestep_spacing"] == "leading":
+        ratio = count // (steps + 1)
+        timesteps = [i * ratio + config["steps_offset"] for i in range(steps + 1)][::-1][:-1]
+    else:
+        timesteps = [int(t) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
+    table = [((1 - a) / a) ** 0.5 for a in cumprod]
+    last = table[0] if config["final_sigmas_type"] == "sigma_min" else 0.0
+    sigmas = [_interp(t, table) for t in timesteps] + [last]
+    few = config["lower_order_final"] and steps < 15
+    out = []
+    for i, t in enumerate(timesteps):
+        alpha_s, sigma_s, lambda_s = _alpha_sigma_lambda(sigmas[i])
+        alpha_t, sigma_t, lambda_t = _alpha_sigma_lambda(sigmas[i + 1])
+        x0 = (
+            (1 / alpha_s, -sigma_s / alpha_s)
+            if config["prediction_type"] == "epsilon"
+            else (alpha_s, -sigma_s)
+        )
+        decay = math.exp(-(lambda_t - lambda_s))  # exp(-h); 0 when the next sigma is 0
+        first_order = i == steps - 1 and (
+            config["euler_at_final"] or few or config["final_sigmas_type"] == "zero"
+        )
+        ratio, from_x0 = sigma_t / sigma_s, -alpha_t * (decay - 1.0)
+        if config["solver_order"] == 1 or i == 0 or first_order:
+            out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0))
+            continue
+        h = lambda_t - lambda_s
+        d1 = h / (lambda_s - _alpha_sigma_lambda(sigmas[i - 1])[2])  # D1 = (x0 - x0_prev) * d1
+        if config["solver_type"] == "midpoint":
+            weight = -0.5 * alpha_t * (decay - 1.0)
+        else:
+            weight = alpha_t * ((decay - 1.0) / h + 1.0)
+        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0 + weight * d1, previous=-weight * d1))
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
+    """The schedule of `steps` steps for a config scheduler_config() made."""
+    name = config["_class_name"]
+    if steps > config["num_train_timesteps"]:
+        raise GenerationError(
+            f"num_steps {steps} is more than the scheduler's num_train_timesteps "
+            f"{config['num_train_timesteps']}"
+        )
+    if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler"):
+        schedule = euler(config, steps, ancestral=name == "EulerAncestralDiscreteScheduler")
+    elif name == "DDIMScheduler":
+        schedule = ddim(config, steps)
+    elif name == "LCMScheduler":
+        schedule = lcm(config, steps)
+    else:
+        schedule = dpm_solver(config, steps)
+    if len(schedule.steps) != steps:
+        raise GenerationError(
+            f"num_steps {steps} gives {name} with {config['timestep_spacing']} spacing "
+            f"{len(schedule.steps)} timesteps; choose another number of steps"
+        )
+    return schedule
+
+
+def _distinct(timesteps: list[Any], config: Mapping[str, Any]) -> None:
+    """diffusers runs repeated timesteps (or divides by zero on them): refuse the step count instead."""
+    if len(set(timesteps)) != len(timesteps):
+        raise GenerationError(
+            f"num_steps {len(timesteps)} gives {config['_class_name']} with "
+            f"{config['timestep_spacing']} spacing repeated timesteps; choose fewer steps"
+        )

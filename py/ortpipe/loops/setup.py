@@ -1,0 +1,162 @@
+"""Requests of the loops that make no tokens, for every target: what `Model` hands over to single_pass.py and
+denoising.py. `loop_setup` reads at load what a loop needs from the folder; `output_request` and
+`embed_request` check what a caller asks before any model runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.settings import BY_NAME
+from ..errors import GenerationError
+from ..execute.work import Handle
+from ..folder import Folder
+from ..jsonfile import quote
+from ..plan import Plan
+from ..sampling.settings import check_setting
+from ..tokenizer import Tokenizer
+from .denoising import DenoisingRequest, DenoisingSetup, denoising_setup
+from .schedulers import make_schedule
+from .single_pass import DEFAULT_BATCH, SinglePassRequest
+from .text import TextSetup, encode_texts, reads_text, text_setup
+
+
+@dataclass(frozen=True)
+class LoopSetup:
+    text: TextSetup
+    denoising: DenoisingSetup | None = None
+
+
+def loop_setup(plan: Plan, folder: Folder, tokenizer: Tokenizer | None) -> LoopSetup | None:
+    """What the folder's loop needs besides the plan (None for the autoregressive loop)."""
+    loop = plan.config.generation.loop
+    if loop == "autoregressive":
+        return None
+    text = plan.config.pipeline.preprocessing.get("text", {})
+    setup = text_setup(folder, text.get("tokenizer", ""), tokenizer, text.get("max_length"))
+    return LoopSetup(setup, denoising_setup(plan, folder) if loop == "denoising" else None)
+
+
+def _settings(plan: Plan, given: dict[str, Any]) -> dict[str, Any]:
+    """The config's defaults with the request's settings over them, each checked and of this loop."""
+    loop = plan.config.generation.loop
+    values = {}
+    for name, value in given.items():
+        if value is None and name in BY_NAME:
+            continue  # not given: the default holds
+        checked = check_setting(name, value)
+        if loop not in BY_NAME[name].loops:
+            raise GenerationError(
+                f"{name} is a setting of the {' and '.join(BY_NAME[name].loops)} loop; this "
+                f'folder\'s loop is "{loop}"'
+            )
+        values[name] = checked
+    defaults = plan.config.generation.settings
+    return {
+        s.name: values[s.name] if values.get(s.name) is not None else getattr(defaults, s.name, s.default)
+        for s in BY_NAME.values()
+        if loop in s.loops
+    }
+
+
+def _rows(
+    plan: Plan, tokenizer: Tokenizer | None, text: TextSetup, prompt: Any, prompt_ids: Any
+) -> list[list[int]] | None:
+    """The request's token rows: its text or its ids; None when no session reads text."""
+    if not reads_text(plan):
+        if prompt is not None or prompt_ids is not None:
+            raise GenerationError(
+                "no session of this folder reads text: pass its inputs (inputs={name: array})"
+            )
+        return None
+    if (prompt is None) == (prompt_ids is None):
+        raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
+    if prompt_ids is not None:
+        if (
+            not isinstance(prompt_ids, (list, tuple))
+            or not prompt_ids
+            or not all(type(i) is int and i >= 0 for i in prompt_ids)
+        ):
+            raise GenerationError(
+                f"prompt_ids must be a non-empty list of token ids, found {quote(prompt_ids)}"
+            )
+        return [list(prompt_ids)]
+    return encode_texts(tokenizer, [prompt], text.max_length)
+
+
+def output_request(
+    plan: Plan,
+    backend: Any,
+    setup: LoopSetup,
+    tokenizer: Tokenizer | None,
+    prompt: Any = None,
+    prompt_ids: Any = None,
+    inputs: dict[str, Handle] | None = None,
+    **given: Any,
+) -> Any:
+    """A request of the folder's single_pass or denoising loop."""
+    inputs = dict(inputs or {})
+    latents = given.pop("latents", None)
+    if "latents" in inputs:
+        if latents is not None:
+            raise GenerationError("give latents once: as latents= or as inputs['latents']")
+        latents = inputs.pop("latents")
+    settings = _settings(plan, given)
+    if setup.denoising is None:
+        if latents is not None:
+            raise GenerationError(
+                'latents are an input of the "denoising" loop; this folder\'s loop is "single_pass"'
+            )
+        rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
+        return SinglePassRequest(plan, backend, rows, setup.text, inputs)
+    rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
+    guided = settings["guidance_scale"] > 1
+    if guided and setup.denoising.batch_fixed:
+        raise GenerationError(
+            f'session "{setup.denoising.session}" runs one row at a time: guidance needs two; '
+            "set guidance_scale to 1 or less"
+        )
+    if settings["negative_prompt"] is not None and not guided:
+        raise GenerationError("negative_prompt is used by guidance: raise guidance_scale above 1, or drop it")
+    if guided and rows is not None:
+        negative = settings["negative_prompt"] or ""  # diffusers' unconditional text when none is given
+        rows = encode_texts(tokenizer, [negative], setup.text.max_length) + rows
+    schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"])
+    return DenoisingRequest(
+        plan,
+        backend,
+        setup.denoising,
+        schedule,
+        settings["guidance_scale"],
+        rows or [],
+        setup.text,
+        latents,
+        settings["seed"],
+        inputs,
+    )
+
+
+def embed_request(
+    plan: Plan,
+    backend: Any,
+    setup: LoopSetup | None,
+    tokenizer: Tokenizer | None,
+    texts: Any,
+    batch_size: int = DEFAULT_BATCH,
+) -> SinglePassRequest:
+    """Embeddings of many texts, in batches (a single_pass folder whose outputs are embeddings)."""
+    outputs = plan.config.pipeline.outputs
+    if (
+        setup is None
+        or setup.denoising is not None
+        or not outputs
+        or any(o.kind != "embedding" for o in outputs)
+    ):
+        raise GenerationError(
+            "embed needs a folder whose outputs are embeddings (a sentence-transformers folder, "
+            'or "as": "embedding" in pipeline.output)'
+        )
+    if type(batch_size) is not int or not 1 <= batch_size <= 4096:
+        raise GenerationError(f"batch_size must be an integer from 1 to 4096, found {quote(batch_size)}")
+    rows = encode_texts(tokenizer, [texts] if isinstance(texts, str) else texts, setup.text.max_length)
+    return SinglePassRequest(plan, backend, rows, setup.text, None, batch_size)

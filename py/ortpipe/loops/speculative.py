@@ -1,0 +1,402 @@
+"""Speculative decoding: draft several tokens cheaply, check them all with one run of the model.
+
+Drafts come from the text itself (prompt lookup: what followed the latest earlier occurrence of
+the last n tokens) or from a smaller draft model with the same tokenizer, run greedily. One
+decoder run over the pending token and k drafts gives the model's logits at all k+1 positions:
+
+- greedy: the model's choice at each position; the longest prefix of drafts it agrees with is
+  accepted, plus its choice after them: exactly the tokens of plain greedy decoding;
+- sampling: draft i is accepted with probability p_i(draft i) (p: the processed distribution of
+  row i); the first rejection samples from p_i without that draft, all accepted samples from p_k
+  (speculative sampling with a one-token draft), so the output follows p exactly. The uniforms
+  come from the sampler's seeded generator (the `spec_accept` kernel).
+
+The KV cache then keeps only the accepted positions: a shared buffer moves its length (the next
+run's mask and writes start there), a concat cache is narrowed by a kernel.
+
+The draft length adapts (DraftLength): each round drafts the length that gives the most tokens per
+unit of time, from how often drafts were accepted and what a run of several tokens costs beside a
+run of one; when none pays, rounds are plain steps with a probe now and then, so open-ended text
+runs at about the speed of plain decoding. Targets that run rounds in their bursts measure the
+costs; the core's own rounds (sampling) use fixed guesses, so that a seeded run drafts the same
+everywhere.
+
+Plain greedy requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a
+target runs whole rounds inside its burst (the CPython driver calls this module's Speculator, the
+browser's JS decoder mirrors it in web/speculate.js), or ignores it and runs plain steps. Every other
+request (sampling, logits processors) runs its rounds here, with `Run`s and kernels, the same way on
+every target.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..config.settings import SearchSettings
+from ..errors import GenerationError
+from ..execute.flow import FlowRun
+from ..execute.work import Backend, Decoded, FusedStep, Handle, Run, Work, kernel
+from ..plan import Plan
+from ..sampling.processors import banned_ids
+
+if TYPE_CHECKING:
+    from .autoregressive import TokenGenerator
+
+LOOKUP_NGRAM = 2  # the longest n-gram prompt lookup matches when only prompt_lookup_num_tokens is given
+MAX_PAUSE = 16  # steps without drafts after rounds that accepted nothing, at most
+SAMPLES = 15  # the measurements of run costs kept
+
+
+def cannot_verify(plan: Plan) -> str | None:
+    """Why the plan's decoder cannot check drafts in one run and roll its cache back, or None."""
+    step = plan.fused
+    if step is None:
+        return "its step phase is not a single decoder run over a KV cache (a multi-session pipeline)"
+    if any(e.window is not None for e in plan.step_phase[0].kv.entries):
+        return "its KV cache slides (a sliding-window cache cannot be rolled back)"
+    info = plan.signatures[step.session].output(step.logits)
+    if info.rank != 3 or info.shape[1] == 1:
+        return "its decoder gives the logits of the last position only, not of every new token"
+    return None
+
+
+class NgramIndex:
+    """Prompt lookup: where each n-gram of the text (n = 1 .. size) last ended, kept as it grows."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.last: list[dict[tuple[int, ...], int]] = [{} for _ in range(size)]
+        self.indexed = 0  # the n-grams ending before this position are in the index
+
+    def reset(self) -> None:
+        self.last = [{} for _ in range(self.size)]
+        self.indexed = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending
+        the text; a copy that reaches the end goes on over what it copied (a repeating loop)."""
+        end = len(tokens) - 1  # n-grams ending here have no continuation yet
+        if end < self.indexed:
+            self.reset()
+        for i in range(self.indexed, end):
+            for n in range(1, min(self.size, i + 1) + 1):
+                self.last[n - 1][tuple(tokens[i - n + 1 : i + 1])] = i
+        self.indexed = max(self.indexed, end)
+        for n in range(min(self.size, len(tokens)), 0, -1):
+            at = self.last[n - 1].get(tuple(tokens[-n:]))
+            if at is not None:
+                draft: list[int] = []
+                for i in range(at + 1, at + 1 + k):
+                    draft.append(tokens[i] if i < len(tokens) else draft[i - len(tokens)])
+                return draft
+        return []
+
+
+class DraftLength:
+    """How many tokens the next round drafts: the length that gives the most tokens per unit of time.
+
+    A round of k drafts gives 1 + a + ... + a^k tokens on average, a being the chance that a draft
+    is accepted (accepted drafts over accepted drafts plus rejections, a decaying count), and costs
+    1 + (extra + draft) * k times a plain step: `extra`, what each more token adds to one run, and
+    `draft`, what drafting one costs (a draft model's step), both measured by the target that runs the
+    rounds (`timed`), else guessed. When no length pays, a one-token probe runs after a pause of 1,
+    2, 4 ... MAX_PAUSE steps, so that text which starts repeating itself is noticed.
+    """
+
+    DECAY = 0.9  # the weight of earlier rounds in the acceptance count
+    EXTRA = 0.4  # the guess of what one more token costs a run, relative to a run of one
+    DRAFT = 0.3  # the guess of what a draft model's step costs, relative to the model's
+
+    __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause")
+
+    def __init__(self, most: int, model: bool = False):
+        self.most = most
+        self.hits, self.misses = 2.0, 1.0  # a prior acceptance of 2/3
+        # the last measurements (a median of them resists a busy machine's outliers): seconds of a run of
+        # one token, and the extra and drafting costs of a token relative to it
+        self.ones: deque[float] = deque(maxlen=SAMPLES)
+        self.extras: deque[float] = deque([self.EXTRA], maxlen=SAMPLES)
+        self.drafts: deque[float] = deque([self.DRAFT if model else 0.0], maxlen=SAMPLES)
+        self.wait = self.pause = 0
+
+    def next(self, room: int) -> int:
+        """The draft length of the next round (0: a plain step), at most `room`."""
+        if room <= 0:
+            return 0
+        if self.wait:
+            self.wait -= 1
+            return 0
+        k = self.best(min(self.most, room))
+        if k:
+            self.pause = 0
+            return k
+        self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
+        self.wait = self.pause
+        return 1
+
+    def best(self, most: int) -> int:
+        """The draft length (0 to most) with the most tokens per unit of time."""
+        rate = self.hits / (self.hits + self.misses)
+        cost = statistics.median(self.extras) + statistics.median(self.drafts)
+        best, best_k, tokens, term = 1.0, 0, 1.0, 1.0
+        for k in range(1, most + 1):
+            term *= rate
+            tokens += term
+            if tokens / (1 + cost * k) > best:
+                best, best_k = tokens / (1 + cost * k), k
+        return best_k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.hits = self.DECAY * self.hits + accepted
+        self.misses = self.DECAY * self.misses + (accepted < drafted)
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A target's run of `tokens` tokens took `seconds`: what one more token costs, measured."""
+        if tokens == 1:
+            self.ones.append(seconds)
+        elif self.ones:
+            self.extras.append(max(0.0, (seconds / statistics.median(self.ones) - 1) / (tokens - 1)))
+
+    def drafted(self, steps: int, seconds: float) -> None:
+        """A draft model took `seconds` for `steps` drafted tokens."""
+        if self.ones and steps:
+            self.drafts.append(seconds / steps / statistics.median(self.ones))
+
+    def state(self) -> dict[str, Any]:
+        measured = {name: list(getattr(self, name)) for name in ("ones", "extras", "drafts")}
+        return {"hits": self.hits, "misses": self.misses, **measured, "wait": self.wait, "pause": self.pause}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.hits, self.misses = float(state["hits"]), float(state["misses"])
+        for name in ("ones", "extras", "drafts"):
+            getattr(self, name).clear()
+            getattr(self, name).extend(float(x) for x in state[name])
+        self.wait, self.pause = int(state["wait"]), int(state["pause"])
+
+
+class DraftDecode(NamedTuple):
+    """The draft model's side of a speculative `Decode`: its fused step, its cache (past input ->
+    tensor) covering the first `length` tokens of the text, and its capacity."""
+
+    step: FusedStep
+    cache: Mapping[str, Handle]
+    length: int
+    capacity: int
+    seq_axes: Mapping[str, int]
+
+
+class Speculation(NamedTuple):
+    """What a target needs to run speculative rounds inside a `Decode` burst."""
+
+    speculator: Speculator  # the request's: its draft length, prompt lookup and statistics
+    tokens: list[int]  # the text so far, ending with the Decode's token (the target must not change it)
+    seq_axes: Mapping[str, int]  # each past input's sequence axis: where a concat cache is narrowed
+    draft: DraftDecode | None  # drafting with a draft model; None: prompt lookup
+
+
+class Speculator:
+    """One request's speculative decoding: its drafter, its draft length and what was accepted.
+
+    Targets that run rounds themselves call `draft_length`, `lookup` and `update`."""
+
+    def __init__(self, plan: Plan, backend: Backend, settings: SearchSettings, max_length: int,
+                 eos: frozenset[int], draft: Plan | None = None):
+        why = cannot_verify(plan)
+        if why:
+            raise GenerationError(f"speculative decoding needs a model whose decoder checks several drafted "
+                                  f"tokens in one run; this one cannot: {why}")
+        lookup = bool(settings.prompt_lookup_num_tokens or settings.ngram_size)
+        if lookup and draft is not None:
+            raise GenerationError("prompt lookup and a draft model cannot draft together: give draft_model, "
+                                  "or prompt_lookup_num_tokens / ngram_size, not both")
+        positions = draft.max_positions if draft is not None else None
+        if positions is not None and max_length > positions:
+            raise GenerationError(f"max_length {max_length} is more than the {positions} positions the draft "
+                                  "model's graph can run; lower max_length or max_new_tokens")
+        self.backend, self.eos = backend, eos
+        most = settings.prompt_lookup_num_tokens or settings.max_draft_tokens
+        self.length = DraftLength(most, draft is not None)
+        self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
+        self.draft = DraftModel(draft, backend, max_length) if draft is not None else None
+        entries = plan.step_phase[0].kv.entries
+        self.seq_axes = {e.past_input: e.seq_axis for e in entries}
+        self.drafted = self.accepted = self.rounds = 0
+        self.resets = 0  # rewinds of the text, for a target that keeps its own index of it
+
+    # what targets call
+
+    def draft_length(self, room: int) -> int:
+        return self.length.next(room)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        return self.ngram.propose(tokens, k) if self.ngram is not None else []
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A target's run over `tokens` new tokens took `seconds` (see DraftLength)."""
+        self.length.timed(tokens, seconds)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A round checked `drafted` tokens and accepted the first `accepted` of them."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.length.update(drafted, accepted)
+
+    def absorb(self, state: Mapping[str, Any]) -> None:
+        """What a target that mirrors this speculator (web/speculate.js) did in a burst: its draft
+        length's state, and the drafts it checked and accepted."""
+        self.length.restore(state["length"])
+        self.drafted += int(state["drafted"])
+        self.accepted += int(state["accepted"])
+        self.rounds += int(state["rounds"])
+
+    def rewound(self, length: int) -> Work:
+        """The text was cut to its first `length` tokens: forget what the drafter knew past them."""
+        self.resets += 1
+        if self.ngram is not None:
+            self.ngram.reset()
+        if self.draft is not None:
+            yield from self.draft.roll_back(length)
+
+    # the fused path
+
+    def speculation(self, tokens: list[int]) -> Speculation:
+        draft = self.draft.fused() if self.draft is not None else None
+        return Speculation(self, tokens, self.seq_axes, draft)
+
+    def took(self, answer: Decoded) -> None:
+        """After a fused Decode: the draft model's cache as the target answered it (none: it ran
+        plain steps, and the draft model catches up when it drafts next)."""
+        if self.draft is not None and answer.draft is not None:
+            self.draft.take(*answer.draft)
+
+    # rounds run here (sampling, logits processors, targets that do not fuse)
+
+    def round(self, gen: TokenGenerator, budget: int | None) -> Work:
+        """One round: draft, check with one run, keep what was accepted. Returns the new tokens, or
+        None when this step drafts nothing (the caller runs a plain step)."""
+        room = gen.limits.max_length - len(gen.tokens)
+        k = self.length.next(min(room, room if budget is None else budget) - 1)
+        if k == 0:
+            return None
+        if self.draft is not None:
+            drafts = yield from self.draft.propose(gen.tokens, k, self.eos)
+        else:
+            drafts = self.lookup(gen.tokens, k)
+        if not drafts:
+            return None
+        flow, sampler = gen.flow, gen.sampler
+        start = flow.position
+        logits = yield from flow.run_iteration([gen.pending[0], *drafts])
+        sampler.label = flow.label
+        if sampler.settings.sampling:
+            accepted, token = yield from verify_sampled(sampler, logits, drafts, gen.tokens, gen.generated)
+        else:
+            picks = yield from verify_greedy(sampler, logits, drafts, gen.tokens, gen.generated)
+            accepted = agreeing(drafts, picks)
+            token = picks[accepted]
+        tokens = cut_at_eos([*drafts[:accepted], token], self.eos)
+        self.update(len(drafts), min(accepted, len(tokens)))
+        yield from roll_back(flow, start + len(tokens))
+        if self.draft is not None:
+            yield from self.draft.roll_back(start + 1 + min(accepted, len(tokens)))
+        return tokens
+
+
+def agreeing(drafts: list[int], picks: list[int]) -> int:
+    """How many drafts, from the first, equal the model's picks at their positions."""
+    n = 0
+    while n < len(drafts) and drafts[n] == picks[n]:
+        n += 1
+    return n
+
+
+def cut_at_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def roll_back(flow: FlowRun, length: int) -> Work:
+    """Keep the first `length` positions of every cache of the flow (the accepted ones)."""
+    for cache in flow.caches.values():
+        if cache.length > length:
+            yield from cache.truncate(length, flow.backend)
+    flow.position = length
+
+
+def _rows(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], generated: int) -> Work:
+    """Processed scores [k+1, vocab], one row per checked position, each with the text before it."""
+    b = sampler.backend
+    if not sampler._vocab:
+        sampler._vocab = b.shape(logits)[-1]
+    out = yield Run(kernel("unfold", sampler.dtype), {"logits": logits}, ("rows",), None, sampler.label)
+    rows = out["rows"]
+    seen = [tokens + drafts[:i] for i in range(len(drafts) + 1)]
+    banned = [banned_ids(sampler.settings, s, generated + i, sampler.eos) for i, s in enumerate(seen)]
+    return (yield from sampler.scores(rows, seen, banned))
+
+
+def verify_greedy(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], generated: int) -> Work:
+    """The model's choice at each of the k+1 positions (its processors applied)."""
+    scores = yield from _rows(sampler, logits, drafts, tokens, generated)
+    out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",), None, sampler.label)
+    return sampler.backend.to_list(out["token"])
+
+
+def verify_sampled(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int],
+                   generated: int) -> Work:
+    """(drafts accepted, the token after them) by the speculative-sampling rule (the spec_accept kernel)."""
+    b = sampler.backend
+    scores = yield from _rows(sampler, logits, drafts, tokens, generated)
+    u = [1.0 - sampler.rng.random() for _ in range(len(drafts) + 1)]
+    out = yield Run(
+        kernel("spec_accept", "float32"),
+        {"scores": scores, "drafts": b.tensor(drafts, (len(drafts),), "int64"),
+         "u": b.tensor(u, (len(u),), "float32")},
+        ("accepted", "token"),
+        None,
+        sampler.label,
+    )
+    return b.to_list(out["accepted"])[0], b.to_list(out["token"])[0]
+
+
+class DraftModel:
+    """A draft model's run for one request: its own flow and KV cache over a prefix of the text,
+    caught up with the text when it drafts, rolled back to what the model accepted."""
+
+    def __init__(self, plan: Plan, backend: Backend, max_length: int):
+        self.plan, self.backend = plan, backend
+        self.flow = FlowRun(plan, backend, 1, max_length)
+        self.step = plan.fused
+        self.seq_axes = {e.past_input: e.seq_axis for e in plan.step_phase[0].kv.entries}
+        self.dtype = plan.signatures[self.step.session].output(self.step.logits).dtype
+
+    def fused(self) -> DraftDecode:
+        cache = self.flow.caches[self.step.session]
+        return DraftDecode(self.step, cache.feeds, self.flow.position, self.flow.max_length, self.seq_axes)
+
+    def take(self, cache: Mapping[str, Handle], length: int) -> None:
+        kv = self.flow.caches[self.step.session]
+        kv.take(cache, 0)
+        kv.length = self.flow.position = length
+
+    def propose(self, tokens: list[int], k: int, eos: frozenset[int]) -> Work:
+        """Up to k greedy tokens after `tokens`: the text it has not seen yet is run first."""
+        fed = tokens[self.flow.position :]
+        drafts: list[int] = []
+        while len(drafts) < k:
+            logits = yield from self.flow.run_iteration(fed)
+            out = yield Run(kernel("argmax_last", self.dtype), {"logits": logits}, ("token",), None, "draft")
+            drafts.append(self.backend.to_list(out["token"])[0])
+            if drafts[-1] in eos:
+                break
+            fed = drafts[-1:]
+        return drafts
+
+    def roll_back(self, length: int) -> Work:
+        yield from roll_back(self.flow, min(length, self.flow.position))

@@ -1,0 +1,259 @@
+"""The HTTP side: Starlette routes in OpenAI's shape over the engine.
+
+A completion's response is an ASGI callable (`JobResponse`) that listens for the client's disconnect for
+as long as the job lives, queued or generating: a client that leaves cancels its job at once, whatever the
+ASGI server's version does with disconnects on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import __version__
+from .engine import Delta, Engine, Failed, Finished, Job, NotReady, QueueFull
+from .protocol import Completion, InvalidRequest, Reply, error_body, parse_chat, parse_text
+
+MAX_BODY_BYTES = 8 * 2**20
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+DISCONNECTED = object()  # put on a job's events when its client leaves
+
+
+def create_app(engine: Engine, model_dir: str | Path, api_key: str | None = None,
+               cors: list[str] | None = None) -> Starlette:
+    """The server's ASGI app; its lifespan starts the engine (the model loads behind /health's 503)."""
+    api = Api(engine, Path(model_dir))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
+              Route("/v1/completions", api.text, methods=["POST"]),
+              Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.one_model),
+              Route("/health", api.health), Route("/metrics", api.metrics)]
+    middleware = [Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
+                             allow_headers=["*"])] if cors else []
+    if api_key:
+        middleware.append(Middleware(RequireKey, key=api_key))
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+
+class Api:
+    """The routes' handlers over one engine and the model it serves."""
+
+    def __init__(self, engine: Engine, model_dir: Path):
+        self.engine = engine
+        self.model = model_dir.resolve().name
+        config = model_dir / "genai_config.json"
+        seed = (config.read_bytes() if config.is_file() else self.model.encode()) + __version__.encode()
+        self.fingerprint = "fp_" + hashlib.sha256(seed).hexdigest()[:10]  # changes with config and version
+        self.created = int(time.time())
+
+    async def chat(self, request: Request) -> Any:
+        return await self._complete(request, parse_chat, "chatcmpl")
+
+    async def text(self, request: Request) -> Any:
+        return await self._complete(request, parse_text, "cmpl")
+
+    async def _complete(self, request: Request, parse: Callable[[Any], Completion], prefix: str) -> Any:
+        engine = self.engine
+        try:
+            completion = parse(await _json_body(request))
+            job = Job(f"{prefix}-{uuid.uuid4().hex[:24]}", completion, asyncio.get_running_loop())
+            engine.submit(job)
+        except InvalidRequest as e:
+            return _error(e)
+        except QueueFull as e:
+            busy = (f"The server is busy: {engine.max_batch} requests are being generated and "
+                    f"{engine.max_queue} are waiting. Retry after {e.retry_after} s.")
+            return _error(InvalidRequest(busy, code="rate_limit_exceeded", status=429, kind="requests"),
+                          {"retry-after": str(e.retry_after)})
+        except NotReady:
+            why = f"The engine stopped: {engine.error}" if engine.error else "The model is loading."
+            return _error(InvalidRequest(why, status=503, kind="server_error"), {"retry-after": "1"})
+        return JobResponse(job, engine, Reply(job.id, completion, self.model, self.fingerprint))
+
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "ortpipe"}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def one_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.model:
+            return _error(InvalidRequest(f"The model '{name}' does not exist", "model", "model_not_found",
+                                         status=404))
+        return JSONResponse(self._model_object())
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.loaded:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error" if self.engine.error else "loading"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(self.engine.metrics.render(self.engine.gauges()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class JobResponse:
+    """A completion's response: the whole JSON once the job finished, or its server-sent events."""
+
+    def __init__(self, job: Job, engine: Engine, reply: Reply):
+        self.job, self.engine, self.reply = job, engine, reply
+        self.finished = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            first = await self.job.events.get()
+            if first is DISCONNECTED:
+                return
+            if isinstance(first, Failed):
+                self.finished = True
+                await _error(first.error)(scope, receive, send)
+            elif self.job.completion.stream:
+                await self._stream(send)
+            else:
+                await self._whole(scope, receive, send)
+        finally:
+            watcher.cancel()
+            if not self.finished:
+                self.engine.cancel(self.job)
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.job.events.put_nowait(DISCONNECTED)  # type: ignore[arg-type]
+
+    async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
+        texts, logprobs = [], []
+        while True:
+            event = await self.job.events.get()
+            if event is DISCONNECTED:
+                return
+            if isinstance(event, Delta):
+                texts.append(event.text)
+                logprobs += event.logprobs or []
+                continue
+            self.finished = True
+            if isinstance(event, Failed):
+                response = _error(event.error)
+            else:
+                assert isinstance(event, Finished)
+                asked = self.job.completion.settings.get("logprobs") is not None
+                response = JSONResponse(self.reply.response("".join(texts), event.finish_reason, event.usage,
+                                                            logprobs if asked else None))
+            await response(scope, receive, send)
+            return
+
+    async def _stream(self, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                   *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self.reply.chat:
+            await _event(send, self.reply.chunk(first=True))
+        while True:
+            event = await self.job.events.get()
+            if event is DISCONNECTED:
+                return
+            if isinstance(event, Delta):
+                await _event(send, self.reply.chunk(event.text, logprobs=event.logprobs))
+                continue
+
+            self.finished = True
+            if isinstance(event, Finished):
+                await _event(send, self.reply.chunk(finish_reason=event.finish_reason))
+                if self.job.completion.include_usage:
+                    await _event(send, self.reply.usage_chunk(event.usage))
+            elif isinstance(event, Failed):
+                await _event(send, event.error.body())
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+
+
+async def _event(send: Send, data: dict[str, Any]) -> None:
+    body = b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def _json_body(request: Request) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise _too_large()
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("We could not parse the JSON body of your request. The API expects a JSON "
+                             "payload (Content-Type: application/json).") from None
+
+
+def _too_large() -> InvalidRequest:
+    return InvalidRequest(f"The request body is larger than {MAX_BODY_BYTES} bytes.", status=413)
+
+
+def _error(e: InvalidRequest, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    wrong_url = exc.status_code in (404, 405)
+    message = f"Invalid URL ({request.method} {request.url.path})" if wrong_url else exc.detail
+    return JSONResponse(error_body(message), status_code=exc.status_code)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body("The server had an error while processing your request.", "server_error"),
+                        status_code=500)
+
+
+class RequireKey:
+    """--api-key: every route but /health needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
+            await self.app(scope, receive, send)
+            return
+        message = ("Incorrect API key provided." if token else
+                   "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
+                   "(Authorization: Bearer YOUR_KEY).")
+        response = JSONResponse(error_body(message, code="invalid_api_key" if token else None),
+                                status_code=401, headers={"www-authenticate": "Bearer"})
+        await response(scope, receive, send)

@@ -1,0 +1,404 @@
+"""The engine: one thread that owns the loaded pipeline, a bounded queue in front of it, and a scheduler
+that steps the rows being generated.
+
+A loaded pipeline is used from one thread at a time, so every model call (chat template, tokenizer,
+prefill, decode) runs on the engine thread. The event loop hands a `Job` in with `submit` (refused with
+`QueueFull` once `max_batch` rows and `max_queue` waiting jobs are taken) and receives its events on the
+job's asyncio queue. `cancel` (a client that left) takes a job out of the queue, or has its row
+interrupted at the next step boundary, which frees the row.
+
+The engine drives a `Scheduler`: `room()` free rows, `admit(job)` opens a row (prompt, cache, events),
+`step()` advances every open row once and lets finished or cancelled rows leave, `close(error)` ends them
+all. `Batched` is continuous batching (loops/batched.py): a request prefills alone when it is admitted, then
+its row joins the batch, and every step is one batched decoder run for all rows, so N streams cost far less
+than N times one. It serves the model builder's decoders (one shared past/present buffer); for other
+pipelines `TimeSliced` advances the rows one after another (one burst of fused decode steps each), so a
+long generation does not hold back a short one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import ConfigError, GenerationError
+from ..loops.batched import Batch, batchable
+from .metrics import Gauges, Metrics
+from .protocol import Completion, InvalidRequest, TokenLogprob, Usage
+from .rows import PromptCache, Row, chat_template, prompt_ids, slot_length
+
+log = logging.getLogger("ortpipe.serve")
+SHUTTING_DOWN = InvalidRequest("The server is shutting down.", status=503, kind="server_error")
+
+
+# --- what a job receives ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # the text of one step (one token, or a burst); never part of a stop string
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them: one per token of the step
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # eos, stop, length or interrupt
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: InvalidRequest  # status and OpenAI error object
+
+
+Event = Started | Delta | Finished | Failed
+
+
+class Job:
+    """One request's passage through the engine. Made on the event loop, which reads `events`."""
+
+    def __init__(self, job_id: str, completion: Completion, loop: asyncio.AbstractEventLoop):
+        self.id, self.completion, self._loop = job_id, completion, loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = False  # set by the event loop; the engine reads it between steps
+        self.arrived = time.monotonic()
+        self.first_token = 0.0
+
+    def emit(self, event: Event) -> None:
+        """Called on the engine thread."""
+        self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class NotReady(Exception):
+    """The model is still loading, or the engine is stopping."""
+
+
+# --- schedulers ------------------------------------------------------------------------------------------
+
+class Scheduler(Protocol):
+    def room(self) -> int: ...
+
+    def admit(self, job: Job) -> None: ...
+
+    def step(self) -> None: ...
+
+    def close(self, error: InvalidRequest) -> None: ...
+
+    @property
+    def rows(self) -> int: ...
+
+
+class TimeSliced:
+    """Up to `max_rows` requests, each with its own KV cache, stepped in turn on one pipeline."""
+
+    def __init__(self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics,
+                 leave: Callable[[Job], None]):
+        self.pipe, self.max_rows, self.metrics, self._leave = pipe, max_rows, metrics, leave
+        self.template = chat_template(pipe)
+        self.cache = PromptCache(pipe, cache_size, slot_length(pipe))
+        self.open: dict[Job, Row] = {}  # in admission order: the order rows are stepped in
+
+    @property
+    def rows(self) -> int:
+        return len(self.open)
+
+    def room(self) -> int:
+        return self.max_rows - len(self.open)
+
+    def admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._leave(job)
+            return
+        try:
+            row = self.cache.open(prompt_ids(self.pipe, self.template, job.completion), job.completion)
+        except Exception as e:  # a refused request, a template that refused the messages, or a bug
+            self._fail(job, e)
+            return
+        self.open[job] = row
+        job.emit(Started(row.prompt_tokens, row.cached_tokens))
+
+    def step(self) -> None:
+        self.metrics.step(len(self.open))
+        for job, row in list(self.open.items()):
+            if job.cancelled:
+                self._finish(job, row, "interrupt")
+                continue
+            try:
+                chunks = row.step()
+            except Exception as e:  # a failing run ends its own request only
+                self._drop(job, row, e)
+                continue
+            self._advanced(job, row, chunks)
+
+    def _advanced(self, job: Job, row: Row, chunks: list[Any]) -> None:
+        """Send the chunks of a step of the row; a row that is done leaves."""
+        self._emit(job, chunks)
+
+        if row.request.done:
+            self._finish(job, row, row.request.finish_reason)
+
+    def _drop(self, job: Job, row: Row, error: Exception) -> None:
+        del self.open[job]
+        row.close()
+        self._fail(job, error)
+
+    def close(self, error: InvalidRequest) -> None:
+        for job, row in list(self.open.items()):
+            del self.open[job]
+            row.close()
+            self._fail(job, error)
+
+    def _emit(self, job: Job, chunks: list[Any]) -> None:
+        if not job.first_token:
+            job.first_token = time.monotonic()
+            self.metrics.first_token(job.first_token - job.arrived)
+        self.metrics.tokens(len(chunks))
+        text = "".join(c.text for c in chunks)
+        logprobs = None
+        if job.completion.settings.get("logprobs") is not None:
+            name = self._token_text
+            logprobs = [
+                TokenLogprob(name(c.token), c.logprob, tuple((name(t), lp) for t, lp in c.top_logprobs))
+                for c in chunks
+            ]
+        if text or logprobs:
+            job.emit(Delta(text, logprobs))
+
+    def _token_text(self, token: int) -> str:
+        tokenizer = self.pipe.tokenizer
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
+
+    def _finish(self, job: Job, row: Row, reason: str) -> None:
+        del self.open[job]
+        row.close()
+        self.cache.keep(row)
+        usage = Usage(row.prompt_tokens, len(row.request.tokens), row.cached_tokens)
+        job.emit(Finished(reason, usage))
+        now = time.monotonic()
+        self.metrics.finish(reason, usage.prompt_tokens, usage.cached_tokens, now - job.arrived)
+        _log_line(job, usage, reason, now)
+        self._leave(job)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        if isinstance(e, InvalidRequest):
+            error = e
+        elif isinstance(e, GenerationError):
+            error = InvalidRequest(str(e))
+        else:
+            log.exception("%s failed", job.id)
+            error = InvalidRequest(
+                f"The server failed on this request: {type(e).__name__}: {e}", status=500, kind="server_error"
+            )
+        job.emit(Failed(error))
+        self.metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
+        log.info("%s error=%d %s", job.id, error.status, error.message)
+        self._leave(job)
+
+
+class Batched(TimeSliced):
+    """Up to `max_rows` requests as rows of one batched decoder run: continuous batching."""
+
+    def __init__(
+        self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None]
+    ):
+        super().__init__(pipe, max_rows, cache_size, metrics, leave)
+        self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length)
+
+    def admit(self, job: Job) -> None:
+        """Open the row and run its prefill alone; then it joins the batch, unless it is done already."""
+        super().admit(job)
+        row = self.open.get(job)
+        if row is None:
+            return
+        try:
+            chunks = self.pipe.driver.drive(row.request.advance())
+            if not row.request.done:
+                self.pipe.driver.drive(self.batch.join(row.gen.core))
+        except Exception as e:  # a failing prefill ends its own request only
+            self._drop(job, row, e)
+            return
+        self._advanced(job, row, chunks)
+
+    def step(self) -> None:
+        self.metrics.step(len(self.open))
+        for job, row in list(self.open.items()):
+            if job.cancelled:
+                self._leave_batch(row)
+                self._finish(job, row, "interrupt")
+        if not self.open:
+            return
+        rows = {row.gen.core: (job, row) for job, row in self.open.items()}
+        start = time.perf_counter()
+        try:
+            tokens = self.pipe.driver.drive(self.batch.step())
+        except Exception as e:  # every row of the failed run ends; the next requests start a new batch
+            self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length)
+            for job, row in list(self.open.items()):
+                self._drop(job, row, e)
+            return
+        elapsed = (time.perf_counter() - start) * 1000
+        for gen, token in zip(list(self.batch.rows), tokens, strict=True):
+            job, row = rows[gen]
+            chunks = row.request.accept([token], elapsed)
+            if row.request.done:
+                self._leave_batch(row)
+            self._advanced(job, row, chunks)
+
+    def _leave_batch(self, row: Row) -> None:
+        if row.gen.core in self.batch.rows:
+            self.pipe.driver.drive(self.batch.leave(row.gen.core))
+
+
+def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:
+    ttft = (job.first_token - job.arrived) * 1000 if job.first_token else 0.0
+    decode = now - job.first_token if job.first_token else 0.0
+    rate = (usage.completion_tokens - 1) / decode if usage.completion_tokens > 1 and decode > 0 else 0.0
+    log.info(
+        "%s prompt=%d cached=%d completion=%d ttft=%.1fms %.1f tokens/s finish=%s",
+        job.id,
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.completion_tokens,
+        ttft,
+        rate,
+        reason,
+    )
+
+
+# --- the engine ------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """Loads the model on its own thread, then admits queued jobs into the scheduler and steps it."""
+
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        *,
+        max_batch: int = 1,
+        max_queue: int = 16,
+        prompt_cache: int = 4,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        if max_batch < 1 or max_queue < 0 or prompt_cache < 0:
+            raise ValueError("max_batch must be at least 1; max_queue and prompt_cache at least 0")
+        self.max_batch, self.max_queue, self.prompt_cache = max_batch, max_queue, prompt_cache
+        self.metrics = Metrics()
+        self.pipe: Any = None
+        self.scheduler: Scheduler | None = None
+        self.error: BaseException | None = None
+        self._load, self._on_fatal = load, on_fatal
+        self._waiting: deque[Job] = deque()
+        self._in_flight = 0  # jobs submitted and not yet left: waiting or in a row
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ortpipe-engine", daemon=True)
+
+    @property
+    def loaded(self) -> bool:
+        return self.scheduler is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping or self.scheduler is None:
+                raise NotReady()
+            if self._in_flight >= self.max_batch + self.max_queue:
+                self.metrics.rejected += 1
+                raise QueueFull(self.metrics.retry_after(len(self._waiting), self.max_batch))
+            self._in_flight += 1
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: drop the job from the queue, or have its row interrupted at the next step."""
+        job.cancelled = True
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._in_flight -= 1
+
+    def gauges(self) -> Gauges:
+        scheduler = self.scheduler  # read once: the engine thread may drop it
+        return Gauges(
+            scheduler is not None,
+            len(self._waiting),
+            scheduler.rows if scheduler else 0,
+            self.max_batch,
+            self.max_queue,
+        )
+
+    def _leave(self, job: Job) -> None:
+        with self._cond:
+            self._in_flight -= 1
+
+    def _run(self) -> None:
+        try:
+            pipe = self._load()
+            loop = pipe.config.generation.loop
+            if loop != "autoregressive":
+                raise ConfigError(f'ortpipe serve answers completions; this folder\'s generation.loop is '
+                                  f'"{loop}", which makes no tokens: run it with ortpipe run or the API')
+            kind = Batched if batchable(pipe.plan) is None else TimeSliced
+            scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
+        except BaseException as e:  # a folder that cannot be loaded ends the server
+            self.error = e
+            if self._on_fatal:
+                self._on_fatal(e)
+            return
+        self.pipe, self.scheduler = pipe, scheduler
+        ending = SHUTTING_DOWN
+        try:
+            self._loop(scheduler)
+        except Exception as e:  # a bug in the engine: every job is told, /health turns 503, nobody waits
+            log.exception("the engine stopped")
+            self.error = e
+            ending = InvalidRequest(
+                f"The engine stopped: {type(e).__name__}: {e}", status=500, kind="server_error"
+            )
+        finally:
+            with self._cond:
+                self.scheduler, self._stopping = None, True
+                waiting, self._waiting = list(self._waiting), deque()
+            scheduler.close(ending)
+            for job in waiting:
+                job.emit(Failed(ending))
+
+    def _loop(self, scheduler: Scheduler) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not scheduler.rows:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), scheduler.room()))]
+            for job in admitted:
+                scheduler.admit(job)
+            if scheduler.rows:
+                scheduler.step()

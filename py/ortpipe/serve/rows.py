@@ -1,0 +1,167 @@
+"""How a checked request becomes a row the engine can step: its prompt rendered and tokenized, a KV cache
+taken from the prompt cache or made anew, and the core's Request over it. Engine thread only.
+
+This is the one module that reaches under the pipeline's public API (load, request, drive, generator):
+- `render_chat` renders messages with the folder's chat template (the model's, compiled at load), so the
+  prompt's ids are known before a row is opened (the prompt cache compares them).
+- `PromptCache` continues the generator of an earlier request, as chat.py continues a conversation: it
+  rewinds the generator to the prefix the new prompt shares with it (`TokenGenerator.rewind`, driven by
+  `pipe.driver`) and builds a core `Request` over it (as `Chat.say` does). What the core lacks for it:
+  a generator's sampler settings and length are fixed when it is made, so a cached generator serves only a
+  request with the same settings (stop strings aside) and every generator is made at the slot length; a
+  seeded sampler's state cannot be reset, so seeded requests are not cached; and a cache cannot be forked,
+  so one conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
+  (from its cached prefix or anew) and then joins the batch (loops/batched.py), so cached prefixes and
+  batching work together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..request import Chunk, Request
+from ..sampling.settings import settings_for
+from ..tokenizer import encode
+from .protocol import Completion, InvalidRequest
+
+DEFAULT_SLOT_LENGTH = 2048  # a row's tokens when neither the config nor the model says
+
+
+def slot_length(pipe: Any) -> int:
+    """Prompt + completion tokens a row may hold: the config's max_length, within the model's context."""
+    context = pipe.config.metadata.get("context_length")
+    length = pipe.config.generation.max_length or context or DEFAULT_SLOT_LENGTH
+    return min(length, context) if isinstance(context, int) else length
+
+
+def chat_template(pipe: Any) -> Any | None:
+    """The folder's chat template (compiled when the model loaded), or None when it has none."""
+    return pipe.model.template
+
+
+def render_chat(template: Any, messages: tuple[dict[str, str], ...]) -> str:
+    return template.render(list(messages), True)
+
+
+def prompt_ids(pipe: Any, template: Any | None, c: Completion) -> list[int]:
+    if c.prompt_ids is not None:
+        return list(c.prompt_ids)
+    if pipe.tokenizer is None:
+        raise InvalidRequest("This model folder has no tokenizer.json: send the prompt as token ids.",
+                             "prompt")
+    if c.endpoint == "text":
+        return encode(pipe.tokenizer, c.prompt)
+    if template is None:
+        raise InvalidRequest("This model folder has no chat template (tokenizer_config.json chat_template): "
+                             "use /v1/completions.", "messages", "unsupported_value")
+    return encode(pipe.tokenizer, render_chat(template, c.messages))
+
+
+@dataclass
+class Row:
+    """One request being generated: the core's Request over a generator, and the counts usage reports."""
+
+    request: Request
+    gen: Any  # the StepGenerator whose cache the request extends
+    chunks: Iterator[Chunk]  # pipe.drive(request)
+    prompt_tokens: int
+    cached_tokens: int
+    key: tuple[Any, ...] | None  # settings a later request must share to continue this generator
+    sent: int = 0  # chunks handed out so far
+
+    def step(self) -> list[Chunk]:
+        """The chunks of one step of the request: one token, or a burst of fused decode steps."""
+        chunks = [next(self.chunks)]
+        while self.sent + len(chunks) < len(self.request.tokens):  # the rest of a burst, already computed
+            chunks.append(next(self.chunks))
+        self.sent += len(chunks)
+        return chunks
+
+    def close(self) -> None:
+        if not self.request.done:
+            self.request.interrupt()
+        self.chunks.close()  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Entry:
+    gen: Any
+    key: tuple[Any, ...]
+
+
+@dataclass
+class PromptCache:
+    """Generators of finished requests, kept so that a request continuing one reuses its KV cache.
+
+    A new request takes the entry that shares the longest token prefix with its prompt, when that prefix
+    is at least half of the prompt (llama.cpp's slot similarity, 0.5) or of the entry: a conversation's next
+    turn continues its cache, and so does a repeated prompt; a short shared start (a system prompt) of two
+    long conversations does not take one for the other.
+    """
+
+    pipe: Any
+    size: int  # entries kept at most (each holds a slot-length KV cache)
+    length: int  # every generator's max_length
+    entries: list[_Entry] = field(default_factory=list)
+
+    def open(self, ids: list[int], c: Completion) -> Row:
+        if len(ids) + (c.max_tokens or 1) > self.length:
+            raise _too_long(len(ids), c, self.length)
+        key = _key(c.settings)
+        gen = self._take(ids, key)
+        if gen is None:
+            gen = self.pipe.generator(0, max_length=self.length, **c.settings)
+            gen.append_tokens(ids)
+        pending = gen.core.prefill_length
+        settings = settings_for(self.pipe.config.generation.settings, c.settings)
+        request = Request(gen.core, settings, self.pipe.tokenizer, pending, c.max_tokens)
+        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, key)
+
+    def keep(self, row: Row) -> None:
+        if self.size <= 0 or row.key is None:
+            return
+        self.entries.append(_Entry(row.gen, row.key))
+        del self.entries[:-self.size]
+
+    def _take(self, ids: list[int], key: tuple[Any, ...] | None) -> Any | None:
+        best, common = None, 0
+        for entry in self.entries:
+            if entry.key != key:
+                continue
+            n = _common_prefix(entry.gen.tokens, ids)
+            if n > common and 2 * n >= min(len(ids), len(entry.gen.tokens)):
+                best, common = entry, n
+        if best is None:
+            return None
+        self.entries.remove(best)
+        keep = min(common, len(ids) - 1)  # at least one id is run, to give the next token's logits
+        self.pipe.driver.drive(best.gen.core.rewind(keep))
+        best.gen.append_tokens(ids[keep:])
+        return best.gen
+
+
+def _too_long(prompt: int, c: Completion, length: int) -> InvalidRequest:
+    asked = f"{prompt} in the prompt" + (f", {c.max_tokens} in the completion" if c.max_tokens else "")
+    return InvalidRequest(f"This model's maximum context length is {length} tokens. However, you requested "
+                          f"{prompt + (c.max_tokens or 0)} tokens ({asked}). Please reduce the length of the "
+                          "prompt or the completion.", "messages" if c.endpoint == "chat" else "prompt",
+                          "context_length_exceeded")
+
+
+def _key(settings: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a cached generator must have been made with to serve these settings; None: never cache."""
+    if settings.get("seed") is not None:
+        return None  # a seeded sampler's state cannot be set back to its seed
+    return tuple(sorted((k, v) for k, v in settings.items() if k != "stop"))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+

@@ -1,0 +1,197 @@
+"""Speculative rounds inside a fused `Decode` burst on onnxruntime (loops/speculative.py).
+
+Each round drafts (prompt lookup through the core's Speculator, or greedy steps of the draft
+model), runs the decoder once over the pending token and the drafts, keeps the longest prefix of
+drafts the argmax agrees with plus the argmax after it, and rolls both caches back to what was
+kept. A round with no draft is a plain step. The burst ends as a plain one does: at the limit, an
+eos, or after its time.
+
+A shared buffer runs through the session's fused binding, with input ids, positions and logits
+arrays bound per width (tokens in one run); rolling it back moves only its length, which the next
+run's mask says. A concat cache runs plain `run()`s and is narrowed along its sequence axis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnxruntime as ort
+
+from ...errors import OrtpipeError
+from ...execute.work import Decode, Decoded, FusedStep
+from ...loops.speculative import agreeing, cut_at_eos
+
+if TYPE_CHECKING:
+    from .driver import Driver
+
+
+def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
+    """Speculative rounds for `d` until its limit, an eos, or `seconds` (one round when traced)."""
+    spec = d.speculation
+    speculator = spec.speculator
+    target = Tokens(driver, d, spec.seq_axes)
+    draft = None
+    if spec.draft is not None:
+        dd = spec.draft
+        draft = Tokens(driver, Decode(dd.step, dd.cache, dd.capacity, d.eos, 0, dd.length, 1, "draft"),
+                       dd.seq_axes)
+    text = list(spec.tokens)  # ends with d.token
+    position, drafted_to = d.position, spec.draft.length if draft else 0
+    out: list[int] = []
+    burst = d.limit > 1 and driver.trace is None
+    end = time.perf_counter() + seconds if burst else 0.0
+    try:
+        while True:
+            k = speculator.draft_length(d.limit - len(out) - 1)
+            drafts: list[int] = []
+            if k and draft is not None:
+                started = time.perf_counter()
+                drafts, drafted_to = _draft(draft, text, drafted_to, k, d.eos)
+                speculator.length.drafted(len(drafts), time.perf_counter() - started)
+            elif k:
+                drafts = speculator.lookup(text, k)
+            started = time.perf_counter()
+            picks = target.run([text[-1], *drafts], position)
+            speculator.timed(len(drafts) + 1, time.perf_counter() - started)
+            accepted = agreeing(drafts, picks)
+            new = cut_at_eos([*drafts[:accepted], picks[accepted]], d.eos)
+            if drafts:
+                speculator.update(len(drafts), min(accepted, len(new)))
+            target.keep(position + len(new))
+            if draft is not None:
+                drafted_to = min(drafted_to, position + 1 + min(accepted, len(new)))
+                draft.keep(drafted_to)
+            out += new
+            text += new
+            position += len(new)
+            if not burst or len(out) >= d.limit or out[-1] in d.eos or time.perf_counter() >= end:
+                break
+    finally:
+        target.close()
+        if draft is not None:
+            draft.close()
+    return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None)
+
+
+def _draft(draft: Tokens, text: list[int], length: int, k: int, eos: frozenset[int]) -> tuple[list[int], int]:
+    """Up to k greedy tokens of the draft model after `text`, of which it has seen `length`; and
+    how much it has seen after them (all the text, and the drafts but the last)."""
+    fed, drafts = text[length:], []
+    while True:
+        token = draft.run(fed, length)[-1]
+        length += len(fed)
+        drafts.append(token)
+        if len(drafts) == k or token in eos:
+            return drafts, length
+        fed = [token]
+
+
+class _Width:
+    """Input ids (and positions) and logits arrays of a shared-buffer session bound for runs of
+    `n` tokens, with the OrtValues over them."""
+
+    def __init__(self, step: FusedStep, n: int, logits_type: np.dtype):
+        self.ids = np.zeros((1, n), step.ids[1])
+        self.positions = np.zeros((1, n), step.positions[1]) if step.positions else None
+        self.logits = np.empty((1, n, step.logits_shape[-1]), logits_type)
+        self.rows = self.logits.reshape(n, -1)
+        self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.ids, self.positions, self.logits)
+                       if a is not None]
+
+
+class Tokens:
+    """One session of a fused step run on several new tokens at once, its cache kept here between
+    runs: `run` gives each new token's argmax, `keep` rolls the cache back, `close` leaves the
+    session's binding as the plain fused steps expect it."""
+
+    def __init__(self, driver: Driver, d: Decode, seq_axes: Mapping[str, int]):
+        self.driver, self.d, self.step = driver, d, d.step
+        self.seq_axes = seq_axes
+        if self.step.layout == "shared":
+            self.f = driver._shared(d)
+            self.cache = d.cache
+            self.width = 1
+        else:
+            self.f = driver._concat(d)
+            self.cache = dict(d.cache)  # the core's stays as it was until the answer hands this one over
+
+    def run(self, tokens: list[int], position: int) -> list[int]:
+        shared = self.step.layout == "shared"
+        rows = self._shared(tokens, position) if shared else self._concat(tokens, position)
+        picks = rows.argmax(-1)
+        if not np.isfinite(rows[np.arange(len(picks)), picks]).all():
+            raise OrtpipeError(f'session "{self.step.session}" gave NaN or infinite logits on the decode '
+                               f"step at position {position}: the model's weights or inputs are broken")
+        return picks.tolist()
+
+    def keep(self, length: int) -> None:
+        """Forget the positions from `length` on: a shared buffer's next run starts there (its mask
+        says so); a concat cache is narrowed."""
+        if self.step.layout == "shared":
+            return
+        for past, x in self.cache.items():
+            axis = self.seq_axes[past]
+            if x.shape[axis] > length:
+                index = [slice(None)] * x.ndim
+                index[axis] = slice(0, length)
+                self.cache[past] = np.ascontiguousarray(x[tuple(index)])
+
+    def close(self) -> None:
+        if self.step.layout == "shared" and self.width != 1:
+            self._bind(1)
+
+    def _shared(self, tokens: list[int], position: int) -> np.ndarray:
+        f, n = self.f, len(tokens)
+        if n == 1:  # the plain fused step's own arrays
+            if self.width != 1:
+                self._bind(1)
+            f.ids[0, 0] = tokens[0]
+            if f.positions.size:
+                f.positions[0, 0] = position
+            rows = f.logits.reshape(1, -1)
+        else:
+            w = self._bind(n) if self.width != n else f.widths[n]
+            w.ids[0] = tokens
+            if w.positions is not None:
+                w.positions[0] = np.arange(position, position + n)
+            rows = w.rows
+        if f.mask_name is not None:
+            f.raw.bind_ortvalue_input(f.mask_name, f.mask(position + n))
+        self.driver._fused_run(self.d, position, f.run, f.raw, None)
+        return rows
+
+    def _bind(self, n: int) -> _Width | None:
+        """Bind the arrays of width n (1: the plain fused step's own)."""
+        f, step = self.f, self.step
+        self.width = n
+        if n == 1:
+            names = [step.ids[0], *(step.positions[:1] if step.positions else ()), step.logits]
+            values = [f.values[name] for name in names]
+            w = None
+        else:
+            w = f.widths.get(n)
+            if w is None:
+                w = f.widths[n] = _Width(step, n, f.logits.dtype)
+            values = w.values
+        f.raw.bind_ortvalue_input(step.ids[0], values[0]._ortvalue)
+        if step.positions:
+            f.raw.bind_ortvalue_input(step.positions[0], values[1]._ortvalue)
+        f.raw.bind_ortvalue_output(step.logits, values[-1]._ortvalue)
+        return w
+
+    def _concat(self, tokens: list[int], position: int) -> np.ndarray:
+        step, f, n = self.step, self.f, len(tokens)
+        feeds = dict(self.cache)
+        feeds[step.ids[0]] = np.array([tokens], step.ids[1])
+        if step.mask:
+            feeds[step.mask[0]] = f.ones[:, : position + n]
+        if step.positions:
+            feeds[step.positions[0]] = np.arange(position, position + n, dtype=step.positions[1])[None]
+        values = self.driver._fused_run(self.d, position, f.run, step.outputs, feeds, None)
+        for past, i in f.presents:
+            self.cache[past] = values[i]
+        logits = values[f.logits_at]
+        return logits.reshape(-1, logits.shape[-1])[-n:]

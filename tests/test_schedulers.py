@@ -1,0 +1,90 @@
+"""The schedulers of the denoising loop (py/ortpipe/loops/schedulers.py) against the numpy ports of
+diffusers 0.42's in tests/paradigm_refs.py (shown equal to diffusers in test_paradigm_models.py): the same
+timesteps, initial sigma and input scales, and each step's kernel coefficients applied to random latents
+give the port's step, for every scheduler of the test cases, every spacing and many step counts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortpipe.errors import ConfigError, GenerationError
+from ortpipe.loops.schedulers import make_schedule, scheduler_config
+from tests import paradigm_refs as refs
+
+STEPS = (1, 2, 3, 4, 5, 7, 11, 20, 25, 33, 49)
+
+
+def _step(coefficients: tuple[float, ...], x: np.ndarray, output: np.ndarray, noise: np.ndarray,
+          previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the denoise_step kernel computes from a step's coefficients (guidance aside)."""
+    a, b, low, high, from_x, from_x0, from_output, from_noise, from_previous = coefficients
+    x0 = np.clip(a * x + b * output, low, high)
+    after = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise + from_previous * previous
+    return after, x0
+
+
+def _compare(config: dict, steps: int, rng: np.random.Generator) -> float:
+    port = refs.make_scheduler(config, steps)
+    schedule = make_schedule(scheduler_config(config, None, "test"), steps)
+    assert [s.timestep for s in schedule.steps] == [float(t) for t in port.timesteps]
+    assert schedule.init_noise_sigma == pytest.approx(port.init_noise_sigma, rel=1e-12)
+    x = rng.normal(size=8) * 5
+    ours, previous, worst = x.copy(), np.zeros(8), 0.0
+    for i, step in enumerate(schedule.steps):
+        assert step.input_scale == pytest.approx(port.scale_model_input(np.ones(1), i)[0], rel=1e-12)
+        assert not step.noise or i in port.noise_steps
+        output, noise = rng.normal(size=8), rng.normal(size=8)
+        x = port.step(output, i, x, noise if i in port.noise_steps else None)
+        ours, previous = _step(step.coefficients, ours, output, noise, previous)
+        worst = max(worst, float(np.abs(ours - x).max() / np.abs(x).max()))
+    return worst
+
+
+@pytest.mark.slow
+def test_schedules_equal_the_numpy_ports(sd_tiny: Path) -> None:
+    rng = np.random.default_rng(0)
+    cases = json.loads((sd_tiny / "references" / "cases.json").read_text())["cases"]
+    worst = 0.0
+    for case in cases:
+        for spacing in ("linspace", "leading", "trailing"):
+            config = {**case["scheduler"], "timestep_spacing": spacing}
+            for steps in STEPS:
+                worst = max(worst, _compare(config, steps, rng))
+    ddim = next(c["scheduler"] for c in cases if c["scheduler"]["_class_name"] == "DDIMScheduler")
+    for steps in (2, 5):  # clipping the predicted clean latents
+        worst = max(worst, _compare({**ddim, "clip_sample": True, "clip_sample_range": 0.5}, steps, rng))
+    print(f"max relative difference of the latents after every step: {worst:.1e}")
+    assert worst < 1e-12
+
+
+def test_a_class_name_switches_the_scheduler_and_defaults_fill_the_rest() -> None:
+    """As diffusers' Cls.from_config(config): the file's fields, another class; fields the file lacks take
+    the class's defaults; the seed's snake-case names work."""
+    euler = {"_class_name": "EulerDiscreteScheduler", "beta_schedule": "scaled_linear",
+             "beta_start": 0.00085, "beta_end": 0.012, "steps_offset": 1, "timestep_spacing": "leading"}
+    ddim = scheduler_config(euler, "DDIMScheduler", "x")
+    assert ddim["_class_name"] == "DDIMScheduler" and ddim["beta_start"] == 0.00085
+    assert ddim["clip_sample"] is True
+    assert scheduler_config({}, "lcm", "x")["original_inference_steps"] == 50
+    assert scheduler_config({}, "euler_discrete", "x")["timestep_spacing"] == "linspace"
+
+
+def test_what_a_schedule_cannot_do_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r'"DPMSolverMultistepScheduler" with solver_order 3 is not run by '
+                                          r"ortpipe \(it runs 1, 2\)|solver_order 3"):
+        scheduler_config({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, None, "x")
+    with pytest.raises(ConfigError, match="algorithm_type"):
+        scheduler_config({"algorithm_type": "sde-dpmsolver++"}, "DPMSolverMultistepScheduler", "x")
+    with pytest.raises(ConfigError, match="rescale_betas_zero_snr"):
+        scheduler_config({"rescale_betas_zero_snr": True}, "DDIMScheduler", "x")
+    with pytest.raises(GenerationError, match="more than the LCM scheduler's original_inference_steps 50"):
+        make_schedule(scheduler_config({}, "LCMScheduler", "x"), 51)
+    with pytest.raises(GenerationError, match="num_steps 1000 gives DPMSolverMultistepScheduler with leading "
+                                              "spacing repeated timesteps"):
+        dpm = scheduler_config({"timestep_spacing": "leading"}, "DPMSolverMultistepScheduler", "x")
+        make_schedule(dpm, 1000)

@@ -1,0 +1,676 @@
+"""`ortpipe serve` driven by the official `openai` client, on a model-builder export with a chat template.
+
+Every generated text is checked against the same request run alone through `pipe.generate` on a pipeline
+of its own. The test model decodes about 30,000 tokens/s, so tests that need requests to overlap slow the
+engine down by sleeping before each of its steps.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import ortpipe  # noqa: E402
+from ortpipe.serve import listen  # noqa: E402
+from ortpipe.serve.app import create_app  # noqa: E402
+from ortpipe.serve.engine import Engine  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+MODEL = "llama"
+
+
+@pytest.fixture(scope="module")
+def folder(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("serve") / MODEL
+    shutil.copytree(llama_builder_fp32, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(folder: Path) -> Any:
+    """The reference: the same folder on a pipeline of its own, one request at a time."""
+    return ortpipe.load(folder, threads=1)
+
+
+def render(folder: Path, messages: list[dict[str, str]]) -> str:
+    """The folder's chat template rendered by jinja2 directly, as transformers renders it."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        config["chat_template"]
+    )
+    tokens = {
+        k: v if isinstance(v, str) else (v or {}).get("content", "")
+        for k, v in config.items()
+        if k in ("bos_token", "eos_token")
+    }
+    return template.render(messages=messages, add_generation_prompt=True, **tokens)
+
+
+def alone(pipe: Any, prompt: str, max_tokens: int, **settings: Any) -> tuple[str, str]:
+    """Text and OpenAI finish reason of a request run alone."""
+    result = pipe.generate(prompt, max_new_tokens=max_tokens, **settings)
+    return result.text, "length" if result.finish_reason == "length" else "stop"
+
+
+class Served:
+    """An engine and its app on an ephemeral port of 127.0.0.1, served by uvicorn from a thread."""
+
+    def __init__(
+        self,
+        folder: Path,
+        load: Callable[[], Any] | None = None,
+        api_key: str | None = None,
+        cors: list[str] | None = None,
+        delay: float = 0.0,
+        **options: Any,
+    ):
+        self.engine = Engine(load or (lambda: ortpipe.load(folder, threads=1)), **options)
+        self.delay = delay
+        sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        app = create_app(self.engine, folder, api_key=api_key, cors=cors)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        until(lambda: self.server.started)
+
+    def wait_loaded(self) -> None:
+        until(lambda: self.engine.loaded)
+        if self.delay:  # every engine step sleeps first, so that requests overlap
+            step = self.engine.scheduler.step
+
+            def slowed() -> None:
+                time.sleep(self.delay)
+                step()
+
+            self.engine.scheduler.step = slowed
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+
+    def client(self, api_key: str = "unused", **options: Any) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, **options)
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+        return raw(self.url, "GET", path, None, headers)
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.get("/metrics")
+        assert status == 200
+        return {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+
+def raw(
+    url: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def until(condition: Callable[[], Any], timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@contextmanager
+def served(folder: Path, **options: Any) -> Iterator[Served]:
+    s = Served(folder, **options)
+    s.start()
+    try:
+        s.wait_loaded()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[Served]:
+    with served(folder, max_batch=4, max_queue=32) as s:
+        yield s
+
+
+def chat_text(stream: Any) -> tuple[str, str | None, list[Any]]:
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = finishes[0] if finishes else None
+    return text, finish, chunks
+
+
+# --- responses -------------------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_the_request_alone(server: Served, folder: Path, pipe: Any) -> None:
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def f(x):"}]
+    r = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    prompt = render(folder, messages)
+    text, finish = alone(pipe, prompt, 24)
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == finish
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert r.choices[0].message.role == "assistant" and r.choices[0].index == 0
+    assert r.usage.prompt_tokens == len(pipe.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == len(pipe.generate(prompt, max_new_tokens=24).tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_stream_with_usage_equals_the_whole_response(server: Served, folder: Path, pipe: Any) -> None:
+    messages = [{"role": "user", "content": "import json\n"}]
+    stream = server.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, chunks = chat_text(stream)
+    assert (text, finish) == alone(pipe, render(folder, messages), 40)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    *body, last = chunks
+    prompt = render(folder, messages)
+    assert last.choices == [] and all(c.usage is None for c in body)
+    assert last.usage.completion_tokens == len(pipe.generate(prompt, max_new_tokens=40).tokens)
+    assert last.usage.prompt_tokens == len(pipe.tokenizer.encode(prompt))
+    no_usage = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, stream=True
+    )
+    assert all(c.choices for c in no_usage)  # without include_usage no usage chunk
+
+
+def test_text_completions_whole_and_streamed(server: Served, pipe: Any) -> None:
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt="class Parser:", max_tokens=30, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == alone(pipe, "class Parser:", 30)
+    assert (
+        r.object == "text_completion"
+        and r.id.startswith("cmpl-")
+        and r.usage.prompt_tokens == len(pipe.tokenizer.encode("class Parser:"))
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="class Parser:",
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    default = client.completions.create(model=MODEL, prompt=[5, 17, 42], temperature=0)  # ids; 16 tokens
+    assert default.choices[0].text == pipe.generate(prompt_ids=[5, 17, 42], max_new_tokens=16).text
+    assert default.usage.prompt_tokens == 3 and default.usage.completion_tokens <= 16
+
+
+def test_models_and_health(server: Served) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("gpt-4")
+    assert server.get("/health") == (200, '{"status":"ok"}')
+
+
+def test_stop_strings_across_token_boundaries_are_held_back(server: Served, folder: Path, pipe: Any) -> None:
+    messages = [{"role": "user", "content": "def parse(text):"}]
+    prompt = render(folder, messages)
+    deltas = [c.text for c in pipe.stream(prompt, max_new_tokens=60)]
+    full = "".join(deltas)
+    stop, at = None, 0
+    for i in range(1, len(deltas) - 1):  # the last 2 characters of one token and the first 2 of the next
+        at += len(deltas[i - 1])
+        a, b = deltas[i], deltas[i + 1]
+        candidate = a[-2:] + b[:2]
+        first = full.find(candidate) == at + len(a) - 2
+        if len(a) >= 2 and len(b) >= 2 and candidate.isprintable() and first:
+            stop = candidate
+            break
+    assert stop, f"no two neighbouring tokens of two printable characters in {deltas!r}"
+    expected = full[: full.find(stop)]
+    client = server.client()
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0, stop=["\x01never", stop]
+    )
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0, stop=stop, stream=True
+    )
+    assert chat_text(stream)[:2] == (expected, "stop")  # no part of the stop string was ever sent
+
+
+def test_the_event_stream_is_server_sent_events_ending_with_done(server: Served) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "import re", "max_tokens": 6, "stream": True}).encode()
+    status, text = raw(server.url, "POST", "/v1/completions", body, {"content-type": "application/json"})
+    events = text.split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+USER = [{"role": "user", "content": "hi"}]
+BAD_CHAT = [
+    ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"temperature": 3}, "temperature", "decimal_above_max_value"),
+    ({"top_p": 1.5}, "top_p", "decimal_above_max_value"),
+    ({"n": 2}, "n", "unsupported_parameter"),
+    ({"logprobs": 1}, "logprobs", "invalid_type"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # logprobs must be true too
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
+    ({"max_completion_tokens": 10_000}, "messages", "context_length_exceeded"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "array_above_max_length"),
+    ({"stop": [""]}, "stop[0]", "invalid_value"),
+    ({"seed": 1.5}, "seed", "invalid_type"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    ({"messages": []}, "messages", "empty_array"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0].type",
+        "unsupported_value",
+    ),
+    ({"extra_body": {"frobnicate": True}}, "frobnicate", "unknown_parameter"),
+]
+
+
+@pytest.mark.parametrize(("options", "param", "code"), BAD_CHAT, ids=[p for _, p, _ in BAD_CHAT])
+def test_a_bad_chat_request_is_a_400_naming_the_field(
+    server: Served, options: dict, param: str, code: str
+) -> None:
+    options = {"messages": USER, **options}
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model=MODEL, **options)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, code), error["message"]
+
+
+def test_malformed_bodies_and_urls_get_openai_errors(server: Served) -> None:
+    post = {"content-type": "application/json"}
+    status, body = raw(server.url, "POST", "/v1/chat/completions", b'{"model": "x", "messages": [', post)
+    assert status == 400 and "could not parse the JSON body" in json.loads(body)["error"]["message"]
+    status, body = raw(server.url, "POST", "/v1/chat/completions", b"[" * 100_000, post)  # past recursion
+    assert status == 400
+    status, body = raw(server.url, "POST", "/v1/completions", b'["a list"]', post)
+    assert status == 400 and "expected a JSON object" in json.loads(body)["error"]["message"]
+    status, body = raw(server.url, "POST", "/v1/completions", b'{"prompt": "x"}', post)
+    assert status == 400 and json.loads(body)["error"]["param"] == "model"
+    status, body = raw(server.url, "POST", "/v1/completions", b'{"model": "x", "prompt": ["a", "b"]}', post)
+    assert status == 400 and json.loads(body)["error"]["code"] == "unsupported_parameter"
+    status, body = raw(server.url, "POST", "/v1/embeddings", b"{}", post)
+    assert status == 404 and json.loads(body)["error"]["message"] == "Invalid URL (POST /v1/embeddings)"
+    status, body = raw(server.url, "GET", "/v1/chat/completions")
+    assert status == 405
+    ok = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")  # nothing above hurt the server
+
+
+def test_an_api_key_is_required_when_set(folder: Path) -> None:
+    with served(folder, api_key="sekrit") as s:
+        with pytest.raises(openai.AuthenticationError) as info:
+            s.client(api_key="wrong").chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        status, body = s.get("/v1/models")
+        assert status == 401 and "didn't provide an API key" in json.loads(body)["error"]["message"]
+        assert s.get("/metrics")[0] == 401
+        assert s.get("/health")[0] == 200  # for probes
+        r = s.client(api_key="sekrit").chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+        assert r.usage.completion_tokens >= 1
+        assert s.get("/metrics", {"authorization": "Bearer sekrit"})[0] == 200
+
+
+def test_cors_preflight_needs_no_key_and_names_the_origin(folder: Path) -> None:
+    with served(folder, api_key="sekrit", cors=["http://edge.local"]) as s:
+        status, _ = raw(
+            s.url,
+            "OPTIONS",
+            "/v1/chat/completions",
+            None,
+            {
+                "origin": "http://edge.local",
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type",
+            },
+        )
+        assert status == 200
+        host, port = s.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request(
+            "GET", "/v1/models", headers={"origin": "http://edge.local", "authorization": "Bearer sekrit"}
+        )
+        response = conn.getresponse()
+        assert (
+            response.status == 200
+            and response.getheader("access-control-allow-origin") == "http://edge.local"
+        )
+        conn.close()
+
+
+def test_a_failing_request_ends_alone(server: Served, pipe: Any) -> None:
+    """A failure inside one request (here a run that raises) is that request's 500; the others go on."""
+    cache = server.engine.scheduler.cache
+    open_row = cache.open
+
+    def broken() -> Iterator[Any]:
+        raise ortpipe.OrtpipeError('session "decoder" failed')
+        yield
+
+    def failing(ids: list[int], c: Any) -> Any:
+        row = open_row(ids, c)
+        if c.prompt == "boom":
+            row.request.advance = broken  # the row's first step raises, batched or not
+        return row
+
+    cache.open = failing
+    try:
+        client = server.client(max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="boom", max_tokens=5)
+        assert info.value.body["type"] == "server_error"
+        with pytest.raises(openai.APIError):
+            list(client.completions.create(model=MODEL, prompt="boom", max_tokens=5, stream=True))
+        r = client.completions.create(model=MODEL, prompt="import re", max_tokens=5, temperature=0)
+        assert r.choices[0].text == alone(pipe, "import re", 5)[0]
+    finally:
+        cache.open = open_row
+
+
+def test_a_broken_engine_fails_its_requests_and_its_health(folder: Path) -> None:
+    with served(folder) as s:
+
+        def broken() -> None:
+            raise RuntimeError("a bug in a scheduler")
+
+        s.engine.scheduler.step = broken
+        with pytest.raises(openai.InternalServerError) as info:
+            s.client(max_retries=0).completions.create(model=MODEL, prompt="import re", max_tokens=5)
+        assert "a bug in a scheduler" in info.value.body["message"]
+        assert s.get("/health") == (503, '{"status":"error"}')
+        with pytest.raises(openai.InternalServerError) as info:
+            s.client(max_retries=0).completions.create(model=MODEL, prompt="import re", max_tokens=5)
+        assert info.value.status_code == 503
+
+
+def test_health_is_503_until_the_model_is_loaded(folder: Path) -> None:
+    release = threading.Event()
+
+    def slow_load() -> Any:
+        release.wait(20)
+        return ortpipe.load(folder, threads=1)
+
+    s = Served(folder, load=slow_load)
+    s.start()
+    try:
+        assert s.get("/health") == (503, '{"status":"loading"}')
+        with pytest.raises(openai.InternalServerError) as info:
+            s.client(max_retries=0).chat.completions.create(model=MODEL, messages=USER)
+        assert info.value.status_code == 503
+        release.set()
+        until(lambda: s.get("/health")[0] == 200)
+        assert s.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=2).choices
+    finally:
+        s.stop()
+
+
+# --- load ------------------------------------------------------------------------------------------------
+
+
+def test_twenty_concurrent_streams_each_equal_the_request_alone(folder: Path, pipe: Any) -> None:
+    sampled = {"temperature": 0.8, "top_p": 0.9}
+    requests = [
+        (f"def task_{i}(queue):", 100 - 3 * i, {"temperature": 0} if i % 4 else {**sampled, "seed": i})
+        for i in range(20)
+    ]
+    with served(folder, max_batch=4, max_queue=32, delay=0.002) as s:
+        client = s.client(max_retries=0)
+
+        def stream(request: tuple[str, int, dict]) -> tuple[str, str | None]:
+            prompt, max_tokens, settings = request
+            messages = [{"role": "user", "content": prompt}]
+            text, finish, _ = chat_text(
+                client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=max_tokens, stream=True, **settings
+                )
+            )
+            return text, finish
+
+        with ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(stream, requests))
+        metrics = s.metrics()
+        assert type(s.engine.scheduler).__name__ == "Batched"  # one batched decoder run for all rows
+        assert s.engine.scheduler.batch.steps > 0
+
+    for (prompt, max_tokens, settings), got in zip(requests, results, strict=True):
+        options = {"do_sample": True, **settings} if "seed" in settings else {}
+        prompt = render(folder, [{"role": "user", "content": prompt}])
+        assert got == alone(pipe, prompt, max_tokens, **options)
+    finished = sum(v for k, v in metrics.items() if k.startswith("ortpipe_requests_total"))
+    assert finished == 20 and metrics['ortpipe_requests_total{finish_reason="error"}'] == 0
+    assert metrics["ortpipe_batch_rows"] == 0 and metrics["ortpipe_queue_length"] == 0
+    assert metrics["ortpipe_batch_occupancy"] > 0.25  # rows did run side by side
+
+
+def test_a_client_that_disconnects_frees_its_row_and_its_queue_place(folder: Path, pipe: Any) -> None:
+    with served(folder, max_batch=1, max_queue=1, delay=0.02) as s:
+        client = s.client(max_retries=0)
+        long = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=400, stream=True, stop=["\x01never"]
+        )  # a stop string: one token per step
+        next(iter(long))
+        gave_up: list[Exception] = []
+
+        def impatient() -> None:  # queued behind the long one, then gone after 0.5 s
+            try:
+                client.with_options(timeout=0.5).chat.completions.create(
+                    model=MODEL, messages=USER, max_tokens=5
+                )
+            except openai.APITimeoutError as e:
+                gave_up.append(e)
+
+        waiting = threading.Thread(target=impatient)
+        waiting.start()
+        until(lambda: s.metrics()["ortpipe_queue_length"] == 1)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5)
+        waiting.join()
+        assert gave_up
+        until(lambda: s.metrics()["ortpipe_queue_length"] == 0)
+        long.close()  # the client leaves mid-stream
+        start = time.monotonic()
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0)
+        assert time.monotonic() - start < 5  # the long request (400 steps of 20 ms) no longer holds the row
+        assert r.choices[0].message.content == alone(pipe, render(folder, USER), 8)[0]
+        metrics = s.metrics()
+    assert metrics['ortpipe_requests_total{finish_reason="interrupt"}'] == 1
+    assert metrics["ortpipe_requests_rejected_total"] == 1
+
+
+def test_beyond_the_queue_limit_requests_get_429_and_the_rest_succeed(folder: Path, pipe: Any) -> None:
+    prompts = [f"def handler_{i}(event):" for i in range(12)]
+    with served(folder, max_batch=1, max_queue=2, delay=0.01) as s:
+        client = s.client(max_retries=0)
+
+        def complete(prompt: str) -> Any:
+            try:
+                return client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=["\x01never"], stream=True
+                )
+            except openai.RateLimitError as e:
+                return e
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(complete, prompts))
+            texts = list(
+                pool.map(
+                    lambda a: (
+                        a if isinstance(a, Exception) else "".join(c.choices[0].text for c in a if c.choices)
+                    ),
+                    answers,
+                )
+            )
+        assert s.get("/health")[0] == 200
+    refused = [t for t in texts if isinstance(t, Exception)]
+    assert refused and len(refused) <= 12 - 3
+    for e in refused:
+        assert e.status_code == 429 and int(e.response.headers["retry-after"]) >= 1
+        assert e.body["code"] == "rate_limit_exceeded"
+    for prompt, text in zip(prompts, texts, strict=True):
+        if not isinstance(text, Exception):
+            assert text == alone(pipe, prompt, 20)[0]
+
+
+def test_a_conversation_continues_its_cached_prompt(server: Served, folder: Path, pipe: Any) -> None:
+    client = server.client()
+    first = [{"role": "user", "content": "def read_config(path):"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
+    second = [
+        *first,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Now write it to a file."},
+    ]
+    r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=12, temperature=0)
+    assert r2.choices[0].message.content == alone(pipe, render(folder, second), 12)[0]
+    assert r2.usage.prompt_tokens_details.cached_tokens >= len(pipe.tokenizer.encode(render(folder, first)))
+    assert r2.usage.prompt_tokens == len(pipe.tokenizer.encode(render(folder, second)))
+
+
+# --- the command -----------------------------------------------------------------------------------------
+
+
+def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0", "--max-batch", "2"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stderr.readline()).group(0)
+        until(lambda: raw(url, "GET", "/health")[0] == 200)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        r = client.completions.create(model=MODEL, prompt="import os", max_tokens=4)
+        line = proc.stderr.readline()
+        fields = r"prompt=\d+ cached=\d+ completion=\d+ ttft=[\d.]+ms [\d.]+ tokens/s finish=(length|stop)"
+        assert re.search(rf"{r.id} {fields}", line), line
+    finally:
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down, then passes the interrupt on: 130, no traceback
+        assert proc.wait(15) == 130
+        assert "Traceback" not in proc.stderr.read()
+        proc.stderr.close()
+
+
+def test_serve_loads_with_the_profile_and_providers_asked_for(folder: Path) -> None:
+    """--profile and --ep reach the load: an unknown profile, or a provider this environment lacks, is the
+    load's ConfigError."""
+    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0"]
+    out = subprocess.run([*command, "--profile", "raspberri-pi"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and 'Unknown profile "raspberri-pi"' in out.stderr
+    assert 'Did you mean "raspberry-pi"?' in out.stderr
+    command += ["--profile", "raspberry-pi", "--ep", "qnn"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and 'pip install "ortpipe[qnn]" installs it' in out.stderr
+
+
+# --- logprobs --------------------------------------------------------------------------------------------
+
+def test_logprobs_in_chat_and_completions_equal_the_pipelines(server: Served, pipe: Any,
+                                                              folder: Path) -> None:
+    """The chosen tokens' log-probabilities and their alternatives, in OpenAI's two shapes, are what
+    pipe.generate gives (tests/test_sampling.py checks those against a hand computation)."""
+    client = server.client(max_retries=0)
+    prompt = render(folder, USER)
+    expected = list(pipe.stream(prompt, max_new_tokens=6, logprobs=2))
+    name = lambda t: pipe.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    chat = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [name(c.token) for c in expected]
+    assert [e.logprob for e in content] == pytest.approx([c.logprob for c in expected], abs=1e-5)
+    assert [[t.token for t in e.top_logprobs] for e in content] == [
+        [name(t) for t, _ in c.top_logprobs] for c in expected
+    ]
+    streamed = [
+        e
+        for chunk in client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert logprobs.tokens == [name(c.token) for c in expected]
+    assert logprobs.token_logprobs == pytest.approx([c.logprob for c in expected], abs=1e-5)
+    assert [list(d) for d in logprobs.top_logprobs] == [
+        [name(t) for t, _ in c.top_logprobs] for c in expected
+    ]
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(expected))]
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
+    assert (
+        plain.choices[0].logprobs is None
+        and plain.choices[0].message.content == chat.choices[0].message.content
+    )
+
+
+def test_a_folder_whose_loop_makes_no_tokens_ends_the_server_at_load(vits_tiny: Path) -> None:
+    """ortpipe serve answers completions: a single_pass folder is refused when it loads, not at a request."""
+    engine = Engine(lambda: ortpipe.load(vits_tiny, threads=1))
+    engine.start()
+    engine.stop(30)
+    assert isinstance(engine.error, ortpipe.ConfigError)
+    assert 'generation.loop is "single_pass", which makes no tokens' in str(engine.error)

@@ -1,0 +1,396 @@
+"""Speculative decoding (loops/speculative.py; the CPython driver's speculate.py).
+
+Greedy decoding with drafts (prompt lookup, or a draft model) checked in one run must give the
+tokens of plain greedy decoding, on the fused path (rounds inside the driver's bursts) and on the
+core's own rounds (forced with `min_length=1`, a processor that changes nothing after a prompt);
+speculative sampling must keep the distribution of plain sampling (checked against the exact
+distribution, computed by hand with onnxruntime) and be reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from build import draft_models
+from build.references import prompt_ids
+
+import ortpipe
+from ortpipe.errors import ConfigError, GenerationError, OrtpipeError
+from ortpipe.loops.speculative import DraftLength, NgramIndex
+from tests.handloop import _run, _step_feeds, empty_pasts
+
+NEW = 48
+LOOKUP = ({"prompt_lookup_num_tokens": 4}, {"ngram_size": 3, "max_draft_tokens": 8})
+PATHS = ({}, {"min_length": 1})  # fused rounds in the driver's bursts; the core's rounds
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "models" / "demo"
+
+
+@pytest.fixture(autouse=True)
+def unclocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft length from the guessed cost of longer runs, not from the driver's clock: rounds that
+    do not depend on how busy the machine is (tokens never do)."""
+    monkeypatch.setattr(DraftLength, "timed", lambda *_: None)
+    monkeypatch.setattr(DraftLength, "drafted", lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def llama_draft_builder() -> Path:
+    return draft_models.get("llama-draft-builder")
+
+
+@pytest.fixture(scope="session")
+def llama_draft_concat() -> Path:
+    return draft_models.get("llama-draft-concat")
+
+
+@pytest.fixture(scope="session")
+def demo_draft() -> Path:
+    return draft_models.get("demo-draft-builder")
+
+
+def repeating(folder: Path) -> list[int]:
+    """The test prompt and its start again: text a model may go on copying."""
+    ids = prompt_ids(folder)
+    return ids + ids[:20]
+
+
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_builder_int4", "qwen2_builder",
+                                   "phi3_builder", "llama_concat"])
+def test_greedy_with_prompt_lookup_equals_greedy(model: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(model)
+    ids = repeating(folder)
+    pipe = ortpipe.load(folder, threads=1)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    assert plain.timings.drafted_tokens == 0
+    for settings in LOOKUP:
+        for path in PATHS:
+            got = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **settings, **path)
+            assert got.tokens == plain.tokens, (settings, path)
+            assert got.finish_reason == plain.finish_reason
+            t = got.timings
+            assert t.drafted_tokens > 0 and t.fused_steps == (0 if path else NEW - 1)
+            if model in ("llama_builder_fp32", "llama_concat", "qwen2_builder"):  # their text loops
+                assert 0 < t.accepted_tokens <= t.drafted_tokens
+
+
+@pytest.mark.parametrize(("model", "draft"), [("llama_builder_fp32", "llama_draft_builder"),
+                                              ("llama_concat", "llama_draft_concat"),
+                                              ("llama_builder_fp32", "llama_draft_concat")])
+def test_greedy_with_a_draft_model_equals_greedy(model: str, draft: str,
+                                                 request: pytest.FixtureRequest) -> None:
+    """A one-layer cut of the model drafts (mostly rejected), and the model itself (accepted)."""
+    folder, cut = request.getfixturevalue(model), request.getfixturevalue(draft)
+    ids = prompt_ids(folder)
+    pipe = ortpipe.load(folder, threads=1)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    for drafter in (cut, folder):
+        for path in PATHS:
+            got = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, draft_model=str(drafter), **path)
+            assert got.tokens == plain.tokens, (drafter, path)
+            assert got.timings.drafted_tokens > 0
+            if drafter == folder:
+                assert got.timings.accepted_tokens == got.timings.drafted_tokens
+    assert len(pipe.model.drafts) == 2, "each draft model is loaded once"
+
+
+def test_demo_model_with_prompt_lookup_and_a_draft_model(demo_draft: Path) -> None:
+    pipe = ortpipe.load(DEMO, threads=1)
+    code = (REPO / "py" / "ortpipe" / "lifecycle.py").read_text()[1500:2200]
+    prompt = code + "\n\n" + code[:200]
+    greedy = {"do_sample": False, "max_new_tokens": 64}
+    plain = pipe.generate(prompt, **greedy)
+    for settings in (*LOOKUP, {"draft_model": str(demo_draft)}, {"draft_model": str(DEMO)}):
+        for path in PATHS:
+            got = pipe.generate(prompt, **greedy, **settings, **path)
+            assert (got.tokens, got.text) == (plain.tokens, plain.text), (settings, path)
+            assert got.timings.drafted_tokens > 0
+            if "draft_model" not in settings or settings["draft_model"] == str(DEMO):
+                assert got.timings.accepted_tokens > 0
+
+
+def test_short_budgets_streams_and_interrupts(llama_builder_fp32: Path) -> None:
+    ids = repeating(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    settings = {"prompt_lookup_num_tokens": 8}
+    for n in range(1, 10):  # max length inside a round: drafts never run past it
+        assert pipe.generate(prompt_ids=ids, max_new_tokens=n, **settings).tokens == plain.tokens[:n]
+    long = pipe.generate(prompt_ids=ids, max_length=len(ids) + 17, **settings)
+    assert (long.tokens, long.finish_reason) == (plain.tokens[:17], "length")
+    chunks = list(pipe.stream(prompt_ids=ids, max_new_tokens=NEW, **settings))
+    assert [c.token for c in chunks] == plain.tokens
+    assert "".join(c.text for c in chunks) == plain.text
+    pipe.model.backend.decode_burst = 4  # an interrupt lands after the burst being computed
+    request = pipe.request(prompt_ids=ids, max_new_tokens=NEW, **settings)
+    seen = []
+    for chunk in pipe.drive(request):
+        seen.append(chunk.token)
+        if len(seen) == 3:
+            request.interrupt()
+    result = request.result()
+    assert result.finish_reason == "interrupt"
+    assert 3 <= len(result.tokens) < NEW and result.tokens == plain.tokens[:len(result.tokens)]
+
+
+def test_stop_strings_and_eos_inside_an_accepted_run(llama_builder_fp32: Path, tmp_path: Path) -> None:
+    """A burst of accepted drafts that passes a stop string is taken back to it; an eos among the
+    accepted tokens ends the request there."""
+    ids = repeating(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    stop = plain.text[30:33]
+    expected = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, stop=stop)
+    assert expected.finish_reason == "stop" and len(expected.tokens) < NEW
+    for path in PATHS:
+        request = pipe.request(prompt_ids=ids, max_new_tokens=NEW, stop=stop, prompt_lookup_num_tokens=8,
+                               **path)
+        chunks = list(pipe.drive(request))
+        got = request.result()
+        assert (got.tokens, got.text, got.finish_reason) == (expected.tokens, expected.text, "stop")
+        assert [c.token for c in chunks] == got.tokens and "".join(c.text for c in chunks) == got.text
+        assert request.gen.tokens == ids + got.tokens, "the generator took back what followed the stop"
+        assert request.gen.flow.position == len(ids) + len(got.tokens) - 1
+    at = max(plain.tokens.index(t) for t in plain.tokens)  # the last token that is new there
+    assert at >= 5
+    copy = tmp_path / "eos"
+    shutil.copytree(llama_builder_fp32, copy)
+    config = json.loads((copy / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = plain.tokens[at]
+    (copy / "genai_config.json").write_text(json.dumps(config))
+    pipe = ortpipe.load(copy, threads=1)
+    for settings in ({"draft_model": str(copy)}, {"prompt_lookup_num_tokens": 8}):  # the draft: the model
+        for path in PATHS:
+            got = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **settings, **path)
+            assert (got.tokens, got.finish_reason) == (plain.tokens[: at + 1], "eos"), (settings, path)
+
+
+@pytest.fixture(scope="module")
+def chat_model(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("chat") / "llama"
+    shutil.copytree(llama_builder_fp32, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_chat_turns_and_rewinds_with_speculation(chat_model: Path, llama_draft_builder: Path) -> None:
+    pipe = ortpipe.load(chat_model, threads=1)
+    turns = ["def count_words(path):", "Now sort the words by count.", "And print the top ten?"]
+
+    def conversation(**settings: Any) -> list[list[int]]:
+        chat = pipe.chat(max_length=400, **settings)
+        replies = [[c.token for c in chat.say(turn, max_new_tokens=16)] for turn in turns[:2]]
+        chat.rewind()
+        replies += [[c.token for c in chat.say(turn, max_new_tokens=16)] for turn in turns[1:]]
+        assert replies[1] == replies[2]
+        return replies
+
+    plain = conversation()
+    assert conversation(prompt_lookup_num_tokens=4) == plain
+    assert conversation(draft_model=str(chat_model)) == plain
+    assert conversation(draft_model=str(llama_draft_builder), min_length=1) == plain
+
+
+def test_a_failure_mid_verification_puts_the_request_in_error(llama_builder_fp32: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = repeating(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW).tokens
+    driver, fused_run, runs = pipe.driver, pipe.driver._fused_run, []
+
+    def failing(d: Any, position: int, run: Any, *args: Any) -> Any:
+        runs.append(position)
+        if len(runs) == 6:
+            def run(*_: Any) -> Any:
+                raise RuntimeError("the device is gone")
+        return fused_run(d, position, run, *args)
+
+    monkeypatch.setattr(driver, "_fused_run", failing)
+    request = pipe.request(prompt_ids=ids, max_new_tokens=NEW, prompt_lookup_num_tokens=8)
+    with pytest.raises(OrtpipeError, match="failed on a decode step at position .*the device is gone") as e:
+        list(pipe.drive(request))
+    assert request.failed and request.gen.state == "error"
+    assert e.value.partial.tokens == plain[: len(e.value.partial.tokens)] and e.value.partial.tokens
+    with pytest.raises(GenerationError, match="an earlier step of this generation failed"):
+        list(pipe.drive(request))
+    monkeypatch.undo()
+    assert pipe.generate(prompt_ids=ids, max_new_tokens=NEW, prompt_lookup_num_tokens=8).tokens == plain
+
+
+def test_what_speculation_refuses(gemma_builder: Path, llama_builder_fp32: Path, demo_draft: Path) -> None:
+    gemma = ortpipe.load(gemma_builder, threads=1)
+    with pytest.raises(GenerationError, match="speculative decoding needs .*cache slides"):
+        gemma.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, prompt_lookup_num_tokens=4)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    with pytest.raises(GenerationError, match="must have the model's tokenizer: their tokenizer.json vocab"):
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, draft_model=str(demo_draft))
+    with pytest.raises(GenerationError, match="cannot draft together"):
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, draft_model=str(llama_builder_fp32),
+                      ngram_size=2)
+    with pytest.raises(GenerationError, match="beam search with speculative decoding"):
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, num_beams=2, prompt_lookup_num_tokens=4)
+    with pytest.raises(GenerationError, match="model folder /nowhere does not exist"):
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, draft_model="/nowhere")
+    with pytest.raises(GenerationError, match="draft_model must be a folder's path"):
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, draft_model="")
+
+
+def test_configs_and_the_cli(llama_builder_fp32: Path, llama_draft_builder: Path, tmp_path: Path) -> None:
+    """onnxruntime-genai's v1 `speculative` block; a v2 config whose draft model lies in the folder;
+    the CLI's flags."""
+    ids = repeating(llama_builder_fp32)
+    plain = ortpipe.load(llama_builder_fp32, threads=1).generate(prompt_ids=ids, max_new_tokens=NEW)
+    v1 = tmp_path / "v1"
+    shutil.copytree(llama_builder_fp32, v1)
+    config = json.loads((v1 / "genai_config.json").read_text())
+    config["speculative"] = {"ngram_size": 3, "max_draft_tokens": 6, "cooldown": False}
+    (v1 / "genai_config.json").write_text(json.dumps(config))
+    got = ortpipe.load(v1, threads=1).generate(prompt_ids=ids, max_new_tokens=NEW)
+    assert got.tokens == plain.tokens and got.timings.drafted_tokens > 0
+    v2 = tmp_path / "v2"
+    shutil.copytree(llama_builder_fp32, v2)
+    shutil.copytree(llama_draft_builder, v2 / "draft")
+    config = {"version": 2, "pipeline": {"extends": "autoregressive-decoder",
+                                         "sessions": {"decoder": {"file": "model.onnx"}}},
+              "tokens": {"eos": [2]}, "generation": {"speculative": {"draft_model": "draft"}}}
+    (v2 / "genai_config.json").write_text(json.dumps(config))
+    pipe = ortpipe.load(v2, threads=1)
+    got = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    assert got.tokens == plain.tokens and got.timings.drafted_tokens > 0
+    assert list(pipe.model.drafts) == [str(v2 / "draft")]
+    assert "draft1/decoder" in pipe.driver.sessions, "the draft's sessions are named apart"
+    config["generation"]["speculative"]["draft_model"] = "../draft"
+    (v2 / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="speculative.draft_model: .* not a path inside the model folder"):
+        ortpipe.load(v2)
+    ids_arg = ",".join(map(str, ids))
+    for flags in (["--prompt-lookup-num-tokens", "4"], ["--draft-model", str(llama_draft_builder)]):
+        command = [sys.executable, "-m", "ortpipe.cli", "run", str(llama_builder_fp32), "--prompt-ids",
+                   ids_arg, "--max-new-tokens", str(NEW), "--threads", "1", "--json", *flags]
+        out = subprocess.run(command, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["tokens"] == plain.tokens and result["timings"]["drafted_tokens"] > 0
+
+
+# Speculative sampling keeps the distribution: generated sequences are counted over many seeds and
+# compared with the exact distribution, computed from logits of plain onnxruntime runs.
+
+SAMPLED = {"do_sample": True, "temperature": 1.0, "top_k": 4}
+SEEDS = 3000
+
+
+def exact_distribution(folder: Path, ids: list[int], n: int) -> dict[tuple[int, ...], float]:
+    """The probability of every sequence of n tokens after `ids` under SAMPLED (top-k, ties with the
+    k-th kept, then temperature), from full reruns of the graph with empty pasts."""
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+
+    def next_probs(seq: list[int]) -> dict[int, float]:
+        logits = _run(session, _step_feeds(session, seq, len(seq)) | empty_pasts(session))["logits"][0, -1]
+        logits = logits.astype(np.float64)
+        kth = np.sort(logits)[-SAMPLED["top_k"]]
+        kept = np.flatnonzero(logits >= kth)
+        weights = np.exp((logits[kept] - logits.max()) / SAMPLED["temperature"])
+        return dict(zip(kept.tolist(), (weights / weights.sum()).tolist(), strict=True))
+
+    sequences = {(): 1.0}
+    for _ in range(n):
+        sequences = {seq + (t,): p * q for seq, p in sequences.items()
+                     for t, q in next_probs(ids + list(seq)).items()}
+    return sequences
+
+
+def chi_square_p(observed: Counter, expected: dict[tuple[int, ...], float], total: int) -> float:
+    """The p-value of Pearson's chi-square test (Wilson-Hilferty's approximation), cells expected
+    fewer than 5 times pooled into one."""
+    cells, pooled_o, pooled_e = [], 0, 0.0
+    for seq, p in expected.items():
+        if p * total >= 5:
+            cells.append((observed.get(seq, 0), p * total))
+        else:
+            pooled_o, pooled_e = pooled_o + observed.get(seq, 0), pooled_e + p * total
+    cells.append((pooled_o + sum(c for s, c in observed.items() if s not in expected), pooled_e))
+    statistic = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    k = len(cells) - 1
+    z = ((statistic / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_speculative_sampling_keeps_the_distribution(llama_concat: Path) -> None:
+    """Prompt lookup's drafts come from text the model sampled before (here mostly outside the top k:
+    rejected); the model as its own draft model drafts its greedy choice (accepted or not)."""
+    pipe = ortpipe.load(llama_concat, threads=1)
+    start = prompt_ids(llama_concat)[:20]
+    ids = start + pipe.generate(prompt_ids=start, max_new_tokens=60, seed=0, **SAMPLED).tokens
+    expected = exact_distribution(llama_concat, ids, 3)
+    for settings in ({}, {"prompt_lookup_num_tokens": 2}, {"draft_model": str(llama_concat)}):
+        counts: Counter = Counter()
+        drafted = accepted = 0
+        for seed in range(SEEDS):
+            got = pipe.generate(prompt_ids=ids, max_new_tokens=3, seed=seed, **SAMPLED, **settings)
+            counts[tuple(got.tokens)] += 1
+            drafted, accepted = drafted + got.timings.drafted_tokens, accepted + got.timings.accepted_tokens
+        assert drafted > SEEDS // 2 if settings else drafted == 0
+        if "draft_model" in settings:
+            assert 0 < accepted < drafted, "drafts were both accepted and rejected"
+        p = chi_square_p(counts, expected, SEEDS)
+        assert p > 1e-3, (settings, p, counts.most_common(8))
+
+
+def test_seeded_speculative_sampling_is_reproducible(llama_builder_fp32: Path) -> None:
+    ids = repeating(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    for settings in ({"prompt_lookup_num_tokens": 4}, {"draft_model": str(llama_builder_fp32)}):
+        runs = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **SAMPLED, **settings).tokens
+                for seed in (1, 1, 2)]
+        assert runs[0] == runs[1] != runs[2]
+
+
+def test_prompt_lookup_drafts() -> None:
+    index = NgramIndex(3)
+    assert index.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # after the latest earlier (1, 2)
+    assert index.propose([1, 2, 3, 4, 1, 2, 3, 9], 3) == []  # nothing ever followed 9
+    assert index.propose([1, 2, 3, 4, 1, 2, 3, 9, 1], 2) == [2, 3]  # only (9, 1) is new: a 1-gram match
+    assert NgramIndex(2).propose([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5], "a copy goes on over what it copied"
+    index = NgramIndex(2)
+    assert index.propose([7, 8, 7], 2) == [8, 7]
+    assert index.propose([7, 3], 2) == [], "a shorter text (a rewind) starts the index over"
+
+
+def test_the_draft_length_follows_acceptance_and_cost() -> None:
+    length = DraftLength(8)
+    assert length.next(20) == 1  # the prior (2/3 accepted, 0.4 a token): one draft pays best
+    for _ in range(10):
+        length.update(8, 8)
+    assert length.next(20) == 8 and length.next(3) == 3, "high acceptance: as many as allowed"
+    length.extras.extend([2.0] * 15)  # measured: each more token costs two steps
+    assert length.best(8) == 0, "nothing pays: plain steps (and probes)"
+    length = DraftLength(8)
+    for _ in range(12):
+        length.update(2, 0)
+    got = [length.next(20) for _ in range(12)]
+    assert got == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0], "one-token probes, the pauses doubling"
+
+
+def test_a_config_that_speculates_on_a_sliding_cache_is_refused_at_load(gemma_builder: Path,
+                                                                          tmp_path: Path) -> None:
+    folder = tmp_path / "gemma"
+    shutil.copytree(gemma_builder, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["speculative"] = {"ngram_size": 3}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="speculative decoding, which this model cannot run: its KV cache"):
+        ortpipe.load(folder)

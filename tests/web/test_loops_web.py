@@ -1,0 +1,215 @@
+"""The single_pass and denoising loops in Chromium give CPython's outputs: sentence embeddings (tokenizers.js
+on the folder's tokenizer.json), speech (the core's VITS tokenizer) and images (the core's CLIP tokenizer,
+seeded noise from the core's generator) on onnxruntime-web; WebGPU within a stated tolerance. The demo page
+plays the audio and shows the image (screenshots in build/cache/screenshots/).
+
+Tolerances against CPython: wasm 1e-5 (embeddings, waveforms) and 1e-4 (images: the UNet, scheduler and
+VAE kernels of wasm and of the CPU provider round differently, a few ulps); WebGPU 1e-3 (its kernels
+compute attention and normalisation in another order and with other approximations).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ortpipe
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOTS = ROOT / "build" / "cache" / "screenshots"
+WASM, WEBGPU = {"embedding": 1e-5, "audio": 1e-5, "image": 1e-4}, 1e-3
+
+# Runs in the page: load a folder, run each request (embed, speak or generate), return what came back.
+RUN = """async ({model, device, requests}) => {
+  const {load} = await import('./ortpipe.js');
+  const pipe = await load(model, {device});
+  const plain = (a) => Array.from(a, Number);
+  try {
+    const runs = [];
+    for (const {kind, args} of requests) {
+      if (kind === 'embed') {
+        const {data, dims} = await pipe.embed(...args);
+        runs.push({data: plain(data), dims});
+      } else if (kind === 'speak') {
+        const {audio, samplingRate} = await pipe.speak(...args);
+        runs.push({data: plain(audio), samplingRate});
+      } else {
+        const steps = [];
+        const options = {...args[0], onProgress: (p) => steps.push(p)};
+        const given = options.latents;
+        if (given) options.latents = {data: new Float32Array(given.data), dims: given.dims};
+        const result = await pipe.generate(options);
+        const image = Object.values(result.outputs).find((o) => o.kind === 'image');
+        runs.push({data: plain(image.data), dims: image.dims, rgba: plain(image.image.data), steps,
+                   timings: result.timings, finishReason: result.finishReason});
+      }
+    }
+    return {info: pipe.info, runs};
+  } finally {
+    pipe.dispose();
+  }
+}"""
+
+
+def in_page(page: Any, model: str, requests: list[dict[str, Any]], device: str = "wasm") -> dict[str, Any]:
+    page.goto("/")
+    return page.evaluate(RUN, {"model": f"models/{model}/", "device": device, "requests": requests})
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sd-tiny with a scheduler of its cases that adds noise (EulerAncestral), its references aside."""
+    from build import paradigms
+
+    source = paradigms.get("sd-tiny")
+    folder = Path(shutil.copytree(source, tmp_path_factory.mktemp("web-sd") / "sd",
+                                  ignore=shutil.ignore_patterns("references")))
+    cases = {c["name"]: c for c in _json(source / "references" / "cases.json")["cases"]}
+    scheduler = cases["euler_a-v-trailing-cfg"]["scheduler"]
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
+    return folder
+
+
+def test_wasm_embeddings_equal_cpython(page: Any, serve_model: Any, st_minilm: Path) -> None:
+    texts = _json(st_minilm / "references" / "inputs.json")["texts"]
+    pipe = ortpipe.load(st_minilm)
+    expected = pipe.embed(texts)
+    serve_model("st-minilm", st_minilm)
+    got = in_page(page, "st-minilm", [{"kind": "embed", "args": [texts]},
+                                      {"kind": "embed", "args": [texts, {"batchSize": 2}]}])
+    assert got["info"]["loop"] == "single_pass"
+    assert got["info"]["outputs"] == {"last_hidden_state": "embedding"}
+    reference = np.load(st_minilm / "references" / "embeddings.npy")
+    for run in got["runs"]:
+        data = np.array(run["data"], np.float32).reshape(run["dims"])
+        assert data.shape == (5, 32)
+        assert np.abs(data - expected).max() <= WASM["embedding"]
+        assert np.abs(data - reference).max() <= WASM["embedding"]
+
+
+def test_wasm_speech_equals_cpython(page: Any, serve_model: Any, vits_tiny: Path) -> None:
+    cases = _json(vits_tiny / "references" / "inputs.json")["cases"]
+    pipe = ortpipe.load(vits_tiny)
+    serve_model("vits-tiny", vits_tiny)
+    got = in_page(page, "vits-tiny", [{"kind": "speak", "args": [case["text"]]} for case in cases])
+    for case, run in zip(cases, got["runs"], strict=True):
+        expected = pipe.speak(case["text"]).samples
+        assert run["samplingRate"] == 16000 and len(run["data"]) == case["samples"]
+        assert np.abs(np.array(run["data"]) - expected).max() <= WASM["audio"]
+
+
+def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path) -> None:
+    """A seeded image (latents and each step's noise from the core's generator) with guidance and a negative
+    prompt, and one from given latents: CPython's, within 1e-4; the RGBA bytes within one level."""
+    pipe = ortpipe.load(sd_folder)
+    latents = np.random.default_rng(3).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    requests = [{"prompt": "a red cube on a wooden table", "negativePrompt": "blurry", "numSteps": 3,
+                 "guidanceScale": 5.0, "seed": 21},
+                {"prompt": "a blue sphere", "numSteps": 2, "guidanceScale": 1.0, "seed": 5,
+                 "latents": {"data": latents.ravel().tolist(), "dims": [1, 4, 8, 8]}}]
+    expected = [pipe.generate("a red cube on a wooden table", negative_prompt="blurry", num_steps=3,
+                              guidance_scale=5.0, seed=21).image,
+                pipe.generate("a blue sphere", num_steps=2, guidance_scale=1.0, seed=5,
+                              latents=latents).image]
+    serve_model("sd-tiny", sd_folder)
+    got = in_page(page, "sd-tiny", [{"kind": "generate", "args": [r]} for r in requests])
+    assert got["info"]["loop"] == "denoising"
+    for run, image, request in zip(got["runs"], expected, requests, strict=True):
+        data = np.array(run["data"], np.float32).reshape(run["dims"])
+        print(f"wasm image: max |browser - CPython| = {np.abs(data - image).max():.1e}")
+        assert np.abs(data - image).max() <= WASM["image"]
+        rgba = np.array(run["rgba"]).reshape(32, 32, 4)
+        assert np.abs(rgba[..., :3] - np.round(image[0] * 255)).max() <= 1 and (rgba[..., 3] == 255).all()
+        steps = request["numSteps"]
+        assert [(p["phase"], p["step"], p["steps"]) for p in run["steps"]] == [
+            ("step", i, steps) for i in range(steps + 1)]
+        assert run["timings"]["steps"] == steps and run["finishReason"] == "done"
+
+
+def test_webgpu_outputs_equal_cpython_within_tolerance(page: Any, serve_model: Any, st_minilm: Path,
+                                                       vits_tiny: Path, sd_folder: Path) -> None:
+    serve_model("st-minilm", st_minilm)
+    serve_model("vits-tiny", vits_tiny)
+    serve_model("sd-tiny", sd_folder)
+    texts = ["Hello world.", "Sorting is stable: equal keys keep their original order."]
+    got = in_page(page, "st-minilm", [{"kind": "embed", "args": [texts]}], "webgpu")
+    assert got["info"]["device"] == "webgpu"
+    embeddings = np.array(got["runs"][0]["data"]).reshape(got["runs"][0]["dims"])
+    assert np.abs(embeddings - ortpipe.load(st_minilm).embed(texts)).max() <= WEBGPU
+    speech = in_page(page, "vits-tiny", [{"kind": "speak", "args": ["Hello world."]}], "webgpu")["runs"][0]
+    expected = ortpipe.load(vits_tiny).speak("Hello world.").samples
+    assert np.abs(np.array(speech["data"]) - expected).max() <= WEBGPU
+    request = {"prompt": "a red cube", "numSteps": 2, "guidanceScale": 3.0, "seed": 8}
+    image = in_page(page, "sd-tiny", [{"kind": "generate", "args": [request]}], "webgpu")["runs"][0]
+    expected_image = ortpipe.load(sd_folder).generate("a red cube", num_steps=2, guidance_scale=3.0,
+                                                      seed=8).image
+    difference = np.abs(np.array(image["data"]).reshape(image["dims"]) - expected_image).max()
+    print(f"webgpu image: max |browser - CPython| = {difference:.1e}")
+    assert difference <= WEBGPU
+
+
+def test_refusals_reach_the_page(page: Any, serve_model: Any, vits_tiny: Path, sd_folder: Path) -> None:
+    serve_model("vits-tiny", vits_tiny)
+    serve_model("sd-tiny", sd_folder)
+    page.goto("/")
+    errors = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const errors = [];
+      const attempt = async (f) => {
+        try { await f(); errors.push(null); } catch (e) { errors.push(e.name + ': ' + e.message); }
+      };
+      const tts = await load('models/vits-tiny/', {device: 'wasm'});
+      await attempt(() => tts.generate({prompt: 'hi', numSteps: 3}));
+      await attempt(() => tts.embed(['hi']));
+      tts.dispose();
+      const sd = await load('models/sd-tiny/', {device: 'wasm'});
+      await attempt(() => sd.generate({prompt: 'x', latents: {data: [1, 2], dims: [1, 4, 8, 8]}}));
+      await attempt(() => sd.generate({prompt: 'x', numSteps: 0}));
+      sd.dispose();
+      return errors;
+    }""")
+    assert errors[0].startswith("GenerationError: num_steps is a setting of the denoising loop")
+    assert errors[1].startswith("GenerationError: embed needs a folder whose outputs are embeddings")
+    assert errors[2].startswith("GenerationError: latents must be {data: Float32Array")
+    assert errors[3].startswith("GenerationError: num_steps 0 is out of range")
+
+
+def test_demo_page_plays_speech_and_shows_an_image(page: Any, serve_model: Any, vits_tiny: Path,
+                                                   sd_folder: Path) -> None:
+    serve_model("vits-tiny", vits_tiny)
+    serve_model("sd-tiny", sd_folder)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.set_viewport_size({"width": 1100, "height": 900})
+    page.goto("/")
+    for model, prompt, shot in [("models/vits-tiny/", "Hello world.", "demo-speech.png"),
+                                ("models/sd-tiny/", "a red cube on a wooden table", "demo-image.png")]:
+        page.fill("#model-url", model)
+        page.select_option("#device", "wasm")
+        page.fill("#prompt", prompt)
+        page.click("#generate")
+        page.wait_for_selector("#output[data-finish-reason], #error:not(:empty)", timeout=120_000)
+        assert page.text_content("#error") == ""
+        if "vits" in model:
+            duration = page.eval_on_selector("#media audio", """async (audio) => {
+              if (!audio.duration) {
+                await new Promise((resolve) => audio.addEventListener('loadedmetadata', resolve));
+              }
+              return audio.duration;
+            }""")
+            assert duration == pytest.approx(464 / 16000, abs=1e-3)
+            assert not page.is_visible("#denoising")
+        else:
+            assert page.is_visible("#denoising") and not page.is_visible("#max-new-tokens")
+            size = page.eval_on_selector("#media canvas", "(c) => [c.width, c.height]")
+            assert size == [32, 32]
+        page.screenshot(path=str(SCREENSHOTS / shot), full_page=True)
+        page.evaluate("() => delete document.getElementById('output').dataset.finishReason")

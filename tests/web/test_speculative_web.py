@@ -1,0 +1,174 @@
+"""Speculative decoding in Chromium: the JS Speculator (web/speculate.js) drafts and checks inside the
+worker's bursts; greedy results are CPython's plain greedy tokens, and seeded speculative sampling
+(the core's rounds, on onnxruntime-web's kernels) gives CPython's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from build import draft_models, graphs
+from build.references import prompt_ids
+from conftest import write_tokenizer  # tests/web/ has no __init__.py: pytest puts it on sys.path
+from test_browser import assert_same_origin
+
+import ortpipe
+
+NEW = 32
+
+# Runs in the page: load a model, run each request in turn (streamed), return what came back.
+RUN_ALL = """async ({model, device, requests}) => {
+  const {load} = await import('./ortpipe.js');
+  const pipe = await load(model, {device});
+  try {
+    const runs = [];
+    for (const options of requests) {
+      const chunks = [];
+      const stream = pipe.stream(options);
+      for (let step = await stream.next(); ; step = await stream.next()) {
+        if (step.done) { runs.push({chunks, result: step.value}); break; }
+        chunks.push(step.value.token);
+      }
+    }
+    return {info: pipe.info, runs};
+  } finally {
+    pipe.dispose();
+  }
+}"""
+
+
+def run_all(page: Any, model: str, device: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    page.goto("/")
+    return page.evaluate(RUN_ALL, {"model": f"models/{model}/", "device": device, "requests": requests})
+
+
+def looping(folder: Path) -> list[int]:
+    """A prompt after which the tiny test model repeats itself (tests/test_speculative.py)."""
+    ids = prompt_ids(folder)
+    return ids + ids[:20]
+
+
+@pytest.fixture(scope="module")
+def graph_draft(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft for the 96-token test graphs: another graph (another seed), the same tokenizer."""
+    folder = graphs.build_separate(tmp_path_factory.mktemp("graph-draft") / "draft", seed=7, config=True)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model", ["v2", "optimum", "v1-combined"])
+def test_wasm_graph_models_with_prompt_lookup_and_a_draft(page: Any, requests_seen: list[str],
+                                                         models: dict[str, Path], serve_model: Any,
+                                                         graph_draft: Path, model: str) -> None:
+    prompt = [5, 17, 42, 8, 23, 61, 30, 12, 77, 40, 9, 55, 33] * 3
+    pipe = ortpipe.load(models[model])
+    expected = pipe.generate(prompt_ids=prompt, max_new_tokens=NEW).tokens
+    serve_model("graph-draft", graph_draft)
+    requests = [{"promptIds": prompt, "maxNewTokens": NEW, "promptLookupNumTokens": 4}]
+    if model == "v2":  # the others have no tokenizer.json to check a draft model's against
+        requests += [{"promptIds": prompt, "maxNewTokens": NEW, "draftModel": "models/graph-draft"},
+                     {"promptIds": prompt, "maxNewTokens": NEW, "draftModel": f"models/{model}/"}]
+    got = run_all(page, model, "wasm", requests)
+    for run in got["runs"]:
+        assert run["result"]["tokens"] == expected and run["chunks"] == expected
+        assert run["result"]["timings"]["fusedSteps"] == NEW - 1
+        assert run["result"]["timings"]["draftedTokens"] > 0
+    if model == "v2":
+        itself = got["runs"][2]["result"]["timings"]
+        assert itself["acceptedTokens"] == itself["draftedTokens"], "the model as its own draft"
+    assert_same_origin(requests_seen, page)
+
+
+@pytest.mark.parametrize("ort_device", ["wasm", "webgpu"])
+def test_builder_and_concat_exports_with_speculation_equal_cpython(
+        page: Any, requests_seen: list[str], serve_model: Any, llama_builder_fp32: Path, llama_concat: Path,
+        ort_device: str) -> None:
+    """The model builder's shared buffer and Optimum's concat cache (narrowed by a kernel on the GPU);
+    prompt lookup, and a draft model (the one-layer cut, and the model itself)."""
+    new = NEW if ort_device == "wasm" else 6  # SwiftShader's WebGPU is slow
+    draft = draft_models.get("llama-draft-builder")
+    serve_model("llama-draft", draft)
+    for name, folder in (("llama-builder", llama_builder_fp32), ("llama-concat", llama_concat)):
+        # on SwiftShader's WebGPU the builder's attention drifts from CPython's past some 30 positions,
+        # speculation or not: a short prompt there
+        ids = looping(folder) if ort_device == "wasm" else prompt_ids(folder)[:10] * 2
+        expected = ortpipe.load(folder, threads=1).generate(prompt_ids=ids, max_new_tokens=new).tokens
+        serve_model(name, folder)
+        requests = [{"promptIds": ids, "maxNewTokens": new, "ngramSize": 3, "maxDraftTokens": 8},
+                    {"promptIds": ids, "maxNewTokens": new, "draftModel": "models/llama-draft/"},
+                    {"promptIds": ids, "maxNewTokens": new, "draftModel": f"models/{name}/"}]
+        got = run_all(page, name, ort_device, requests)
+        assert got["info"]["device"] == ort_device
+        for run in got["runs"]:
+            assert run["result"]["tokens"] == expected, (name, run["result"]["timings"])
+            assert run["result"]["timings"]["draftedTokens"] > 0
+        itself = got["runs"][2]["result"]["timings"]
+        assert itself["acceptedTokens"] == itself["draftedTokens"], "the model as its own draft"
+        if ort_device == "wasm":
+            assert got["runs"][0]["result"]["timings"]["acceptedTokens"] > 0
+    assert_same_origin(requests_seen, page)
+
+
+@pytest.mark.parametrize("ort_device", ["wasm", "webgpu"])
+def test_demo_model_with_speculation_equals_cpython(page: Any, serve_model: Any, ort_device: str) -> None:
+    demo = Path(__file__).resolve().parent.parent.parent / "models" / "demo"
+    pipe = ortpipe.load(demo, threads=1)
+    prompt = "def insort(a, x):\n    lo, hi = 0, len(a)\n    while lo < hi:\n"
+    new = NEW if ort_device == "wasm" else 5  # SwiftShader's WebGPU is slow
+    expected = pipe.generate(prompt, max_new_tokens=new, do_sample=False)
+    serve_model("demo", demo)
+    serve_model("demo-draft", draft_models.get("demo-draft-builder"))
+    greedy = {"prompt": prompt, "maxNewTokens": new, "doSample": False}
+    got = run_all(page, "demo", ort_device, [{**greedy, "promptLookupNumTokens": 4},
+                                             {**greedy, "draftModel": "models/demo-draft/"}])
+    assert got["info"]["device"] == ort_device
+    for run in got["runs"]:
+        assert run["result"]["tokens"] == expected.tokens and run["result"]["text"] == expected.text
+        assert run["result"]["timings"]["draftedTokens"] > 0
+
+
+def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, serve_model: Any,
+                                                                    llama_builder_fp32: Path) -> None:
+    """Speculative sampling runs the core's rounds (kernels on onnxruntime-web), its uniforms from the
+    seeded generator: the same tokens as CPython. A stop string inside an accepted run is cut there."""
+    ids = looping(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    sampled = {"do_sample": True, "seed": 3, "temperature": 0.7, "top_k": 8}
+    expected = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled, prompt_lookup_num_tokens=4),
+                pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled,
+                              draft_model=str(llama_builder_fp32))]
+    assert all(r.timings.accepted_tokens > 0 for r in expected)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
+    stop = plain.text[20:23]
+    stopped = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, stop=stop)
+    assert stopped.finish_reason == "stop"
+    serve_model("llama-builder", llama_builder_fp32)
+    js = {"doSample": True, "seed": 3, "temperature": 0.7, "topK": 8}
+    got = run_all(page, "llama-builder", "wasm", [
+        {"promptIds": ids, "maxNewTokens": NEW, **js, "promptLookupNumTokens": 4},
+        {"promptIds": ids, "maxNewTokens": NEW, **js, "draftModel": "models/llama-builder/"},
+        {"promptIds": ids, "maxNewTokens": NEW, "stop": stop, "promptLookupNumTokens": 8},
+    ])
+    assert [r["result"]["tokens"] for r in got["runs"][:2]] == [r.tokens for r in expected]
+    assert [r["result"]["timings"]["acceptedTokens"] for r in got["runs"][:2]] == [
+        r.timings.accepted_tokens for r in expected]
+    last = got["runs"][2]["result"]
+    assert (last["tokens"], last["text"], last["finishReason"]) == (stopped.tokens, stopped.text, "stop")
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(page: Any, serve_model: Any,
+                                                         llama_builder_fp32: Path) -> None:
+    serve_model("llama-builder", llama_builder_fp32)
+    serve_model("demo-draft", draft_models.get("demo-draft-builder"))
+    page.goto("/")
+    error = page.evaluate("""async ({model, options}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try { await pipe.generate(options); return null; }
+      catch (e) { return {name: e.name, message: e.message}; }
+      finally { pipe.dispose(); }
+    }""", {"model": "models/llama-builder/",
+           "options": {"promptIds": [5, 6, 7], "maxNewTokens": 4, "draftModel": "models/demo-draft/"}})
+    assert error["name"] == "GenerationError"
+    assert "must have the model's tokenizer" in error["message"]

@@ -1,0 +1,307 @@
+// Speculative decoding inside a burst of the worker's fused decode steps: the JS twin of the rounds
+// the CPython driver runs (py/ortpipe/targets/cpython/speculate.py) and of the core's drafting and
+// draft length (py/ortpipe/loops/speculative.py: NgramIndex, DraftLength), which it mirrors rule
+// for rule. A round drafts (prompt lookup over the text, or greedy steps of a draft model's
+// Decoder), runs the model's Decoder once over the pending token and the drafts, keeps the longest
+// prefix of drafts its argmax agrees with plus the argmax after it, and rolls the caches back to
+// what was kept: a shared buffer only by its length (the next run's mask says it), a concat cache
+// by narrowing each entry (a copy on the CPU; ortpipe's narrow kernel on the GPU). Python hands the
+// text and the draft length's state over before a burst (`prepare`) and takes them back after it
+// (`state`); tokens cross as ids only. The worker's bridge makes Speculators (`speculator` below).
+
+import { argmaxRow, typedArray } from './bridge.js';
+
+// The core's constants (loops/speculative.py).
+const MAX_PAUSE = 16;
+const SAMPLES = 15;
+const DECAY = 0.9;
+const BURST_MS = 50; // as the plain Decoder's bursts
+
+/** What followed the latest earlier occurrence of each n-gram of the text (NgramIndex). */
+export class NgramIndex {
+  constructor(size) {
+    this.size = size;
+    this.reset();
+  }
+
+  reset() {
+    this.last = Array.from({ length: this.size }, () => new Map());
+    this.indexed = 0;
+  }
+
+  propose(tokens, k) {
+    const end = tokens.length - 1;
+    if (end < this.indexed) this.reset();
+    for (let i = this.indexed; i < end; i++) {
+      for (let n = 1; n <= Math.min(this.size, i + 1); n++) {
+        this.last[n - 1].set(tokens.slice(i - n + 1, i + 1).join(','), i);
+      }
+    }
+    this.indexed = Math.max(this.indexed, end);
+    for (let n = Math.min(this.size, tokens.length); n > 0; n--) {
+      const at = this.last[n - 1].get(tokens.slice(tokens.length - n).join(','));
+      if (at !== undefined) {
+        const draft = [];
+        for (let i = at + 1; i < at + 1 + k; i++) draft.push(i < tokens.length ? tokens[i] : draft[i - tokens.length]);
+        return draft;
+      }
+    }
+    return [];
+  }
+}
+
+function median(values) {
+  const sorted = [...values].sort((a, b) => a - b);
+  const middle = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[middle] : (sorted[middle - 1] + sorted[middle]) / 2;
+}
+
+function keepLast(values, value) {
+  values.push(value);
+  if (values.length > SAMPLES) values.shift();
+}
+
+/** The draft length with the most tokens per unit of time (DraftLength). */
+export class DraftLength {
+  constructor(most, state) {
+    this.most = most;
+    Object.assign(this, state); // hits, misses, ones, extras, drafts, wait, pause
+  }
+
+  next(room) {
+    if (room <= 0) return 0;
+    if (this.wait) {
+      this.wait -= 1;
+      return 0;
+    }
+    const k = this.best(Math.min(this.most, room));
+    if (k) {
+      this.pause = 0;
+      return k;
+    }
+    this.pause = Math.min(MAX_PAUSE, 2 * this.pause || 1);
+    this.wait = this.pause;
+    return 1;
+  }
+
+  best(most) {
+    const rate = this.hits / (this.hits + this.misses);
+    const cost = median(this.extras) + median(this.drafts);
+    let [best, bestK, tokens, term] = [1, 0, 1, 1];
+    for (let k = 1; k <= most; k++) {
+      term *= rate;
+      tokens += term;
+      if (tokens / (1 + cost * k) > best) [best, bestK] = [tokens / (1 + cost * k), k];
+    }
+    return bestK;
+  }
+
+  update(drafted, accepted) {
+    this.hits = DECAY * this.hits + accepted;
+    this.misses = DECAY * this.misses + (accepted < drafted ? 1 : 0);
+  }
+
+  timed(tokens, seconds) {
+    if (tokens === 1) keepLast(this.ones, seconds);
+    else if (this.ones.length) keepLast(this.extras, Math.max(0, (seconds / median(this.ones) - 1) / (tokens - 1)));
+  }
+
+  drafted(steps, seconds) {
+    if (this.ones.length && steps) keepLast(this.drafts, seconds / steps / median(this.ones));
+  }
+
+  state() {
+    const { hits, misses, ones, extras, drafts, wait, pause } = this;
+    return { hits, misses, ones, extras, drafts, wait, pause };
+  }
+}
+
+/** Runs of several new tokens at once over a Decoder's session and cache (web/bridge.js). */
+class Tokens {
+  /** `layout`: "shared" or "concat"; `narrow(tensor, axis, length)`: a GPU tensor narrowed by a kernel. */
+  constructor(ort, decoder, layout, seqAxes, narrow) {
+    this.ort = ort;
+    this.decoder = decoder;
+    this.layout = layout;
+    this.seqAxes = seqAxes;
+    this.narrow = narrow;
+  }
+
+  /** Each new token's argmax, after feeding `tokens` from position `past`. */
+  async run(tokens, past) {
+    const d = this.decoder;
+    const { ids, mask, positions, name, vocab, gpu } = d.spec;
+    const n = tokens.length;
+    const { Tensor } = this.ort;
+    const feeds = { ...d.cache };
+    feeds[ids[0]] = new Tensor(ids[1], typedArray(ids[1], tokens), [1, n]);
+    if (mask) feeds[mask[0]] = new Tensor(mask[1], d.ones.subarray(0, past + n), [1, past + n]);
+    if (positions) {
+      feeds[positions[0]] = new Tensor(positions[1], typedArray(positions[1], tokens.map((_, i) => past + i)), [1, n]);
+    }
+    let result;
+    try {
+      result = await d.session.run(feeds, d.spec.outputs);
+    } catch (cause) {
+      throw named(`session "${name}" failed on a decode step at position ${past}: ${cause?.message ?? cause}`);
+    }
+    for (const [present, pastName] of d.presents) d.put(pastName, result[present]);
+    const logits = result[d.spec.logits];
+    const data = gpu ? await logits.getData() : logits.data;
+    if (gpu) {
+      logits.dispose();
+      for (const other of d.others) result[other].dispose();
+    }
+    const picks = [];
+    try {
+      for (let row = n; row > 0; row--) picks.push(argmaxRow(data, data.length - row * vocab, vocab));
+    } catch {
+      throw named(`session "${name}" gave NaN or infinite logits on the decode step at position ${past}: `
+        + "the model's weights or inputs are broken");
+    }
+    return picks;
+  }
+
+  /** Forget the positions from `length` on: a concat cache is narrowed, a shared buffer is not. */
+  async keep(length) {
+    const d = this.decoder;
+    if (this.layout === 'shared') return;
+    for (const pastName of Object.keys(this.seqAxes)) {
+      const tensor = d.cache[pastName];
+      const axis = this.seqAxes[pastName];
+      if (tensor.dims[axis] <= length) continue;
+      d.put(pastName, d.spec.gpu ? await this.narrow(tensor, axis, length) : narrowed(this.ort, tensor, axis, length));
+    }
+  }
+}
+
+/** A CPU tensor's first `length` positions along `axis`, copied. */
+function narrowed(ort, tensor, axis, length) {
+  const dims = Array.from(tensor.dims);
+  const outer = dims.slice(0, axis).reduce((a, b) => a * b, 1);
+  const inner = dims.slice(axis + 1).reduce((a, b) => a * b, 1);
+  const data = new tensor.data.constructor(outer * length * inner);
+  for (let o = 0; o < outer; o++) {
+    data.set(tensor.data.subarray(o * dims[axis] * inner, (o * dims[axis] + length) * inner), o * length * inner);
+  }
+  dims[axis] = length;
+  return new ort.Tensor(tensor.type, data, dims);
+}
+
+function named(message) {
+  const error = new Error(message);
+  error.name = 'OrtpipeError';
+  return error;
+}
+
+/**
+ * Speculative rounds of one request: `burst(token, past, limit)` as the plain Decoder's, drafting
+ * by prompt lookup (`spec.ngram`) or with the draft model's Decoder (`draft`).
+ * @param {{eos: number[], most: number, ngram: number, layout: string, seqAxes: Object<string, number>,
+ *   draftLayout: string, draftSeqAxes: Object<string, number>}} spec the cache layouts and each past
+ *   input's sequence axis, of the model and the draft model
+ */
+export class Speculator {
+  constructor(ort, target, draft, spec, narrow) {
+    this.target = new Tokens(ort, target, spec.layout, spec.seqAxes, narrow);
+    this.draft = draft ? new Tokens(ort, draft, spec.draftLayout, spec.draftSeqAxes, narrow) : null;
+    this.eos = new Set(spec.eos);
+    this.most = spec.most;
+    this.ngram = spec.ngram ? new NgramIndex(spec.ngram) : null;
+    this.text = [];
+    this.resets = -1;
+  }
+
+  /** Before a burst: the text so far (JSON ids, ending with the burst's token), the core's draft
+   * length state, how much of the text the draft model has seen, and its count of rewinds. */
+  prepare(json) {
+    const { tokens, length, draftedTo, resets } = JSON.parse(json);
+    if (resets !== this.resets) this.ngram?.reset();
+    this.resets = resets;
+    this.text = tokens;
+    this.length = new DraftLength(this.most, length);
+    this.draftedTo = draftedTo;
+    this.drafted = 0;
+    this.accepted = 0;
+    this.rounds = 0;
+  }
+
+  /** After a burst: JSON {length, drafted, accepted, rounds, draftedTo} for the core's speculator. */
+  state() {
+    const { drafted, accepted, rounds, draftedTo } = this;
+    return JSON.stringify({ length: this.length.state(), drafted, accepted, rounds, draftedTo });
+  }
+
+  async burst(token, past, limit) {
+    const out = [];
+    const started = performance.now();
+    let position = past;
+    for (;;) {
+      const k = this.length.next(limit - out.length - 1);
+      let drafts = [];
+      if (k && this.draft) {
+        const t = performance.now();
+        drafts = await this.draftTokens(k);
+        this.length.drafted(drafts.length, (performance.now() - t) / 1000);
+      } else if (k) {
+        drafts = this.ngram.propose(this.text, k);
+      }
+      const t = performance.now();
+      const picks = await this.target.run([this.text[this.text.length - 1], ...drafts], position);
+      this.length.timed(drafts.length + 1, (performance.now() - t) / 1000);
+      let accepted = 0;
+      while (accepted < drafts.length && drafts[accepted] === picks[accepted]) accepted += 1;
+      const kept = [...drafts.slice(0, accepted), picks[accepted]];
+      const eos = kept.findIndex((id) => this.eos.has(id));
+      if (eos >= 0) kept.length = eos + 1;
+      const took = Math.min(accepted, kept.length);
+      if (drafts.length) {
+        this.length.update(drafts.length, took);
+        this.drafted += drafts.length;
+        this.accepted += took;
+        this.rounds += 1;
+      }
+      await this.target.keep(position + kept.length);
+      if (this.draft) {
+        this.draftedTo = Math.min(this.draftedTo, position + 1 + took);
+        await this.draft.keep(this.draftedTo);
+      }
+      out.push(...kept);
+      this.text.push(...kept);
+      position += kept.length;
+      if (out.length >= limit || this.eos.has(out[out.length - 1]) || performance.now() - started >= BURST_MS) {
+        return out;
+      }
+    }
+  }
+
+  /** Up to k greedy tokens of the draft model after the text; it runs what it has not seen first. */
+  async draftTokens(k) {
+    let fed = this.text.slice(this.draftedTo);
+    const drafts = [];
+    for (;;) {
+      const picks = await this.draft.run(fed, this.draftedTo);
+      this.draftedTo += fed.length;
+      const token = picks[picks.length - 1];
+      drafts.push(token);
+      if (drafts.length === k || this.eos.has(token)) return drafts;
+      fed = [token];
+    }
+  }
+}
+
+/**
+ * A Speculator over Decoders, with the JSON `spec`, for `bridge` (the worker's, whose method this is);
+ * `narrowGraphs` (kernel name -> graph bytes) when a concat cache on the GPU is narrowed by ortpipe's
+ * narrow kernel.
+ */
+export function speculator(bridge, target, draft, spec, narrowGraphs) {
+  const narrow = async (tensor, axis, length) => {
+    const name = `kernel:narrow_${tensor.type}`;
+    const int64 = (value) => bridge.tensor('int64', [value], [1]);
+    const [y] = await bridge.runKernel(name, narrowGraphs?.[name], 'webgpu', ['x', 'start', 'end', 'axis'],
+      [tensor, int64(0), int64(length), int64(axis)], ['y']);
+    return y;
+  };
+  return new Speculator(bridge.ort, target, draft ?? null, JSON.parse(spec), narrow);
+}
