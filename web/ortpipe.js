@@ -32,17 +32,31 @@ export class OrtpipeError extends Error {
  * Load a model folder: a URL prefix holding genai_config.json (v1 or v2) and its ONNX files, or
  * an Optimum / transformers.js export (model.onnx or onnx/model.onnx beside config.json).
  * @param {string} modelUrl the folder's URL, relative to the page or absolute
- * @param {{device?: 'auto'|'webgpu'|'wasm', onProgress?: (p: Progress) => void}} [options]
+ * @param {{device?: 'auto'|'webgpu'|'wasm', allowPlugins?: boolean, onProgress?: (p: Progress) => void}} [options]
  *   device: "auto" (the default) takes WebGPU when the browser has an adapter, else wasm.
+ *   allowPlugins: run the folder's plugin (pipeline.plugin, Python code from its wheel), if it has one;
+ *   without it such a folder is refused.
  * @returns {Promise<Pipeline>}
  * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
  */
-export async function load(modelUrl, { device = 'auto', onProgress } = {}) {
+export async function load(modelUrl, options = {}) {
+  const { device = 'auto', allowPlugins = false, onProgress, ...unknown } = options;
+  const names = Object.keys(unknown);
+  if (names.length) {
+    throw new OrtpipeError({
+      name: 'OrtpipeError',
+      message: `load() takes device, allowPlugins and onProgress, not ${names.join(', ')}`,
+    });
+  }
+  if (typeof allowPlugins !== 'boolean') {
+    throw new OrtpipeError({ name: 'OrtpipeError', message: 'load(): allowPlugins must be true or false' });
+  }
   const pipe = new Pipeline(takeWorker(), onProgress);
   const url = folderUrl(modelUrl);
   try {
-    pipe.info = await pipe._call('load', { modelUrl: url, device });
-  } catch (error) {
+    pipe.info = await pipe._call('load', { modelUrl: url, device, allowPlugins });
+  } catch
+ (error) {
     pipe.dispose();
     throw error;
   }
