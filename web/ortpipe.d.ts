@@ -28,6 +28,9 @@ export interface LoadOptions {
   device?: Device;
   /** The variant to run, for every session or per session name; by default the device's fastest the folder has. */
   dtype?: Dtype | Record<string, Dtype>;
+  /** Run the folder's plugin (pipeline.plugin: Python code from the wheel in the folder), if it has one;
+   * without it such a folder is refused. */
+  allowPlugins?: boolean;
   onProgress?: (progress: Progress) => void;
 }
 
@@ -61,6 +64,10 @@ export interface GenerateOptions {
   images?: ImageSource[];
   /** A denoising folder's initial latents (as diffusers' `latents=`): float32 [1, channels, height, width]. */
   latents?: { data: Float32Array | number[]; dims: number[] };
+  /** Tensors for named graph inputs (as CPython's `inputs=`), e.g. a plugin's features; the element type
+   * follows the typed array (plain numbers are float32), and the core checks each against its graph. */
+  inputs?: Record<string, { data: Float32Array | BigInt64Array | Int32Array | Uint8Array | Int8Array | Float64Array | number[]; dims: number[] }>;
+
   /** Each denoising step as it ends ({phase: 'step', step, steps}); the pipeline's onProgress otherwise. */
   onProgress?: (progress: Progress) => void;
   // generation settings: written by `python -m build.typescript` from py/ortpipe/config/settings.py

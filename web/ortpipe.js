@@ -32,20 +32,33 @@ export class OrtpipeError extends Error {
  * Load a model folder: a URL prefix holding genai_config.json (v1 or v2) and its ONNX files, or
  * an Optimum / transformers.js export (model.onnx or onnx/model.onnx beside config.json).
  * @param {string} modelUrl the folder's URL, relative to the page or absolute
- * @param {{device?: 'auto'|'webgpu'|'wasm', dtype?: string|Object<string, string>,
+ * @param {{device?: 'auto'|'webgpu'|'wasm', dtype?: string|Object<string, string>, allowPlugins?: boolean,
  *   onProgress?: (p: Progress) => void}} [options]
  *   device: "auto" (the default) takes WebGPU when the browser has an adapter, else wasm.
  *   dtype: the model variant when the folder holds several exports of a graph (transformers.js's
  *   names: "fp32" model.onnx, "q8" model_quantized.onnx, "q4" model_q4.onnx, "fp16", "q4f16", ...),
  *   for every session or per session name; by default the device's fastest the folder has.
+ *   allowPlugins: run the folder's plugin (pipeline.plugin, Python code from its wheel), if it has one;
+ *   without it such a folder is refused.
  * @returns {Promise<Pipeline>}
  * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
  */
-export async function load(modelUrl, { device = 'auto', dtype = null, onProgress } = {}) {
+export async function load(modelUrl, options = {}) {
+  const { device = 'auto', dtype = null, allowPlugins = false, onProgress, ...unknown } = options;
+  const names = Object.keys(unknown);
+  if (names.length) {
+    throw new OrtpipeError({
+      name: 'OrtpipeError',
+      message: `load() takes device, dtype, allowPlugins and onProgress, not ${names.join(', ')}`,
+    });
+  }
+  if (typeof allowPlugins !== 'boolean') {
+    throw new OrtpipeError({ name: 'OrtpipeError', message: 'load(): allowPlugins must be true or false' });
+  }
   const pipe = new Pipeline(takeWorker(), onProgress);
   const url = folderUrl(modelUrl);
   try {
-    pipe.info = await pipe._call('load', { modelUrl: url, device, dtype });
+    pipe.info = await pipe._call('load', { modelUrl: url, device, dtype, allowPlugins });
   } catch (error) {
     pipe.dispose();
     throw error;

@@ -34,7 +34,7 @@ const here = (path) => new URL(path, import.meta.url).href;
 const progress = (event) => self.postMessage({ type: 'progress', ...event });
 
 self.onmessage = ({ data }) => {
-  if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device, data.dtype));
+  if (data.type === 'load') answer(data.id, () => load(data.modelUrl, data.device, data.dtype, data.allowPlugins));
   else if (data.type === 'generate') answer(data.id, () => generate(data.id, data.options, data.interrupted));
   else if (data.type === 'say') {
     answer(data.id, () => run(data.id, 'say', { ...data.options, chat: data.chat, interrupted: data.interrupted }));
@@ -86,7 +86,7 @@ async function answer(id, work) {
   }
 }
 
-async function load(modelUrl, device, dtype) {
+async function load(modelUrl, device, dtype, allowPlugins = false) {
   if (worker) throw new Error('this worker already holds a model; load() another pipeline instead');
   // The model's graphs start downloading now, while Python and onnxruntime-web start (modelUrl is
   // absolute and ends in "/": ortpipe.js's load made it so), and their sessions are created as
@@ -109,7 +109,7 @@ async function load(modelUrl, device, dtype) {
     const loading = target.Worker(modelBridge);
     target.destroy();
     try {
-      const options = { url: modelUrl, device: resolved, dtype, f16 };
+      const options = { url: modelUrl, device: resolved, dtype, f16, allow_plugins: allowPlugins === true };
       const info = await pump(loading.task('load', JSON.stringify(options)));
       info.threads = ort.env.wasm.numThreads; // wasm threads: more than one needs a cross-origin isolated page
       for (const note of info.notes) console.warn(`ortpipe: ${note}`);
@@ -143,23 +143,43 @@ async function run(id, kind, options) {
 async function generate(id, options, interrupted) {
   if (!worker) throw new Error('no model is loaded');
   interruptedEarly = interrupted;
-  const { images, latents, ...settings } = options;
+  const { images, latents, inputs, ...settings } = options;
   const tensors = images ? await imageTensors(images) : null;
-  const named = latents ? { latents: latentsTensor(latents) } : undefined;
+  const named = inputs || latents ? inputTensors({ ...inputs, ...(latents ? { latents } : {}) }) : undefined;
   const task = worker.task('generate', JSON.stringify({ ...settings, interrupted: interruptedEarly }), tensors, named);
   return withOutputs(await pump(task, id));
 }
 
-/** A request's initial latents, {data: Float32Array (or numbers), dims}, as a float32 tensor. */
-function latentsTensor({ data, dims } = {}) {
-  if (!Array.isArray(dims) || !data || data.length !== dims.reduce((a, b) => a * b, 1)) {
-    throw new TaskError({
-      type: 'GenerationError',
-      message: 'latents must be {data: Float32Array, dims: [1, channels, height, width]}, as many values as the dims hold',
-    });
+// The element type of a request input, from its typed array.
+const INPUT_TYPES = [
+  [Float32Array, 'float32'], [BigInt64Array, 'int64'], [Int32Array, 'int32'], [Uint8Array, 'uint8'],
+  [Int8Array, 'int8'], [Float64Array, 'float64'],
+];
+
+/**
+ * A request's named tensors ({name: {data, dims}}: a typed array, or plain numbers for float32) as
+ * onnxruntime-web tensors; the core checks them against the inputs of the graphs that read them.
+ * `latents` (a denoising request's initial latents) is one of them.
+ */
+function inputTensors(inputs) {
+  const tensors = {};
+  for (const [name, value] of Object.entries(inputs)) {
+    const { data, dims } = value ?? {};
+    const size = Array.isArray(dims) ? dims.reduce((a, b) => a * b, 1) : NaN;
+    const type = Array.isArray(data) ? 'float32' : INPUT_TYPES.find(([kind]) => data instanceof kind)?.[1];
+    if (!type || data.length !== size) {
+      throw new TaskError({
+        type: 'GenerationError',
+        message: `input "${name}" must be {data, dims}: a typed array (Float32Array, BigInt64Array, Int32Array, `
+          + 'Uint8Array, Int8Array, Float64Array) or numbers, with as many values as the dims hold, '
+          + 'e.g. latents: {data: Float32Array, dims: [1, channels, height, width]}',
+      });
+    }
+    tensors[name] = new bridge.ort.Tensor(type, Array.isArray(data) ? Float32Array.from(data) : data, dims);
   }
-  return new bridge.ort.Tensor('float32', Float32Array.from(data), dims);
+  return tensors;
 }
+
 
 /** The named outputs of a result, read from their tensors (Python holds them until then). */
 async function withOutputs(value) {

@@ -179,7 +179,7 @@ def test_refusals_reach_the_page(page: Any, serve_model: Any, vits_tiny: Path, s
     }""")
     assert errors[0].startswith("GenerationError: num_steps is a setting of the denoising loop")
     assert errors[1].startswith("GenerationError: embed needs a folder whose outputs are embeddings")
-    assert errors[2].startswith("GenerationError: latents must be {data: Float32Array")
+    assert errors[2].startswith('GenerationError: input "latents" must be {data, dims}: a typed array')
     assert errors[3].startswith("GenerationError: num_steps 0 is out of range")
 
 

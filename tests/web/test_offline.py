@@ -107,7 +107,11 @@ def install(context: Any, url: str) -> Any:
 
 def generate(page: Any) -> dict[str, str]:
     """Generate on the demo page as a user would; the tokens and the text (prompt included)."""
+    # The page fills in the first bundled model once it has read models/index.json: wait for that
+    # (and for the browser's restoring of the form after a reload) before typing over it.
+    page.wait_for_function("document.querySelectorAll('#models option').length > 0")
     page.fill("#model-url", "models/v2/")
+
     page.select_option("#device", "wasm")
     page.fill("#prompt", PROMPT)
     page.fill("#max-new-tokens", str(NEW_TOKENS))

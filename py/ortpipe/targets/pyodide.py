@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import posixpath
 import struct
 import traceback
 from collections.abc import Mapping
@@ -32,7 +34,19 @@ from pyodide.ffi import JsException, JsProxy, to_js
 
 from ..config.settings import SEARCH
 from ..errors import ConfigError, GenerationError, OrtpipeError
-from ..execute.work import KERNEL, Decode, Decoded, Open, Opened, ReadGraph, Run, RunAll, Work, kernel
+from ..execute.work import (
+    KERNEL,
+    Decode,
+    Decoded,
+    Open,
+    Opened,
+    ReadGraph,
+    ReadWheel,
+    Run,
+    RunAll,
+    Work,
+    kernel,
+)
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
 from ..model import Model, load_model
@@ -267,6 +281,8 @@ class Driver:
             return False, self._open(work)
         if kind is ReadGraph:
             return False, self.bridge.readGraph(work.path)
+        if kind is ReadWheel:
+            return False, self.bridge.fetchBytes(work.path, posixpath.basename(work.path))
         raise OrtpipeError(f"the browser driver got work it does not know: {type(work).__name__}")
 
     def finish(self, work: Any, raw: JsProxy) -> Any:
@@ -278,6 +294,8 @@ class Driver:
             return [self._outputs(r, out) for r, out in zip(work.runs, raw, strict=True)]
         if kind is ReadGraph:
             return JsBytesFile(raw, work.shown)
+        if kind is ReadWheel:
+            return _wheel_file(raw, work)
         session = raw
         self.sessions[work.spec.name] = session
         return Opened(session, signature_of(self.bridge, session))
@@ -428,7 +446,22 @@ class Driver:
         return decoder
 
 
+PLUGIN_DIR = "/tmp/ortpipe-plugins"  # in Pyodide's in-memory file system
+
+
+def _wheel_file(raw: JsProxy, work: ReadWheel) -> str:
+    """The plugin's wheel (fetched bytes) written where Python's zip import can read it; its path."""
+    if raw is None:
+        raise ConfigError(f"{work.shown} does not exist: the plugin's wheel is part of the model folder")
+    os.makedirs(PLUGIN_DIR, exist_ok=True)
+    path = posixpath.join(PLUGIN_DIR, posixpath.basename(work.path))
+    with open(path, "wb") as f:
+        f.write(raw.to_bytes())
+    return path
+
+
 class JsBytesFile:
+
     """A graph file's bytes, held in JS, read as a seekable binary file: the core's graph reader takes
     the few fields it needs without copying the weights into Python."""
 
@@ -569,7 +602,9 @@ class Worker:
         if kind == "load":
             folder = RemoteFolder(self.bridge, options["url"])
             self.driver = Driver(self.bridge, folder, options["device"])
-            return self._load(folder, options.get("dtype"), options.get("f16", True))
+            return self._load(
+                folder, options.get("dtype"), options.get("f16", True), bool(options.get("allow_plugins", False))
+            )
         if kind == "generate":
             decoded = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
             if tensors:
@@ -585,11 +620,12 @@ class Worker:
             return self._rewind(options.get("chat"))
         return _failing(OrtpipeError(f"the worker asked for an unknown task {kind!r}"))
 
-    def _load(self, folder: RemoteFolder, dtype: Any, f16: bool) -> Work:
+    def _load(self, folder: RemoteFolder, dtype: Any, f16: bool, allow_plugins: bool) -> Work:
         platform = WebPlatform(self.bridge, self.driver)
         device = self.driver.device
-        self.model, _ = yield from load_model(folder, platform, dtype=dtype, device=device, f16=f16)
-
+        self.model, _ = yield from load_model(
+            folder, platform, allow_plugins=allow_plugins, dtype=dtype, device=device, f16=f16
+        )
         self.driver.warm(self._default_kernels())
         return self.info()
 
