@@ -602,9 +602,9 @@ class Worker:
         if kind == "load":
             folder = RemoteFolder(self.bridge, options["url"])
             self.driver = Driver(self.bridge, folder, options["device"])
-            return self._load(
-                folder, options.get("dtype"), options.get("f16", True), bool(options.get("allow_plugins", False))
-            )
+            plugins = bool(options.get("allow_plugins", False))
+            return self._load(folder, options.get("dtype"), options.get("f16", True), plugins)
+
         if kind == "generate":
             decoded = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
             if tensors:
