@@ -29,7 +29,8 @@ from ortpipe.folder import LocalFolder
 from ortpipe.targets.cpython import flavours, providers
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO = REPO / "models" / "demo" / "onnx" / "model_q4.onnx"
+DEMO_DIR = REPO / "models" / "demo"
+DEMO = DEMO_DIR / "onnx" / "model_q4.onnx"
 VLM = {"version": 2, "pipeline": {"extends": "vision-language", "sessions": {
     "vision": {"file": "vision.onnx",
                "provider_options": {"OpenVINO": {"num_streams": "2", "device_type": "GPU"}},
@@ -234,14 +235,14 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_load_takes_a_profile_and_keeps_each_sessions_assignment() -> None:
-    pipe = ortpipe.load(DEMO.parent, profile="raspberry-pi")
+    pipe = ortpipe.load(DEMO_DIR, profile="raspberry-pi")
     options = pipe.driver.sessions["decoder"].get_session_options()
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (4, 1)
     assert options.enable_cpu_mem_arena is False
     placed = pipe.assignments["decoder"]
     assert (placed.requested, placed.provider, placed.warnings) == (("cpu",), "cpu", ())
     assert placed.nodes == {"cpu": placed.total} and placed.total > 0
-    assert ortpipe.load(DEMO.parent, threads=1).assignments["decoder"].nodes == placed.nodes
+    assert ortpipe.load(DEMO_DIR, threads=1).assignments["decoder"].nodes == placed.nodes
 
 
 @pytest.mark.parametrize(("profile", "provider", "extra"), [("snapdragon-npu", "qnn", "qnn"),
@@ -249,22 +250,22 @@ def test_load_takes_a_profile_and_keeps_each_sessions_assignment() -> None:
 def test_qnn_and_directml_through_load_name_their_extra(profile: str, provider: str, extra: str) -> None:
     hint = f'it is not installed here: pip install "ortpipe[{extra}]" installs it'
     with pytest.raises(ConfigError, match=re.escape(hint)):
-        ortpipe.load(DEMO.parent, provider=provider)
+        ortpipe.load(DEMO_DIR, provider=provider)
     with pytest.warns(providers.ProviderWarning, match=re.escape(f"{provider} was passed over: {hint}")):
-        pipe = ortpipe.load(DEMO.parent, provider={"decoder": [provider, "cpu"]}, profile=profile)
+        pipe = ortpipe.load(DEMO_DIR, provider={"decoder": [provider, "cpu"]}, profile=profile)
     placed = pipe.assignments["decoder"]
     assert placed.provider == "cpu" and [s.provider for s in placed.skipped] == [provider]
 
 
 def test_load_refuses_an_override_for_a_session_the_pipeline_lacks() -> None:
     with pytest.raises(ConfigError, match='names session "decodr", .* Its sessions: decoder. Did you mean'):
-        ortpipe.load(DEMO.parent, provider={"decodr": "cpu"})
+        ortpipe.load(DEMO_DIR, provider={"decodr": "cpu"})
     with pytest.raises(ConfigError, match='Unknown execution provider "cpuu" in provider'):
-        ortpipe.load(DEMO.parent, provider="cpuu")
+        ortpipe.load(DEMO_DIR, provider="cpuu")
 
 
 def test_the_cli_takes_ep_and_profile_and_inspect_reports_the_placement() -> None:
-    demo = str(DEMO.parent)
+    demo = str(DEMO_DIR)
     out = cli("inspect", demo, "--ep", "qnn")
     assert out.returncode == 2 and 'pip install "ortpipe[qnn]" installs it' in out.stderr
     assert "Traceback" not in out.stderr
