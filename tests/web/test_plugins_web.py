@@ -44,7 +44,7 @@ def test_the_transducer_plugin_runs_in_the_browser(page: Any, serve_model: Any, 
     out = page.evaluate(RUN, {"url": url, "feats": feats})
     assert out["refused"].startswith('ConfigError: pipeline.plugin runs code from "ortpipe_rnnt"')
     assert "{allowPlugins: true}" in out["refused"]
-    assert out["misspelt"] == "load() takes device, allowPlugins and onProgress, not allowPlugin"
+    assert out["misspelt"] == "load() takes device, dtype, allowPlugins and onProgress, not allowPlugin"
     pipe = ortpipe.load(rnnt, allow_plugins=True)
     for (n, prompt), (tokens, finish) in zip(cases, out["results"], strict=True):
         expected = pipe.generate(

@@ -42,7 +42,8 @@ def run_twin(tmp_path: Path, job: dict) -> dict:
     assert node, "node is missing: run tests/web/setup.sh (it installs Debian's nodejs)"
     work = tmp_path / "node"
     work.mkdir()
-    for name in ("speculate.js", "bridge.js"):
+    for name in ("speculate.js", "bridge.js", "sampling.js"):
+
         shutil.copy2(web.WEB / name, work / name)
     (work / "package.json").write_text('{"type": "module"}')
     (work / "twin.js").write_text(SCRIPT)

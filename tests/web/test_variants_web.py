@@ -69,7 +69,8 @@ def test_each_variant_gives_its_cpython_tokens_on_wasm(page: Any, serve_model: A
                   if method == "GET" and "/models/" in u and u.endswith(".onnx")]
         assert graphs == [file], graphs
         sessions = [p for p in got["progress"] if p["phase"] == "session"]
-        assert sessions == [{"type": "progress", "phase": "session", "file": file, "early": True}], sessions
+        assert sessions == [{"phase": "session", "file": file, "early": True}], sessions
+
 
 
 def test_a_missing_dtype_names_the_variants_the_folder_has(page: Any, serve_model: Any,
