@@ -13,13 +13,17 @@ import json
 import os
 import random
 import shutil
+import signal
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import onnxruntime  # noqa: F401 -- imported before any case: its first import reads /etc/os-release
 import pytest
 from build import graphs
+
 
 import ortpipe
 from ortpipe.config import load_config
@@ -37,13 +41,53 @@ ODD = [None, True, False, 0, -1, 1, 2**31, 2**63, -(2**63), 1e308, -1e-308, 0.5,
        [None], {}, {"a": 1}, {"file": "model.onnx"}, [[[[]]]]]
 
 
-def outcome(run: Callable[[], Any]) -> str:
-    """"ok", or the class of a refusal; anything else fails the test with the case."""
+HANG_SECONDS = 60  # a case still running after this is a hang (the slowest take well under a second)
+
+# Every file Python opens while a case runs must be inside the case's folder, or Python's and
+# ortpipe's own files (modules, kernel graphs); an audit hook records the others. onnxruntime's own
+# reads (C++) are not seen: ortpipe checks every path before it hands one over (tests/test_hostile.py).
+_WATCH: dict[str, Any] = {"roots": None, "outside": []}
+_OWN = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(ortpipe.__file__), "/dev"}
+)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _WATCH["roots"] is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+        real = os.path.realpath(os.fsdecode(args[0]))
+        if not (real + os.sep).startswith(_WATCH["roots"]):
+            _WATCH["outside"].append(real)
+
+
+sys.addaudithook(_audit)
+import onnxruntime  # noqa: E402, F401  (imported before any case: its first import reads /etc/os-release)
+
+
+class Hang(Exception):
+    pass
+
+
+def _hang(signum: int, frame: Any) -> None:
+    raise Hang(f"the case ran for more than {HANG_SECONDS} s")
+
+
+def outcome(run: Callable[[], Any], *folders: Path) -> str:
+    """"ok", or the class of a refusal; anything else fails the test with the case: another
+    exception, a hang, or a file opened outside `folders` (and Python's and ortpipe's own)."""
+    _WATCH["roots"], _WATCH["outside"] = (*_OWN, *(os.path.realpath(f) + os.sep for f in folders)), []
+    previous = signal.signal(signal.SIGALRM, _hang)
+    signal.alarm(HANG_SECONDS)
     try:
         run()
     except (ConfigError, GenerationError) as e:
         assert len(str(e)) <= MAX_MESSAGE, f"a {len(str(e))}-character message"
         return type(e).__name__
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        outside, _WATCH["roots"] = _WATCH["outside"], None
+        assert not outside, f"opened outside the folder: {sorted(set(outside))}"
     return "ok"
 
 
@@ -140,10 +184,10 @@ def test_mutated_configs(base: Path, tmp_path: Path) -> None:
         kind = "v2" if i % 2 else "v1"
         write_json(folder / "genai_config.json", mutate(originals[kind], rng))
         if i % 8:
-            result = outcome(lambda: load_config(LocalFolder(folder), warn=False))
+            result = outcome(lambda: load_config(LocalFolder(folder), warn=False), folder)
         else:
             result = outcome(
-                lambda: ortpipe.load(folder, threads=1).generate(prompt_ids=[5, 6], max_new_tokens=2)
+                lambda: ortpipe.load(folder, threads=1).generate(prompt_ids=[5, 6], max_new_tokens=2), folder
             )
         counts[f"{kind} {result}"] += 1
     print("mutated configs:", dict(counts))
@@ -195,7 +239,7 @@ def _template(folder: Path, template: Any) -> None:
 def test_broken_model_folders(base: Path, tmp_path: Path, case: str) -> None:
     folder = shutil.copytree(base, tmp_path / "broken")
     BROKEN_FILES[case](folder)
-    assert outcome(lambda: ortpipe.load(folder, threads=1)) == "ConfigError"
+    assert outcome(lambda: ortpipe.load(folder, threads=1), folder) == "ConfigError"
 
 
 # Templates that try to escape the sandbox, run away, or render too much: each is refused cleanly.
@@ -218,7 +262,8 @@ def test_hostile_chat_templates(base: Path, tmp_path: Path, template: str) -> No
     folder = shutil.copytree(base, tmp_path / "template")
     _template(folder, template)
     pipe = ortpipe.load(folder, threads=1)
-    result = outcome(lambda: pipe.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=2))
+    result = outcome(lambda: pipe.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=2),
+                     folder)
     assert result in ("GenerationError", "ConfigError")
 
 
@@ -262,7 +307,7 @@ def test_random_requests(base: Path) -> None:
     counts: Counter = Counter()
     for _ in range(int(3000 * SCALE)):
         request = random_request(rng, names)
-        counts[outcome(lambda: pipe.generate(**request))] += 1  # noqa: B023 (called at once)
+        counts[outcome(lambda: pipe.generate(**request), base)] += 1  # noqa: B023 (called at once)
     print("random requests:", dict(counts))
     assert counts["ok"] > 100 and counts["GenerationError"] > 100  # both kinds were really exercised
     # after all of it the pipeline still serves a plain request
@@ -299,10 +344,10 @@ def test_refusals_do_not_depend_on_running(base: Path) -> None:
         head, _, key = setting.v2.rpartition(".")
         (config["generation"].setdefault(head, {}) if head else config["generation"])[key] = value
         write_json(folder / "genai_config.json", config)
-        at_load = outcome(lambda: load_config(LocalFolder(folder), warn=False))
+        at_load = outcome(lambda: load_config(LocalFolder(folder), warn=False), folder)
         if at_load == "ok" and setting.search:
             at_run = outcome(lambda: pipe.generate(prompt_ids=[5, 6], max_new_tokens=2,  # noqa: B023 (run at once)
-                                                   **{setting.name: value}))  # noqa: B023
+                                                   **{setting.name: value}), base)  # noqa: B023
 
             assert at_run == "ok" or setting.name in ("num_return_sequences", "do_sample"), (
                 setting.name,
@@ -315,3 +360,19 @@ def test_refusals_do_not_depend_on_running(base: Path) -> None:
 
 def test_errors_are_one_family() -> None:
     assert issubclass(ConfigError, OrtpipeError) and issubclass(GenerationError, OrtpipeError)
+
+
+def test_the_watch_sees_a_read_outside_the_folder_and_a_hang(base: Path, tmp_path: Path) -> None:
+    """The fuzz cases' checks can fail: a file opened outside the folder, and a case that never ends."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    with pytest.raises(AssertionError, match="opened outside the folder"):
+        outcome(lambda: outside.read_text(), base)
+    assert outcome(lambda: (base / "genai_config.json").read_text(), base) == "ok"
+    global HANG_SECONDS
+    HANG_SECONDS, before = 1, HANG_SECONDS
+    try:
+        with pytest.raises(Hang):
+            outcome(lambda: any(False for _ in iter(int, 1)), base)  # an endless loop
+    finally:
+        HANG_SECONDS = before
