@@ -24,7 +24,6 @@ import onnxruntime  # noqa: F401 -- imported before any case: its first import r
 import pytest
 from build import graphs
 
-
 import ortpipe
 from ortpipe.config import load_config
 from ortpipe.errors import ConfigError, GenerationError, OrtpipeError
@@ -61,7 +60,6 @@ def _audit(event: str, args: tuple) -> None:
 
 
 sys.addaudithook(_audit)
-import onnxruntime  # noqa: E402, F401  (imported before any case: its first import reads /etc/os-release)
 
 
 class Hang(Exception):
