@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,21 @@ def test_the_cli_has_a_flag_per_setting() -> None:
     assert out.returncode == 0
     for s in SETTINGS:
         assert s.flag in out.stdout, s.name
+
+
+def test_sampling_settings_on_a_greedy_request_are_said_to_change_nothing(tmp_path) -> None:
+    from build import graphs
+
+    import ortpipe
+
+    folder = graphs.build_separate(tmp_path / "m", seed=0, config=True)
+    pipe = ortpipe.load(folder, threads=1)
+    greedy = pipe.generate(prompt_ids=[5, 6], max_new_tokens=4).tokens
+    with pytest.warns(UserWarning, match=r"temperature, top_p only apply when sampling.*in the model folder"):
+        assert pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0.5, top_p=0.5).tokens == greedy
+    with pytest.warns(UserWarning, match=r"top_k only apply when sampling.*do_sample is false\)"):
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, do_sample=False, top_k=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0)  # greedy, as asked
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, do_sample=True, top_k=3, seed=1)

@@ -4,6 +4,7 @@ before any model runs. The fields and their checks come from the settings table 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from ..config.settings import BY_NAME, SearchSettings
@@ -33,7 +34,28 @@ def settings_for(defaults: SearchSettings, overrides: dict[str, Any]) -> SearchS
             changes[key] = checked
     settings = dataclasses.replace(defaults, **changes) if changes else defaults
     check_combination(settings)
+    _warn_unsampled(settings, changes)
     return settings
+
+
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _warn_unsampled(s: SearchSettings, given: dict[str, Any]) -> None:
+    """A request that sets how to sample but does not sample (the folder's default or its own
+    do_sample false) is told so: those settings change nothing. Temperature 0 asks for greedy."""
+    if s.do_sample:
+        return
+    unused = [k for k in SAMPLING_ONLY if k in given and not (k == "temperature" and given[k] == 0)]
+    if unused:
+        how = "with beam search" if s.num_beams > 1 else "greedily"
+        warnings.warn(
+            f"{', '.join(unused)} only apply when sampling, and this request decodes {how} (do_sample is "
+            f"false{'' if 'do_sample' in given else ' in the model folder'}): set do_sample true to sample",
+            UserWarning,
+            stacklevel=2,
+        )
+
 
 
 def check_combination(s: SearchSettings) -> None:
