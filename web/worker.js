@@ -331,10 +331,13 @@ async function startPython() {
     bundleFile('./ortpipe.zip'),
   ]);
   // The snapshot holds memory, not files: ortpipe's kernels and modules it imports later are read
-  // from site-packages. And Python's `random` would start from the build's seed on every page.
+  // from site-packages. And Python's `random` would start from the build's seed on every page: it
+  // is seeded here from the page's crypto (unseeded requests take their seeds from it).
   const sitePackages = python.runPython("import sysconfig; sysconfig.get_path('purelib')");
   python.unpackArchive(zip, 'zip', { extractDir: sitePackages });
-  python.runPython('import random; random.seed()');
+  const entropy = Array.from(crypto.getRandomValues(new Uint32Array(8)), (word) => word.toString(16).padStart(8, '0'));
+  python.runPython(`import random; random.seed(0x${entropy.join('')})`);
+
   return python;
 }
 

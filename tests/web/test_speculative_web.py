@@ -16,6 +16,8 @@ from test_browser import assert_same_origin
 import ortpipe
 
 NEW = 32
+TIE = 0.1  # log-probability
+
 
 # Runs in the page: load a model, run each request in turn (streamed), return what came back.
 RUN_ALL = """async ({model, device, requests}) => {
@@ -118,16 +120,29 @@ def test_demo_model_with_speculation_equals_cpython(page: Any, serve_model: Any,
     serve_model("demo", demo)
     serve_model("demo-draft", draft_models.get("demo-draft-builder"))
     greedy = {"prompt": prompt, "maxNewTokens": new, "doSample": False}
-    got = run_all(page, "demo", ort_device, [{**greedy, "promptLookupNumTokens": 4},
+    got = run_all(page, "demo", ort_device, [greedy, {**greedy, "promptLookupNumTokens": 4},
                                              {**greedy, "draftModel": "models/demo-draft/"}])
     assert got["info"]["device"] == ort_device
-    # the variant the browser chose for this device (q8 on wasm), run by CPython
-    pipe = ortpipe.load(demo, threads=1, dtype=got["info"]["dtypes"]["decoder"])
-    expected = pipe.generate(prompt, max_new_tokens=new, do_sample=False)
-    for run in got["runs"]:
-
-        assert run["result"]["tokens"] == expected.tokens and run["result"]["text"] == expected.text
+    assert got["runs"][0]["result"]["timings"]["draftedTokens"] == 0
+    for run in got["runs"][1:]:
         assert run["result"]["timings"]["draftedTokens"] > 0
+    # Every run gives CPython's tokens on the variant the browser chose for this device (q8 on wasm),
+    # up to a near tie. q8 quantizes activations per run: a check of several drafted tokens rounds
+    # them differently from one token at a time, and wasm's integer kernels differ from this CPU's.
+    # Where CPython's two best tokens are within TIE (0.054 apart at step 27 here), a run may take
+    # the other one, and the rest follows from it.
+    pipe = ortpipe.load(demo, threads=1, dtype=got["info"]["dtypes"]["decoder"])
+    chunks = list(pipe.stream(prompt, max_new_tokens=new, do_sample=False, logprobs=2))
+    expected = [c.token for c in chunks]
+    for run in got["runs"]:
+        tokens = run["result"]["tokens"]
+        apart = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
+        if apart is None:
+            assert tokens == expected and run["result"]["text"] == "".join(c.text for c in chunks)
+        else:
+            top = dict(chunks[apart].top_logprobs)
+            assert tokens[apart] in top, (apart, tokens, expected)
+            assert top[expected[apart]] - top[tokens[apart]] < TIE, (apart, top)
 
 
 def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, serve_model: Any,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import posixpath
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from ..folder import Folder
 from ..jsonfile import optional_json
 from ..outputs import OutputRequest, Progress, finish_outputs
 from ..plan import LOOP, Plan
+from ..sampling.sampler import generator
 from .schedulers import Schedule, scheduler_config
 from .text import TextSetup, text_inputs
 
@@ -128,7 +128,8 @@ class Noise:
 
     def __init__(self, backend: Backend, seed: int | None):
         self.backend = backend
-        self.rng = random.Random(seed)
+        self.rng = generator(seed)
+
 
     def draw(self, shape: tuple[int, ...], label: str = "") -> Work:
         count = math.prod(shape)

@@ -38,11 +38,20 @@ class Pick:
     uniforms: tuple[float, ...]  # one per step, in (0, 1], when sampling
 
 
+def generator(seed: int | None) -> random.Random:
+    """The generator of one request. Unseeded: a seed from the module's generator, which each target
+    seeds from the system's entropy (the browser's worker from crypto.getRandomValues after restoring
+    its snapshot, whose own state is the build's)."""
+    return random.Random(random.getrandbits(64) if seed is None else seed)
+
+
 class Sampler:
+
     def __init__(self, backend: Backend, logits_dtype: str, settings: SearchSettings, eos: frozenset[int]):
         self.backend, self.settings, self.eos = backend, settings, eos
         self.dtype = logits_dtype
-        self.rng = random.Random(settings.seed)
+        self.rng = generator(settings.seed)
+
         self._vocab = 0
         self._drawn: object = None  # the generator's state before a burst's draws
         self.label = ""  # the step the logits come from, for messages and traces
