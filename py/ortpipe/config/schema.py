@@ -157,8 +157,8 @@ GENERATED = "generated"  # the dataflow source of the generated ids: "generated.
 @dataclass(frozen=True)
 class Codebooks:
     """generation.codebooks: a step whose logits hold `count` codebooks ([batch * count, seq, vocab]), one
-    token of each per step, codebook k delayed by `delay[k]` steps (MusicGen's pattern: k), the delay's slots filled
-    with tokens.pad; `guidance_scale` above 1 runs an unconditional row beside each conditional one."""
+    token of each per step, codebook k delayed by `delay[k]` steps (MusicGen's pattern: k), the delay's slots
+    filled with tokens.pad; `guidance_scale` above 1 runs an unconditional row beside each conditional one."""
 
     count: int
     delay: tuple[int, ...]

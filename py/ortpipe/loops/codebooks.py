@@ -20,6 +20,7 @@ from ..execute.flow import FlowRun
 from ..execute.work import Backend, Run, Work, kernel
 from ..outputs import OutputRequest, Progress, finish_outputs
 from ..plan import FROM_OUTPUT, Plan
+from ..request import Result
 from .text import TextSetup, text_inputs
 
 SOURCE = f"{GENERATED}.ids"
@@ -128,7 +129,7 @@ class CodebookRequest(OutputRequest):
         """The codes without their pads as "generated.ids", then the final phase and the named outputs."""
         b, last = self.backend, max(self.delay)
         frames = self.length - 1 - last
-        flat = [c for d, codes in zip(self.delay, self.codes, strict=True) for c in codes[d + 1 : d + 1 + frames]]
+        flat = [c for d, row in zip(self.delay, self.codes, strict=True) for c in row[d + 1 : d + 1 + frames]]
         shape = (1, len(self.codes), frames)
         codes = b.tensor(flat, shape, "int64")
         for s in self.plan.final_phase:
@@ -139,3 +140,9 @@ class CodebookRequest(OutputRequest):
         yield from self.flow.run_final()
         self.outputs = yield from finish_outputs(self.plan, b, self.flow.values)
         self.outputs["codes"] = codes
+
+    def result(self) -> Result:
+        done = super().result()
+        if "codes" in done.outputs:
+            done.kinds["codes"] = {"kind": "tensor"}
+        return done
