@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,12 +42,23 @@ CASES = [{"prompt": "happy rock song", "guidance_scale": 1.0, "max_new_tokens": 
          {"prompt": "happy rock song", "guidance_scale": 3.0, "max_new_tokens": 12},
          {"prompt": "slow sad piano music", "guidance_scale": 3.0, "max_new_tokens": 16}]
 FILES = ("text_encoder.onnx", "decoder_model_merged.onnx", "encodec_decode.onnx",
-         "build_delay_pattern_mask.onnx", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json")
+         "build_delay_pattern_mask.onnx", "config.json", "generation_config.json", "tokenizer.json",
+         "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _python() -> Path:
-    return hfmodels.ensure_venv(paradigms.EXPORT_VENV, paradigms.EXPORT_REQUIREMENTS, paradigms.EXPORT_VENV.name)
+def _merge(onnx: Path) -> None:
+    """optimum's merge_decoders, the hash seed fixed so the merged graph is the same every time (PITFALLS)."""
+    python = hfmodels.ensure_venv(paradigms.EXPORT_VENV, paradigms.EXPORT_REQUIREMENTS,
+                                  paradigms.EXPORT_VENV.name)
+    code = ("import sys; from optimum.onnx import merge_decoders; "
+            "merge_decoders(sys.argv[1], sys.argv[2], save_path=sys.argv[3], strict=False)")
+    files = [str(onnx / f) for f in ("decoder_model.onnx", "decoder_with_past_model.onnx",
+                                     "decoder_model_merged.onnx")]
+    proc = subprocess.run([str(python), "-c", code, *files],
+                          env={**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"merging MusicGen's decoders failed:\n{proc.stdout[-6000:]}")
 
 
 def make(out: Path) -> Path:
@@ -55,11 +67,7 @@ def make(out: Path) -> Path:
         paradigms._torch(paradigms.EXPORT_VENV, paradigms.EXPORT_REQUIREMENTS, "make",
                          {"out": str(hf), **SPEC}, module="build.musicgen_torch")
         paradigms._optimum(hf, onnx, "text-to-audio")
-        os.environ["PYTHONHASHSEED"] = "0"  # reproducible merged graphs (PITFALLS)
-        hfmodels._run([str(_python()), "-c", "import sys; from optimum.onnx import merge_decoders; "
-                       "merge_decoders(sys.argv[1], sys.argv[2], save_path=sys.argv[3], strict=False)",
-                       str(onnx / "decoder_model.onnx"), str(onnx / "decoder_with_past_model.onnx"),
-                       str(onnx / "decoder_model_merged.onnx")], "merging MusicGen's decoders")
+        _merge(onnx)
         out.mkdir(parents=True)
         for file in FILES:
             shutil.copy2(onnx / file, out / file)
