@@ -191,6 +191,7 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         facts,
     )
     _check_outputs(config, signatures, problems)
+    _check_generated(plan, problems)
     if config.generation.loop == "denoising":
         _check_denoising(config, plan, problems)
     if config.generation.loop == "autoregressive" and plan.generator is None and not config.pipeline.plugin:
@@ -202,6 +203,28 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         )
     problems.raise_if_any()
     return plan
+
+
+GENERATED_IDS = "generated.ids"  # the dataflow source of the whole generated sequence (final steps)
+
+
+def _check_generated(plan: Plan, problems: Problems) -> None:
+    """"generated.ids" feeds only final steps, integer inputs of a rank that holds the sequence: [batch,
+    length], or [batch, codebooks, frames] with generation.codebooks (leading dims of 1 added)."""
+    codebooks = plan.config.generation.codebooks is not None
+    for s in plan.all_steps:
+        for f in s.feeds:
+            if f.kind != FROM_OUTPUT or f.source != GENERATED_IDS:
+                continue
+            info = plan.signatures[s.session].input(f.input)
+            rank, dims = (3, "codebooks, frames") if codebooks else (2, "length")
+            if s.step.when != "final":
+                problems.add(f'"{GENERATED_IDS}" is the whole generated sequence, made after the loop: it '
+                             f'feeds "when": "final" steps only, not "{s.session}" ({s.step.when})')
+            elif info.rank < rank or info.dtype not in ("int64", "int32"):
+                problems.add(f'"{GENERATED_IDS}" is integer ids [batch, {dims}] (leading dims of 1 added to '
+                             f'fit); session "{s.session}" input "{f.input}" is {info.dtype} '
+                             f"{list(info.shape)}")
 
 
 # The ranks each kind of named output may have (OutputSpec.kind).

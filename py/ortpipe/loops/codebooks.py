@@ -14,30 +14,13 @@ from __future__ import annotations
 
 import time
 
-from ..config.schema import GENERATED
-from ..errors import ConfigError, GenerationError
+from ..errors import GenerationError
 from ..execute.flow import FlowRun
 from ..execute.work import Backend, Run, Work, kernel
 from ..outputs import OutputRequest, Progress, finish_outputs
 from ..plan import FROM_OUTPUT, Plan
 from ..request import Result
 from .text import TextSetup, text_inputs
-
-SOURCE = f"{GENERATED}.ids"
-
-
-def check_codebooks(plan: Plan) -> None:
-    """At load: the final inputs the generated ids feed take int64 codes of rank 3 or more."""
-    for s in plan.final_phase:
-        for f in s.feeds:
-            if f.kind == FROM_OUTPUT and f.source == SOURCE:
-                info = plan.signatures[s.session].input(f.input)
-                if info.rank < 3 or info.dtype != "int64":
-                    raise ConfigError(
-                        f'"{SOURCE}" is int64 codes [batch, codebooks, frames] (more dims of 1 in front as '
-                        f'the input asks); session "{s.session}" input "{f.input}" is {info.dtype} '
-                        f"{list(info.shape)}"
-                    )
 
 
 class CodebookRequest(OutputRequest):
@@ -132,11 +115,7 @@ class CodebookRequest(OutputRequest):
         flat = [c for d, row in zip(self.delay, self.codes, strict=True) for c in row[d + 1 : d + 1 + frames]]
         shape = (1, len(self.codes), frames)
         codes = b.tensor(flat, shape, "int64")
-        for s in self.plan.final_phase:
-            for f in s.feeds:
-                if f.kind == FROM_OUTPUT and f.source == SOURCE:
-                    rank = self.plan.signatures[s.session].input(f.input).rank
-                    self.flow.values[SOURCE] = b.tensor(flat, (1,) * (rank - 3) + shape, "int64")
+        self.flow.set_generated(flat, shape)
         yield from self.flow.run_final()
         self.outputs = yield from finish_outputs(self.plan, b, self.flow.values)
         self.outputs["codes"] = codes

@@ -15,7 +15,7 @@ from ..jsonfile import quote
 from ..plan import Plan
 from ..sampling.settings import check_setting
 from ..tokenizer import Tokenizer
-from .codebooks import CodebookRequest, check_codebooks
+from .codebooks import CodebookRequest
 from .denoising import DenoisingRequest, DenoisingSetup, denoising_setup
 from .schedulers import make_schedule
 from .single_pass import DEFAULT_BATCH, SinglePassRequest
@@ -33,8 +33,6 @@ def loop_setup(plan: Plan, folder: Folder, tokenizer: Tokenizer | None) -> LoopS
     loop = plan.config.generation.loop
     if loop == "autoregressive" and plan.config.generation.codebooks is None:
         return None
-    if loop == "autoregressive":
-        check_codebooks(plan)
     text = plan.config.pipeline.preprocessing.get("text", {})
     setup = text_setup(folder, text.get("tokenizer", ""), tokenizer, text.get("max_length"))
     return LoopSetup(setup, denoising_setup(plan, folder) if loop == "denoising" else None)
