@@ -311,11 +311,11 @@ def _check_loop(pipeline: PipelineSpec, generation: Generation, problems: Proble
             f'"when": "step" ({one_of(steps)}) would never run: make them "init"'
         )
     final = [s.run for s in pipeline.flow if s.when == "final"]
-    if loop == "autoregressive" and final and generation.codebooks is None:
+    if loop == "autoregressive" and final and not pipeline.outputs:
         problems.add(
-            f'flow steps with "when": "final" ({one_of(final)}) run after the autoregressive loop when it '
-            'returns named outputs: set generation.codebooks (e.g. {"count": 1} for one token stream) and '
-            "pipeline.output, or drop them"
+            f'flow steps with "when": "final" ({one_of(final)}) run after the autoregressive loop to make '
+            'named outputs: name them in pipeline.output (e.g. {"session": "vocoder", "name": "waveform", '
+            '"as": "audio", "sampling_rate": 24000}), or drop the steps'
         )
     if generation.codebooks is not None:
         if len(steps) != 1:
