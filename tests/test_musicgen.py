@@ -101,11 +101,13 @@ def _config_error(tmp_path: Path, folder: Path, generation: dict, match: str) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("generation", "match"), [
-    ({}, "codebooks"),  # final steps without codebooks
+    ({}, "encoder_attention_mask"),  # without codebooks: a plain token loop cannot feed the decoder
     ({"codebooks": {"count": 4, "delay": [0, 1]}}, "must list 4 delays"),
     ({"codebooks": {"count": 4, "bogus": 1}}, "bogus"),
     ({"codebooks": {"delay": [0]}}, "count"),
-    ({"codebooks": {"count": 4}, "sampling": {"do_sample": True}}, "greedily"),
+    ({"codebooks": {"count": 4}, "sampling": {"do_sample": True}}, "drop do_sample"),
+    ({"codebooks": {"count": 4}, "sampling": {"temperature": 0.7}}, "drop temperature"),
+    ({"loop": "single_pass", "codebooks": {"count": 4}}, 'for the "autoregressive" loop'),
 ])
 def test_bad_codebook_configs_are_refused(musicgen_tiny: Path, tmp_path: Path, generation: dict,
                                          match: str) -> None:
@@ -119,3 +121,15 @@ def test_bad_requests_are_refused(musicgen_tiny: Path) -> None:
         pipe.generate("rock", max_new_tokens=3)
     with pytest.raises(GenerationError, match="temperature"):
         pipe.generate("rock", max_new_tokens=12, temperature=0.5)
+
+
+@pytest.mark.slow
+def test_expanded_config_runs_the_same(musicgen_tiny: Path, tmp_path: Path) -> None:
+    """What `inspect` writes for the detected folder, saved as its genai_config.json, loads and runs alike."""
+    from ortpipe.config.expand import as_v2
+
+    folder = Path(shutil.copytree(musicgen_tiny, tmp_path / "musicgen"))
+    expanded = as_v2(ortpipe.load(folder).model.config)
+    assert expanded["generation"]["codebooks"] == {"count": 4, "delay": [0, 1, 2, 3], "guidance_scale": 3.0}
+    (folder / "genai_config.json").write_text(json.dumps(expanded))
+    _check(ortpipe.load(folder), folder)

@@ -840,9 +840,9 @@ def _codebooks(sec: Section, loop: str, values: dict[str, Any]) -> Codebooks | N
     elif delay is not None and (len(delay) != count or any(d < 0 or d > 4096 for d in delay)):
         sec.problems.add(f"{c.path}.delay must list {count} delays (steps, 0 to 4096), one per codebook, "
                          f"found {quote(list(delay))}")
-    sampled = [k for k, plain in (("do_sample", False), ("num_beams", 1)) if values.get(k, plain) != plain]
-    if sampled:
-        sec.problems.add(f"generation.codebooks decodes greedily: drop {', '.join(sampled)}")
+    if values:  # max_length was taken out: every other setting would go unread
+        sec.problems.add(f"generation.codebooks decodes greedily and reads only max_length (and its own "
+                         f"guidance_scale): drop {', '.join(sorted(values))}")
     scale = c.number("guidance_scale", float, 1.0, 0.0, 1e6)
     if delay is None or scale is None:
         return None
