@@ -249,3 +249,33 @@ def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
         print(f"wasm musicgen, guidance {case['guidance_scale']}: max |browser - transformers| = "
               f"{difference:.1e}")
         assert run["rate"] == 800 and run["finishReason"] == "done" and difference <= 1e-4
+
+
+def test_wasm_final_step_after_the_token_loop(page: Any, serve_model: Any,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A plain decoder with a final vocoder on "generated.ids": the browser's tokens and waveform are CPython's
+    (which tests/test_final_steps.py checks against hand-written loops)."""
+    from build import graphs
+
+    from tests.test_final_steps import _config, _vocoder
+
+    folder = graphs.build_separate(tmp_path_factory.mktemp("web-final") / "tts")
+    _vocoder(folder / "vocoder.onnx")
+    (folder / "genai_config.json").write_text(json.dumps(_config()))
+    prompt = [graphs.BOS, 5, 9, 14]
+    expected = ortpipe.load(folder).generate(prompt_ids=prompt, max_new_tokens=7)
+    serve_model("final-tts", folder)
+    page.goto("/")
+    got = page.evaluate("""async ({model, prompt}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try {
+        const result = await pipe.generate({promptIds: prompt, maxNewTokens: 7});
+        const out = result.outputs.waveform;
+        return {tokens: result.tokens, audio: Array.from(out.audio), rate: out.samplingRate};
+      } finally {
+        pipe.dispose();
+      }
+    }""", {"model": "models/final-tts/", "prompt": prompt})
+    assert got["tokens"] == expected.tokens and got["rate"] == 16000
+    assert np.abs(np.array(got["audio"], np.float32) - expected.outputs["waveform"].reshape(-1)).max() <= 1e-6
