@@ -253,10 +253,9 @@ def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
 
 def test_wasm_final_step_after_the_token_loop(page: Any, serve_model: Any,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A plain decoder with a final vocoder on "generated.ids": the browser's tokens and waveform are CPython's
-    (which tests/test_final_steps.py checks against hand-written loops)."""
+    """A plain decoder with a final vocoder on "generated.ids": the browser's tokens and waveform are
+    CPython's (which tests/test_final_steps.py checks against hand-written loops)."""
     from build import graphs
-
     from tests.test_final_steps import _config, _vocoder
 
     folder = graphs.build_separate(tmp_path_factory.mktemp("web-final") / "tts")
