@@ -99,3 +99,21 @@ def test_token_by_token_loops_are_refused(folder: Path) -> None:
         pipe.chat()
     with pytest.raises(GenerationError, match="num_beams to 1"):
         pipe.generate(prompt_ids=[graphs.BOS, 3], max_new_tokens=4, num_beams=2)
+
+
+def test_cli_writes_the_final_output(folder: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import wave
+
+    out = tmp_path / "speech.wav"
+    proc = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "0,5,9",
+                           "--max-new-tokens", "5", "--out", str(out)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert f"waveform: audio float32 [1, {5 * SAMPLES_PER_TOKEN}] -> {out}" in proc.stderr
+    with wave.open(str(out)) as w:
+        assert (w.getframerate(), w.getnframes()) == (RATE, 5 * SAMPLES_PER_TOKEN)
+    bad = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "0,5",
+                          "--out", str(tmp_path / "x.png")], capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "x.png" in bad.stderr
