@@ -238,6 +238,24 @@ def rgba8(_: int) -> onnx.GraphProto:
     )
 
 
+def guide_last(elem: int) -> onnx.GraphProto:
+    """logits [2n, seq, vocab] (conditional rows, then unconditional), scale [1] -> the last position's
+    guided logits [n, 1, vocab] in float32: uncond + scale * (cond - uncond) (classifier-free guidance,
+    transformers' ClassifierFreeGuidanceLogitsProcessor)."""
+    n = _Nodes("")
+    last = n.op("Cast", n.op("Slice", "logits", n.const([-1], I64), n.const([2**63 - 1], I64),
+                             n.const([1], I64)), to=F32)
+    half = n.op("Div", n.op("Shape", last, start=0, end=1), n.const([2], I64))
+    cond = n.op("Slice", last, n.const([0], I64), half, n.const([0], I64))
+    uncond = n.op("Slice", last, half, n.const([2**63 - 1], I64), n.const([0], I64))
+    n.op("Add", uncond, n.op("Mul", "scale", n.op("Sub", cond, uncond)), out="guided")
+    return helper.make_graph(
+        n.nodes, "guide_last",
+        [_tensor("logits", elem, ["rows", "seq", "vocab"]), _tensor("scale", F32, [1])],
+        [_tensor("guided", F32, ["half", 1, "vocab"])],
+    )
+
+
 LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "pool_mean": (pool_mean, FLOATS),
     "pool_cls": (pool_cls, FLOATS),
@@ -250,4 +268,5 @@ LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]
     "divide": (divide, ("float32",)),
     "vae_image": (vae_image, FLOATS),
     "rgba8": (rgba8, ("uint8",)),
+    "guide_last": (guide_last, FLOATS),
 }

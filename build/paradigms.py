@@ -44,20 +44,21 @@ REFERENCE_REQUIREMENTS = (TORCH, "transformers==5.23.0", "diffusers==0.42.1", "s
                           "numpy>=1.24")
 
 
-def _torch(venv: Path, requirements: tuple[str, ...], command: str, spec: dict) -> str:
-    """Run one build.paradigm_torch command in a virtualenv; returns its stdout."""
+def _torch(venv: Path, requirements: tuple[str, ...], command: str, spec: dict,
+           module: str = "build.paradigm_torch") -> str:
+    """Run one command of `module` (build.paradigm_torch) in a virtualenv; returns its stdout."""
     python = hfmodels.ensure_venv(venv, requirements, venv.name)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(spec, handle)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        proc = subprocess.run([str(python), "-m", "build.paradigm_torch", command, handle.name], cwd=REPO,
+        proc = subprocess.run([str(python), "-m", module, command, handle.name], cwd=REPO,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               check=False)
     finally:
         os.unlink(handle.name)
     if proc.returncode != 0:
-        raise RuntimeError(f"build.paradigm_torch {command} failed ({proc.returncode}):\n"
+        raise RuntimeError(f"{module} {command} failed ({proc.returncode}):\n"
                            f"{proc.stdout[-6000:]}")
     return proc.stdout
 

@@ -48,3 +48,14 @@ def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
         for start, end in ((-5, 2**62), (0, 3)):
             feeds = {"x": x, "start": np.array([start]), "end": np.array([end]), "axis": np.array([axis])}
             assert np.array_equal(NATIVE_KERNELS["narrow"](**feeds)[0], run("narrow_float16", **feeds))
+
+
+def test_guide_last_mixes_the_last_position_of_both_halves() -> None:
+    # rows 0-1 conditional, rows 2-3 unconditional (two codebooks); only position -1 counts
+    logits = np.array([[[7.0, 7, 7], [1, 2, 3]], [[7, 7, 7], [0, 4, 0]],
+                       [[7, 7, 7], [1, 1, 1]], [[7, 7, 7], [2, 0, 1]]], dtype=np.float32)
+    guided = run("guide_last_float32", logits=logits, scale=np.array([3.0], np.float32))
+    assert guided.shape == (2, 1, 3)
+    assert guided[:, 0].tolist() == [[1, 4, 7], [-4, 12, -2]]  # uncond + 3 * (cond - uncond)
+    half = run("guide_last_float16", logits=logits.astype(np.float16), scale=np.array([3.0], np.float32))
+    assert half.dtype == np.float32 and half[:, 0].tolist() == [[1, 4, 7], [-4, 12, -2]]

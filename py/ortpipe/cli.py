@@ -249,6 +249,11 @@ def _run(args: argparse.Namespace) -> int:
         **_settings(args),
     )
     trace = Trace() if args.trace or args.verbose else None
+    files = None
+    if not isinstance(request, OutputRequest) and (args.out or pipe.plan.final_phase):
+        from .targets.cpython.media import plan_files
+
+        files = plan_files(pipe.plan, args.out)  # a token loop's final steps: refused before any model runs
     if isinstance(request, OutputRequest):  # a loop that makes no tokens: named outputs
         _outputs(pipe, request, trace, args)
     elif args.json:
@@ -262,6 +267,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(request.result().as_dict()))
     else:
         _stream(pipe, request, trace, args.prompt)
+    if files is not None:
+        _write(request.result(), files, sys.stderr)
     if trace and args.trace:
         trace.write(args.trace)
     if trace and args.verbose:
@@ -304,16 +311,24 @@ def _outputs(pipe: Any, request: Any, trace: Any, args: argparse.Namespace) -> N
         if bar:
             bar.close()
     result = request.result()
-    written = write_outputs(result, files)
     if args.json:
+        written = write_outputs(result, files)
         print(json.dumps(result.as_dict(lambda name, value: _described(value, written.get(name)))))
         return
+    _write(result, files, sys.stdout)
     t = result.timings
     steps = f", {t.steps} steps of {t.step_ms:.1f} ms, final {t.final_ms:.1f} ms" if t.steps else ""
+    print(f"[init {t.prefill_ms:.1f} ms{steps}; {result.finish_reason}]", file=sys.stderr)
+
+
+def _write(result: Any, files: dict[str, list[str]], stream: Any) -> None:
+    """Write the named outputs to their files and say where each went."""
+    from .targets.cpython.media import write_outputs
+
+    written = write_outputs(result, files)
     for name, value in result.outputs.items():
         where = f" -> {', '.join(written[name])}" if name in written else " (not written: give --out)"
-        print(f"{name}: {result.kinds[name]['kind']} {value.dtype} {list(value.shape)}{where}")
-    print(f"[init {t.prefill_ms:.1f} ms{steps}; {result.finish_reason}]", file=sys.stderr)
+        print(f"{name}: {result.kinds[name]['kind']} {value.dtype} {list(value.shape)}{where}", file=stream)
 
 
 def _described(value: Any, files: list[str] | None) -> dict[str, Any]:

@@ -9,8 +9,10 @@ and the special tokens.
 Three layouts run loops that make no tokens (docs/pipelines.md): optimum's diffusers export
 (`model_index.json`, `text_encoder/`, `unet/`, `vae_decoder/`, `scheduler/`, `tokenizer/`: denoising), a
 sentence-transformers folder (`modules.json`, `1_Pooling/config.json`, an ONNX export: single_pass, pooled
-embeddings) and a transformers.js-style speech folder (`config.json` with `sampling_rate`, an ONNX graph
-giving `waveform`: single_pass, audio). Tensor names are optimum's; the plan checks them against the graphs.
+embeddings) a transformers.js-style speech folder (`config.json` with `sampling_rate`, an ONNX graph
+giving `waveform`: single_pass, audio). An optimum MusicGen export (`text_encoder.onnx`,
+`decoder_model_merged.onnx`, `encodec_decode.onnx`) runs the autoregressive loop over codebooks with a final
+audio decoder. Tensor names are optimum's; the plan checks them against the graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence
 
 
 def detect_config(folder: Folder) -> dict[str, Any]:
-    for layout in (_diffusers, _sentence_transformers, _speech):
+    for layout in (_diffusers, _sentence_transformers, _musicgen, _speech):
         raw = layout(folder)
         if raw is not None:
             return raw
@@ -202,4 +204,63 @@ def _speech(folder: Folder) -> dict[str, Any] | None:
         },
         "generation": {"loop": "single_pass"},
         "metadata": {"model_type": hf.get("model_type"), "detected_from": "config.json"},
+    }
+
+
+MUSICGEN_PARTS = {"text_encoder": "text_encoder.onnx", "decoder": "decoder_model_merged.onnx",
+                  "audio_decoder": "encodec_decode.onnx"}
+
+
+def _musicgen(folder: Folder) -> dict[str, Any] | None:
+    """optimum's text-to-audio export of MusicGen (as transformers.js runs it, in the folder or onnx/): the
+    text encoder (init), the merged decoder over `num_codebooks` delayed codebooks (step), EnCodec's decoder
+    on the generated codes (final). build_delay_pattern_mask.onnx is not used: its length is fixed at
+    export."""
+    audio = MUSICGEN_PARTS["audio_decoder"]
+    base = next((b for b in ("", "onnx/") if variants.present(folder, b + audio)), None)
+    if base is None:
+        return None
+    missing = [f for f in MUSICGEN_PARTS.values() if not variants.present(folder, base + f)]
+    if missing:
+        raise ConfigError(f"{folder.describe()} has {base}encodec_decode.onnx but not "
+                          f"{', '.join(base + f for f in missing)}: export MusicGen with optimum (--task "
+                          "text-to-audio) and merge its decoders into decoder_model_merged.onnx")
+    hf = optional_json(folder, "config.json")
+    gen = optional_json(folder, "generation_config.json")
+    decoder, audio = hf.get("decoder"), hf.get("audio_encoder")
+    count = decoder.get("num_codebooks") if isinstance(decoder, dict) else None
+    rate = audio.get("sampling_rate") if isinstance(audio, dict) else None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (count, rate)):
+        raise ConfigError(f"{folder.describe('config.json')} must give decoder.num_codebooks and "
+                          "audio_encoder.sampling_rate (MusicGen's config.json), found "
+                          f"{count!r} and {rate!r}")
+    if isinstance(decoder, dict) and decoder.get("audio_channels", 1) != 1:
+        raise ConfigError(f"{folder.describe('config.json')} is a stereo MusicGen (audio_channels "
+                          f"{decoder.get('audio_channels')}): ortpipe runs mono MusicGen")
+    tokens = _tokens(gen, decoder if isinstance(decoder, dict) else {})
+    tokens["eos"] = []  # MusicGen stops at its length
+    tokens.setdefault("pad", tokens.get("decoder_start"))
+    codebooks: dict[str, Any] = {"count": count}
+    scale = gen.get("guidance_scale")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        codebooks["guidance_scale"] = scale
+    generation: dict[str, Any] = {"codebooks": codebooks}
+    if isinstance(gen.get("max_length"), int) and gen["max_length"] > 1:
+        generation["max_length"] = gen["max_length"]
+    tokenizer = "" if folder.exists("tokenizer.json") or not base else base.rstrip("/")
+    return {
+        "version": 2,
+        "pipeline": {
+            "sessions": {name: {"file": base + file} for name, file in MUSICGEN_PARTS.items()},
+            "flow": [{"run": "text_encoder", "when": "init"}, {"run": "decoder", "when": "step"},
+                     {"run": "audio_decoder", "when": "final"}],
+            "dataflow": [{"from": "text_encoder.last_hidden_state", "to": "decoder.encoder_hidden_states"},
+                         {"from": "generated.ids", "to": "audio_decoder.audio_codes"}],
+            "output": {"session": "audio_decoder", "name": "audio_values", "as": "audio",
+                       "sampling_rate": rate},
+            **({"preprocessing": {"text": {"tokenizer": tokenizer}}} if tokenizer else {}),
+        },
+        "tokens": {k: v for k, v in tokens.items() if v is not None},
+        "generation": generation,
+        "metadata": {"model_type": hf.get("model_type"), "detected_from": base + MUSICGEN_PARTS["decoder"]},
     }

@@ -338,6 +338,10 @@ class Model:
             request = PluginRequest(loop, ids, search, self.tokenizer, limit, eos)
             request.timings.load_ms = self.load_ms
             return request
+        if self.plan.final_phase and search.num_beams > 1:
+            raise GenerationError(
+                "this folder's final steps run on one generated sequence: set num_beams to 1"
+            )
         if search.num_beams > 1:
             check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)
@@ -440,6 +444,11 @@ class Model:
         return Chat(self, self.chat_template(), max_length, **settings)
 
     def _token_loop(self, what: str) -> None:
+        if self.loop is None and self.plan.final_phase:
+            raise GenerationError(
+                f"{what} makes tokens turn by turn; this folder's final steps run once on the whole "
+                "generated sequence: use generate"
+            )
         if self.loop is not None:
             raise GenerationError(
                 f"{what} makes tokens; this folder's loop is "

@@ -36,6 +36,7 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
 # session wired to the step session's output.
 LOOP = "loop"
 DENOISING_ROLES = ("sample", "timestep")
+CODEBOOK_ROLES = ("input_ids", "encoder_attention_mask")  # the codebook loop's step inputs (loops/codebooks)
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
 SEPARATE_PATTERNS = (
@@ -59,6 +60,16 @@ SEPARATE_PATTERNS = (
         "present_value_self_{layer}",
     ),
     ("past.{layer}.key", "present.{layer}.key", "past.{layer}.value", "present.{layer}.value"),
+    (  # optimum's merged encoder-decoder graphs (MusicGen): self and cross entries, presents carried
+        "past_key_values.{layer}.decoder.key",
+        "present.{layer}.decoder.key",
+        "past_key_values.{layer}.decoder.value",
+        "present.{layer}.decoder.value",
+        "past_key_values.{layer}.encoder.key",
+        "present.{layer}.encoder.key",
+        "past_key_values.{layer}.encoder.value",
+        "present.{layer}.encoder.value",
+    ),
 )
 COMBINED_PATTERNS = (("past_{layer}", "present_{layer}"), ("past.{layer}", "present.{layer}"))
 
@@ -83,6 +94,7 @@ class CacheEntry:
     batch_axis: int
     seq_axis: int
     window: int | None = None  # sliding-window layers keep only the last `window` positions
+    frozen: bool = False  # a cross-attention entry of a merged graph: its first present is kept for good
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,7 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         facts,
     )
     _check_outputs(config, signatures, problems)
+    _check_generated(plan, problems)
     if config.generation.loop == "denoising":
         _check_denoising(config, plan, problems)
     if config.generation.loop == "autoregressive" and plan.generator is None and not config.pipeline.plugin:
@@ -192,8 +205,30 @@ def make_plan(config: Config, signatures: dict[str, Signature],
     return plan
 
 
+GENERATED_IDS = "generated.ids"  # the dataflow source of the whole generated sequence (final steps)
+
+
+def _check_generated(plan: Plan, problems: Problems) -> None:
+    """"generated.ids" feeds only final steps, integer inputs of a rank that holds the sequence: [batch,
+    length], or [batch, codebooks, frames] with generation.codebooks (leading dims of 1 added)."""
+    codebooks = plan.config.generation.codebooks is not None
+    for s in plan.all_steps:
+        for f in s.feeds:
+            if f.kind != FROM_OUTPUT or f.source != GENERATED_IDS:
+                continue
+            info = plan.signatures[s.session].input(f.input)
+            rank, dims = (3, "codebooks, frames") if codebooks else (2, "length")
+            if s.step.when != "final":
+                problems.add(f'"{GENERATED_IDS}" is the whole generated sequence, made after the loop: it '
+                             f'feeds "when": "final" steps only, not "{s.session}" ({s.step.when})')
+            elif info.rank < rank or info.dtype not in ("int64", "int32"):
+                problems.add(f'"{GENERATED_IDS}" is integer ids [batch, {dims}] (leading dims of 1 added to '
+                             f'fit); session "{s.session}" input "{f.input}" is {info.dtype} '
+                             f"{list(info.shape)}")
+
+
 # The ranks each kind of named output may have (OutputSpec.kind).
-OUTPUT_RANKS = {"audio": (1, 2), "image": (4,), "embedding": (3,)}
+OUTPUT_RANKS = {"audio": (1, 2, 3), "image": (4,), "embedding": (3,)}
 
 
 def _check_outputs(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
@@ -213,6 +248,10 @@ def _check_outputs(config: Config, sigs: dict[str, Signature], problems: Problem
         if ranks and info.rank not in ranks:
             problems.add(f'pipeline.output "{o.name}" is {o.kind} ("as": "{o.kind}"), which needs rank '
                          f"{' or '.join(map(str, ranks))}; session \"{o.session}\" gives {list(info.shape)}")
+        elif o.kind == "audio" and info.rank == 3 and info.shape[1] not in (1, None):
+            problems.add(f'pipeline.output "{o.name}" is mono audio: [batch, samples] or [batch, 1, '
+                         'samples]; '
+                         f'session "{o.session}" gives {list(info.shape)}')
         elif o.kind == "image" and info.shape[1] not in (3, None) and isinstance(info.shape[1], int):
             problems.add(
                 f'pipeline.output "{o.name}" is an image: [batch, 3, height, width] in [-1, 1]; session '
@@ -366,12 +405,17 @@ def _step_plan(
     if step.counter:
         roles[COUNTER] = step.counter
     loop = config.generation.loop
+    codebooks = config.generation.codebooks is not None
     if loop != "autoregressive":  # a loop that makes no tokens feeds its sessions itself (LOOP, FROM_REQUEST)
         roles = {}
+    elif codebooks:  # the codebook loop makes the text inputs and the step's ids itself
+        roles = {CACHE_BRANCH: "use_cache_branch"} if step.when == "step" else {}
     by_name = {name: role for role, name in roles.items()}
     loop_roles = (
         {spec.inputs.get(r, r): r for r in DENOISING_ROLES}
         if loop == "denoising" and step.when == "step"
+        else {spec.inputs.get(r, r): r for r in CODEBOOK_ROLES}
+        if codebooks and step.when == "step"
         else {}
     )
     feeds = []
@@ -520,7 +564,10 @@ def _kv_plan(
             size = window.window_size if window.layers is None or layer in window.layers else None
         else:  # the graph's attention says which layers slide (GroupQueryAttention's local_window_size)
             size = getattr(sites[past], "sliding_window", None)
-        entries.append(CacheEntry(past, present, layer, p_info.dtype, shape, batch_axis, seq_axis, size))
+        frozen = ".encoder." in past  # optimum's merged graphs return it only from the no-cache branch
+        entries.append(
+            CacheEntry(past, present, layer, p_info.dtype, shape, batch_axis, seq_axis, size, frozen)
+        )
     share = spec.share_buffer
     if share is None:  # the builder's GroupQueryAttention graphs write presents into their pasts' buffers
         share = all(site is not None and site.op.endswith("GroupQueryAttention") for site in sites.values())

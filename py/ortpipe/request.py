@@ -124,6 +124,7 @@ class Request:
         self._held = ""  # decoded text not sent yet: it may start a stop string
         self.finish_reason: str | None = None
         self.max_new_tokens = max_new_tokens  # a budget for this request alone (a chat turn)
+        self.outputs: dict[str, Any] = {}  # the named outputs of the final steps, once done
 
     @property
     def done(self) -> bool:
@@ -148,6 +149,8 @@ class Request:
             chunks = self.accept(tokens, (time.perf_counter() - start) * 1000)
             if len(chunks) < len(tokens):
                 yield from self.gen.take_back(len(tokens) - len(chunks))
+            if self.done and self.finish_reason != "interrupt" and self.gen.plan.final_phase:
+                yield from self._final()
         except OrtpipeError as e:
             if self.tokens and e.partial is None:  # what was generated before the failure is the caller's
                 e.partial = Result(list(self.tokens), self.text + self._held, self.timings, "error")
@@ -213,8 +216,24 @@ class Request:
         self.text += out
         return out
 
+    def _final(self) -> Work:
+        """The final steps on the generated sequence ("generated.ids", [1, length]); the named outputs."""
+        from .outputs import finish_outputs  # outputs.py builds on this module
+
+        start, flow = time.perf_counter(), self.gen.flow
+        flow.set_generated(list(self.tokens), (1, len(self.tokens)))
+        yield from flow.run_final()
+        self.outputs = yield from finish_outputs(self.gen.plan, self.gen.backend, flow.values)
+        self.timings.final_ms += (time.perf_counter() - start) * 1000
+
     def result(self) -> Result:
-        return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length")
+        kinds = {}
+        if self.outputs:
+            from .outputs import describe
+
+            kinds = {n: k for n, k in describe(self.gen.plan).items() if n in self.outputs}
+        return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length",
+                      outputs=dict(self.outputs), kinds=kinds)
 
 
 class WholeRequest(Request):

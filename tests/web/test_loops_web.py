@@ -213,3 +213,68 @@ def test_demo_page_plays_speech_and_shows_an_image(page: Any, serve_model: Any, 
             assert size == [32, 32]
         page.screenshot(path=str(SCREENSHOTS / shot), full_page=True)
         page.evaluate("() => delete document.getElementById('output').dataset.finishReason")
+
+
+def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
+    """The detected MusicGen folder in the browser: transformers' codes and audio (within 1e-4), with and
+    without guidance."""
+    from build import musicgen
+
+    folder = musicgen.get()
+    cases = _json(folder / "references" / "cases.json")["cases"]
+    serve_model("musicgen-tiny", folder)
+    page.goto("/")
+    runs = page.evaluate("""async ({model, cases}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try {
+        const runs = [];
+        for (const c of cases) {
+          const result = await pipe.generate({prompt: c.prompt, maxNewTokens: c.max_new_tokens,
+                                              guidanceScale: c.guidance_scale});
+          const out = result.outputs;
+          runs.push({codes: Array.from(out.codes.data, Number), dims: out.codes.dims,
+                     audio: Array.from(out.audio_values.audio), rate: out.audio_values.samplingRate,
+                     finishReason: result.finishReason});
+        }
+        return runs;
+      } finally {
+        pipe.dispose();
+      }
+    }""", {"model": "models/musicgen-tiny/", "cases": cases})
+    for case, run in zip(cases, runs, strict=True):
+        assert np.array(run["codes"]).reshape(run["dims"]).tolist() == case["codes"]
+        reference = np.load(folder / "references" / case["audio"]).reshape(-1)
+        difference = float(np.abs(np.array(run["audio"], np.float32) - reference).max())
+        print(f"wasm musicgen, guidance {case['guidance_scale']}: max |browser - transformers| = "
+              f"{difference:.1e}")
+        assert run["rate"] == 800 and run["finishReason"] == "done" and difference <= 1e-4
+
+
+def test_wasm_final_step_after_the_token_loop(page: Any, serve_model: Any,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A plain decoder with a final vocoder on "generated.ids": the browser's tokens and waveform are
+    CPython's (which tests/test_final_steps.py checks against hand-written loops)."""
+    from build import graphs
+    from tests.test_final_steps import _config, _vocoder
+
+    folder = graphs.build_separate(tmp_path_factory.mktemp("web-final") / "tts")
+    _vocoder(folder / "vocoder.onnx")
+    (folder / "genai_config.json").write_text(json.dumps(_config()))
+    prompt = [graphs.BOS, 5, 9, 14]
+    expected = ortpipe.load(folder).generate(prompt_ids=prompt, max_new_tokens=7)
+    serve_model("final-tts", folder)
+    page.goto("/")
+    got = page.evaluate("""async ({model, prompt}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try {
+        const result = await pipe.generate({promptIds: prompt, maxNewTokens: 7});
+        const out = result.outputs.waveform;
+        return {tokens: result.tokens, audio: Array.from(out.audio), rate: out.samplingRate};
+      } finally {
+        pipe.dispose();
+      }
+    }""", {"model": "models/final-tts/", "prompt": prompt})
+    assert got["tokens"] == expected.tokens and got["rate"] == 16000
+    assert np.abs(np.array(got["audio"], np.float32) - expected.outputs["waveform"].reshape(-1)).max() <= 1e-6

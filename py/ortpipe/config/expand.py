@@ -41,10 +41,16 @@ def _generation(config: Config) -> dict[str, Any]:
         value = gen.max_length if s.name == "max_length" else getattr(gen.settings, s.name, None)
         if s.v2 is None or value is None or gen.loop not in s.loops:
             continue
+        if gen.codebooks is not None and s.name != "max_length":
+            continue  # the codebook loop reads no other setting
         head, _, key = s.v2.rpartition(".")
         (out.setdefault(head, {}) if head else out)[key] = list(value) if isinstance(value, tuple) else value
     if gen.scheduler is not None:
         out["scheduler"] = gen.scheduler
+    if gen.codebooks is not None:
+        books = gen.codebooks
+        out["codebooks"] = {"count": books.count, "delay": list(books.delay),
+                            "guidance_scale": books.guidance_scale}
     return out
 
 

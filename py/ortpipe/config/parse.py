@@ -17,6 +17,7 @@ from ..folder import Folder
 from ..jsonfile import quote
 from . import ep, presets
 from .schema import (
+    GENERATED,
     GENERATION_LOOPS,
     KV_FORMATS,
     LOOP_MODES,
@@ -26,6 +27,7 @@ from .schema import (
     POSITION_STRATEGIES,
     WHEN,
     WHEN_ALIASES,
+    Codebooks,
     Config,
     CrossCacheSpec,
     DynamicShape,
@@ -157,10 +159,15 @@ def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str,
         problems.raise_if_any()
     pipeline = _pipeline(_resolve_preset(pipe_raw, problems), folder, problems)
     generation = _generation(top.sub("generation"), folder)
-    _check_loop(pipeline, generation.loop, problems)
+    _check_loop(pipeline, generation, problems)
+    tokens = _tokens(top.sub("tokens"))
+    if generation.codebooks is not None and tokens.pad is None:
+        problems.add('generation.codebooks fills the delay pattern with tokens.pad: set "tokens": '
+                     '{"pad": ID} '
+                     "(MusicGen's is its codebook size, e.g. 2048)")
     config = Config(
         pipeline=pipeline,
-        tokens=_tokens(top.sub("tokens")),
+        tokens=tokens,
         generation=generation,
         metadata=_metadata(top.sub("metadata")),
         source=source,
@@ -288,9 +295,10 @@ def _normalize(o: Section, kind: str) -> bool:
     return bool(o.get("normalize", bool, False)) if kind == "embedding" else False
 
 
-def _check_loop(pipeline: PipelineSpec, loop: str, problems: Problems) -> None:
+def _check_loop(pipeline: PipelineSpec, generation: Generation, problems: Problems) -> None:
     """What each generation loop needs of the pipeline: named outputs for the loops that make no tokens, one
-    denoising session run per step."""
+    denoising session run per step, codebooks for the autoregressive loop's final steps."""
+    loop = generation.loop
     steps = [s.run for s in pipeline.flow if s.when == "step"]
     if loop != "autoregressive" and not pipeline.outputs:
         problems.add(
@@ -303,11 +311,27 @@ def _check_loop(pipeline: PipelineSpec, loop: str, problems: Problems) -> None:
             f'"when": "step" ({one_of(steps)}) would never run: make them "init"'
         )
     final = [s.run for s in pipeline.flow if s.when == "final"]
-    if loop == "autoregressive" and final:
+    if loop == "autoregressive" and final and not pipeline.outputs:
         problems.add(
-            f'flow steps with "when": "final" ({one_of(final)}) run after the single_pass and '
-            "denoising loops; the autoregressive loop does not run them yet: drop them"
+            f'flow steps with "when": "final" ({one_of(final)}) run after the autoregressive loop to make '
+            'named outputs: name them in pipeline.output (e.g. {"session": "vocoder", "name": "waveform", '
+            '"as": "audio", "sampling_rate": 24000}), or drop the steps'
         )
+    if generation.codebooks is not None:
+        if len(steps) != 1:
+            problems.add(
+                f"generation.codebooks runs one session per step (the decoder), found {len(steps)} "
+                f'("when": "step": {one_of(steps) or "none"})'
+            )
+        if not pipeline.outputs:
+            problems.add(
+                "generation.codebooks returns its codes and named outputs: name what a request returns in "
+                'pipeline.output, e.g. {"session": "audio_decoder", "name": "audio_values", "as": "audio", '
+                '"sampling_rate": 32000}'
+            )
+        if any(o.name == "codes" for o in pipeline.outputs):
+            problems.add('pipeline.output names "codes", which generation.codebooks returns itself (the '
+                         "generated codes): rename the output")
     if loop == "denoising" and len(steps) != 1:
         problems.add(
             f'generation.loop "denoising" runs one session per step (the UNet), found {len(steps)} '
@@ -540,6 +564,11 @@ def _endpoint(s: Section, key: str, sessions: dict[str, SessionSpec]) -> tuple[s
         s.problems.add(f'{s.path}.{key} must be "session.tensor", found {quote(value)}')
         return None
     session, tensor = value.split(".", 1)
+    if key == "from" and session == GENERATED:
+        if tensor != "ids":
+            s.problems.add(f'{s.path}.from "{value}": the generated tokens are "{GENERATED}.ids"')
+            return None
+        return session, tensor
     if sessions and session not in sessions:
         s.problems.add(
             f'{s.path}.{key} names session "{session}", which is not declared in '
@@ -741,7 +770,7 @@ def _tokens(sec: Section) -> Tokens:
 def _generation(sec: Section, folder: Folder) -> Generation:
     samp, spec = sec.sub("sampling"), sec.sub("speculative")
     top_keys = [key for key, _ in by_v2()]
-    sec.allow("loop", "sampling", "speculative", "scheduler", *top_keys)
+    sec.allow("loop", "sampling", "speculative", "scheduler", "codebooks", *top_keys)
     samp.allow(*(key for key, _ in by_v2("sampling")))
     spec.allow(*(key for key, _ in by_v2("speculative")))
     values: dict[str, Any] = {}
@@ -784,7 +813,40 @@ def _generation(sec: Section, folder: Folder) -> Generation:
         max_length=max_length,
         settings=SearchSettings(**values),
         scheduler=sec.get("scheduler", str),
+        codebooks=_codebooks(sec, loop, values),
     )
+
+
+def _codebooks(sec: Section, loop: str, values: dict[str, Any]) -> Codebooks | None:
+    """generation.codebooks: {count, delay, guidance_scale}; greedy only (one row of codes per request)."""
+    if "codebooks" not in sec.raw:
+        return None
+    c = sec.sub("codebooks")
+    if not isinstance(c.raw, dict):
+        sec.problems.add(f'{c.path} must be an object like {{"count": 4, "delay": [0, 1, 2, 3]}}, '
+                         f"found {quote(c.raw)}")
+        return None
+    c.allow("count", "delay", "guidance_scale")
+    if loop != "autoregressive":
+        sec.problems.add(f'{c.path} is for the "autoregressive" loop; this config\'s loop is "{loop}": '
+                         "drop it")
+    count = c.number("count", int, None, 1, 64)
+    if count is None:
+        sec.problems.add(f'{c.path} needs "count": the codebooks each step samples (MusicGen: 4)')
+        return None
+    delay = c.int_list("delay")
+    if delay is None and "delay" not in c.raw:
+        delay = tuple(range(count))  # MusicGen's delay pattern
+    elif delay is not None and (len(delay) != count or any(d < 0 or d > 4096 for d in delay)):
+        sec.problems.add(f"{c.path}.delay must list {count} delays (steps, 0 to 4096), one per codebook, "
+                         f"found {quote(list(delay))}")
+    if values:  # max_length was taken out: every other setting would go unread
+        sec.problems.add(f"generation.codebooks decodes greedily and reads only max_length (and its own "
+                         f"guidance_scale): drop {', '.join(sorted(values))}")
+    scale = c.number("guidance_scale", float, 1.0, 0.0, 1e6)
+    if delay is None or scale is None:
+        return None
+    return Codebooks(count, tuple(delay), float(scale))
 
 
 def _loops(loops: tuple[str, ...]) -> str:

@@ -151,12 +151,27 @@ class Tokens:
     decoder_start: int | None = None
 
 
+GENERATED = "generated"  # the dataflow source of the generated ids: "generated.ids" (not a session name)
+
+
+@dataclass(frozen=True)
+class Codebooks:
+    """generation.codebooks: a step whose logits hold `count` codebooks ([batch * count, seq, vocab]), one
+    token of each per step, codebook k delayed by `delay[k]` steps (MusicGen's pattern: k), the delay's slots
+    filled with tokens.pad; `guidance_scale` above 1 runs an unconditional row beside each conditional one."""
+
+    count: int
+    delay: tuple[int, ...]
+    guidance_scale: float = 1.0
+
+
 @dataclass(frozen=True)
 class Generation:
     loop: str = "autoregressive"
     max_length: int | None = None
     settings: SearchSettings = field(default_factory=SearchSettings)  # the request defaults (settings.py)
     scheduler: str | None = None  # denoising: a scheduler class (loops/schedulers.py); None: the folder's
+    codebooks: Codebooks | None = None  # autoregressive: several token streams per step
 
 
 @dataclass(frozen=True)

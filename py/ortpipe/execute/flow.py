@@ -19,6 +19,7 @@ from ..plan import (
     EMPTY,
     FROM_OUTPUT,
     FROM_REQUEST,
+    GENERATED_IDS,
     INPUT_IDS,
     KV_PAST,
     LOOP,
@@ -231,6 +232,16 @@ class FlowRun:
             self._store(s, out)
         self.iterations += 1
         return out
+
+    def set_generated(self, ids: list[int], dims: tuple[int, ...]) -> None:
+        """The whole generated sequence (`dims`, row-major) as "generated.ids", for the final steps that read
+        it: with leading dims of 1 up to each input's rank, in its integer type."""
+        for s in self.plan.final_phase:
+            for f in s.feeds:
+                if f.kind == FROM_OUTPUT and f.source == GENERATED_IDS:
+                    rank = self.plan.signatures[s.session].input(f.input).rank
+                    shape = (1,) * (rank - len(dims)) + dims
+                    self.values[GENERATED_IDS] = self.backend.tensor(ids, shape, f.dtype)
 
     def run_final(self) -> Work:
         self.label = "final"

@@ -15,6 +15,7 @@ from ..jsonfile import quote
 from ..plan import Plan
 from ..sampling.settings import check_setting
 from ..tokenizer import Tokenizer
+from .codebooks import CodebookRequest
 from .denoising import DenoisingRequest, DenoisingSetup, denoising_setup
 from .schedulers import make_schedule
 from .single_pass import DEFAULT_BATCH, SinglePassRequest
@@ -30,7 +31,7 @@ class LoopSetup:
 def loop_setup(plan: Plan, folder: Folder, tokenizer: Tokenizer | None) -> LoopSetup | None:
     """What the folder's loop needs besides the plan (None for the autoregressive loop)."""
     loop = plan.config.generation.loop
-    if loop == "autoregressive":
+    if loop == "autoregressive" and plan.config.generation.codebooks is None:
         return None
     text = plan.config.pipeline.preprocessing.get("text", {})
     setup = text_setup(folder, text.get("tokenizer", ""), tokenizer, text.get("max_length"))
@@ -95,6 +96,8 @@ def output_request(
     **given: Any,
 ) -> Any:
     """A request of the folder's single_pass or denoising loop."""
+    if plan.config.generation.codebooks is not None:
+        return _codebook_request(plan, backend, setup, tokenizer, prompt, prompt_ids, inputs, given)
     inputs = dict(inputs or {})
     latents = given.pop("latents", None)
     if "latents" in inputs:
@@ -134,6 +137,37 @@ def output_request(
         settings["seed"],
         inputs,
     )
+
+
+def _codebook_request(
+    plan: Plan, backend: Any, setup: LoopSetup, tokenizer: Tokenizer | None, prompt: Any, prompt_ids: Any,
+    inputs: dict[str, Handle] | None, given: dict[str, Any]
+) -> CodebookRequest:
+    """A request of the autoregressive loop over codebooks: its length and guidance; nothing else is read."""
+    known = ("max_new_tokens", "max_length", "guidance_scale")
+    unread = sorted(k for k, v in given.items() if k not in known and v is not None)
+    if unread or inputs:
+        raise GenerationError(
+            f"this folder generates codebooks greedily from a text and reads only {', '.join(known)}; "
+            f"drop {', '.join(unread) or 'inputs'}"
+        )
+    rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
+    if rows is None:
+        raise GenerationError("the codebook loop needs an init session that reads the prompt's input_ids")
+    new, total = given.get("max_new_tokens"), given.get("max_length")
+    if new is not None and total is not None:
+        raise GenerationError("give max_new_tokens or max_length, not both")
+    for name, value in (("max_new_tokens", new), ("max_length", total)):
+        if value is not None and (type(value) is not int or not 1 <= value <= 1_000_000):
+            raise GenerationError(f"{name} must be a positive integer, found {quote(value)}")
+    length = total or (new + 1 if new else plan.config.generation.max_length)
+    if length is None:
+        raise GenerationError("give max_new_tokens (this folder's config sets no generation.max_length)")
+    scale = given.get("guidance_scale")
+    if scale is None:
+        scale = plan.config.generation.codebooks.guidance_scale
+    scale = check_setting("guidance_scale", scale)
+    return CodebookRequest(plan, backend, rows[0], setup.text, length - 1, scale)
 
 
 def embed_request(

@@ -34,6 +34,7 @@ class KVCache:
     def update(self, outputs: dict[str, Handle], new: int, backend: Backend) -> Work:
         """Take the run's presents as the next pasts. A shared buffer was written in place, unless the
         target could not: then it answered the present, which becomes the buffer."""
+        first = self.length == 0
         self.length += new
         if self.plan.share_buffer:
             for e in self.plan.entries:
@@ -42,7 +43,8 @@ class KVCache:
             return
         feeds = self.feeds
         for e in self.plan.entries:
-            feeds[e.past_input] = outputs[e.present_output]
+            if first or not e.frozen:
+                feeds[e.past_input] = outputs[e.present_output]
         for e in self._windowed:
             if backend.shape(feeds[e.past_input])[e.seq_axis] > e.window:
                 feeds[e.past_input] = yield from _narrow(backend, e, feeds[e.past_input], -e.window, END)

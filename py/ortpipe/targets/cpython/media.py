@@ -192,6 +192,8 @@ def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[st
                 np.save(path, value)
                 written.setdefault(name, []).append(str(path))
                 continue
+            if kind["kind"] == "audio" and value.ndim == 3:  # [batch, 1, samples]: mono
+                value = value.reshape(value.shape[0], -1)
             items = value if kind["kind"] == "image" or value.ndim == 2 else value[None]
             for i, item in enumerate(items):
                 one = path if len(items) == 1 else path.with_name(f"{path.stem}-{i}{path.suffix}")

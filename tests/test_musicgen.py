@@ -1,0 +1,135 @@
+"""MusicGen (issue 21): optimum's export run as it is (detected) and from a written-out v2 config gives
+transformers' greedy generate: the same codes, audio within 1e-4, with and without guidance."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from build import musicgen
+
+import ortpipe
+from ortpipe.errors import ConfigError, GenerationError
+
+AUDIO_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="session")
+def musicgen_tiny() -> Path:
+    return musicgen.get()
+
+
+def _cases(folder: Path) -> list[dict]:
+    return json.loads((folder / "references" / "cases.json").read_text())["cases"]
+
+
+def _check(pipe: ortpipe.Pipeline, folder: Path) -> None:
+    for case in _cases(folder):
+        result = pipe.generate(case["prompt"], max_new_tokens=case["max_new_tokens"],
+                               guidance_scale=case["guidance_scale"])
+        assert result.outputs["codes"].tolist() == case["codes"], case
+        reference = np.load(folder / "references" / case["audio"])
+        difference = float(np.abs(result.outputs["audio_values"] - reference).max())
+        print(f"guidance {case['guidance_scale']}: max |ortpipe - transformers| audio = {difference:.2e}")
+        assert difference < AUDIO_TOLERANCE
+
+
+@pytest.mark.slow
+def test_detected_musicgen_matches_transformers(musicgen_tiny: Path) -> None:
+    cases = _cases(musicgen_tiny)
+    assert cases[0]["codes"] != cases[1]["codes"]  # guidance changes the codes: the test can fail
+    _check(ortpipe.load(musicgen_tiny), musicgen_tiny)
+
+
+@pytest.mark.slow
+def test_written_v2_config_matches_transformers(musicgen_tiny: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(musicgen_tiny, tmp_path / "musicgen"))
+    config = {
+        "version": 2,
+        "pipeline": {
+            "sessions": {"text_encoder": {"file": "text_encoder.onnx"},
+                         "decoder": {"file": "decoder_model_merged.onnx"},
+                         "audio_decoder": {"file": "encodec_decode.onnx"}},
+            "flow": [{"run": "text_encoder", "when": "init"}, {"run": "decoder", "when": "step"},
+                     {"run": "audio_decoder", "when": "final"}],
+            "dataflow": [{"from": "text_encoder.last_hidden_state", "to": "decoder.encoder_hidden_states"},
+                         {"from": "generated.ids", "to": "audio_decoder.audio_codes"}],
+            "output": {"session": "audio_decoder", "name": "audio_values", "as": "audio",
+                       "sampling_rate": 800},
+        },
+        "tokens": {"pad": musicgen.PAD},
+        "generation": {"max_length": 24,
+                       "codebooks": {"count": 4, "delay": [0, 1, 2, 3], "guidance_scale": 3.0}},
+    }
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    _check(ortpipe.load(folder), folder)
+
+
+@pytest.mark.slow
+def test_cli_writes_the_audio(musicgen_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "audio.wav"
+    proc = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(musicgen_tiny), "--prompt",
+                           "happy rock song", "--max-new-tokens", "12", "--guidance-scale", "3",
+                           "--out", str(out)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 44
+
+
+def _config_error(tmp_path: Path, folder: Path, generation: dict, match: str) -> None:
+    copy = Path(shutil.copytree(folder, tmp_path / "bad", dirs_exist_ok=True))
+    raw = {"version": 2,
+           "pipeline": {"sessions": {"text_encoder": {"file": "text_encoder.onnx"},
+                                     "decoder": {"file": "decoder_model_merged.onnx"},
+                                     "audio_decoder": {"file": "encodec_decode.onnx"}},
+                        "flow": [{"run": "text_encoder", "when": "init"}, {"run": "decoder", "when": "step"},
+                                 {"run": "audio_decoder", "when": "final"}],
+                        "dataflow": [{"from": "text_encoder.last_hidden_state",
+                                      "to": "decoder.encoder_hidden_states"},
+                                     {"from": "generated.ids", "to": "audio_decoder.audio_codes"}],
+                        "output": {"session": "audio_decoder", "name": "audio_values"}},
+           "tokens": {"pad": musicgen.PAD}, "generation": generation}
+    (copy / "genai_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=match):
+        ortpipe.load(copy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("generation", "match"), [
+    ({}, "encoder_attention_mask"),  # without codebooks: a plain token loop cannot feed the decoder
+    ({"codebooks": {"count": 4, "delay": [0, 1]}}, "must list 4 delays"),
+    ({"codebooks": {"count": 4, "bogus": 1}}, "bogus"),
+    ({"codebooks": {"delay": [0]}}, "count"),
+    ({"codebooks": {"count": 4}, "sampling": {"do_sample": True}}, "drop do_sample"),
+    ({"codebooks": {"count": 4}, "sampling": {"temperature": 0.7}}, "drop temperature"),
+    ({"loop": "single_pass", "codebooks": {"count": 4}}, 'for the "autoregressive" loop'),
+])
+def test_bad_codebook_configs_are_refused(musicgen_tiny: Path, tmp_path: Path, generation: dict,
+                                         match: str) -> None:
+    _config_error(tmp_path, musicgen_tiny, generation, match)
+
+
+@pytest.mark.slow
+def test_bad_requests_are_refused(musicgen_tiny: Path) -> None:
+    pipe = ortpipe.load(musicgen_tiny)
+    with pytest.raises(GenerationError, match="at least 6"):
+        pipe.generate("rock", max_new_tokens=3)
+    with pytest.raises(GenerationError, match="temperature"):
+        pipe.generate("rock", max_new_tokens=12, temperature=0.5)
+
+
+@pytest.mark.slow
+def test_expanded_config_runs_the_same(musicgen_tiny: Path, tmp_path: Path) -> None:
+    """What `inspect` writes for the detected folder, saved as its genai_config.json, loads and runs alike."""
+    from ortpipe.config.expand import as_v2
+
+    folder = Path(shutil.copytree(musicgen_tiny, tmp_path / "musicgen"))
+    expanded = as_v2(ortpipe.load(folder).model.config)
+    assert expanded["generation"]["codebooks"] == {"count": 4, "delay": [0, 1, 2, 3], "guidance_scale": 3.0}
+    (folder / "genai_config.json").write_text(json.dumps(expanded))
+    _check(ortpipe.load(folder), folder)
