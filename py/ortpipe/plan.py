@@ -35,6 +35,7 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
 # input ("sample") and timestep ("timestep") for its step session, its final latents ("latents") for a final
 # session wired to the step session's output.
 LOOP = "loop"
+STREAM = "stream:"  # a LOOP feed of rows streamed from an earlier stage: "stream:SESSION.OUTPUT"
 DENOISING_ROLES = ("sample", "timestep")
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
@@ -262,6 +263,8 @@ def _fused_step(
     s = step[0]
     if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.logits or s.positions != "default":
         return None
+    if s.step.accumulate:  # its outputs are kept at every step
+        return None
     read = {
         f.source.split(".")[0]
         for other in (*step, *final)
@@ -382,6 +385,7 @@ def _step_plan(
             continue
         feed = (
             (Feed(t.name, LOOP, loop_roles[t.name], t.dtype) if t.name in loop_roles else None)
+            or _stage_input(config, step, t)
             or _explicit_wire(config, step, t)
             or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
             or _same_name_output(config, step, flow, sigs, t)
@@ -397,6 +401,7 @@ def _step_plan(
             positions = _position_strategy(config, step.run, t, problems)
         feeds.append(feed)
     _check_loop(step, sig, problems)
+    _check_accumulate(step, sig, problems)
     logits = spec.outputs.get("logits", "logits")
     logits = logits if logits in sig.output_names else None
     outputs = tuple(t.name for t in sig.outputs)
@@ -425,6 +430,31 @@ def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
             f'"{step.loop_over}", '
             f"which has only {info.rank} dims {list(info.shape)}"
         )
+
+
+def _stage_input(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
+    """An input an earlier stage feeds: given with the request, or, streamed, rows the stage runner
+    supplies before each run (LOOP, source "stream:SESSION.OUTPUT")."""
+    for w in config.pipeline.stage_inputs:
+        if w.to_session == step.run and w.to_input == t.name:
+            return Feed(t.name, LOOP, f"{STREAM}{w.source}", t.dtype) if w.stream else Feed(
+                t.name, FROM_REQUEST, dtype=t.dtype)
+    return None
+
+
+def _check_accumulate(step: FlowStep, sig: Signature, problems: Problems) -> None:
+    for name in step.accumulate:
+        info = sig.output(name)
+        if info is None:
+            problems.add(
+                f'Flow step "{step.run}" accumulates "{name}", which session "{step.run}" does not output '
+                f"(outputs: {one_of(sig.output_names)}).{did_you_mean(name, sig.output_names)}"
+            )
+        elif info.rank is not None and info.rank < 2:
+            problems.add(
+                f'Flow step "{step.run}" accumulates "{name}" ({list(info.shape)}), which has no sequence '
+                "axis: outputs are joined along axis 1 ([batch, sequence, ...])"
+            )
 
 
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
