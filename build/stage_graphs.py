@@ -2,7 +2,8 @@
 
 - thinker: an LLM decoder with a KV cache that also gives its per-token hidden states:
   `input_ids` i64 [B, S], `attention_mask` i64 [B, T], `position_ids` i64 [B, S],
-  `past_key_values.{0,1}.key/.value` f32 [B, 2, P, 8] -> `logits` f32 [B, S, 96], `hidden_states` f32 [B, S, 32],
+  `past_key_values.{0,1}.key/.value` f32 [B, 2, P, 8] -> `logits` f32 [B, S, 96],
+  `hidden_states` f32 [B, S, 32],
   `present.{0,1}.key/.value`.
 - talker: an autoregressive codec decoder conditioned on the thinker: the same inputs plus `thinker_states`
   f32 [B, S, 32], projected and added to its token and position embeddings (one thinker row per talker
@@ -114,7 +115,8 @@ def omni_config(thinker_max: int, talker_max: int, stream: bool = True) -> dict[
                 {"from": "thinker.hidden_states", "to": "talker.thinker_states", "stream": stream},
                 {"from": "talker.tokens", "to": "code2wav.codes"},
             ],
-            "output": {"session": "code2wav", "name": "waveform", "as": "audio", "sampling_rate": SAMPLING_RATE},
+            "output": {"session": "code2wav", "name": "waveform", "as": "audio",
+                       "sampling_rate": SAMPLING_RATE},
         },
         "metadata": {"model_type": "tiny-omni", "source": "build/stage_graphs.py"},
     }

@@ -55,5 +55,6 @@ def omni_reference(folder: Path | str, prompt: Sequence[int], thinker_max: int, 
 
     talk, _ = greedy(session(folder, sg.FILES["talker"]), [sg.DECODER_START], talker_max, [sg.EOS], rows)
     codes = talk[:-1] if talk[-1] == sg.EOS else talk
-    wave = run(session(folder, sg.FILES["code2wav"]), {"codes": np.array([codes], dtype=np.int64)})["waveform"]
+    code2wav = session(folder, sg.FILES["code2wav"])
+    wave = run(code2wav, {"codes": np.array([codes], dtype=np.int64)})["waveform"]
     return think, talk, wave

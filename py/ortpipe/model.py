@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, Protocol
 
 from .chat import Chat
 from .config import Config, load_config
-from .config.schema import TOKENS_OUTPUT
 from .config.profiles import Profile
+from .config.schema import TOKENS_OUTPUT
 from .errors import ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
@@ -175,8 +175,8 @@ def check_stage_wires(config: Config, plans: dict[str, Plan]) -> None:
             problems.append(f'pipeline.stages.{stage.name}: a later autoregressive stage starts from '
                             '[tokens.decoder_start]: set it in its "tokens"')
     for w in (w for stage in config.pipeline.stages for w in stage.config.pipeline.stage_inputs):
-        src, dst = signatures.get(w.from_session), signatures.get(w.to_session)
-        if src is None or dst is None:
+        src = signatures.get(w.from_session)
+        if src is None:
             continue
         producer = next(s for s in config.pipeline.stages if w.from_session in s.sessions)
         generator = plans[producer.name].generator
@@ -186,9 +186,6 @@ def check_stage_wires(config: Config, plans: dict[str, Plan]) -> None:
         elif w.from_output != TOKENS_OUTPUT and w.from_output not in src.output_names:
             problems.append(f'pipeline.dataflow: {w}: session "{w.from_session}" has no output '
                             f'"{w.from_output}" (outputs: {", ".join(src.output_names)})')
-        if w.to_input not in dst.input_names:
-            problems.append(f'pipeline.dataflow: {w}: session "{w.to_session}" has no input "{w.to_input}" '
-                            f'(inputs: {", ".join(dst.input_names)})')
     if problems:
         raise ConfigError(problems)
 

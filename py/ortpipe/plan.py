@@ -11,7 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .config.schema import Config, FlowStep, KVCacheSpec
+from .config.schema import TOKENS_OUTPUT, Config, FlowStep, KVCacheSpec
 from .errors import Problems, did_you_mean, one_of
 from .execute.work import FusedStep
 from .graphfacts import AttentionSite, DecoderFacts
@@ -333,7 +333,7 @@ def _with_placeholder(config: Config, s: FlowStepPlan, init: list[FlowStepPlan])
 
 
 def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
-    for w in config.pipeline.dataflow:
+    for w in (*config.pipeline.dataflow, *config.pipeline.stage_inputs):  # a stage's: the other end elsewhere
         src, dst = sigs.get(w.from_session), sigs.get(w.to_session)
         if src and w.from_output not in src.output_names:
             problems.add(
@@ -433,12 +433,16 @@ def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
 
 
 def _stage_input(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
-    """An input an earlier stage feeds: given with the request, or, streamed, rows the stage runner
-    supplies before each run (LOOP, source "stream:SESSION.OUTPUT")."""
+    """An input an earlier stage feeds. A step input of an autoregressive stage fed an accumulated output
+    takes the rows of its run's positions, which the stage runner supplies before each run (LOOP, source
+    "stream:SESSION.OUTPUT"); any other is given with the request."""
     for w in config.pipeline.stage_inputs:
-        if w.to_session == step.run and w.to_input == t.name:
-            return Feed(t.name, LOOP, f"{STREAM}{w.source}", t.dtype) if w.stream else Feed(
-                t.name, FROM_REQUEST, dtype=t.dtype)
+        if w.to_session != step.run or w.to_input != t.name:
+            continue
+        rows = step.when == "step" and config.generation.loop == "autoregressive"
+        if rows and w.from_output != TOKENS_OUTPUT:
+            return Feed(t.name, LOOP, f"{STREAM}{w.source}", t.dtype)
+        return Feed(t.name, FROM_REQUEST, dtype=t.dtype)
     return None
 
 

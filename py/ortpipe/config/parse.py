@@ -197,7 +197,7 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
     dataflow = _dataflow(sec.get("dataflow", list, []), sessions, problems)
     for w in dataflow:
         if w.stream:
-            problems.add(f'pipeline.dataflow: the wire {w} has "stream", which is for wires between the stages '
+            problems.add(f'pipeline.dataflow: the wire {w} has "stream", which is for wires between stages '
                          "of pipeline.stages: drop it")
     _check_cycles(flow, dataflow, problems)
     return PipelineSpec(

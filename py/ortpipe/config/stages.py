@@ -19,13 +19,14 @@ from ..jsonfile import quote
 from .schema import TOKENS_OUTPUT, Config, PipelineSpec, Stage, Wire
 
 STAGE_KEYS = ("flow", "state", "generation", "tokens")
+PER_STAGE = ("flow", "state", "extends", "plugin")  # pipeline keys a staged config gives per stage, or not
 MAX_STAGES = 8
 
 
 def parse_stages(top: Any, pipe_raw: dict[str, Any], folder: Folder, source: str,
                  notes: tuple[str, ...]) -> Config:
     """The Config of a staged pipeline: every session, wire and output, and each stage's own Config."""
-    from .parse import Section, _dataflow, _metadata, _outputs, _sessions, find_cycle
+    from .parse import Section, _dataflow, _metadata, _outputs, _sessions
 
     problems = top.problems
     for key in ("tokens", "generation"):
@@ -34,11 +35,11 @@ def parse_stages(top: Any, pipe_raw: dict[str, Any], folder: Folder, source: str
                          f"pipeline.stages.NAME.{key}")
     top.allow("version", "pipeline", "metadata", "tokens", "generation")
     sec = Section(pipe_raw, "pipeline", problems, nulls=False)
-    for key in ("flow", "state", "extends", "plugin"):
+    for key in PER_STAGE:
         if key in sec.raw:
-            problems.add(f"pipeline.{key}: with pipeline.stages each stage has its own flow and state (and no "
-                         f"preset or plugin): move it into pipeline.stages.NAME, or drop it")
-    sec.allow("sessions", "stages", "dataflow", "output", "preprocessing", "flow", "state", "extends", "plugin")
+            problems.add(f"pipeline.{key}: with pipeline.stages each stage has its own flow and state (and "
+                         "no preset or plugin): move it into pipeline.stages.NAME, or drop it")
+    sec.allow("sessions", "stages", "dataflow", "output", "preprocessing", *PER_STAGE)
     sessions = _sessions(sec.sub("sessions"), folder, problems)
     raw_stages = sec.get("stages", dict, {})
     if not raw_stages or len(raw_stages) > MAX_STAGES:
@@ -49,15 +50,6 @@ def parse_stages(top: Any, pipe_raw: dict[str, Any], folder: Folder, source: str
     outputs = _outputs(sec, sessions, problems)
     order = list(raw_stages)
     _check_stage_wires(wires, owner, order, raw_stages, problems)
-    edges: dict[str, set[str]] = {}
-    for w in wires:
-        a, b = owner.get(w.from_session), owner.get(w.to_session)
-        if a and b and a != b:
-            edges.setdefault(a, set()).add(b)
-    cycle = find_cycle(edges)
-    if cycle:
-        problems.add(f"Circular dependency between stages: {' → '.join(cycle)}. A stage reads only what "
-                     "earlier stages made: remove one of these wires")
     stages = []
     for i, name in enumerate(order):
         raw = _stage_raw(name, raw_stages[name], pipe_raw, owner, wires, i == 0, problems)
@@ -65,9 +57,9 @@ def parse_stages(top: Any, pipe_raw: dict[str, Any], folder: Folder, source: str
             continue
         config = _stage_config(name, raw, folder, problems)
         if config is not None:
-            inputs = tuple(w for w in wires if owner.get(w.to_session) == name and owner.get(w.from_session) != name)
-            exported = tuple(dict.fromkeys(w.source for w in wires if owner.get(w.from_session) == name
-                                           and owner.get(w.to_session) != name))
+            between = [w for w in wires if owner.get(w.from_session) != owner.get(w.to_session)]
+            inputs = tuple(w for w in between if owner.get(w.to_session) == name)
+            exported = tuple(dict.fromkeys(w.source for w in between if owner.get(w.from_session) == name))
             pipeline = dataclasses.replace(config.pipeline, stage_inputs=inputs, exported=exported)
             stages.append(Stage(name, dataclasses.replace(config, pipeline=pipeline)))
     problems.raise_if_any()
@@ -107,24 +99,45 @@ def _owners(raw_stages: dict[str, Any], sessions: dict[str, Any], problems: Prob
 def _check_stage_wires(wires: tuple[Wire, ...], owner: dict[str, str], order: list[str],
                        raw_stages: dict[str, Any], problems: Problems) -> None:
     """A wire between stages goes forward; a streamed one joins two autoregressive stages' step sessions."""
+    _check_stage_graph(wires, owner, problems)
     for w in wires:
         a, b = owner.get(w.from_session), owner.get(w.to_session)
         if a is None or b is None:
             continue
         if a == b:
             if w.stream:
-                problems.add(f'pipeline.dataflow: the wire {w} joins two sessions of stage "{a}"; "stream" is '
-                             "for wires between stages: drop it")
+                problems.add(f'pipeline.dataflow: the wire {w} joins two sessions of stage "{a}"; "stream" '
+                             "is for wires between stages: drop it")
             continue
         if order.index(a) > order.index(b):
-            problems.add(f'pipeline.dataflow: the wire {w} feeds stage "{b}" from stage "{a}", which runs after '
-                         f'it (stages run in the order of pipeline.stages: {one_of(order)}); reorder the stages')
-        if w.stream:
+            problems.add(f'pipeline.dataflow: the wire {w} feeds stage "{b}" from stage "{a}", which runs '
+                         f"after it (stages run in the order of pipeline.stages: {one_of(order)}); reorder "
+                         "the stages")
+        if w.stream:  # rows of a step output, fed to step runs of a stage that starts on the first rows
             for stage, session in ((a, w.from_session), (b, w.to_session)):
-                if _loop(raw_stages[stage]) != "autoregressive" or _when(raw_stages[stage], session) != "step":
-                    problems.add(f'pipeline.dataflow: the wire {w} streams rows, which joins the "step" sessions '
-                                 f'of two autoregressive stages; "{session}" of stage "{stage}" is not one: '
-                                 'drop "stream"')
+                raw = raw_stages[stage]
+                if _loop(raw) != "autoregressive" or _when(raw, session) != "step":
+                    problems.add(f'pipeline.dataflow: the wire {w} streams rows, which joins the "step" '
+                                 f'sessions of two autoregressive stages; "{session}" of stage "{stage}" is '
+                                 'not one: drop "stream"')
+
+
+def _check_stage_graph(wires: tuple[Wire, ...], owner: dict[str, str], problems: Problems) -> None:
+    """One wire per input; no cycle between stages."""
+    from .parse import find_cycle
+
+    targets = [f"{w.to_session}.{w.to_input}" for w in wires]
+    for target in sorted({t for t in targets if targets.count(t) > 1}):
+        problems.add(f"pipeline.dataflow: {target} is fed by two wires: keep one")
+    edges: dict[str, set[str]] = {}
+    for w in wires:
+        a, b = owner.get(w.from_session), owner.get(w.to_session)
+        if a and b and a != b:
+            edges.setdefault(a, set()).add(b)
+    cycle = find_cycle(edges)
+    if cycle:
+        problems.add(f"Circular dependency between stages: {' → '.join(cycle)}. A stage reads only what "
+                     "earlier stages made: remove one of these wires")
 
 
 def _loop(raw: dict[str, Any]) -> str:
@@ -194,16 +207,16 @@ def _check_sources(stages: list[Stage], owner: dict[str, str], wires: tuple[Wire
         step = next(s for s in producer.pipeline.flow if s.run == w.from_session)
         if producer.generation.loop != "autoregressive":
             problems.add(f'pipeline.dataflow: the wire {w} reads stage "{a}", whose loop is '
-                         f'"{producer.generation.loop}": later stages read autoregressive stages only (what a '
-                         "single_pass or denoising stage makes is returned by pipeline.output)")
+                         f'"{producer.generation.loop}": later stages read autoregressive stages only (what '
+                         "a single_pass or denoising stage makes is returned by pipeline.output)")
         elif w.from_output == TOKENS_OUTPUT:
-            if producer.generation.loop != "autoregressive" or step.when != "step" or w.stream:
-                problems.add(f'pipeline.dataflow: the wire {w} reads the ids stage "{a}" generated: its session '
-                             'must be the "step" session of an autoregressive stage, and the wire not "stream"')
+            if step.when != "step" or w.stream:
+                problems.add(f'pipeline.dataflow: the wire {w} reads the ids stage "{a}" generated: its '
+                             'session must be a "step" session, and the wire not "stream"')
         elif step.when == "step" and w.from_output not in step.accumulate:
-            problems.add(f'pipeline.dataflow: the wire {w} reads a step output of stage "{a}", which changes at '
-                         f'every step: add "accumulate": ["{w.from_output}"] to its flow step (the rows of '
-                         "every step, joined along the sequence axis)")
+            problems.add(f'pipeline.dataflow: the wire {w} reads a step output of stage "{a}", which changes '
+                         f'at every step: add "accumulate": ["{w.from_output}"] to its flow step (the rows '
+                         "of every step, joined along the sequence axis)")
         elif w.stream and w.from_output not in step.accumulate:
             problems.add(f'pipeline.dataflow: the wire {w} streams rows of an output "{w.from_session}" does '
                          "not accumulate")

@@ -319,8 +319,8 @@ class FlowRun:
             key, value = f"{s.session}.{name}", out[name]
             if key in self.accumulated:
                 dtype = self.plan.signatures[s.session].output(name).dtype
-                value = (yield Run(kernel("concat1", dtype), {"a": self.accumulated[key], "b": value}, ("y",), None,
-                                   self.label))["y"]
+                feeds = {"a": self.accumulated[key], "b": value}
+                value = (yield Run(kernel("concat1", dtype), feeds, ("y",), None, self.label))["y"]
             self.accumulated[key] = value
 
     def _value(self, s: FlowStepPlan, name: str, source: str) -> Handle:

@@ -22,7 +22,7 @@ from typing import Any
 from ..config.schema import TOKENS_OUTPUT, Config, Stage, Wire
 from ..errors import GenerationError
 from ..execute.work import Handle, Run, RunAll, Work, kernel
-from ..plan import STREAM
+from ..plan import LOOP, STREAM
 from ..request import Result
 
 
@@ -83,8 +83,11 @@ class _Runner:
     def __init__(self, stage: Stage, model: Any):
         self.stage, self.model = stage, model
         self.request: Any = None
-        self.waits = [w for w in stage.config.pipeline.stage_inputs if not w.stream]
-        self.streams = [w for w in stage.config.pipeline.stage_inputs if w.stream]
+        wires = stage.config.pipeline.stage_inputs
+        fed = {f.source for s in model.plan.all_steps for f in s.feeds if f.kind == LOOP}
+        # rows cut before each run, as they are made (streamed) or once the producer is done
+        self.streams = [w for w in wires if f"{STREAM}{w.source}" in fed]
+        self.waits = [w for w in wires if not w.stream]  # what must be done before this stage runs
 
     @property
     def name(self) -> str:
@@ -155,9 +158,7 @@ class StagedRequest:
         return value is not None and producer.model.backend.shape(value)[1] >= need
 
     def _start(self, runner: _Runner) -> Work:
-        inputs = {}
-        for w in runner.waits:
-            inputs[w.to_input] = self._value(runner, w)
+        inputs = {w.to_input: self._value(runner, w) for w in runner.waits if w not in runner.streams}
         runner.request = yield from runner.model.request(inputs=inputs or None)
 
     def _value(self, runner: _Runner, w: Wire) -> Handle:
@@ -205,13 +206,16 @@ def _rows(backend: Any, value: Handle, start: int, n: int, label: str) -> Work:
     parts = []
     if have:
         ends = {"x": value, "start": backend.tensor([start], (1,), "int64"),
-                "end": backend.tensor([start + have], (1,), "int64"), "axis": backend.tensor([1], (1,), "int64")}
+                "end": backend.tensor([start + have], (1,), "int64"),
+                "axis": backend.tensor([1], (1,), "int64")}
         parts.append((yield Run(kernel("narrow", dtype), ends, ("y",), None, f"{label} rows"))["y"])
     if have < n:
         parts.append(backend.full((shape[0], n - have, *shape[2:]), 0, dtype))
     if len(parts) == 1:
         return parts[0]
-    return (yield Run(kernel("concat1", dtype), {"a": parts[0], "b": parts[1]}, ("y",), None, f"{label} rows"))["y"]
+    feeds = {"a": parts[0], "b": parts[1]}
+    joined = yield Run(kernel("concat1", dtype), feeds, ("y",), None, f"{label} rows")
+    return joined["y"]
 
 
 def _labelled(stage: str, work: Work) -> Work:
