@@ -163,3 +163,35 @@ def test_stream_outside_stages_is_refused(tmp_path: Path) -> None:
     (out / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match='has "stream", which is for wires between stages'):
         ortpipe.load(out)
+
+
+def test_the_expanded_config_runs_the_same(folder: Path, tmp_path: Path) -> None:
+    from ortpipe.config.expand import as_v2
+
+    pipe = ortpipe.load(folder)
+    expanded = as_v2(pipe.config)
+    assert expanded["pipeline"]["stages"]["thinker"]["flow"][0]["accumulate"] == ["hidden_states"]
+    assert expanded["pipeline"]["dataflow"][0]["stream"] is True
+    again = ortpipe.load(_with_config(folder, tmp_path, expanded)).generate(prompt_ids=PROMPT)
+    first = pipe.generate(prompt_ids=PROMPT)
+    assert again.tokens == first.tokens and again.stages["talker"].tokens == first.stages["talker"].tokens
+
+
+def test_the_cli_shows_and_runs_the_stages(folder: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "ortpipe.cli", *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    shown = cli("inspect", str(folder))
+    assert "stage talker (autoregressive): talker" in shown
+    assert "reads thinker.hidden_states -> talker.thinker_states (streamed)" in shown
+    assert "stage code2wav (single_pass): code2wav" in shown
+    wav = tmp_path / "speech.wav"
+    result = json.loads(cli("run", str(folder), "--prompt-ids", "5,9,17,33", "--out", str(wav), "--json"))
+    _, talk, _ = omni_reference(folder, PROMPT, 20, 6)
+    assert result["stages"]["talker"]["tokens"] == talk
+    assert result["outputs"]["waveform"]["shape"] == [1, len(talk) * sg.SAMPLES_PER_CODE] and wav.exists()
