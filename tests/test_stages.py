@@ -195,3 +195,29 @@ def test_the_cli_shows_and_runs_the_stages(folder: Path, tmp_path: Path) -> None
     _, talk, _ = omni_reference(folder, PROMPT, 20, 6)
     assert result["stages"]["talker"]["tokens"] == talk
     assert result["outputs"]["waveform"]["shape"] == [1, len(talk) * sg.SAMPLES_PER_CODE] and wav.exists()
+
+
+def _single_decoder(folder: Path, tmp_path: Path, accumulate: bool) -> Path:
+    """The thinker alone, returning its hidden states (pipeline.output of an autoregressive loop)."""
+    step = {"run": "decoder", "when": "step", **({"accumulate": ["hidden_states"]} if accumulate else {})}
+    config = {"version": 2,
+              "pipeline": {"sessions": {"decoder": {"file": sg.FILES["thinker"]}}, "flow": [step],
+                           "output": {"session": "decoder", "name": "hidden_states"}},
+              "tokens": {"eos": [sg.EOS]}, "generation": {"max_length": 12}}
+    return _with_config(folder, tmp_path, config)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_an_accumulated_output_holds_every_run_s_rows(folder: Path, tmp_path: Path, accumulate: bool) -> None:
+    """Accumulated: the prefill's rows and one per later run (P + N - 1); else the last run's row."""
+    from tests.stage_refs import greedy, session
+
+    think, states = greedy(session(folder, sg.FILES["thinker"]), PROMPT, 12, [sg.EOS], lambda p, n: {},
+                           keep="hidden_states")
+    result = ortpipe.load(_single_decoder(folder, tmp_path, accumulate)).generate(prompt_ids=PROMPT)
+    assert result.tokens == think
+    expected = states if accumulate else states[:, -1:]
+    assert result.outputs["hidden_states"].shape == expected.shape
+    assert expected.shape[1] == (len(PROMPT) + len(think) - 1 if accumulate else 1)
+    np.testing.assert_allclose(result.outputs["hidden_states"], expected, rtol=1e-5, atol=1e-5)
+    assert result.kinds["hidden_states"] == {"kind": "tensor"}

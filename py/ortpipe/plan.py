@@ -11,7 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .config.schema import TOKENS_OUTPUT, Config, FlowStep, KVCacheSpec
+from .config.schema import TOKENS_OUTPUT, Config, FlowStep, KVCacheSpec, OutputSpec
 from .errors import Problems, did_you_mean, one_of
 from .execute.work import FusedStep
 from .graphfacts import AttentionSite, DecoderFacts
@@ -176,7 +176,7 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         _levels(init),
         tuple(step),
         tuple(by_phase["final"]),
-        _fused_step(step, by_phase["final"], signatures),
+        _fused_step(step, by_phase["final"], signatures, config.pipeline.outputs),
         facts,
     )
     _check_outputs(config, signatures, problems)
@@ -251,7 +251,8 @@ def _check_denoising(config: Config, plan: Plan, problems: Problems) -> None:
 
 
 def _fused_step(
-    step: list[FlowStepPlan], final: list[FlowStepPlan], sigs: dict[str, Signature]
+    step: list[FlowStepPlan], final: list[FlowStepPlan], sigs: dict[str, Signature],
+    outputs: tuple[OutputSpec, ...] = (),
 ) -> FusedStep | None:
     """The step phase as one fused greedy decode step (execute/work.py), when its shape allows: one
     decoder session run once per iteration, fed only input ids, an attention mask, 1D position ids
@@ -263,7 +264,7 @@ def _fused_step(
     s = step[0]
     if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.logits or s.positions != "default":
         return None
-    if s.step.accumulate:  # its outputs are kept at every step
+    if s.step.accumulate or any(o.session == s.session for o in outputs):  # kept at every step
         return None
     read = {
         f.source.split(".")[0]

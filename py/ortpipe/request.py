@@ -218,7 +218,9 @@ class Request:
         return out
 
     def result(self) -> Result:
-        return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length")
+        outputs, kinds = self.gen.named_outputs() if self.gen is not None else ({}, {})
+        return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length",
+                      outputs=outputs, kinds=kinds)
 
 
 class WholeRequest(Request):

@@ -310,6 +310,12 @@ def _check_loop(pipeline: PipelineSpec, loop: str, problems: Problems) -> None:
             f'generation.loop "single_pass" runs the init and final phases once; flow steps with '
             f'"when": "step" ({one_of(steps)}) would never run: make them "init"'
         )
+    finished = [o.name for o in pipeline.outputs if o.kind in ("image", "embedding")]
+    if loop == "autoregressive" and finished:
+        problems.add(
+            f"pipeline.output {one_of(finished)}: an autoregressive request returns its outputs as the "
+            'sessions give them: "as" must be "tensor" or "audio"'
+        )
     kept = [s.run for s in pipeline.flow if s.accumulate]
     if loop != "autoregressive" and kept:
         problems.add(
