@@ -127,3 +127,18 @@ def omni_style(out: Path | str, seed: int = 0, thinker_max: int = 20, talker_max
     models = {FILES["thinker"]: thinker(seed + 1), FILES["talker"]: talker(seed + 2),
               FILES["code2wav"]: code2wav(seed + 3)}
     return _write(out, models, omni_config(thinker_max, talker_max, stream))
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write the tiny thinker -> talker -> code2wav folder")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--no-stream", action="store_true", help="the talker waits for the thinker")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(omni_style(args.out, stream=not args.no_stream))
+
+
+if __name__ == "__main__":
+    main()
