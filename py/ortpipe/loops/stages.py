@@ -51,6 +51,7 @@ class StagedModel:
         self.config, self.models = config, models
         first = models[config.pipeline.stages[0].name]
         self.plan, self.tokenizer, self.folder = first.plan, first.tokenizer, first.folder
+        self.backend = first.backend
         self.load_ms = 0.0
         self.loop = None
         self.drafts: dict[str, Any] = {}
