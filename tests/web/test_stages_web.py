@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ortpipe
 import pytest
 from build import stage_graphs as sg
+
+import ortpipe
 
 PROMPT = [5, 9, 17, 33]
 
@@ -21,7 +22,9 @@ RUN = """async ({model, promptIds}) => {
     const chunks = [];
     const stream = pipe.stream({promptIds});
     let next;
-    while (!(next = await stream.next()).done) chunks.push({stage: next.value.stage, token: next.value.token});
+    while (!(next = await stream.next()).done) {
+      chunks.push({stage: next.value.stage, token: next.value.token});
+    }
     const result = next.value;
     return {info: pipe.info, chunks, tokens: result.tokens, stages: result.stages,
             audio: Array.from(result.audio.audio), samplingRate: result.audio.samplingRate};
