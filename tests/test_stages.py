@@ -221,3 +221,28 @@ def test_an_accumulated_output_holds_every_run_s_rows(folder: Path, tmp_path: Pa
     assert expected.shape[1] == (len(PROMPT) + len(think) - 1 if accumulate else 1)
     np.testing.assert_allclose(result.outputs["hidden_states"], expected, rtol=1e-5, atol=1e-5)
     assert result.kinds["hidden_states"] == {"kind": "tensor"}
+
+
+def test_beams_and_speculation_are_refused(folder: Path) -> None:
+    from ortpipe.errors import GenerationError
+
+    pipe = ortpipe.load(folder)
+    with pytest.raises(GenerationError, match="thinker accumulate outputs step by step, which beam search"):
+        pipe.generate(prompt_ids=PROMPT, num_beams=2)
+    with pytest.raises(GenerationError, match="speculative decoding"):
+        pipe.generate(prompt_ids=PROMPT, prompt_lookup_num_tokens=3)
+
+
+def test_an_interrupt_stops_the_stages_that_started(folder: Path) -> None:
+    """Interrupted after the talker's first token: code2wav, not started, never starts."""
+    pipe = ortpipe.load(folder)
+    request = pipe.request(prompt_ids=PROMPT)
+    seen = []
+    for chunk in pipe.drive(request):
+        seen.append(chunk.stage)
+        if chunk.stage == "talker":
+            request.interrupt()
+    assert seen == ["thinker", "talker"]
+    result = request.result()
+    assert result.finish_reason == "interrupt" and set(result.stages) == {"thinker", "talker"}
+    assert result.audio is None

@@ -387,6 +387,12 @@ class Model:
             request = PluginRequest(loop, ids, search, self.tokenizer, limit, eos)
             request.timings.load_ms = self.load_ms
             return request
+        kept = [s.session for s in self.plan.step_phase if s.step.accumulate]
+        if kept and (search.num_beams > 1 or search.speculative):
+            raise GenerationError(
+                f"{', '.join(kept)} accumulate outputs step by step, which beam search and speculative "
+                "decoding do not keep: drop num_beams and the speculative settings"
+            )
         if search.num_beams > 1:
             check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)

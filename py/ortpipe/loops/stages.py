@@ -64,6 +64,11 @@ class StagedModel:
         """The first stage's request as the caller asks (its settings), the later stages' as their configs
         say."""
         first = yield from self.models[self.stages[0].name].request(prompt, **options)
+        gen = getattr(first, "gen", None)
+        if self.config.pipeline.stages[0].config.generation.loop == "autoregressive" and (
+                gen is None or gen.speculator is not None):
+            raise GenerationError("the first stage of a pipeline of stages runs one sequence step by step: "
+                                  "beam search and speculative decoding are not run here; drop them")
         made = StagedRequest(self, first)
         made.timings.load_ms = self.load_ms
         return made
@@ -109,10 +114,12 @@ class StagedRequest:
         self.by_session = {session: r for r in self.runners for session in r.stage.sessions}
         self.timings = first.timings
         self.settings = getattr(first, "settings", None)
+        self._interrupted = False
 
     @property
     def done(self) -> bool:
-        return all(r.done for r in self.runners)
+        """Every stage is done (after an interrupt: every stage that started)."""
+        return all(r.done or (self._interrupted and r.request is None) for r in self.runners)
 
     @property
     def failed(self) -> bool:
@@ -123,6 +130,7 @@ class StagedRequest:
         return self.runners[0].request.finish_reason
 
     def interrupt(self) -> None:
+        self._interrupted = True  # a stage not started yet does not start
         for r in self.runners:
             if r.request is not None:
                 r.request.interrupt()
@@ -130,7 +138,7 @@ class StagedRequest:
     def advance(self) -> Work:
         """One step of the latest stage that can run."""
         for runner in reversed(self.runners):
-            if runner.done or not self._ready(runner):
+            if runner.done or not self._ready(runner) or (self._interrupted and runner.request is None):
                 continue
             if runner.request is None:
                 yield from self._start(runner)
