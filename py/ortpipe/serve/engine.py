@@ -365,6 +365,9 @@ class Engine:
             if loop != "autoregressive":
                 raise ConfigError(f'ortpipe serve answers completions; this folder\'s generation.loop is '
                                   f'"{loop}", which makes no tokens: run it with ortpipe run or the API')
+            if pipe.config.pipeline.stages:
+                raise ConfigError("ortpipe serve answers completions of one model; this folder is a pipeline "
+                                  "of stages (pipeline.stages): run it with ortpipe run or the API")
             kind = Batched if batchable(pipe.plan) is None else TimeSliced
             scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
         except BaseException as e:  # a folder that cannot be loaded ends the server
