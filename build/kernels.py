@@ -53,10 +53,15 @@ def narrow(elem: int) -> onnx.GraphProto:
     return helper.make_graph(nodes, "narrow", [x, *ints], [y])
 
 
-def concat0(elem: int) -> onnx.GraphProto:
-    """a, b -> a and b joined along dim 0 (per-image outputs gathered into one tensor)."""
-    a, b, y = (helper.make_value_info(n, helper.make_tensor_type_proto(elem, shape=None)) for n in "aby")
-    return helper.make_graph([helper.make_node("Concat", ["a", "b"], ["y"], axis=0)], "concat0", [a, b], [y])
+def _concat(axis: int) -> Callable[[int], onnx.GraphProto]:
+    def make(elem: int) -> onnx.GraphProto:
+        """a, b -> a and b joined along `axis` (0: per-image outputs gathered into one tensor; 1: a step
+        output accumulated over the decode steps)."""
+        a, b, y = (helper.make_value_info(n, helper.make_tensor_type_proto(elem, shape=None)) for n in "aby")
+        return helper.make_graph([helper.make_node("Concat", ["a", "b"], ["y"], axis=axis)], f"concat{axis}",
+                                 [a, b], [y])
+
+    return make
 
 
 # Sampling: logits processors and samplers over float32 scores [batch, vocab] (seed 000's sampling,
@@ -406,7 +411,8 @@ def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
 KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
     "narrow": (narrow, (*FLOAT_TYPES, "int64")),
-    "concat0": (concat0, tuple(FLOAT_TYPES)),
+    "concat0": (_concat(0), tuple(FLOAT_TYPES)),
+    "concat1": (_concat(1), tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),

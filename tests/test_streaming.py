@@ -56,6 +56,9 @@ class ScriptedGenerator:
         return self.ids[self.i - n:self.i]
         yield  # a generator, like the real one
 
+    def named_outputs(self) -> tuple[dict, dict]:
+        return {}, {}  # the script's pipeline names no outputs
+
 
 def run(request: Request) -> list[str]:
     return [c.text for c in chunks_of(request)]

@@ -127,9 +127,12 @@ export interface GenerateOptions {
 }
 
 export interface Chunk {
-  token: number;
+  /** null for a chunk of a stage whose loop makes no tokens (pipeline.stages). */
+  token: number | null;
   /** The text this token completes: "" while a character or a possible stop string is open. */
   text: string;
+  /** pipeline.stages: the stage that made this chunk (the first stage's carry the text). */
+  stage?: string;
 }
 
 export interface Timings {
@@ -193,11 +196,15 @@ export interface GenerateResult {
   /** The first image output, and the first audio output. */
   image?: ImageData;
   audio?: Audio;
+  /** pipeline.stages: each stage's ids and finish reason (tokens and text above are the first stage's). */
+  stages?: Record<string, { tokens: number[]; finishReason: string }>;
 }
 
 export interface PipelineInfo {
   device: 'webgpu' | 'wasm';
   sessions: string[];
+  /** pipeline.stages: the stages, in run order (empty for a pipeline of one stage). */
+  stages: string[];
   /** The file each session runs, and its variant. */
   files: Record<string, string>;
   dtypes: Record<string, Dtype>;

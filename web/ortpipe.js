@@ -288,7 +288,9 @@ export class Pipeline {
     }
     if (!call) return;
     if (data.type === 'chunks') {
-      for (const { token, text } of data.chunks) call.onChunk?.({ token, text });
+      for (const { token, text, stage } of data.chunks) {
+        call.onChunk?.(stage === undefined ? { token, text } : { token, text, stage });
+      }
       return;
     }
     this._calls.delete(data.id);
@@ -372,6 +374,10 @@ function finish(result, started, firstToken) {
   timings.totalMs = performance.now() - started;
   timings.firstTokenMs = firstToken === null ? null : firstToken - started;
   const finished = { tokens: result.tokens, text: result.text, finishReason: result.finish_reason, timings };
+  if (result.stages) {
+    finished.stages = Object.fromEntries(Object.entries(result.stages).map(([name, stage]) => [
+      name, { tokens: stage.tokens, finishReason: stage.finish_reason }]));
+  }
   if (result.outputs) {
     finished.outputs = Object.fromEntries(Object.entries(result.outputs).map(([name, output]) => [
       name, Object.fromEntries(Object.entries(output).map(([k, v]) => [snakeToCamel(k), v]))]));

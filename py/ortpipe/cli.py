@@ -256,6 +256,8 @@ def _run(args: argparse.Namespace) -> int:
         files = plan_files(pipe.plan, args.out)  # a token loop's final steps: refused before any model runs
     if isinstance(request, OutputRequest):  # a loop that makes no tokens: named outputs
         _outputs(pipe, request, trace, args)
+    elif pipe.config.pipeline.stages:
+        _staged(pipe, request, trace, args)
     elif args.json:
         try:
             for _ in pipe.drive(request, trace):
@@ -329,6 +331,30 @@ def _write(result: Any, files: dict[str, list[str]], stream: Any) -> None:
     for name, value in result.outputs.items():
         where = f" -> {', '.join(written[name])}" if name in written else " (not written: give --out)"
         print(f"{name}: {result.kinds[name]['kind']} {value.dtype} {list(value.shape)}{where}", file=stream)
+
+
+def _staged(pipe: Any, request: Any, trace: Any, args: argparse.Namespace) -> None:
+    """Drive a pipeline of stages: the first stage's text as it comes, then each stage's ids and the named
+    outputs (written by --out)."""
+    from .targets.cpython.media import plan_files, write_outputs
+
+    files = plan_files(pipe, args.out)  # pipe.config names every stage's outputs
+    first = pipe.config.pipeline.stages[0].name
+    for chunk in pipe.drive(request, trace):
+        if chunk.stage == first and not args.json:
+            print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
+    result = request.result()
+    written = write_outputs(result, files)
+    if args.json:
+        print(json.dumps(result.as_dict(lambda name, value: _described(value, written.get(name)))))
+        return
+    print()
+    for name, stage in list(result.stages.items())[1:]:
+        made = f"{len(stage.tokens)} ids {stage.tokens}" if stage.tokens else "no ids"
+        print(f"[{name}: {made} ({stage.finish_reason})]", file=sys.stderr)
+    for name, value in result.outputs.items():
+        where = f" -> {', '.join(written[name])}" if name in written else " (not written: give --out)"
+        print(f"{name}: {result.kinds[name]['kind']} {value.dtype} {list(value.shape)}{where}")
 
 
 def _described(value: Any, files: list[str] | None) -> dict[str, Any]:
@@ -485,9 +511,11 @@ def _inspect(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", providers.ProviderWarning)  # the report says them
         pipe = _load(args, progress=False)
-    plan, placed = pipe.plan, pipe.assignments
-    report = {
-        "config_source": plan.config.source,
+    placed = pipe.assignments
+    staged = getattr(pipe.model, "models", None)  # pipeline.stages: a plan per stage
+    plans = {name: m.plan for name, m in staged.items()} if staged else {"": pipe.plan}
+    report: dict[str, Any] = {
+        "config_source": pipe.config.source,
         "sessions": {
             name: {
                 "file": plan.config.pipeline.sessions[name].file,
@@ -496,11 +524,20 @@ def _inspect(args: argparse.Namespace) -> int:
                 "inputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].inputs],
                 "outputs": [f"{t.name} {t.dtype} {list(t.shape)}" for t in plan.signatures[name].outputs],
             }
+            for plan in plans.values()
             for name in plan.signatures
         },
-        "steps": [_step_report(s) for s in plan.all_steps],
-        "config": as_v2(plan.config),
+        "steps": [_step_report(s) | ({"stage": stage} if stage else {})
+                  for stage, plan in plans.items() for s in plan.all_steps],
+        "config": as_v2(pipe.config),
     }
+    if staged:
+        report["stages"] = {
+            name: {"loop": plan.config.generation.loop, "sessions": list(plan.signatures),
+                   "reads": [f"{w}{' (streamed)' if w.stream else ''}"
+                             for w in plan.config.pipeline.stage_inputs]}
+            for name, plan in plans.items()
+        }
     placement = providers.report(placed.values())
     print(json.dumps(report, indent=2) if args.json else _format_report(report, placement))
     return 0
@@ -533,11 +570,15 @@ def _step_report(s: Any) -> dict[str, Any]:
 def _format_report(report: dict[str, Any], placement: str) -> str:
     lines = [f"config: {report['config_source']}", "providers:"]
     lines += [f"  {line}" for line in placement.splitlines()]
+    for name, stage in report.get("stages", {}).items():
+        lines.append(f"stage {name} ({stage['loop']}): {', '.join(stage['sessions'])}")
+        lines += [f"  reads {wire}" for wire in stage["reads"]]
     for name, s in report["sessions"].items():
         lines.append(f"session {name}: {s['file']} on {s['provider']}")
         lines += [f"  in  {t}" for t in s["inputs"]] + [f"  out {t}" for t in s["outputs"]]
     for step in report["steps"]:
-        lines.append(f"step {step['session']} ({step['when']}):")
+        where = f"{step['stage']} stage, " if "stage" in step else ""
+        lines.append(f"step {step['session']} ({where}{step['when']}):")
         lines += [f"  {k}: {v}" for k, v in step["feeds"].items()]
         if "kv_cache" in step:
             lines.append(f"  kv cache: {json.dumps(step['kv_cache'])}")
@@ -547,11 +588,13 @@ def _format_report(report: dict[str, Any], placement: str) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    plan = _load(args, progress=False).plan
-    steps = len(plan.config.pipeline.flow)
+    pipe = _load(args, progress=False)
+    stages = pipe.config.pipeline.stages
+    steps = sum(len(s.config.pipeline.flow) for s in stages) or len(pipe.config.pipeline.flow)
+    sessions = len(pipe.assignments)
     print(
-        f"{args.model}: ok ({plan.config.source} config, {len(plan.signatures)} session(s), "
-        f"{steps} flow step(s))"
+        f"{args.model}: ok ({pipe.config.source} config, {sessions} session(s), "
+        f"{steps} flow step(s){f', {len(stages)} stages' if stages else ''})"
     )
     return 0
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Protocol
 from .chat import Chat
 from .config import Config, load_config
 from .config.profiles import Profile
+from .config.schema import TOKENS_OUTPUT
 from .errors import ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
@@ -27,6 +28,7 @@ from .loops.beam import BeamSearch
 from .loops.setup import LoopSetup, embed_request, loop_setup, output_request
 from .loops.single_pass import DEFAULT_BATCH
 from .loops.speculative import cannot_verify
+from .loops.stages import StagedModel
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
 from .outputs import OutputRequest
@@ -73,6 +75,7 @@ def load_model(
     dtype: str | dict[str, str] | None = None,
     device: str | Mapping[str | None, str] | None = None,
     f16: bool = True,
+    config: Config | None = None,
 ) -> Work:
 
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
@@ -85,9 +88,14 @@ def load_model(
     Each session runs the variant of its graph (variants.py) that `dtype` names (one for all, or
     per session), else its config's "dtype", else the first of `device`'s defaults the folder has
     (`device`: the target's, or None for each session's first execution provider; `f16`: whether
-    the device runs float16 graphs)."""
+    the device runs float16 graphs). `config`: the config to run instead of the folder's (a stage's).
+
+    A config of pipeline.stages loads each stage as a model of its own: a StagedModel (loops/stages.py)."""
     start = time.perf_counter()
-    config = with_variants(load_config(folder, profile=profile), folder, check_dtype(dtype), device, f16)
+    config = config or load_config(folder, profile=profile)
+    if config.pipeline.stages:
+        return (yield from _load_stages(config, folder, platform, profile, allow_plugins, dtype, device, f16))
+    config = with_variants(config, folder, check_dtype(dtype), device, f16)
     if prefix:
         config = _prefixed(config, prefix)
     plugin = config.pipeline.plugin
@@ -139,6 +147,47 @@ def load_model(
             raise ConfigError(f"generation.speculative.draft_model: {e}") from None
     model.load_ms = (time.perf_counter() - start) * 1000
     return model, sessions
+
+
+def _load_stages(config: Config, folder: Folder, platform: Platform, profile: Any, allow_plugins: bool,
+                 dtype: Any, device: Any, f16: bool) -> Work:
+    start = time.perf_counter()
+    models, sessions = {}, {}
+    for stage in config.pipeline.stages:
+        mine = {k: v for k, v in dtype.items() if k in stage.sessions} if isinstance(dtype, dict) else dtype
+        model, opened = yield from load_model(folder, platform, profile, allow_plugins, dtype=mine,
+                                              device=device, f16=f16, config=stage.config)
+        models[stage.name] = model
+        sessions.update(opened)
+    check_stage_wires(config, {n: m.plan for n, m in models.items()})
+    staged = StagedModel(config, models)
+    staged.load_ms = (time.perf_counter() - start) * 1000
+    return staged, sessions
+
+
+def check_stage_wires(config: Config, plans: dict[str, Plan]) -> None:
+    """The wires between stages name outputs and inputs the graphs have ("SESSION.tokens": the ids of a
+    stage's generator); a later autoregressive stage starts from its tokens.decoder_start."""
+    problems = []
+    signatures = {n: sig for plan in plans.values() for n, sig in plan.signatures.items()}
+    for stage in config.pipeline.stages[1:]:
+        if stage.config.generation.loop == "autoregressive" and stage.config.tokens.decoder_start is None:
+            problems.append(f'pipeline.stages.{stage.name}: a later autoregressive stage starts from '
+                            '[tokens.decoder_start]: set it in its "tokens"')
+    for w in (w for stage in config.pipeline.stages for w in stage.config.pipeline.stage_inputs):
+        src = signatures.get(w.from_session)
+        if src is None:
+            continue
+        producer = next(s for s in config.pipeline.stages if w.from_session in s.sessions)
+        generator = plans[producer.name].generator
+        if w.from_output == TOKENS_OUTPUT and (generator is None or generator.session != w.from_session):
+            problems.append(f'pipeline.dataflow: {w} reads the ids of "{w.from_session}", which is not the '
+                            f'session whose logits stage "{producer.name}" generates from')
+        elif w.from_output != TOKENS_OUTPUT and w.from_output not in src.output_names:
+            problems.append(f'pipeline.dataflow: {w}: session "{w.from_session}" has no output '
+                            f'"{w.from_output}" (outputs: {", ".join(src.output_names)})')
+    if problems:
+        raise ConfigError(problems)
 
 
 def with_variants(
@@ -341,6 +390,12 @@ class Model:
         if self.plan.final_phase and search.num_beams > 1:
             raise GenerationError(
                 "this folder's final steps run on one generated sequence: set num_beams to 1"
+            )
+        kept = [s.session for s in self.plan.step_phase if s.step.accumulate]
+        if kept and (search.num_beams > 1 or search.speculative):
+            raise GenerationError(
+                f"{', '.join(kept)} accumulate outputs step by step, which beam search and speculative "
+                "decoding do not keep: drop num_beams and the speculative settings"
             )
         if search.num_beams > 1:
             check_ids(ids, self.vocab)

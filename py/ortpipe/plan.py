@@ -11,7 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .config.schema import Config, FlowStep, KVCacheSpec
+from .config.schema import TOKENS_OUTPUT, Config, FlowStep, KVCacheSpec, OutputSpec
 from .errors import Problems, did_you_mean, one_of
 from .execute.work import FusedStep
 from .graphfacts import AttentionSite, DecoderFacts
@@ -35,6 +35,7 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
 # input ("sample") and timestep ("timestep") for its step session, its final latents ("latents") for a final
 # session wired to the step session's output.
 LOOP = "loop"
+STREAM = "stream:"  # a LOOP feed of rows streamed from an earlier stage: "stream:SESSION.OUTPUT"
 DENOISING_ROLES = ("sample", "timestep")
 CODEBOOK_ROLES = ("input_ids", "encoder_attention_mask")  # the codebook loop's step inputs (loops/codebooks)
 
@@ -187,7 +188,7 @@ def make_plan(config: Config, signatures: dict[str, Signature],
         _levels(init),
         tuple(step),
         tuple(by_phase["final"]),
-        _fused_step(step, by_phase["final"], signatures),
+        _fused_step(step, by_phase["final"], signatures, config.pipeline.outputs),
         facts,
     )
     _check_outputs(config, signatures, problems)
@@ -289,7 +290,8 @@ def _check_denoising(config: Config, plan: Plan, problems: Problems) -> None:
 
 
 def _fused_step(
-    step: list[FlowStepPlan], final: list[FlowStepPlan], sigs: dict[str, Signature]
+    step: list[FlowStepPlan], final: list[FlowStepPlan], sigs: dict[str, Signature],
+    outputs: tuple[OutputSpec, ...] = (),
 ) -> FusedStep | None:
     """The step phase as one fused greedy decode step (execute/work.py), when its shape allows: one
     decoder session run once per iteration, fed only input ids, an attention mask, 1D position ids
@@ -300,6 +302,8 @@ def _fused_step(
         return None
     s = step[0]
     if s.step.repeat != 1 or s.after_prefill or not s.kv or not s.logits or s.positions != "default":
+        return None
+    if s.step.accumulate or any(o.session == s.session for o in outputs):  # kept at every step
         return None
     read = {
         f.source.split(".")[0]
@@ -369,7 +373,7 @@ def _with_placeholder(config: Config, s: FlowStepPlan, init: list[FlowStepPlan])
 
 
 def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
-    for w in config.pipeline.dataflow:
+    for w in (*config.pipeline.dataflow, *config.pipeline.stage_inputs):  # a stage's: the other end elsewhere
         src, dst = sigs.get(w.from_session), sigs.get(w.to_session)
         if src and w.from_output not in src.output_names:
             problems.add(
@@ -426,6 +430,7 @@ def _step_plan(
             continue
         feed = (
             (Feed(t.name, LOOP, loop_roles[t.name], t.dtype) if t.name in loop_roles else None)
+            or _stage_input(config, step, t)
             or _explicit_wire(config, step, t)
             or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
             or _same_name_output(config, step, flow, sigs, t)
@@ -441,6 +446,7 @@ def _step_plan(
             positions = _position_strategy(config, step.run, t, problems)
         feeds.append(feed)
     _check_loop(step, sig, problems)
+    _check_accumulate(step, sig, problems)
     logits = spec.outputs.get("logits", "logits")
     logits = logits if logits in sig.output_names else None
     outputs = tuple(t.name for t in sig.outputs)
@@ -469,6 +475,35 @@ def _check_loop(step: FlowStep, sig: Signature, problems: Problems) -> None:
             f'"{step.loop_over}", '
             f"which has only {info.rank} dims {list(info.shape)}"
         )
+
+
+def _stage_input(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
+    """An input an earlier stage feeds. A step input of an autoregressive stage fed an accumulated output
+    takes the rows of its run's positions, which the stage runner supplies before each run (LOOP, source
+    "stream:SESSION.OUTPUT"); any other is given with the request."""
+    for w in config.pipeline.stage_inputs:
+        if w.to_session != step.run or w.to_input != t.name:
+            continue
+        rows = step.when == "step" and config.generation.loop == "autoregressive"
+        if rows and w.from_output != TOKENS_OUTPUT:
+            return Feed(t.name, LOOP, f"{STREAM}{w.source}", t.dtype)
+        return Feed(t.name, FROM_REQUEST, dtype=t.dtype)
+    return None
+
+
+def _check_accumulate(step: FlowStep, sig: Signature, problems: Problems) -> None:
+    for name in step.accumulate:
+        info = sig.output(name)
+        if info is None:
+            problems.add(
+                f'Flow step "{step.run}" accumulates "{name}", which session "{step.run}" does not output '
+                f"(outputs: {one_of(sig.output_names)}).{did_you_mean(name, sig.output_names)}"
+            )
+        elif info.rank is not None and info.rank < 2:
+            problems.add(
+                f'Flow step "{step.run}" accumulates "{name}" ({list(info.shape)}), which has no sequence '
+                "axis: outputs are joined along axis 1 ([batch, sequence, ...])"
+            )
 
 
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:

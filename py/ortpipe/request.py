@@ -71,6 +71,7 @@ class Result:
     # named outputs (pipeline.output): name -> the target's tensor, and name -> {"kind", "sampling_rate"}
     outputs: dict[str, Any] = field(default_factory=dict)
     kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stages: dict[str, Result] = field(default_factory=dict)  # pipeline.stages: each stage's own result
 
     def output_of(self, kind: str) -> Any:
         """The first named output of `kind` ("audio", "image", "embedding", "tensor"), or None."""
@@ -92,6 +93,9 @@ class Result:
                "timings": self.timings.as_dict()}
         if self.sequences:
             out["sequences"] = self.sequences
+        if self.stages:
+            out["stages"] = {name: {"tokens": r.tokens, "finish_reason": r.finish_reason}
+                             for name, r in self.stages.items()}
         if self.outputs:
             out["outputs"] = {
                 name: {**self.kinds.get(name, {}), **(describe(name, value) if describe else {})}
@@ -227,13 +231,15 @@ class Request:
         self.timings.final_ms += (time.perf_counter() - start) * 1000
 
     def result(self) -> Result:
-        kinds = {}
-        if self.outputs:
+        if self.outputs:  # the final steps' named outputs
             from .outputs import describe
 
             kinds = {n: k for n, k in describe(self.gen.plan).items() if n in self.outputs}
+            outputs = dict(self.outputs)
+        else:  # pipeline.output from the steps (an accumulated output's rows of the whole loop)
+            outputs, kinds = self.gen.named_outputs() if self.gen is not None else ({}, {})
         return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length",
-                      outputs=dict(self.outputs), kinds=kinds)
+                      outputs=outputs, kinds=kinds)
 
 
 class WholeRequest(Request):

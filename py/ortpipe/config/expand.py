@@ -5,17 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .schema import Config, FlowStep, OutputSpec, SessionSpec
+from .schema import Config, FlowStep, OutputSpec, SessionSpec, Wire
 from .settings import SETTINGS
 
 
 def as_v2(config: Config) -> dict[str, Any]:
     p = config.pipeline
+    if p.stages:
+        return _staged(config)
     pipeline: dict[str, Any] = {
         "sessions": {name: _session(s) for name, s in p.sessions.items()},
         "flow": [_step(s) for s in p.flow],
-        "dataflow": [{"from": f"{w.from_session}.{w.from_output}", "to": f"{w.to_session}.{w.to_input}"}
-                     for w in p.dataflow],
+        "dataflow": [_wire(w) for w in p.dataflow],
         "state": _clean(dataclasses.asdict(p.state)),
     }
     if p.extends:
@@ -32,6 +33,33 @@ def as_v2(config: Config) -> dict[str, Any]:
         "generation": _generation(config),
         "metadata": config.metadata,
     }
+
+
+def _staged(config: Config) -> dict[str, Any]:
+    """pipeline.stages: each stage's flow, state, generation and tokens; every wire and output once."""
+    p = config.pipeline
+    stages = {}
+    for stage in p.stages:
+        own = as_v2(stage.config)
+        stages[stage.name] = {"flow": own["pipeline"]["flow"], "state": own["pipeline"]["state"],
+                              "generation": own["generation"], "tokens": own["tokens"]}
+    pipeline: dict[str, Any] = {
+        "sessions": {name: _session(s) for name, s in p.sessions.items()},
+        "stages": stages,
+        "dataflow": [_wire(w) for w in p.dataflow],
+    }
+    if p.preprocessing:
+        pipeline["preprocessing"] = p.preprocessing
+    if p.outputs:
+        pipeline["output"] = [_output(o) for o in p.outputs]
+    return {"version": 2, "pipeline": pipeline, "metadata": config.metadata}
+
+
+def _wire(w: Wire) -> dict[str, Any]:
+    out: dict[str, Any] = {"from": w.source, "to": f"{w.to_session}.{w.to_input}"}
+    if w.stream:
+        out["stream"] = True
+    return out
 
 
 def _generation(config: Config) -> dict[str, Any]:
@@ -79,6 +107,7 @@ def _step(s: FlowStep) -> dict[str, Any]:
     for f in dataclasses.fields(s):
         value = getattr(s, f.name)
         if f.name not in out and value != getattr(defaults, f.name):
+            value = list(value) if isinstance(value, tuple) else value
             out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
     return out
 

@@ -157,6 +157,10 @@ def parse_config(raw: Any, folder: Folder, source: str = "v2", notes: tuple[str,
             '"autoregressive-decoder", "sessions": {"decoder": {"file": "model.onnx"}}}'
         )
         problems.raise_if_any()
+    if "stages" in pipe_raw:
+        from .stages import parse_stages
+
+        return parse_stages(top, pipe_raw, folder, source, notes)
     pipeline = _pipeline(_resolve_preset(pipe_raw, problems), folder, problems)
     generation = _generation(top.sub("generation"), folder)
     _check_loop(pipeline, generation, problems)
@@ -198,6 +202,10 @@ def _pipeline(raw: dict[str, Any], folder: Folder, problems: Problems) -> Pipeli
     sessions = _sessions(sec.sub("sessions"), folder, problems)
     flow = () if plugin and "flow" not in sec.raw else _flow(sec.get("flow", list), sessions, problems)
     dataflow = _dataflow(sec.get("dataflow", list, []), sessions, problems)
+    for w in dataflow:
+        if w.stream:
+            problems.add(f'pipeline.dataflow: the wire {w} has "stream", which is for wires between stages '
+                         "of pipeline.stages: drop it")
     _check_cycles(flow, dataflow, problems)
     return PipelineSpec(
         sessions=sessions,
@@ -309,6 +317,18 @@ def _check_loop(pipeline: PipelineSpec, generation: Generation, problems: Proble
         problems.add(
             f'generation.loop "single_pass" runs the init and final phases once; flow steps with '
             f'"when": "step" ({one_of(steps)}) would never run: make them "init"'
+        )
+    finished = [o.name for o in pipeline.outputs if o.kind in ("image", "embedding")]
+    if loop == "autoregressive" and finished:
+        problems.add(
+            f"pipeline.output {one_of(finished)}: an autoregressive request returns its outputs as the "
+            'sessions give them: "as" must be "tensor" or "audio"'
+        )
+    kept = [s.run for s in pipeline.flow if s.accumulate]
+    if loop != "autoregressive" and kept:
+        problems.add(
+            f'flow steps {one_of(kept)} accumulate outputs over the decode steps, which the "{loop}" loop '
+            'does not have: drop "accumulate"'
         )
     final = [s.run for s in pipeline.flow if s.when == "final"]
     if loop == "autoregressive" and final and not pipeline.outputs:
@@ -475,6 +495,7 @@ def _flow(
             "optional",
             "after",
             "cross_attention_from",
+            "accumulate",
         )
         run = s.get("run", str)
         if run is None:
@@ -525,7 +546,20 @@ def _flow_step(s: Section, run: str) -> FlowStep:
         optional=s.get("optional", bool, False),
         after=s.str_list("after"),
         cross_attention_from=s.get("cross_attention_from", str),
+        accumulate=_accumulate(s),
     )
+
+
+def _accumulate(s: Section) -> tuple[str, ...]:
+    """The step's outputs kept over the loop (the plan checks they exist and have a sequence axis)."""
+    names = s.str_list("accumulate")
+    if names and s.choice("when", WHEN, "step", WHEN_ALIASES, what="flow phase (when)") != "step":
+        s.problems.add(f'{s.path}.accumulate keeps outputs over the decode steps: only a "when": "step" '
+                       "step has them; drop it")
+        return ()
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        s.problems.add(f'{s.path}.accumulate names "{name}" twice')
+    return tuple(dict.fromkeys(names))
 
 
 def _check_flow_refs(steps: list[FlowStep], problems: Problems) -> None:
@@ -551,10 +585,11 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
     wires = []
     for i, item in enumerate(raw):
         s = Section(item, f"pipeline.dataflow[{i}]", problems, nulls=False)
-        s.allow("from", "to")
+        s.allow("from", "to", "stream")
         ends = [_endpoint(s, key, sessions) for key in ("from", "to")]
         if ends[0] and ends[1]:
-            wires.append(Wire(ends[0][0], ends[0][1], ends[1][0], ends[1][1]))
+            stream = bool(s.get("stream", bool, False))
+            wires.append(Wire(ends[0][0], ends[0][1], ends[1][0], ends[1][1], stream))
     return tuple(wires)
 
 

@@ -57,6 +57,9 @@ class FlowStep:
     optional: bool = False
     after: tuple[str, ...] = ()
     cross_attention_from: str | None = None  # the session whose cross cache this step reads
+    # outputs kept over the whole loop, joined along the sequence axis (1): the prefill's rows, then each
+    # decode step's; read by final steps and later stages (an autoregressive loop's step sessions only)
+    accumulate: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,16 @@ class Wire:
     from_output: str
     to_session: str
     to_input: str
+    # between stages: the consumer's run over positions [p, p + n) takes rows [p, p + n) of an accumulated
+    # output as they are made (zeros past its end once its stage is done)
+    stream: bool = False
 
     def __str__(self) -> str:
         return f"{self.from_session}.{self.from_output} -> {self.to_session}.{self.to_input}"
+
+    @property
+    def source(self) -> str:
+        return f"{self.from_session}.{self.from_output}"
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,29 @@ class PipelineSpec:
     plugin: dict[str, Any] | None = None
     extends: str | None = None
     outputs: tuple[OutputSpec, ...] = ()  # pipeline.output, in the config's order
+    stages: tuple[Stage, ...] = ()  # pipeline.stages, in run order; then flow is empty
+    # a stage's own config: the wires from earlier stages into its sessions (fed as request inputs, or
+    # streamed rows)
+    stage_inputs: tuple[Wire, ...] = ()
+    exported: tuple[str, ...] = ()  # "session.output" of init steps that later stages read: kept
+
+
+# The generated ids of a stage's generator session, as a dataflow source: "SESSION.tokens" (int64 [1, n],
+# a final eos left out).
+TOKENS_OUTPUT = "tokens"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a multi-stage pipeline (pipeline.stages.NAME): its own sessions, flow, loop and tokens,
+    as a config of its own."""
+
+    name: str
+    config: Config
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        return tuple(self.config.pipeline.sessions)
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,12 @@ class FlowRun:
         self.caches = {s.session: KVCache(s.kv, backend, batch, max_length) for s in steps if s.kv}
         read = {f.source for s in steps for f in s.feeds if f.kind in (FROM_OUTPUT, CARRIED)}
         read |= {o.source for o in plan.config.pipeline.outputs}  # what the request returns
+        read |= set(plan.config.pipeline.exported)  # what later stages read
         # each session's outputs that a later step reads: only these are kept
         self._read_later = {s.session: [o for o in s.outputs if f"{s.session}.{o}" in read] for s in steps}
         self.values: dict[str, Handle] = {}
+        # "session.output" -> its rows of every run of the step phase so far (FlowStep.accumulate)
+        self.accumulated: dict[str, Handle] = {}
         self.loop_inputs: dict[str, Handle] = {}  # LOOP feeds, by Feed.source: set by the loop before a run
         self.skipped: list[str] = []
         self.item_rows: dict[str, list[int]] = {}  # encoder -> rows of its output per item
@@ -210,6 +213,8 @@ class FlowRun:
                     yield from cache.update(out, n, self.backend)
                 if self._read_later[s.session]:
                     self._store(s, out)
+                if s.step.accumulate and counter == s.step.repeat - 1:
+                    yield from self._accumulate(s, out)
                 if s.logits:
                     logits = out[s.logits]
         self.position += n
@@ -320,7 +325,18 @@ class FlowRun:
             axes = [list(range(past + self.rope_delta, past + n + self.rope_delta))] * 3
         return b.tensor([p for axis in axes for p in axis * self.batch], (3, self.batch, n), dtype)
 
+    def _accumulate(self, s: FlowStepPlan, out: dict[str, Handle]) -> Work:
+        for name in s.step.accumulate:
+            key, value = f"{s.session}.{name}", out[name]
+            if key in self.accumulated:
+                dtype = self.plan.signatures[s.session].output(name).dtype
+                feeds = {"a": self.accumulated[key], "b": value}
+                value = (yield Run(kernel("concat1", dtype), feeds, ("y",), None, self.label))["y"]
+            self.accumulated[key] = value
+
     def _value(self, s: FlowStepPlan, name: str, source: str) -> Handle:
+        if s.step.when == "final" and source in self.accumulated:  # the whole loop's rows
+            return self.accumulated[source]
         if source in self.values:
             return self.values[source]
         producer = source.split(".")[0]

@@ -110,6 +110,19 @@ class TokenGenerator:
             return True
         return self.generated > 0 and self.tokens[-1] in self.limits.eos
 
+    def named_outputs(self) -> tuple[dict[str, Handle], dict[str, dict[str, object]]]:
+        """pipeline.output as the sessions gave them: an accumulated output's rows of the whole loop, any
+        other's last value; and {name: {"kind", "sampling_rate"}}."""
+        outputs: dict[str, Handle] = {}
+        kinds: dict[str, dict[str, object]] = {}
+        for o in self.plan.config.pipeline.outputs:
+            value = self.flow.accumulated.get(o.source, self.flow.values.get(o.source))
+            if value is not None:
+                outputs[o.name] = value
+                rate = {"sampling_rate": o.sampling_rate} if o.sampling_rate else {}
+                kinds[o.name] = {"kind": o.kind, **rate}
+        return outputs, kinds
+
     @property
     def prefill_length(self) -> int:
         """How many ids the next run will feed (the last prefill's length, once it ran)."""

@@ -368,6 +368,9 @@ class Engine:
             if pipe.plan.final_phase:
                 raise ConfigError("ortpipe serve answers completions with text; this folder's final steps "
                                   "make named outputs: run it with ortpipe run or the API")
+            if pipe.config.pipeline.stages:
+                raise ConfigError("ortpipe serve answers completions of one model; this folder is a pipeline "
+                                  "of stages (pipeline.stages): run it with ortpipe run or the API")
             kind = Batched if batchable(pipe.plan) is None else TimeSliced
             scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
         except BaseException as e:  # a folder that cannot be loaded ends the server

@@ -49,6 +49,7 @@ from ..execute.work import (
 )
 from ..folder import decode_text, inside
 from ..kernels import CPU_ONLY, kernel_file
+from ..loops.stages import StageChunk
 from ..model import Model, load_model
 from ..outputs import OutputRequest, Progress
 from ..request import Chunk, Request
@@ -541,6 +542,9 @@ class Task:
                     chunks += [{"token": c.token, "text": c.text} for c in item.chunks if type(c) is Chunk]
                     progress += [{"step": c.step, "steps": c.steps, "what": c.what} for c in item.chunks
                                  if type(c) is Progress]
+                    # a pipeline of stages: each stage's chunk (a loop that makes no tokens: token null)
+                    chunks += [{"token": c.token, "text": c.text, "stage": c.stage} for c in item.chunks
+                               if type(c) is StageChunk]
                     item = self.work.send(None)
                 elif type(item) is Decode:
                     self._item = item
@@ -737,10 +741,13 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         model = self._loaded()
-        files = {name: model.config.pipeline.sessions[name].file for name in sorted(model.plan.signatures)}
+        stages = getattr(model, "models", {})  # pipeline.stages: every stage's sessions
+        opened = {n for m in stages.values() for n in m.plan.signatures} or set(model.plan.signatures)
+        files = {name: model.config.pipeline.sessions[name].file for name in sorted(opened)}
         return {
             "device": self.driver.device,
-            "sessions": sorted(model.plan.signatures),
+            "sessions": sorted(opened),
+            "stages": list(stages),
             "files": files,  # the variant each session runs
             "dtypes": {name: dtype_of(file) for name, file in files.items()},
             "eos": list(model.config.tokens.eos),
