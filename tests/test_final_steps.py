@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 import ortpipe
 from ortpipe.errors import ConfigError, GenerationError
-from tests.handloop import hand_greedy
+from tests.handloop import _step_feeds, empty_pasts, hand_greedy
 
 RATE, SAMPLES_PER_TOKEN = 16000, 3
 
@@ -117,3 +117,34 @@ def test_cli_writes_the_final_output(folder: Path, tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--prompt-ids", "0,5",
                           "--out", str(tmp_path / "x.png")], capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "x.png" in bad.stderr
+
+
+def test_a_final_step_reads_an_accumulated_output(folder: Path) -> None:
+    """A step that accumulates its logits, and a final graph over them (their mean per position): the
+    final step gets the whole loop's rows, the logits of a run over prompt and generated tokens but
+    the last, with no cache (onnxruntime by hand)."""
+    nodes = [helper.make_node("ReduceMean", ["rows"], ["means"], axes=[2], keepdims=0)]
+    graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("rows", TensorProto.FLOAT,
+                                                                           ["b", "n", graphs.VOCAB])],
+                              [helper.make_tensor_value_info("means", TensorProto.FLOAT, ["b", "n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(folder / "mean.onnx"))
+    config = _config()
+    config["pipeline"]["sessions"]["mean"] = {"file": "mean.onnx"}
+    config["pipeline"]["flow"] = [{"run": "decoder", "when": "step", "accumulate": ["logits"]},
+                                  {"run": "vocoder", "when": "final"}, {"run": "mean", "when": "final"}]
+    config["pipeline"]["dataflow"].append({"from": "decoder.logits", "to": "mean.rows"})
+    means = {"session": "mean", "name": "means", "as": "audio", "sampling_rate": RATE}
+    config["pipeline"]["output"] = [config["pipeline"]["output"], means]
+
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    prompt = [graphs.BOS, 5, 9, 14]
+    result = ortpipe.load(folder).generate(prompt_ids=prompt, max_new_tokens=6)
+    assert result.tokens == hand_greedy(folder, prompt, 6, layout="separate")
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    ids = prompt + result.tokens[:-1]
+    (logits,) = session.run(["logits"], _step_feeds(session, ids, len(ids)) | empty_pasts(session))
+    assert result.outputs["means"].shape == (1, len(ids))
+    np.testing.assert_allclose(result.outputs["means"], logits.mean(axis=2), atol=1e-5)
+    assert result.outputs["waveform"].shape == (1, 6 * SAMPLES_PER_TOKEN)
