@@ -137,7 +137,6 @@ def test_a_final_step_reads_an_accumulated_output(folder: Path) -> None:
     config["pipeline"]["dataflow"].append({"from": "decoder.logits", "to": "mean.rows"})
     means = {"session": "mean", "name": "means", "as": "audio", "sampling_rate": RATE}
     config["pipeline"]["output"] = [config["pipeline"]["output"], means]
-
     (folder / "genai_config.json").write_text(json.dumps(config))
     prompt = [graphs.BOS, 5, 9, 14]
     result = ortpipe.load(folder).generate(prompt_ids=prompt, max_new_tokens=6)

@@ -332,7 +332,7 @@ def test_requests_a_loop_does_not_take_are_refused(vits_tiny: Path, sd_copy: Pat
         ortpipe.load(st_minilm).embed([])
 
 
-def test_a_final_step_in_the_autoregressive_loop_is_refused(tmp_path: Path) -> None:
+def test_a_final_step_of_the_autoregressive_loop_needs_named_outputs(tmp_path: Path) -> None:
     from ortpipe.config import load_config
     from ortpipe.folder import LocalFolder
 
@@ -343,8 +343,8 @@ def test_a_final_step_in_the_autoregressive_loop_is_refused(tmp_path: Path) -> N
                                          "flow": [{"run": "decoder", "when": "step"},
                                                   {"run": "vocoder", "when": "final"}]}}
     (tmp_path / "genai_config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r'"when": "final" \(vocoder\) run after the single_pass and '
-                                          r'denoising'):
+    with pytest.raises(ConfigError, match=r'"when": "final" \(vocoder\) run after the autoregressive loop to '
+                                          r"make named outputs: name them in pipeline.output"):
         load_config(LocalFolder(tmp_path))
 
 

@@ -43,6 +43,7 @@ class ScriptedGenerator:
         self.interrupted = False
         self.fused_steps = 0
         self.speculator = None
+        self.plan = SimpleNamespace(final_phase=())  # the script's pipeline runs no final steps
         self.budgets: list[int | None] = []  # what each next_token was told the request takes at most
 
     @property

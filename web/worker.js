@@ -337,7 +337,6 @@ async function startPython() {
   python.unpackArchive(zip, 'zip', { extractDir: sitePackages });
   const entropy = Array.from(crypto.getRandomValues(new Uint32Array(8)), (word) => word.toString(16).padStart(8, '0'));
   python.runPython(`import random; random.seed(0x${entropy.join('')})`);
-
   return python;
 }
 

@@ -70,7 +70,6 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-
     parser = argparse.ArgumentParser(prog="ortpipe", description="Run generative ONNX models from a folder "
                                      "of ONNX files and one genai_config.json.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -250,13 +249,14 @@ def _run(args: argparse.Namespace) -> int:
     )
     trace = Trace() if args.trace or args.verbose else None
     files = None
-    if not isinstance(request, OutputRequest) and (args.out or pipe.plan.final_phase):
+    staged = bool(pipe.config.pipeline.stages)  # _staged writes a pipeline of stages' outputs
+    if not isinstance(request, OutputRequest) and not staged and (args.out or pipe.plan.final_phase):
         from .targets.cpython.media import plan_files
 
         files = plan_files(pipe.plan, args.out)  # a token loop's final steps: refused before any model runs
     if isinstance(request, OutputRequest):  # a loop that makes no tokens: named outputs
         _outputs(pipe, request, trace, args)
-    elif pipe.config.pipeline.stages:
+    elif staged:
         _staged(pipe, request, trace, args)
     elif args.json:
         try:
@@ -382,7 +382,6 @@ class ProgressBar:
 
 
 def _embed(args: argparse.Namespace) -> int:
-
     texts = list(args.texts)
     if args.file:
         try:

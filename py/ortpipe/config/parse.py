@@ -360,7 +360,6 @@ def _check_loop(pipeline: PipelineSpec, generation: Generation, problems: Proble
 
 
 def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, SessionSpec]:
-
     if not sec.raw:
         problems.add(
             'Pipeline config requires at least one session. Add "sessions": '

@@ -130,7 +130,6 @@ class Noise:
         self.backend = backend
         self.rng = generator(seed)
 
-
     def draw(self, shape: tuple[int, ...], label: str = "") -> Work:
         count = math.prod(shape)
         pairs = (count + 1) // 2

@@ -46,12 +46,10 @@ def generator(seed: int | None) -> random.Random:
 
 
 class Sampler:
-
     def __init__(self, backend: Backend, logits_dtype: str, settings: SearchSettings, eos: frozenset[int]):
         self.backend, self.settings, self.eos = backend, settings, eos
         self.dtype = logits_dtype
         self.rng = generator(settings.seed)
-
         self._vocab = 0
         self._drawn: object = None  # the generator's state before a burst's draws
         self.label = ""  # the step the logits come from, for messages and traces

@@ -462,7 +462,6 @@ def _wheel_file(raw: JsProxy, work: ReadWheel) -> str:
 
 
 class JsBytesFile:
-
     """A graph file's bytes, held in JS, read as a seekable binary file: the core's graph reader takes
     the few fields it needs without copying the weights into Python."""
 
