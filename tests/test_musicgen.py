@@ -119,8 +119,32 @@ def test_bad_requests_are_refused(musicgen_tiny: Path) -> None:
     pipe = ortpipe.load(musicgen_tiny)
     with pytest.raises(GenerationError, match="at least 6"):
         pipe.generate("rock", max_new_tokens=3)
-    with pytest.raises(GenerationError, match="temperature"):
+    with pytest.raises(GenerationError, match="drop repetition_penalty"):
+        pipe.generate("rock", max_new_tokens=12, repetition_penalty=1.2)
+    with pytest.warns(UserWarning, match="temperature only apply when sampling"):
         pipe.generate("rock", max_new_tokens=12, temperature=0.5)
+    with pytest.raises(GenerationError, match="top_k"):
+        pipe.generate("rock", max_new_tokens=12, do_sample=True, top_k=-1)
+
+
+@pytest.mark.slow
+def test_sampled_codes(musicgen_tiny: Path) -> None:
+    """Sampling picks each codebook's token from its own row: with top_k 1 it gives transformers' greedy
+    codes and audio (a codebook sampled from another's row would not); seeded, the codes repeat; another
+    seed gives others."""
+    pipe = ortpipe.load(musicgen_tiny)
+    for case in _cases(musicgen_tiny):
+        run = {"max_new_tokens": case["max_new_tokens"], "guidance_scale": case["guidance_scale"]}
+        top1 = pipe.generate(case["prompt"], **run, do_sample=True, top_k=1, temperature=1.5)
+        assert top1.outputs["codes"].tolist() == case["codes"]
+        reference = np.load(musicgen_tiny / "references" / case["audio"])
+        assert float(np.abs(top1.outputs["audio_values"] - reference).max()) < AUDIO_TOLERANCE
+        sampled = [pipe.generate(case["prompt"], **run, do_sample=True, seed=seed).outputs["codes"].tolist()
+                   for seed in (1, 1, 2)]
+        assert sampled[0] == sampled[1] != sampled[2]
+        assert sampled[0] != case["codes"]
+        codes = np.array(sampled[0])
+        assert codes.shape == np.array(case["codes"]).shape and codes.min() >= 0
 
 
 @pytest.mark.slow

@@ -217,11 +217,12 @@ def test_demo_page_plays_speech_and_shows_an_image(page: Any, serve_model: Any, 
 
 def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
     """The detected MusicGen folder in the browser: transformers' codes and audio (within 1e-4), with and
-    without guidance."""
+    without guidance; seeded sampling gives CPython's codes."""
     from build import musicgen
 
     folder = musicgen.get()
     cases = _json(folder / "references" / "cases.json")["cases"]
+    sampled = {**cases[-1], "extra": {"doSample": True, "seed": 5, "topK": 50, "temperature": 1.2}}
     serve_model("musicgen-tiny", folder)
     page.goto("/")
     runs = page.evaluate("""async ({model, cases}) => {
@@ -231,7 +232,7 @@ def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
         const runs = [];
         for (const c of cases) {
           const result = await pipe.generate({prompt: c.prompt, maxNewTokens: c.max_new_tokens,
-                                              guidanceScale: c.guidance_scale});
+                                              guidanceScale: c.guidance_scale, ...(c.extra || {})});
           const out = result.outputs;
           runs.push({codes: Array.from(out.codes.data, Number), dims: out.codes.dims,
                      audio: Array.from(out.audio_values.audio), rate: out.audio_values.samplingRate,
@@ -241,8 +242,13 @@ def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
       } finally {
         pipe.dispose();
       }
-    }""", {"model": "models/musicgen-tiny/", "cases": cases})
-    for case, run in zip(cases, runs, strict=True):
+    }""", {"model": "models/musicgen-tiny/", "cases": [*cases, sampled]})
+    expected = ortpipe.load(folder).generate(sampled["prompt"], max_new_tokens=sampled["max_new_tokens"],
+                                             guidance_scale=sampled["guidance_scale"], do_sample=True, seed=5,
+                                             top_k=50, temperature=1.2).outputs["codes"].tolist()
+    assert expected != sampled["codes"]  # sampling changed the codes: the comparison can fail
+    assert np.array(runs[-1]["codes"]).reshape(runs[-1]["dims"]).tolist() == expected
+    for case, run in zip(cases, runs[:-1], strict=True):
         assert np.array(run["codes"]).reshape(run["dims"]).tolist() == case["codes"]
         reference = np.load(folder / "references" / case["audio"]).reshape(-1)
         difference = float(np.abs(np.array(run["audio"], np.float32) - reference).max())

@@ -852,7 +852,8 @@ def _generation(sec: Section, folder: Folder) -> Generation:
 
 
 def _codebooks(sec: Section, loop: str, values: dict[str, Any]) -> Codebooks | None:
-    """generation.codebooks: {count, delay, guidance_scale}; greedy only (one row of codes per request)."""
+    """generation.codebooks: {count, delay, guidance_scale} (one row of codes per request; greedy unless the
+    request samples)."""
     if "codebooks" not in sec.raw:
         return None
     c = sec.sub("codebooks")
@@ -875,8 +876,9 @@ def _codebooks(sec: Section, loop: str, values: dict[str, Any]) -> Codebooks | N
         sec.problems.add(f"{c.path}.delay must list {count} delays (steps, 0 to 4096), one per codebook, "
                          f"found {quote(list(delay))}")
     if values:  # max_length was taken out: every other setting would go unread
-        sec.problems.add(f"generation.codebooks decodes greedily and reads only max_length (and its own "
-                         f"guidance_scale): drop {', '.join(sorted(values))}")
+        sec.problems.add(f"generation.codebooks reads only max_length (and its own guidance_scale) from the "
+                         f"config; a request may sample (do_sample, temperature, top_k, top_p, min_p, "
+                         f"seed): drop {', '.join(sorted(values))}")
     scale = c.number("guidance_scale", float, 1.0, 0.0, 1e6)
     if delay is None or scale is None:
         return None

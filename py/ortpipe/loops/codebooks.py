@@ -1,6 +1,8 @@
 """The autoregressive loop over codebooks (generation.codebooks): each step's logits hold one row per codebook
-([rows * count, seq, vocab]), and one token of each codebook is picked per step (greedy, MusicGen's decoding
-as transformers' `generate` does it with do_sample false).
+([rows * count, seq, vocab]), and one token of each codebook is picked per step: greedy (transformers'
+`generate` with do_sample false), or sampled with the request's temperature, top_k, top_p and min_p (the
+sampler's kernels over the codebooks' rows; one uniform per codebook, codebook 0 first, from the seeded
+generator, so a seeded request gives the same codes on every target).
 
 Codebook k runs `delay[k]` steps behind the first: its first `delay[k] + 1` positions and its last
 `max(delay) - delay[k]` are tokens.pad, whatever the model predicts there (transformers' delay pattern mask,
@@ -13,27 +15,36 @@ dataflow source "generated.ids" of the final steps (an audio decoder) and the re
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
-from ..execute.work import Backend, Run, Work, kernel
+from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..outputs import OutputRequest, Progress, finish_outputs
 from ..plan import FROM_OUTPUT, Plan
 from ..request import Result
+from ..sampling.sampler import Sampler
 from .text import TextSetup, text_inputs
+
+# the request settings that pick a codebook's token (a penalty or a ban per codebook is not read)
+CODEBOOK_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "seed")
 
 
 class CodebookRequest(OutputRequest):
     """One text's codes, step by step (each advance one decoder step; the last one runs the final phase)."""
 
     def __init__(self, plan: Plan, backend: Backend, row: list[int], setup: TextSetup, max_new_tokens: int,
-                 guidance_scale: float):
+                 guidance_scale: float, search: Any):
         super().__init__(plan)
         books = plan.config.generation.codebooks
         self.backend, self.row, self.setup = backend, row, setup
         self.delay, self.pad = books.delay, plan.config.tokens.pad
         self.scale = guidance_scale
         self.guided = guidance_scale > 1
+        self.sampler = None
+        if search.sampling:  # scores of float32 logits: the guided ones, or the decoder's cast
+            dtype = "float32" if self.guided else self._dtype()
+            self.sampler = Sampler(backend, dtype, search, frozenset())
         self.length = 1 + max_new_tokens  # transformers' max_length: the start column and the new ones
         last = max(self.delay)
         if max_new_tokens < 2 * last or max_new_tokens <= last:
@@ -65,8 +76,7 @@ class CodebookRequest(OutputRequest):
             dtype = "float32"
         else:
             dtype = self._dtype()
-        token = yield Run(kernel("argmax_last", dtype), {"logits": logits}, ("token",), None, "pick")
-        picked = b.to_list(token["token"])
+        picked = yield from self._pick(logits, dtype)
         for k, codes in enumerate(self.codes):
             codes.append(self.pad if self._forced(k, t + 1) else int(picked[k]))
         step = len(self.codes[0]) - 1
@@ -82,6 +92,21 @@ class CodebookRequest(OutputRequest):
         else:
             self.timings.decode_ms += elapsed
         return Progress(step, self.length - 1, "step")
+
+    def _pick(self, logits: Handle, dtype: str) -> Work:
+        """One token per codebook from the last position's logits [count, seq, vocab]."""
+        b, sampler = self.backend, self.sampler
+        if sampler is None:
+            token = yield Run(kernel("argmax_last", dtype), {"logits": logits}, ("token",), None, "pick")
+            return b.to_list(token["token"])
+        count = len(self.delay)
+        sampler.label, sampler._vocab = "pick", b.shape(logits)[-1]
+        none: list[list[int]] = [[] for _ in range(count)]
+        scores = yield from sampler.scores(logits, none, none)
+        uniforms = b.tensor([1.0 - sampler.rng.random() for _ in range(count)], (count,), "float32")
+        token = yield Run(kernel("sample", "float32"), {"scores": scores, "u": uniforms}, ("token",), None,
+                          "pick")
+        return b.to_list(token["token"])
 
     def _dtype(self) -> str:
         s = self.plan.step_phase[0]

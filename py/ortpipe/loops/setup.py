@@ -7,15 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.settings import BY_NAME
+from ..config.settings import BY_NAME, SearchSettings
 from ..errors import GenerationError
 from ..execute.work import Handle
 from ..folder import Folder
 from ..jsonfile import quote
 from ..plan import Plan
-from ..sampling.settings import check_setting
+from ..sampling.settings import check_setting, settings_for
 from ..tokenizer import Tokenizer
-from .codebooks import CodebookRequest
+from .codebooks import CODEBOOK_SAMPLING, CodebookRequest
 from .denoising import DenoisingRequest, DenoisingSetup, denoising_setup
 from .schedulers import make_schedule
 from .single_pass import DEFAULT_BATCH, SinglePassRequest
@@ -143,14 +143,16 @@ def _codebook_request(
     plan: Plan, backend: Any, setup: LoopSetup, tokenizer: Tokenizer | None, prompt: Any, prompt_ids: Any,
     inputs: dict[str, Handle] | None, given: dict[str, Any]
 ) -> CodebookRequest:
-    """A request of the autoregressive loop over codebooks: its length and guidance; nothing else is read."""
-    known = ("max_new_tokens", "max_length", "guidance_scale")
+    """A request of the autoregressive loop over codebooks: its length, guidance and how each codebook's
+    token is picked (greedy, or sampled with the sampling settings); nothing else is read."""
+    known = ("max_new_tokens", "max_length", "guidance_scale", *CODEBOOK_SAMPLING)
     unread = sorted(k for k, v in given.items() if k not in known and v is not None)
     if unread or inputs:
         raise GenerationError(
-            f"this folder generates codebooks greedily from a text and reads only {', '.join(known)}; "
+            f"this folder generates codebooks from a text and reads only {', '.join(known)}; "
             f"drop {', '.join(unread) or 'inputs'}"
         )
+    search = settings_for(SearchSettings(), {k: given[k] for k in CODEBOOK_SAMPLING if k in given})
     rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
     if rows is None:
         raise GenerationError("the codebook loop needs an init session that reads the prompt's input_ids")
@@ -167,7 +169,7 @@ def _codebook_request(
     if scale is None:
         scale = plan.config.generation.codebooks.guidance_scale
     scale = check_setting("guidance_scale", scale)
-    return CodebookRequest(plan, backend, rows[0], setup.text, length - 1, scale)
+    return CodebookRequest(plan, backend, rows[0], setup.text, length - 1, scale, search)
 
 
 def embed_request(

@@ -57,7 +57,6 @@ def _warn_unsampled(s: SearchSettings, given: dict[str, Any]) -> None:
         )
 
 
-
 def check_combination(s: SearchSettings) -> None:
     """What each setting allows alone, the table checks; these are the rules between settings."""
     if s.num_beams > 1 and s.do_sample:
