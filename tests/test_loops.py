@@ -259,6 +259,11 @@ def test_speech_and_embedding_cli(vits_tiny: Path, st_minilm: Path, tmp_path: Pa
     assert done.returncode == 0, done.stderr
     got = np.array(json.loads(done.stdout)["embeddings"], dtype=np.float32)
     assert np.abs(got - np.load(st_minilm / "references" / "embeddings.npy")[:2]).max() <= EMBEDDING_TOLERANCE
+    saved = wav.with_name("embeddings.npy")
+    done = subprocess.run([sys.executable, "-m", "ortpipe.cli", "embed", str(st_minilm), "Hello world.", "A",
+                           "--out", str(saved)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(np.load(saved), got)
 
 
 # --- what is refused -----------------------------------------------------------------------------

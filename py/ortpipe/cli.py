@@ -393,9 +393,9 @@ def _embed(args: argparse.Namespace) -> int:
         raise GenerationError("give texts to embed (arguments, or --file with one a line)")
     embeddings = _load(args).embed(texts, batch_size=args.batch_size)
     if args.out:
-        import numpy as np
+        from .targets.cpython.media import write_npy
 
-        np.save(args.out, embeddings)
+        write_npy(args.out, embeddings)
     if args.json:
         print(json.dumps({"dim": int(embeddings.shape[1]), "embeddings": embeddings.tolist()}))
     elif not args.out:

@@ -100,7 +100,6 @@ class CodebookRequest(OutputRequest):
             token = yield Run(kernel("argmax_last", dtype), {"logits": logits}, ("token",), None, "pick")
             return b.to_list(token["token"])
         count = len(self.delay)
-        sampler.label, sampler._vocab = "pick", b.shape(logits)[-1]
         none: list[list[int]] = [[] for _ in range(count)]
         scores = yield from sampler.scores(logits, none, none)
         uniforms = b.tensor([1.0 - sampler.rng.random() for _ in range(count)], (count,), "float32")

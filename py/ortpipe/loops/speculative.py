@@ -331,9 +331,6 @@ def roll_back(flow: FlowRun, length: int) -> Work:
 
 def _rows(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], generated: int) -> Work:
     """Processed scores [k+1, vocab], one row per checked position, each with the text before it."""
-    b = sampler.backend
-    if not sampler._vocab:
-        sampler._vocab = b.shape(logits)[-1]
     out = yield Run(kernel("unfold", sampler.dtype), {"logits": logits}, ("rows",), None, sampler.label)
     rows = out["rows"]
     seen = [tokens + drafts[:i] for i in range(len(drafts) + 1)]

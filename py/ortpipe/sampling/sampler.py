@@ -132,8 +132,6 @@ class Sampler:
                 kernel("argmax_last", self.dtype), {"logits": logits}, ("token",), None, self.label
             )
             return b.to_list(out["token"])[0]
-        if not self._vocab:
-            self._vocab = b.shape(logits)[-1]
         scores = yield from self.scores(logits, [tokens], [banned])
         if not s.sampling:
             out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",))
@@ -147,7 +145,10 @@ class Sampler:
 
     def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]]) -> Work:
         """Processed float32 scores [rows, vocab]: penalties, bans, and (when sampling) the warpers."""
-        s, b, vocab = self.settings, self.backend, self._vocab
+        s, b = self.settings, self.backend
+        if not self._vocab:
+            self._vocab = b.shape(logits)[-1]
+        vocab = self._vocab
         penalize = s.repetition_penalty != 1.0
         temperature = s.temperature if s.sampling else 1.0
         out = yield Run(

@@ -178,6 +178,11 @@ def plan_files(plan: Any, specs: list[str]) -> dict[str, list[str]]:
     return files
 
 
+def write_npy(path: str | os.PathLike[str], value: Any) -> None:
+    """An array as a .npy file (numpy adds the suffix when the path has none)."""
+    np.save(path, np.asarray(value))
+
+
 def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[str]]:
     """Write each named output to its files; a batch of several images or clips to FILE-0, FILE-1, ...
     Returns {name: [the files written]}."""
@@ -189,7 +194,7 @@ def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[st
         for target in targets:
             path = Path(target)
             if path.suffix.lower() == ".npy":
-                np.save(path, value)
+                write_npy(path, value)
                 written.setdefault(name, []).append(str(path))
                 continue
             if kind["kind"] == "audio" and value.ndim == 3:  # [batch, 1, samples]: mono
