@@ -101,13 +101,19 @@ export class DraftLength {
     this.misses = DECAY * this.misses + (accepted < drafted ? 1 : 0);
   }
 
+  /** The median run of one token; 0 before any, or when the clock is too coarse to see one (the
+   * browser's timer can read 0 for a fast run: the ratios wait for a measurable one). */
+  one() {
+    return this.ones.length ? median(this.ones) : 0;
+  }
+
   timed(tokens, seconds) {
     if (tokens === 1) keepLast(this.ones, seconds);
-    else if (this.ones.length) keepLast(this.extras, Math.max(0, (seconds / median(this.ones) - 1) / (tokens - 1)));
+    else if (this.one() > 0) keepLast(this.extras, Math.max(0, (seconds / this.one() - 1) / (tokens - 1)));
   }
 
   drafted(steps, seconds) {
-    if (this.ones.length && steps) keepLast(this.drafts, seconds / steps / median(this.ones));
+    if (this.one() > 0 && steps) keepLast(this.drafts, seconds / steps / this.one());
   }
 
   state() {

@@ -153,17 +153,22 @@ class DraftLength:
         self.hits = self.DECAY * self.hits + accepted
         self.misses = self.DECAY * self.misses + (accepted < drafted)
 
+    def one(self) -> float:
+        """The median time of a run of one token; 0 before any (or when the clock is too coarse to see one:
+        a browser's timer can read 0 for a fast run, and the ratios then wait for a measurable one)."""
+        return statistics.median(self.ones) if self.ones else 0.0
+
     def timed(self, tokens: int, seconds: float) -> None:
         """A target's run of `tokens` tokens took `seconds`: what one more token costs, measured."""
         if tokens == 1:
             self.ones.append(seconds)
-        elif self.ones:
-            self.extras.append(max(0.0, (seconds / statistics.median(self.ones) - 1) / (tokens - 1)))
+        elif self.one() > 0:
+            self.extras.append(max(0.0, (seconds / self.one() - 1) / (tokens - 1)))
 
     def drafted(self, steps: int, seconds: float) -> None:
         """A draft model took `seconds` for `steps` drafted tokens."""
-        if self.ones and steps:
-            self.drafts.append(seconds / steps / statistics.median(self.ones))
+        if self.one() > 0 and steps:
+            self.drafts.append(seconds / steps / self.one())
 
     def state(self) -> dict[str, Any]:
         measured = {name: list(getattr(self, name)) for name in ("ones", "extras", "drafts")}
