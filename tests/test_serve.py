@@ -345,8 +345,16 @@ def test_malformed_bodies_and_urls_get_openai_errors(server: Served) -> None:
     assert status == 400 and json.loads(body)["error"]["param"] == "model"
     status, body = raw(server.url, "POST", "/v1/completions", b'{"model": "x", "prompt": ["a", "b"]}', post)
     assert status == 400 and json.loads(body)["error"]["code"] == "unsupported_parameter"
-    status, body = raw(server.url, "POST", "/v1/embeddings", b"{}", post)
-    assert status == 404 and json.loads(body)["error"]["message"] == "Invalid URL (POST /v1/embeddings)"
+    status, body = raw(server.url, "POST", "/v1/audio/transcriptions", b"{}", post)
+    assert status == 404
+    assert json.loads(body)["error"]["message"] == "Invalid URL (POST /v1/audio/transcriptions)"
+    status, body = raw(
+        server.url, "POST", "/v1/embeddings", b"{}", post
+    )  # the route of another kind of model
+    assert status == 404 and json.loads(body)["error"]["message"] == (
+        "This server's model is a text model: it answers POST /v1/chat/completions and POST /v1/completions "
+        "only."
+    )
     status, body = raw(server.url, "GET", "/v1/chat/completions")
     assert status == 405
     ok = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
@@ -620,8 +628,10 @@ def test_serve_loads_with_the_profile_and_providers_asked_for(folder: Path) -> N
 
 # --- logprobs --------------------------------------------------------------------------------------------
 
-def test_logprobs_in_chat_and_completions_equal_the_pipelines(server: Served, pipe: Any,
-                                                              folder: Path) -> None:
+
+def test_logprobs_in_chat_and_completions_equal_the_pipelines(
+    server: Served, pipe: Any, folder: Path
+) -> None:
     """The chosen tokens' log-probabilities and their alternatives, in OpenAI's two shapes, are what
     pipe.generate gives (tests/test_sampling.py checks those against a hand computation)."""
     client = server.client(max_retries=0)
@@ -667,10 +677,40 @@ def test_logprobs_in_chat_and_completions_equal_the_pipelines(server: Served, pi
     )
 
 
-def test_a_folder_whose_loop_makes_no_tokens_ends_the_server_at_load(vits_tiny: Path) -> None:
-    """ortpipe serve answers completions: a single_pass folder is refused when it loads, not at a request."""
-    engine = Engine(lambda: ortpipe.load(vits_tiny, threads=1))
-    engine.start()
-    engine.stop(30)
-    assert isinstance(engine.error, ortpipe.ConfigError)
-    assert 'generation.loop is "single_pass", which makes no tokens' in str(engine.error)
+def test_the_serve_benchmark_command_reports_each_level(folder: Path) -> None:
+    """`ortpipe bench --serve` starts a server, sends every level's streams and reports what they got (its
+    times are not checked: this machine is shared)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ortpipe.cli",
+            "bench",
+            "--serve",
+            str(folder),
+            "--streams",
+            "1,3",
+            "--rounds",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "5",
+            "--threads",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    levels = json.loads(done.stdout)["levels"]
+    assert [(lv["streams"], lv["requests"], lv["tokens"]) for lv in levels] == [(1, 2, 10), (3, 6, 30)]
+    assert all(lv["tokens_per_s"] > 0 and lv["ttft_p50_ms"] > 0 for lv in levels)
+    wrong = subprocess.run(
+        [sys.executable, "-m", "ortpipe.cli", "bench", "--serve", str(folder), "--streams", "x"],
+        capture_output=True,
+        text=True,
+    )
+    assert wrong.returncode == 2 and "--streams takes positive counts" in wrong.stderr

@@ -163,6 +163,16 @@ def _parser() -> argparse.ArgumentParser:
     serve_command.add_arguments(serve)
     _provider_args(serve)
     serve.set_defaults(func=serve_command.run)
+
+    bench = sub.add_parser(
+        "bench", help="--serve: the aggregate tokens/s of ortpipe serve at 1, 2, 4 and 8 concurrent streams"
+    )
+    bench.add_argument("--serve", action="store_true", required=True,
+                       help="measure the server (starts `ortpipe serve MODEL_DIR`, or measures --url)")
+    from .serve import load as serve_load  # standard library only
+
+    serve_load.add_arguments(bench)
+    bench.set_defaults(func=lambda args: serve_load.checked(bench, args))
     return parser
 
 

@@ -3,9 +3,10 @@
     protocol.py  the OpenAI wire format: request bodies checked, responses and stream chunks built (no I/O)
     rows.py      a request as a row: chat template, tokens, the prompt cache, the core's Request
     engine.py    the engine thread that owns the pipeline, the bounded queue, the scheduler interface
+    outputs.py   the endpoints of folders that make outputs: /v1/embeddings, /v1/audio/speech, /v1/images
     metrics.py   /metrics in the Prometheus text format
     app.py       the Starlette routes, API key, CORS, server-sent events, disconnects
-    load.py      the serve benchmark (`python -m ortpipe.serve.load`: tokens/s at 1 to 8 streams)
+    load.py      the serve benchmark (`ortpipe bench --serve`: tokens/s at 1 to 8 streams)
 
 The HTTP stack is Starlette on uvicorn (its pure-Python h11 protocol: no compiler on an ARM board). What
 decided it over the standard library's ThreadingHTTPServer: a server-sent-events stream per client is

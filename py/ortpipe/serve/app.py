@@ -29,7 +29,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from .engine import Delta, Engine, Failed, Finished, Job, NotReady, QueueFull
+from .engine import Delta, Engine, Failed, Finished, Job, Made, NotReady, QueueFull
+from .outputs import OutputQuery, parse_embeddings, parse_images, parse_speech
 from .protocol import Completion, InvalidRequest, Reply, error_body, parse_chat, parse_text
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -41,6 +42,7 @@ def create_app(engine: Engine, model_dir: str | Path, api_key: str | None = None
                cors: list[str] | None = None) -> Starlette:
     """The server's ASGI app; its lifespan starts the engine (the model loads behind /health's 503)."""
     api = Api(engine, Path(model_dir))
+    engine.model = api.model
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -52,6 +54,9 @@ def create_app(engine: Engine, model_dir: str | Path, api_key: str | None = None
 
     routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.text, methods=["POST"]),
+              Route("/v1/embeddings", api.embeddings, methods=["POST"]),
+              Route("/v1/audio/speech", api.speech, methods=["POST"]),
+              Route("/v1/images/generations", api.images, methods=["POST"]),
               Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.one_model),
               Route("/health", api.health), Route("/metrics", api.metrics)]
     middleware = [Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
@@ -74,27 +79,44 @@ class Api:
         self.created = int(time.time())
 
     async def chat(self, request: Request) -> Any:
-        return await self._complete(request, parse_chat, "chatcmpl")
+        return await self._complete(request, parse_chat, "chatcmpl", "completions")
 
     async def text(self, request: Request) -> Any:
-        return await self._complete(request, parse_text, "cmpl")
+        return await self._complete(request, parse_text, "cmpl", "completions")
 
-    async def _complete(self, request: Request, parse: Callable[[Any], Completion], prefix: str) -> Any:
+    async def embeddings(self, request: Request) -> Any:
+        return await self._complete(request, parse_embeddings, "embd", "embeddings")
+
+    async def speech(self, request: Request) -> Any:
+        return await self._complete(request, parse_speech, "speech", "speech")
+
+    async def images(self, request: Request) -> Any:
+        return await self._complete(request, parse_images, "img", "images")
+
+    async def _complete(self, request: Request, parse: Callable[[Any], Completion | OutputQuery],
+                        prefix: str, endpoint: str) -> Any:
         engine = self.engine
         try:
+            engine.check_endpoint(endpoint)  # before the body: a model that does not answer here says so
             completion = parse(await _json_body(request))
             job = Job(f"{prefix}-{uuid.uuid4().hex[:24]}", completion, asyncio.get_running_loop())
             engine.submit(job)
         except InvalidRequest as e:
             return _error(e)
         except QueueFull as e:
-            busy = (f"The server is busy: {engine.max_batch} requests are being generated and "
-                    f"{engine.max_queue} are waiting. Retry after {e.retry_after} s.")
-            return _error(InvalidRequest(busy, code="rate_limit_exceeded", status=429, kind="requests"),
-                          {"retry-after": str(e.retry_after)})
+            busy = (
+                f"The server is busy: {engine.max_batch} requests are being generated and "
+                f"{engine.max_queue} are waiting. Retry after {e.retry_after} s."
+            )
+            return _error(
+                InvalidRequest(busy, code="rate_limit_exceeded", status=429, kind="requests"),
+                {"retry-after": str(e.retry_after)},
+            )
         except NotReady:
             why = f"The engine stopped: {engine.error}" if engine.error else "The model is loading."
             return _error(InvalidRequest(why, status=503, kind="server_error"), {"retry-after": "1"})
+        if isinstance(completion, OutputQuery):
+            return OutputResponse(job, engine)
         return JobResponse(job, engine, Reply(job.id, completion, self.model, self.fingerprint))
 
     def _model_object(self) -> dict[str, Any]:
@@ -106,8 +128,9 @@ class Api:
     async def one_model(self, request: Request) -> Response:
         name = request.path_params["model"]
         if name != self.model:
-            return _error(InvalidRequest(f"The model '{name}' does not exist", "model", "model_not_found",
-                                         status=404))
+            return _error(
+                InvalidRequest(f"The model '{name}' does not exist", "model", "model_not_found", status=404)
+            )
         return JSONResponse(self._model_object())
 
     async def health(self, request: Request) -> Response:
@@ -116,8 +139,49 @@ class Api:
         return JSONResponse({"status": "error" if self.engine.error else "loading"}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
-        return PlainTextResponse(self.engine.metrics.render(self.engine.gauges()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            self.engine.metrics.render(self.engine.gauges()),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+
+class OutputResponse:
+    """An output endpoint's response: its JSON or media once the job is done; a client that leaves before
+    cancels the job."""
+
+    def __init__(self, job: Job, engine: Engine):
+        self.job, self.engine = job, engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(_watch(receive, self.job))
+        finished = False
+        try:
+            event = await self.job.events.get()
+            if event is DISCONNECTED:
+                return
+            finished = True
+            if isinstance(event, Made):
+                reply = event.reply
+                response: Response = (
+                    JSONResponse(reply.body)
+                    if isinstance(reply.body, dict)
+                    else Response(reply.body, media_type=reply.media_type)
+                )
+            else:
+                assert isinstance(event, Failed)
+                response = _error(event.error)
+            await response(scope, receive, send)
+        finally:
+            watcher.cancel()
+            if not finished:
+                self.engine.cancel(self.job)
+
+
+async def _watch(receive: Receive, job: Job) -> None:
+    """Put DISCONNECTED on the job's events when its client leaves."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.events.put_nowait(DISCONNECTED)  # type: ignore[arg-type]
 
 
 class JobResponse:
@@ -128,7 +192,7 @@ class JobResponse:
         self.finished = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.ensure_future(self._watch(receive))
+        watcher = asyncio.ensure_future(_watch(receive, self.job))
         try:
             first = await self.job.events.get()
             if first is DISCONNECTED:
@@ -144,11 +208,6 @@ class JobResponse:
             watcher.cancel()
             if not self.finished:
                 self.engine.cancel(self.job)
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.job.events.put_nowait(DISCONNECTED)  # type: ignore[arg-type]
 
     async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         texts, logprobs = [], []
@@ -166,14 +225,19 @@ class JobResponse:
             else:
                 assert isinstance(event, Finished)
                 asked = self.job.completion.settings.get("logprobs") is not None
-                response = JSONResponse(self.reply.response("".join(texts), event.finish_reason, event.usage,
-                                                            logprobs if asked else None))
+                response = JSONResponse(
+                    self.reply.response(
+                        "".join(texts), event.finish_reason, event.usage, logprobs if asked else None
+                    )
+                )
             await response(scope, receive, send)
             return
 
     async def _stream(self, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                   *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items())]
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            *((k.encode(), v.encode()) for k, v in SSE_HEADERS.items()),
+        ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if self.reply.chat:
             await _event(send, self.reply.chunk(first=True))
@@ -213,8 +277,10 @@ async def _json_body(request: Request) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError):
-        raise InvalidRequest("We could not parse the JSON body of your request. The API expects a JSON "
-                             "payload (Content-Type: application/json).") from None
+        raise InvalidRequest(
+            "We could not parse the JSON body of your request. The API expects a JSON "
+            "payload (Content-Type: application/json)."
+        ) from None
 
 
 def _too_large() -> InvalidRequest:
@@ -233,8 +299,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return JSONResponse(error_body("The server had an error while processing your request.", "server_error"),
-                        status_code=500)
+    return JSONResponse(
+        error_body("The server had an error while processing your request.", "server_error"), status_code=500
+    )
 
 
 class RequireKey:
@@ -251,9 +318,15 @@ class RequireKey:
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
             await self.app(scope, receive, send)
             return
-        message = ("Incorrect API key provided." if token else
-                   "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
-                   "(Authorization: Bearer YOUR_KEY).")
-        response = JSONResponse(error_body(message, code="invalid_api_key" if token else None),
-                                status_code=401, headers={"www-authenticate": "Bearer"})
+        message = (
+            "Incorrect API key provided."
+            if token
+            else "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
+            "(Authorization: Bearer YOUR_KEY)."
+        )
+        response = JSONResponse(
+            error_body(message, code="invalid_api_key" if token else None),
+            status_code=401,
+            headers={"www-authenticate": "Bearer"},
+        )
         await response(scope, receive, send)

@@ -13,7 +13,8 @@ all. `Batched` is continuous batching (loops/batched.py): a request prefills alo
 its row joins the batch, and every step is one batched decoder run for all rows, so N streams cost far less
 than N times one. It serves the model builder's decoders (one shared past/present buffer); for other
 pipelines `TimeSliced` advances the rows one after another (one burst of fused decode steps each), so a
-long generation does not hold back a short one.
+long generation does not hold back a short one. A folder that makes outputs (embeddings, speech, images:
+outputs.py) is served by `Outputs`, which advances its requests in turn one step each.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import ConfigError, GenerationError
+from ..errors import GenerationError
 from ..loops.batched import Batch, batchable
 from .metrics import Gauges, Metrics
+from .outputs import ENDPOINTS, KINDS, OutputQuery, OutputReply, OutputRow, served
 from .protocol import Completion, InvalidRequest, TokenLogprob, Usage
 from .rows import PromptCache, Row, chat_template, prompt_ids, slot_length
 
@@ -62,13 +64,18 @@ class Failed:
     error: InvalidRequest  # status and OpenAI error object
 
 
-Event = Started | Delta | Finished | Failed
+@dataclass(frozen=True)
+class Made:
+    reply: OutputReply  # an output endpoint's whole answer
+
+
+Event = Started | Delta | Finished | Failed | Made
 
 
 class Job:
     """One request's passage through the engine. Made on the event loop, which reads `events`."""
 
-    def __init__(self, job_id: str, completion: Completion, loop: asyncio.AbstractEventLoop):
+    def __init__(self, job_id: str, completion: Completion | OutputQuery, loop: asyncio.AbstractEventLoop):
         self.id, self.completion, self._loop = job_id, completion, loop
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = False  # set by the event loop; the engine reads it between steps
@@ -197,19 +204,24 @@ class TimeSliced:
         self._leave(job)
 
     def _fail(self, job: Job, e: Exception) -> None:
-        if isinstance(e, InvalidRequest):
-            error = e
-        elif isinstance(e, GenerationError):
-            error = InvalidRequest(str(e))
-        else:
-            log.exception("%s failed", job.id)
-            error = InvalidRequest(
-                f"The server failed on this request: {type(e).__name__}: {e}", status=500, kind="server_error"
-            )
-        job.emit(Failed(error))
-        self.metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
-        log.info("%s error=%d %s", job.id, error.status, error.message)
+        _failed(job, e, self.metrics)
         self._leave(job)
+
+
+def _failed(job: Job, e: Exception, metrics: Metrics) -> None:
+    """Tell a job why it failed (a refused request is a 400, a bug a 500) and count it."""
+    if isinstance(e, InvalidRequest):
+        error = e
+    elif isinstance(e, GenerationError):
+        error = InvalidRequest(str(e))
+    else:
+        log.exception("%s failed", job.id)
+        error = InvalidRequest(
+            f"The server failed on this request: {type(e).__name__}: {e}", status=500, kind="server_error"
+        )
+    job.emit(Failed(error))
+    metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
+    log.info("%s error=%d %s", job.id, error.status, error.message)
 
 
 class Batched(TimeSliced):
@@ -266,6 +278,74 @@ class Batched(TimeSliced):
             self.pipe.driver.drive(self.batch.leave(row.gen.core))
 
 
+class Outputs:
+    """Up to `max_rows` requests of an output endpoint (embeddings, speech, images), advanced in turn one
+    step each (a batch of texts, a denoising step), so that a long one does not hold back the others."""
+
+    def __init__(self, pipe: Any, max_rows: int, metrics: Metrics, leave: Callable[[Job], None], model: str):
+        self.pipe, self.max_rows, self.metrics, self._leave = pipe, max_rows, metrics, leave
+        self.model = model
+        self.open: dict[Job, OutputRow] = {}
+
+    @property
+    def rows(self) -> int:
+        return len(self.open)
+
+    def room(self) -> int:
+        return self.max_rows - len(self.open)
+
+    def admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._leave(job)
+            return
+        try:
+            assert isinstance(job.completion, OutputQuery)
+            self.open[job] = OutputRow(self.pipe, job.completion)
+        except (
+            Exception
+        ) as e:  # a refused request (a text too long, a size the model does not make), or a bug
+            self._fail(job, e)
+
+    def step(self) -> None:
+        self.metrics.step(len(self.open))
+        for job, row in list(self.open.items()):
+            if job.cancelled:
+                del self.open[job]
+                self.metrics.finish("interrupt", 0, 0, time.monotonic() - job.arrived)
+                self._leave(job)
+                continue
+            try:
+                if not row.step():
+                    continue
+                reply = row.reply(self.model)
+            except Exception as e:  # a failing run ends its own request only
+                del self.open[job]
+                self._fail(job, e)
+                continue
+            del self.open[job]
+            job.emit(Made(reply))
+            seconds = time.monotonic() - job.arrived
+            self.metrics.finish("done", reply.tokens, 0, seconds)
+            log.info(
+                "%s %s inputs=%d tokens=%d %.1fms",
+                job.id,
+                row.query.endpoint,
+                row.query.count * len(row.query.texts),
+                reply.tokens,
+                seconds * 1000,
+            )
+            self._leave(job)
+
+    def close(self, error: InvalidRequest) -> None:
+        for job in list(self.open):
+            del self.open[job]
+            self._fail(job, error)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        _failed(job, e, self.metrics)
+        self._leave(job)
+
+
 def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:
     ttft = (job.first_token - job.arrived) * 1000 if job.first_token else 0.0
     decode = now - job.first_token if job.first_token else 0.0
@@ -300,6 +380,8 @@ class Engine:
         if max_batch < 1 or max_queue < 0 or prompt_cache < 0:
             raise ValueError("max_batch must be at least 1; max_queue and prompt_cache at least 0")
         self.max_batch, self.max_queue, self.prompt_cache = max_batch, max_queue, prompt_cache
+        self.model = "model"  # the id responses name (create_app sets the folder's)
+        self.serves = ""  # once loaded: "completions", "embeddings", "speech" or "images" (outputs.served)
         self.metrics = Metrics()
         self.pipe: Any = None
         self.scheduler: Scheduler | None = None
@@ -329,12 +411,25 @@ class Engine:
         with self._cond:
             if self._stopping or self.scheduler is None:
                 raise NotReady()
+            self.check_endpoint(
+                job.completion.endpoint if isinstance(job.completion, OutputQuery) else "completions"
+            )
             if self._in_flight >= self.max_batch + self.max_queue:
                 self.metrics.rejected += 1
                 raise QueueFull(self.metrics.retry_after(len(self._waiting), self.max_batch))
             self._in_flight += 1
             self._waiting.append(job)
             self._cond.notify()
+
+    def check_endpoint(self, endpoint: str) -> None:
+        """A 404 when the loaded model does not answer `endpoint` (outputs.ENDPOINTS), naming what it does."""
+        if self.serves and endpoint != self.serves:
+            raise InvalidRequest(
+                f"This server's model is {KINDS[self.serves]} model: it answers {ENDPOINTS[self.serves]} "
+                "only.",
+                code="unsupported_endpoint",
+                status=404,
+            )
 
     def cancel(self, job: Job) -> None:
         """The client left: drop the job from the queue, or have its row interrupted at the next step."""
@@ -361,18 +456,14 @@ class Engine:
     def _run(self) -> None:
         try:
             pipe = self._load()
-            loop = pipe.config.generation.loop
-            if loop != "autoregressive":
-                raise ConfigError(f'ortpipe serve answers completions; this folder\'s generation.loop is '
-                                  f'"{loop}", which makes no tokens: run it with ortpipe run or the API')
-            if pipe.plan.final_phase:
-                raise ConfigError("ortpipe serve answers completions with text; this folder's final steps "
-                                  "make named outputs: run it with ortpipe run or the API")
-            if pipe.config.pipeline.stages:
-                raise ConfigError("ortpipe serve answers completions of one model; this folder is a pipeline "
-                                  "of stages (pipeline.stages): run it with ortpipe run or the API")
-            kind = Batched if batchable(pipe.plan) is None else TimeSliced
-            scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
+            serves = served(pipe)
+            scheduler: Scheduler
+            if serves != "completions":
+                scheduler = Outputs(pipe, self.max_batch, self.metrics, self._leave, self.model)
+            else:
+                kind = Batched if batchable(pipe.plan) is None else TimeSliced
+                scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
+            self.serves = serves
         except BaseException as e:  # a folder that cannot be loaded ends the server
             self.error = e
             if self._on_fatal:

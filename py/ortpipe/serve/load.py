@@ -1,7 +1,7 @@
 """The serve benchmark's load generator: aggregate tokens/s of `ortpipe serve` at 1, 2, 4, 8 streams.
 
-    python -m ortpipe.serve.load MODEL_DIR [--streams 1,2,4,8] [--prompt-tokens 64] [--new-tokens 128]
-    python -m ortpipe.serve.load --url http://127.0.0.1:8000 [--api-key KEY] ...
+    ortpipe bench --serve MODEL_DIR [--streams 1,2,4,8] [--prompt-tokens 64] [--new-tokens 128]
+    ortpipe bench --serve --url http://127.0.0.1:8000 [--api-key KEY] ...
 
 Given a model folder it starts `ortpipe serve` in a process of its own (rows enough for the most streams)
 and stops it at the end; given a URL it measures a server that is already running (llama.cpp's server
@@ -236,30 +236,43 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's arguments (`ortpipe bench --serve` and `python -m ortpipe.serve.load`)."""
+    p.add_argument("model", nargs="?", metavar="MODEL_DIR")
     p.add_argument("--streams", default="1,2,4,8", help="concurrent streams per level, comma-separated")
     p.add_argument("--url", help="measure this running server instead of starting one on MODEL_DIR")
     p.add_argument("--api-key", default=os.environ.get("ORTPIPE_API_KEY"))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ortpipe.serve.load", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", metavar="MODEL_DIR")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens of each request (default 64)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates (default 128)")
     p.add_argument("--threads", type=int, help="intra-op threads of the server it starts")
     p.add_argument("--rounds", type=int, default=3, help="requests each stream sends, one after another")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the levels as JSON")
     p.add_argument(
         "--processes",
         action="store_true",
         help="also run N separate `ortpipe run` processes at once per level, for comparison",
     )
-    add_arguments(p)
 
-    args = p.parse_args(argv)
+
+def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the benchmark once its arguments are consistent."""
     if (args.model is None) == (args.url is None):
         p.error("give MODEL_DIR (a server is started) or --url (a running server), not both")
+    for name in ("prompt_tokens", "new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        streams = [int(n) for n in str(args.streams).split(",")]
+    except ValueError:
+        streams = []
+    if not streams or min(streams) < 1:
+        p.error(f"--streams takes positive counts separated by commas (1,2,4,8), found {args.streams!r}")
     return bench(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ortpipe.serve.load", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return checked(p, p.parse_args(argv))
 
 
 if __name__ == "__main__":

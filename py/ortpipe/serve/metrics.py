@@ -79,7 +79,7 @@ class Metrics:
             lines.append(f"# TYPE ortpipe_{name} {kind}")
             lines.extend(f"ortpipe_{name}{labels} {value:g}" for labels, value in samples)
 
-        reasons = ("eos", "stop", "length", "interrupt", "error")
+        reasons = ("eos", "stop", "length", "interrupt", "done", "error")  # done: an output endpoint answered
         metric("requests_total", "counter", "Requests the engine finished, by finish reason.",
                [(f'{{finish_reason="{r}"}}', self.finished[r]) for r in reasons])
         metric("requests_rejected_total", "counter", "Requests refused with 429 because the queue was full.",

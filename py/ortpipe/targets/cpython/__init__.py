@@ -31,7 +31,7 @@ from ...request import Chunk, Request, Result
 from ...trace import Trace
 from . import providers
 from .driver import Driver
-from .media import Audio, decode_image, read_wav
+from .media import Audio, audio_of, decode_image, read_wav
 from .text import HFTokenizer, compile_template
 
 
@@ -196,13 +196,9 @@ class Pipeline:
 
     def speak(self, text: str, **settings: Any) -> Audio:
         """Speech for `text` from a text-to-speech folder (an "audio" output): mono samples and their rate."""
-        result = self.generate(text, **settings)
-        name = next((n for n, k in result.kinds.items() if k["kind"] == "audio"), None)
-        if name is None:
+        if not any(o.kind == "audio" for o in self.config.pipeline.outputs):
             raise GenerationError("speak needs a folder whose pipeline.output is audio")
-        samples = result.outputs[name]
-        return Audio(samples.reshape(-1) if samples.ndim == 1 or samples.shape[0] == 1 else samples,
-                     result.kinds[name]["sampling_rate"])
+        return audio_of(self.generate(text, **settings))
 
     def chat(self, max_length: int | None = None, **settings: Any) -> PipelineChat:
         """A multi-turn chat over one KV cache, with the folder's chat template."""

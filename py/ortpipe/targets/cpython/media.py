@@ -7,6 +7,7 @@ waveforms.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import struct
@@ -116,16 +117,39 @@ class Audio:
         write_wav(path, self.samples, self.sampling_rate)
 
 
-def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:
-    """16-bit PCM WAV of float samples [samples] or [channels, samples], clipped to [-1, 1]."""
+def audio_of(result: Any) -> Audio:
+    """The first audio output of a request's result, mono samples when it has one row."""
+    name = next((n for n, k in result.kinds.items() if k["kind"] == "audio"), None)
+    if name is None:
+        raise GenerationError("this folder's pipeline.output names no audio")
+    samples = result.outputs[name]
+    return Audio(samples.reshape(-1) if samples.ndim == 1 or samples.shape[0] == 1 else samples,
+                 result.kinds[name]["sampling_rate"])
+
+
+def pcm16(samples: np.ndarray) -> np.ndarray:
+    """Float samples [samples] or [channels, samples], clipped to [-1, 1], as 16-bit frames [frames, channels]
+    (channels interleaved)."""
     data = np.asarray(samples, dtype=np.float32)
     data = data.reshape(1, -1) if data.ndim == 1 else data
-    pcm = np.round(np.clip(data, -1.0, 1.0) * 32767).astype("<i2").T  # frames of interleaved channels
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(data.shape[0])
+    return np.round(np.clip(data, -1.0, 1.0) * 32767).astype("<i2").T
+
+
+def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    """A 16-bit PCM WAV file of float samples [samples] or [channels, samples]."""
+    pcm = pcm16(samples)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(pcm.shape[1])
         w.setsampwidth(2)
         w.setframerate(rate)
         w.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:
+    """16-bit PCM WAV of float samples [samples] or [channels, samples], clipped to [-1, 1]."""
+    Path(path).write_bytes(wav_bytes(samples, rate))
 
 
 def image_bytes(image: np.ndarray) -> np.ndarray:
@@ -135,6 +159,11 @@ def image_bytes(image: np.ndarray) -> np.ndarray:
 
 def write_png(path: str | os.PathLike[str], image: np.ndarray) -> None:
     """An 8-bit RGB PNG of a float image [height, width, 3] in [0, 1] (or uint8)."""
+    Path(path).write_bytes(png_bytes(image))
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """An 8-bit RGB PNG file of a float image [height, width, 3] in [0, 1] (or uint8)."""
     pixels = image if image.dtype == np.uint8 else image_bytes(image)
     height, width = pixels.shape[:2]
     rows = b"".join(b"\x00" + pixels[y].tobytes() for y in range(height))  # filter 0 on each row
@@ -144,7 +173,7 @@ def write_png(path: str | os.PathLike[str], image: np.ndarray) -> None:
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + body)
+    return b"\x89PNG\r\n\x1a\n" + body
 
 
 OUT_KINDS = {".wav": "audio", ".png": "image", ".npy": None}  # what each file type takes (None: any)

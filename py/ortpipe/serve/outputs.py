@@ -1,0 +1,408 @@
+"""The endpoints of folders whose requests make named outputs rather than text (pipeline.output):
+
+    /v1/embeddings             outputs of kind "embedding" (a sentence-transformers folder, single_pass)
+    /v1/audio/speech           an "audio" output (VITS, a decoder with a final vocoder, stages ending in a
+                               vocoder)
+    /v1/images/generations     an "image" output (a denoising folder)
+
+A server serves one folder, so it answers the endpoint of the folder's outputs (`served`) and refuses the
+others naming the one it answers. Parameters follow the OpenAI API reference for each endpoint; what the
+model cannot honour is a 400 naming the parameter, as for completions (protocol.py):
+
+- embeddings: `input` a string or an array of strings (token arrays are refused: OpenAI's token ids are
+  not this model's), `encoding_format` float or base64 (the `openai` package asks for base64 unless told),
+  `dimensions` only the model's own;
+- speech: `input`, `voice` "default" (these folders have one voice), `response_format` wav (the default
+  here: no MP3 encoder ships with the standard library) or pcm (OpenAI's raw format: 16-bit little-endian
+  mono at 24 kHz, resampled), `speed` 1 only, no `instructions`, `stream_format` audio only;
+- images: `prompt`, `n` (1 to 10; with a seed, image i draws from seed + i), `size` auto or the model's
+  own, `response_format` b64_json (there are no files to give URLs of), `output_format` png; beside them,
+  as vLLM and diffusers servers take them through `extra_body`: `seed`, `num_inference_steps`,
+  `guidance_scale` and `negative_prompt`.
+
+`OutputRow` runs a checked query on the engine thread, one advance of the core's request per engine step
+(a batch of texts, a denoising step), so a long image does not hold back the other clients.
+"""
+
+from __future__ import annotations
+
+import base64
+import posixpath
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..jsonfile import optional_json
+from ..targets.cpython.media import audio_of, pcm16, png_bytes, resample, wav_bytes
+from .protocol import IGNORED, InvalidRequest, _check_names, _decimal, _integer, _type_error, _unsupported
+
+PCM_RATE = 24000  # OpenAI's `pcm`: 24 kHz, 16-bit signed little-endian, mono
+MAX_INPUTS = 2048  # OpenAI: an embeddings input array holds at most 2048 items
+MAX_SPEECH_CHARS = 4096  # OpenAI: the most characters of speech input
+MAX_IMAGES = 10  # OpenAI: n of 1 to 10
+EMBED_BATCH = 32  # texts in one run of the model
+
+ENDPOINTS = {
+    "completions": "POST /v1/chat/completions and POST /v1/completions",
+    "embeddings": "POST /v1/embeddings",
+    "speech": "POST /v1/audio/speech",
+    "images": "POST /v1/images/generations",
+}
+OUTPUT_KINDS = {"embedding": "embeddings", "audio": "speech", "image": "images"}
+KINDS = {
+    "completions": "a text",
+    "embeddings": "an embedding",
+    "speech": "a text-to-speech",
+    "images": "an image",
+}
+
+
+def served(pipe: Any) -> str:
+    """What a loaded folder answers: "completions", "embeddings", "speech" or "images"; a ConfigError for a
+    folder no OpenAI endpoint fits."""
+    config = pipe.config
+    outputs = config.pipeline.outputs
+    if outputs:
+        kinds = [o.kind for o in outputs]
+        if all(k == "embedding" for k in kinds) and config.generation.loop == "single_pass":
+            return "embeddings"
+        for kind in ("audio", "image"):
+            spec = next((o for o in outputs if o.kind == kind), None)
+            if spec is None:
+                continue
+            if kind == "audio" and spec.sampling_rate is None:
+                raise ConfigError(
+                    f"ortpipe serve sends audio at its sampling rate: give pipeline.output "
+                    f'"{spec.name}" a sampling_rate'
+                )
+            return OUTPUT_KINDS[kind]
+        raise ConfigError(
+            f"ortpipe serve answers text, embeddings, speech and images; this folder's outputs "
+            f"are {', '.join(sorted(set(kinds)))}: run it with ortpipe run --out"
+        )
+    loop = config.generation.loop
+    if loop != "autoregressive":
+        raise ConfigError(
+            f'ortpipe serve answers completions; this folder\'s generation.loop is "{loop}", '
+            "which makes no tokens, and its pipeline.output names nothing to send: run it "
+            "with ortpipe run or the API"
+        )
+    if config.pipeline.stages:
+        raise ConfigError(
+            "ortpipe serve answers completions of one model; this folder is a pipeline of "
+            "stages (pipeline.stages) that names no output: run it with ortpipe run or the API"
+        )
+    return "completions"
+
+
+def image_size(pipe: Any) -> tuple[int, int] | None:
+    """(width, height) of the folder's images: its latents' size times the VAE's upscaling (2 per block
+    after the first of diffusers' block_out_channels); None when either is not known before a run."""
+    setup = pipe.model.loop.denoising if pipe.model.loop is not None else None
+    final = pipe.plan.final_phase
+    if setup is None or not final or None in setup.latent_shape[1:]:
+        return None
+    graph = pipe.config.pipeline.sessions[final[-1].session].file
+    vae = optional_json(pipe.model.folder, posixpath.join(posixpath.dirname(graph), "config.json"))
+    blocks = vae.get("block_out_channels")
+    if not isinstance(blocks, list) or not blocks:
+        return None
+    scale = 2 ** (len(blocks) - 1)
+    return setup.latent_shape[2] * scale, setup.latent_shape[1] * scale
+
+
+# --- requests --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputQuery:
+    """A checked request of one of the output endpoints."""
+
+    endpoint: str  # "embeddings", "speech" or "images"
+    model: str
+    texts: tuple[str, ...]  # the inputs to embed, or the one text to speak or draw
+    encoding: str = "float"  # embeddings: float or base64
+    dimensions: int | None = None  # embeddings: the size asked for (None: the model's)
+    audio_format: str = "wav"  # speech: wav or pcm
+    count: int = 1  # images: n
+    size: tuple[int, int] | None = None  # images: (width, height) asked for (None: auto)
+    settings: dict[str, Any] = field(default_factory=dict)  # images: seed, num_steps, guidance_scale, ...
+    stream: bool = False  # never: these endpoints answer once
+
+
+def _text(value: Any, name: str, limit: int | None = None) -> str:
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    if not value:
+        raise InvalidRequest(
+            f"Invalid '{name}': empty string. Expected a string with minimum length 1.", name, "empty_string"
+        )
+    if limit is not None and len(value) > limit:
+        raise InvalidRequest(
+            f"Invalid '{name}': string too long. Expected a string with maximum length "
+            f"{limit}, but got a string with length {len(value)} instead.",
+            name,
+            "string_above_max_length",
+        )
+    return value
+
+
+def _choice(body: dict[str, Any], name: str, served: tuple[str, ...], known: tuple[str, ...] = ()) -> str:
+    """A string parameter that takes one of `served` (the first is the default); values OpenAI knows but this
+    server cannot make (`known`) are refused as unsupported, others as invalid."""
+    value = body.get(name)
+    if value is None:
+        return served[0]
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    if value in served:
+        return value
+    listed = ", ".join(repr(v) for v in served)
+    if value in known:
+        raise _unsupported(name, f"{value!r} is not made by this server (it makes {listed})")
+    raise InvalidRequest(
+        f"Invalid value for '{name}': {value!r}. Supported values are: {listed}.", name, "invalid_value"
+    )
+
+
+def parse_embeddings(body: Any) -> OutputQuery:
+    body = _check_names(body, {"model", "input", "encoding_format", "dimensions"} | IGNORED)
+    if "input" not in body:
+        raise InvalidRequest("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+    value = body["input"]
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list):
+        raise _type_error("input", "a string or an array of strings", value)
+    if not texts:
+        raise InvalidRequest(
+            "Invalid 'input': empty array. Expected an array with minimum length 1.", "input", "empty_array"
+        )
+    if len(texts) > MAX_INPUTS:
+        raise InvalidRequest(
+            f"Invalid 'input': array too long. Expected an array with maximum length "
+            f"{MAX_INPUTS}, but got an array with length {len(texts)} instead.",
+            "input",
+            "array_above_max_length",
+        )
+    if all(type(t) is int for t in texts) or all(isinstance(t, list) for t in texts):
+        raise _unsupported(
+            "input",
+            "as token ids is not served: the ids OpenAI's tokenizers give are not this "
+            "model's; send the text",
+        )
+    for i, text in enumerate(texts):
+        _text(text, f"input[{i}]" if isinstance(value, list) else "input")
+    dimensions = body.get("dimensions")
+    return OutputQuery(
+        "embeddings",
+        body["model"],
+        tuple(texts),
+        encoding=_choice(body, "encoding_format", ("float", "base64")),
+        dimensions=None if dimensions is None else _integer(dimensions, "dimensions", low=1),
+    )
+
+
+def parse_speech(body: Any) -> OutputQuery:
+    body = _check_names(
+        body,
+        {"model", "input", "voice", "instructions", "response_format", "speed", "stream_format"} | IGNORED,
+    )
+    if "input" not in body:
+        raise InvalidRequest("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+    text = _text(body["input"], "input", MAX_SPEECH_CHARS)
+    voice = body.get("voice")
+    if isinstance(voice, dict):  # OpenAI's custom voices: {"id": ...}
+        voice = voice.get("id")
+    if voice is not None and voice != "default":
+        raise InvalidRequest(
+            f"Invalid value for 'voice': {voice!r}. This model has one voice: 'default'.",
+            "voice",
+            "invalid_value",
+        )
+    if body.get("instructions"):
+        raise _unsupported("instructions", "cannot steer this model's voice")
+    if body.get("speed") is not None and _decimal(body["speed"], "speed", 0.25, 4.0) != 1.0:
+        raise _unsupported("speed", "must be 1 for this model (its graph sets the pace)")
+    _choice(body, "stream_format", ("audio",), ("sse",))
+    audio_format = _choice(body, "response_format", ("wav", "pcm"), ("mp3", "opus", "aac", "flac"))
+    return OutputQuery("speech", body["model"], (text,), audio_format=audio_format)
+
+
+IMAGE_EXTRAS = {"seed", "num_inference_steps", "guidance_scale", "negative_prompt"}
+
+
+def parse_images(body: Any) -> OutputQuery:
+    body = _check_names(
+        body,
+        {
+            "model",
+            "prompt",
+            "n",
+            "size",
+            "response_format",
+            "quality",
+            "style",
+            "background",
+            "output_format",
+            "output_compression",
+            "partial_images",
+            "stream",
+        }
+        | IMAGE_EXTRAS
+        | IGNORED,
+    )
+    if "prompt" not in body:
+        raise InvalidRequest("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+    prompt = _text(body["prompt"], "prompt", 32000)
+    count = 1 if body.get("n") is None else _integer(body["n"], "n", 1, MAX_IMAGES)
+    size = body.get("size")
+    if size is not None and not isinstance(size, str):
+        raise _type_error("size", "a string", size)
+    match = re.fullmatch(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})", size or "auto")
+    if size not in (None, "auto") and match is None:
+        raise InvalidRequest(
+            f"Invalid value for 'size': {size!r}. Expected 'auto' or 'WIDTHxHEIGHT'.", "size", "invalid_value"
+        )
+    _choice(body, "response_format", ("b64_json",), ("url",))
+    _choice(body, "output_format", ("png",), ("jpeg", "webp"))
+    _choice(body, "quality", ("auto", "standard"), ("hd", "low", "medium", "high"))
+    _choice(body, "background", ("auto", "opaque"), ("transparent",))
+    for name, neutral in (
+        ("style", None),
+        ("output_compression", 100),
+        ("partial_images", 0),
+        ("stream", False),
+    ):
+        if body.get(name) is not None and body[name] != neutral:
+            raise _unsupported(name)
+    settings: dict[str, Any] = {}
+    if body.get("seed") is not None:
+        settings["seed"] = _integer(body["seed"], "seed", low=0)
+    if body.get("num_inference_steps") is not None:
+        settings["num_steps"] = _integer(body["num_inference_steps"], "num_inference_steps", 1, 1000)
+    if body.get("guidance_scale") is not None:
+        settings["guidance_scale"] = _decimal(body["guidance_scale"], "guidance_scale", 0.0, 100.0)
+    if body.get("negative_prompt") is not None:
+        settings["negative_prompt"] = _text(body["negative_prompt"], "negative_prompt", 32000)
+    return OutputQuery(
+        "images",
+        body["model"],
+        (prompt,),
+        count=count,
+        size=(int(match[1]), int(match[2])) if match else None,
+        settings=settings,
+    )
+
+
+def check_query(pipe: Any, query: OutputQuery) -> None:
+    """What the loaded model decides about a query, before it runs."""
+    if query.endpoint == "images" and query.size is not None:
+        made = image_size(pipe)
+        if made is None:
+            raise InvalidRequest(
+                "This model's image size is known only once it runs: send size 'auto'.",
+                "size",
+                "invalid_value",
+            )
+        if made != query.size:
+            raise InvalidRequest(
+                f"Invalid value for 'size': '{query.size[0]}x{query.size[1]}'. This model makes "
+                f"{made[0]}x{made[1]} images: send '{made[0]}x{made[1]}' or 'auto'.",
+                "size",
+                "invalid_value",
+            )
+
+
+# --- running ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputReply:
+    """What an output endpoint sends: a JSON object, or bytes of a media type."""
+
+    body: dict[str, Any] | bytes
+    media_type: str = "application/json"
+    tokens: int = 0  # the input's tokens (embeddings' usage)
+
+
+class OutputRow:
+    """A query on the engine thread: its core requests made one after another (an image per request), each
+    advanced once per `step`."""
+
+    def __init__(self, pipe: Any, query: OutputQuery):
+        self.pipe, self.query = pipe, query
+        check_query(pipe, query)
+        self.todo = deque(range(query.count))
+        self.results: list[Any] = []
+        self.tokens = 0
+        self.current = self._next()
+
+    def _next(self) -> Any:
+        i = self.todo.popleft()
+        q = self.query
+        if q.endpoint == "embeddings":
+            request = self.pipe.model.embed(list(q.texts), EMBED_BATCH)
+            self.tokens = sum(len(row) for batch in request.batches for row in batch)
+            return request
+        settings = dict(q.settings)
+        if "seed" in settings:
+            settings["seed"] += i
+        return self.pipe.request(q.texts[0], **settings)
+
+    def step(self) -> bool:
+        """Advance the query once; True when it is done."""
+        self.pipe.driver.drive(self.current.advance())
+        if not self.current.done:
+            return False
+        self.results.append(self.current.result())
+        if not self.todo:
+            return True
+        self.current = self._next()
+        return False
+
+    def interrupt(self) -> None:
+        self.current.interrupt()
+
+    def reply(self, model: str) -> OutputReply:
+        q = self.query
+        if q.endpoint == "embeddings":
+            return self._embeddings(model)
+        if q.endpoint == "speech":
+            audio = audio_of(self.results[0])
+            if q.audio_format == "pcm":
+                samples = audio.samples if audio.samples.ndim == 1 else audio.samples.mean(axis=0)
+                if audio.sampling_rate != PCM_RATE:
+                    samples = resample(samples, audio.sampling_rate, PCM_RATE)
+                return OutputReply(pcm16(samples).tobytes(), "audio/pcm")
+            return OutputReply(wav_bytes(audio.samples, audio.sampling_rate), "audio/wav")
+        images = [r.image[0] for r in self.results]
+        height, width = images[0].shape[:2]
+        data = [{"b64_json": base64.b64encode(png_bytes(image)).decode("ascii")} for image in images]
+        return OutputReply(
+            {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{width}x{height}"}
+        )
+
+    def _embeddings(self, model: str) -> OutputReply:
+        q = self.query
+        vectors = np.asarray(self.results[0].output_of("embedding"), dtype=np.float32)
+        if q.dimensions is not None and q.dimensions != vectors.shape[1]:
+            raise InvalidRequest(
+                f"Invalid value for 'dimensions': {q.dimensions}. This model makes "
+                f"{vectors.shape[1]}-dimensional embeddings; send {vectors.shape[1]} or omit it.",
+                "dimensions",
+                "invalid_value",
+            )
+        if q.encoding == "base64":
+            rows: list[Any] = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
+        else:
+            rows = [[float(x) for x in v] for v in vectors]
+        data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
+        usage = {"prompt_tokens": self.tokens, "total_tokens": self.tokens}
+        return OutputReply(
+            {"object": "list", "data": data, "model": model, "usage": usage}, tokens=self.tokens
+        )

@@ -1,0 +1,254 @@
+"""`ortpipe serve` on folders whose requests make outputs rather than text, driven by the official `openai`
+client: /v1/embeddings (a sentence-transformers folder) against sentence-transformers' embeddings,
+/v1/audio/speech (VITS) against transformers' waveforms, /v1/images/generations (Stable Diffusion) against
+the same request run through `pipe.generate` (itself checked against diffusers in test_loops.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import subprocess
+import sys
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+import ortpipe  # noqa: E402
+from ortpipe.serve.engine import Engine  # noqa: E402
+from ortpipe.targets.cpython.media import resample  # noqa: E402
+
+from .test_serve import raw, served, until  # noqa: E402
+
+EMBEDDING_TOLERANCE = 1e-5
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    status, text = raw(url, "POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+    return status, json.loads(text)
+
+
+def refused(url: str, path: str, body: dict[str, Any], status: int, param: str | None, words: str) -> None:
+    got, answer = post(url, path, body)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+# --- embeddings ----------------------------------------------------------------------------------------
+
+
+def test_embeddings_equal_sentence_transformers(st_minilm: Path) -> None:
+    inputs = _json(st_minilm / "references" / "inputs.json")
+    expected = np.load(st_minilm / "references" / "embeddings.npy")
+    tokens = int(np.sum(inputs["attention_mask"]))  # the reference tokenizer's ids, padding excluded
+    with served(st_minilm, max_batch=2) as server:
+        client = server.client()
+        got = client.embeddings.create(model="st-minilm", input=inputs["texts"])  # the client asks for base64
+        assert [d.index for d in got.data] == list(range(len(inputs["texts"])))
+        vectors = np.array([d.embedding for d in got.data], dtype=np.float32)
+        worst = float(np.abs(vectors - expected).max())
+        print(f"/v1/embeddings: max |served - sentence-transformers| = {worst:.2e}")
+        assert vectors.shape == expected.shape and worst <= EMBEDDING_TOLERANCE
+        assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
+        assert got.model == "st-minilm"
+
+        status, body = post(server.url, "/v1/embeddings",
+                            {"model": "m", "input": inputs["texts"][2], "encoding_format": "float"})
+        assert status == 200 and body["object"] == "list" and body["data"][0]["object"] == "embedding"
+        assert np.abs(np.array(body["data"][0]["embedding"]) - expected[2]).max() <= EMBEDDING_TOLERANCE
+        status, body = post(server.url, "/v1/embeddings",
+                            {"model": "m", "input": ["A"], "encoding_format": "base64", "dimensions": 32})
+        packed = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), "<f4")
+        assert status == 200 and np.abs(packed - expected[1]).max() <= EMBEDDING_TOLERANCE
+
+        url = server.url
+        refused(url, "/v1/embeddings", {"model": "m", "input": ["a"], "dimensions": 8}, 400, "dimensions",
+                "makes 32-dimensional embeddings")
+        refused(url, "/v1/embeddings", {"model": "m", "input": [[1, 2]]}, 400, "input", "token ids")
+        refused(url, "/v1/embeddings", {"model": "m", "input": []}, 400, "input", "empty array")
+        refused(url, "/v1/embeddings", {"model": "m", "input": ["a", ""]}, 400, "input[1]", "empty string")
+        refused(url, "/v1/embeddings", {"model": "m", "input": "a", "encoding_format": "int8"}, 400,
+                "encoding_format", "Supported values are: 'float', 'base64'")
+        refused(url, "/v1/embeddings", {"model": "m", "input": "a", "pooling": "max"}, 400, "pooling",
+                "Unrecognized request argument")
+        refused(url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                404, None, "is an embedding model: it answers POST /v1/embeddings only")
+        with pytest.raises(openai.NotFoundError, match="POST /v1/embeddings only"):
+            client.completions.create(model="m", prompt="hi")
+        metrics = server.metrics()
+        assert metrics['ortpipe_requests_total{finish_reason="done"}'] == 3
+
+
+# --- speech --------------------------------------------------------------------------------------------
+
+
+def test_speech_equals_transformers_as_wav_and_24k_pcm(vits_tiny: Path) -> None:
+    cases = _json(vits_tiny / "references" / "inputs.json")
+    rate = _json(vits_tiny / "config.json")["sampling_rate"]
+    with served(vits_tiny) as server:
+        client = server.client()
+        for case in cases["cases"]:
+            expected = np.load(vits_tiny / "references" / case["waveform"])[0]  # transformers' VitsModel
+            answer = client.audio.speech.create(model="vits", voice="default", input=case["text"],
+                                                response_format="wav")
+            with wave.open(io.BytesIO(answer.content)) as w:
+                assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (rate, 1, 2)
+                samples = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32767
+            clipped = np.clip(expected, -1, 1)
+            worst = float(np.abs(samples - clipped).max())
+            print(f"{case['text']!r}: {len(samples)} samples, max |served wav - transformers| = {worst:.2e}")
+            assert len(samples) == case["samples"] and worst <= 1e-4 + 0.5 / 32767
+        # pcm: OpenAI's raw 16-bit mono at 24 kHz, the waveform through the resampler wav files are read with
+        text = cases["cases"][0]["text"]
+        pcm = client.audio.speech.create(model="vits", voice="default", input=text, response_format="pcm")
+        samples = np.frombuffer(pcm.content, "<i2") / 32767
+        expected = resample(np.load(vits_tiny / "references" / cases["cases"][0]["waveform"])[0], rate, 24000)
+        assert len(samples) == len(expected) == cases["cases"][0]["samples"] * 24000 // rate
+        assert np.abs(samples - np.clip(expected, -1, 1)).max() <= 1e-4 + 0.5 / 32767
+        default = client.audio.speech.create(model="vits", voice="default", input=text)
+        assert default.content[:4] == b"RIFF", "without response_format: wav"
+
+        url, speech = server.url, "/v1/audio/speech"
+        refused(url, speech, {"model": "m", "input": "hi", "voice": "alloy"}, 400, "voice",
+                "one voice: 'default'")
+        refused(
+            url,
+            speech,
+            {"model": "m", "input": "hi", "response_format": "mp3"},
+            400,
+            "response_format",
+            "it makes 'wav', 'pcm'",
+        )
+        refused(url, speech, {"model": "m", "input": "hi", "speed": 2.0}, 400, "speed", "must be 1")
+        refused(
+            url,
+            speech,
+            {"model": "m", "input": "hi", "instructions": "whisper"},
+            400,
+            "instructions",
+            "cannot steer",
+        )
+        refused(url, speech, {"model": "m", "input": ""}, 400, "input", "empty string")
+        refused(url, speech, {"model": "m", "input": "x" * 4097}, 400, "input", "maximum length 4096")
+        refused(
+            url,
+            "/v1/images/generations",
+            {"model": "m", "prompt": "a cat"},
+            404,
+            None,
+            "is a text-to-speech model: it answers POST /v1/audio/speech only",
+        )
+
+
+# --- images ----------------------------------------------------------------------------------------------
+
+
+def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
+    pipe = ortpipe.load(sd_tiny, threads=1)
+    settings = {"num_steps": 3, "guidance_scale": 2.0, "negative_prompt": "blurry"}
+
+    def expected(seed: int) -> np.ndarray:
+        image = pipe.generate("a red cube", seed=seed, **settings).image[0]
+        return np.round(image * 255).astype(np.uint8)  # diffusers' numpy_to_pil
+
+    def pixels(b64: str) -> np.ndarray:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+            assert image.format == "PNG" and image.mode == "RGB"
+            return np.asarray(image)
+
+    extra = {"seed": 5, "num_inference_steps": 3, "guidance_scale": 2.0, "negative_prompt": "blurry"}
+    with served(sd_tiny, max_batch=2) as server:
+        client = server.client()
+        got = client.images.generate(model="sd", prompt="a red cube", n=2, size="32x32", extra_body=extra)
+        assert len(got.data) == 2 and got.size == "32x32" and got.output_format == "png"
+        assert np.array_equal(pixels(got.data[0].b64_json), expected(5))
+        assert np.array_equal(pixels(got.data[1].b64_json), expected(6)), "image i draws from seed + i"
+        again = client.images.generate(model="sd", prompt="a red cube", extra_body=extra)
+        assert again.data[0].b64_json == got.data[0].b64_json
+
+        url, images = server.url, "/v1/images/generations"
+        refused(
+            url, images, {"model": "m", "prompt": "a", "size": "64x64"}, 400, "size", "makes 32x32 images"
+        )
+        refused(url, images, {"model": "m", "prompt": "a", "size": "big"}, 400, "size", "WIDTHxHEIGHT")
+        refused(
+            url,
+            images,
+            {"model": "m", "prompt": "a", "response_format": "url"},
+            400,
+            "response_format",
+            "it makes 'b64_json'",
+        )
+        refused(url, images, {"model": "m", "prompt": "a", "n": 11}, 400, "n", "maximum value")
+        refused(
+            url,
+            images,
+            {"model": "m", "prompt": "a", "num_inference_steps": 0},
+            400,
+            "num_inference_steps",
+            "minimum value",
+        )
+        refused(
+            url,
+            images,
+            {"model": "m", "prompt": "a", "guidance_scale": 1.0, "negative_prompt": "x"},
+            400,
+            None,
+            "negative_prompt is used by guidance",
+        )
+        refused(url, "/v1/embeddings", {"model": "m", "input": "a"}, 404, None, "is an image model")
+
+
+def test_a_client_that_leaves_mid_image_frees_its_row(sd_tiny: Path) -> None:
+    """An image of 1000 slowed steps is left by its client (a timeout): its row is freed at the next step and
+    the next request is answered at once."""
+    with served(sd_tiny, max_batch=1, delay=0.02) as server:
+        client = server.client(max_retries=0)
+        long = {"seed": 1, "num_inference_steps": 1000}
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=1.0).images.generate(model="sd", prompt="a", extra_body=long)
+        until(lambda: server.metrics()["ortpipe_batch_rows"] == 0, timeout=5)
+        got = client.images.generate(model="sd", prompt="a", extra_body={"seed": 1, "num_inference_steps": 2})
+        assert len(got.data) == 1
+        metrics = server.metrics()
+    assert metrics['ortpipe_requests_total{finish_reason="interrupt"}'] == 1
+    assert metrics['ortpipe_requests_total{finish_reason="done"}'] == 1
+
+
+# --- what no endpoint fits -------------------------------------------------------------------------------
+
+
+def test_a_folder_whose_outputs_no_endpoint_sends_ends_the_server_at_load(
+    vits_tiny: Path, tmp_path: Path
+) -> None:
+    """Tensor outputs (the VITS folder's waveform declared a plain tensor) are refused when the folder loads,
+    naming what to run instead; so is the CLI's serve."""
+    folder = Path(shutil.copytree(vits_tiny, tmp_path / "vits", ignore=shutil.ignore_patterns("references")))
+    report = subprocess.run(
+        [sys.executable, "-m", "ortpipe.cli", "inspect", str(folder), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    config = json.loads(report.stdout)["config"]
+    config["pipeline"]["output"] = [{"session": "model", "name": "waveform", "as": "tensor"}]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    engine = Engine(lambda: ortpipe.load(folder, threads=1))
+    engine.start()
+    engine.stop(30)
+    assert isinstance(engine.error, ortpipe.ConfigError)
+    assert "this folder's outputs are tensor: run it with ortpipe run --out" in str(engine.error)
