@@ -327,6 +327,37 @@ def test_detected_config_takes_tokens_from_generation_config(tmp_path: Path) -> 
     assert config.generation.max_length == 512
 
 
+def test_detected_config_samples_as_transformers_reads_generation_config(tmp_path: Path) -> None:
+    """do_sample true brings temperature, top_k, top_p and min_p, transformers' GenerationConfig defaults for
+    those left out (top_k 50); a repetition_penalty holds in greedy search too; a value ortpipe refuses
+    names the file's key."""
+    (tmp_path / "model.onnx").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    from transformers import GenerationConfig
+
+    cases = [({"do_sample": True, "temperature": 0.7, "top_p": 0.8}, True),
+             ({"do_sample": True}, True),
+             ({"do_sample": False, "top_k": 5, "repetition_penalty": 1.3}, False),
+             ({"temperature": 0.6}, False)]
+    for given, samples in cases:
+        (tmp_path / "generation_config.json").write_text(json.dumps(given))
+        settings = load_config(LocalFolder(tmp_path)).generation.settings
+        reference = GenerationConfig(**given)  # what transformers' generate takes, with its defaults
+        defaults = reference._get_default_generation_params()
+        expected = {k: getattr(reference, k) if getattr(reference, k) is not None else defaults.get(k)
+                    for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
+        assert settings.do_sample is samples
+        assert settings.repetition_penalty == expected["repetition_penalty"]
+        if samples:
+            assert (settings.temperature, settings.top_k, settings.top_p) == (
+                expected["temperature"], expected["top_k"], expected["top_p"]), given
+        else:  # transformers does not apply them without do_sample: neither is anything set here
+            assert (settings.temperature, settings.top_k, settings.top_p) == (1.0, 0, 1.0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 2}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: top_p .*fix it there, or give the"):
+        load_config(LocalFolder(tmp_path))
+
+
 def test_v1_vision_embedding_decoder_translate_to_init_steps(tmp_path: Path) -> None:
     v1 = {
         "model": {
@@ -476,33 +507,52 @@ def test_per_image_errors_fire_for_multi_session_configs(tmp_path: Path) -> None
 
 
 def test_providers_and_their_options_are_normalised(tmp_path: Path) -> None:
-    session = {"file": "model.onnx", "execution_provider": ["OpenVINOExecutionProvider", "CPU"],
-               "provider_options": {"OpenVINO": {"device_type": "NPU", "num_streams": 2}},
-               "session_options": {"graph_optimization_level": "all", "execution_mode": "ORT_PARALLEL",
-                                   "openvino": {"intra_op_num_threads": 1}}}
-    config = load_config(folder_with(tmp_path, v2({"extends": "autoregressive-decoder",
-                                                   "sessions": {"decoder": session}})))
+    session = {
+        "file": "model.onnx",
+        "execution_provider": ["OpenVINOExecutionProvider", "CPU"],
+        "provider_options": {"OpenVINO": {"device_type": "NPU", "num_streams": 2}},
+        "session_options": {
+            "graph_optimization_level": "all",
+            "execution_mode": "ORT_PARALLEL",
+            "openvino": {"intra_op_num_threads": 1},
+        },
+    }
+    config = load_config(
+        folder_with(tmp_path, v2({"extends": "autoregressive-decoder", "sessions": {"decoder": session}}))
+    )
     decoder = config.pipeline.sessions["decoder"]
     assert decoder.providers == ("openvino", "cpu")
     assert decoder.provider_options == {"openvino": {"device_type": "NPU", "num_streams": "2"}}
-    assert decoder.session_options == {"graph_optimization_level": "ORT_ENABLE_ALL", "execution_mode":
-                                       "ORT_PARALLEL", "openvino": {"intra_op_num_threads": 1}}
+    assert decoder.session_options == {
+        "graph_optimization_level": "ORT_ENABLE_ALL",
+        "execution_mode": "ORT_PARALLEL",
+        "openvino": {"intra_op_num_threads": 1},
+    }
     again = load_config(folder_with(tmp_path / "again", as_v2(config)))
     assert again.pipeline.sessions["decoder"] == decoder
 
 
 def test_bad_providers_and_session_options_are_each_named(tmp_path: Path) -> None:
-    session = {"file": "model.onnx", "execution_provider": ["openvno", "cpu"],
-               "provider_options": {"qnn": {"backend_type": "hpt"}},
-               "session_options": {"intra_op_threads": 2, "inter_op_num_threads": 5000,
-                                   "graph_optimization_level": "most", "config_entries": {"a": 1}}}
+    session = {
+        "file": "model.onnx",
+        "execution_provider": ["openvno", "cpu"],
+        "provider_options": {"qnn": {"backend_type": "hpt"}},
+        "session_options": {
+            "intra_op_threads": 2,
+            "inter_op_num_threads": 5000,
+            "graph_optimization_level": "most",
+            "config_entries": {"a": 1},
+        },
+    }
     msg = errors_of(tmp_path, v2({"extends": "autoregressive-decoder", "sessions": {"decoder": session}}))
     assert "6 problems" in msg
     assert 'Unknown execution provider "openvno" in pipeline.sessions.decoder.execution_provider' in msg
     assert 'Did you mean "openvino"?' in msg
     assert 'backend_type "hpt" is not a QNN backend' in msg and 'Did you mean "htp"?' in msg
-    assert 'Unknown key "intra_op_threads" in pipeline.sessions.decoder.session_options. Did you mean ' \
-           '"intra_op_num_threads"?' in msg
+    assert (
+        'Unknown key "intra_op_threads" in pipeline.sessions.decoder.session_options. Did you mean '
+        '"intra_op_num_threads"?' in msg
+    )
     assert "inter_op_num_threads must be from 0 (onnxruntime decides) to 1024, found 5000" in msg
     assert 'graph_optimization_level "most" is not one of ORT_DISABLE_ALL' in msg
     assert "config_entries maps onnxruntime session config keys to string values" in msg
@@ -510,14 +560,30 @@ def test_bad_providers_and_session_options_are_each_named(tmp_path: Path) -> Non
 
 def test_v1_session_options_and_builder_providers_carry_over(tmp_path: Path) -> None:
     """The model builder's names (ORT_ENABLE_ALL, webgpu) load; onnxruntime-genai appends the CPU."""
-    v1 = {"model": {"type": "phi3", "context_length": 64, "eos_token_id": 2, "decoder": {
-        "filename": "model.onnx", "head_size": 8, "num_key_value_heads": 2,
-        "session_options": {"graph_optimization_level": "ORT_ENABLE_EXTENDED", "enable_cpu_mem_arena": False,
-                            "provider_options": [{"webgpu": {"enableGraphCapture": "1"}}]},
-        "inputs": {"input_ids": "input_ids"}, "outputs": {"logits": "logits"}}}}
+    v1 = {
+        "model": {
+            "type": "phi3",
+            "context_length": 64,
+            "eos_token_id": 2,
+            "decoder": {
+                "filename": "model.onnx",
+                "head_size": 8,
+                "num_key_value_heads": 2,
+                "session_options": {
+                    "graph_optimization_level": "ORT_ENABLE_EXTENDED",
+                    "enable_cpu_mem_arena": False,
+                    "provider_options": [{"webgpu": {"enableGraphCapture": "1"}}],
+                },
+                "inputs": {"input_ids": "input_ids"},
+                "outputs": {"logits": "logits"},
+            },
+        }
+    }
     decoder = load_config(folder_with(tmp_path, v1)).pipeline.sessions["decoder"]
-    assert decoder.session_options == {"graph_optimization_level": "ORT_ENABLE_EXTENDED",
-                                       "enable_cpu_mem_arena": False}
+    assert decoder.session_options == {
+        "graph_optimization_level": "ORT_ENABLE_EXTENDED",
+        "enable_cpu_mem_arena": False,
+    }
     assert decoder.providers == ("webgpu", "cpu")
     assert decoder.provider_options == {"webgpu": {"enableGraphCapture": "1"}}
 

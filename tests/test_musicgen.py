@@ -105,8 +105,8 @@ def _config_error(tmp_path: Path, folder: Path, generation: dict, match: str) ->
     ({"codebooks": {"count": 4, "delay": [0, 1]}}, "must list 4 delays"),
     ({"codebooks": {"count": 4, "bogus": 1}}, "bogus"),
     ({"codebooks": {"delay": [0]}}, "count"),
-    ({"codebooks": {"count": 4}, "sampling": {"do_sample": True}}, "drop do_sample"),
-    ({"codebooks": {"count": 4}, "sampling": {"temperature": 0.7}}, "drop temperature"),
+    ({"codebooks": {"count": 4}, "sampling": {"repetition_penalty": 1.2}}, "drop repetition_penalty"),
+    ({"codebooks": {"count": 4}, "speculative": {"ngram_size": 3}}, "drop ngram_size"),
     ({"loop": "single_pass", "codebooks": {"count": 4}}, 'for the "autoregressive" loop'),
 ])
 def test_bad_codebook_configs_are_refused(musicgen_tiny: Path, tmp_path: Path, generation: dict,
@@ -145,6 +145,35 @@ def test_sampled_codes(musicgen_tiny: Path) -> None:
         assert sampled[0] != case["codes"]
         codes = np.array(sampled[0])
         assert codes.shape == np.array(case["codes"]).shape and codes.min() >= 0
+
+
+@pytest.mark.slow
+def test_generation_config_sampling_is_the_default(musicgen_tiny: Path, tmp_path: Path) -> None:
+    """A folder whose generation_config.json samples (MusicGen's real ones say do_sample true, top_k 250)
+    samples by default, as transformers' generate does: with top_k 1 there, transformers' greedy codes;
+    without a top_k, transformers' default 50; with top_k 3, the codes a request asking for it explicitly gets
+    (not the unrestricted ones: the test model's codebooks have 64 entries); a request still turns it off."""
+    folder = Path(shutil.copytree(musicgen_tiny, tmp_path / "musicgen"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    case = _cases(musicgen_tiny)[0]
+    run = {"max_new_tokens": case["max_new_tokens"], "guidance_scale": case["guidance_scale"]}
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "top_k": 1}))
+    assert ortpipe.load(folder).generate(case["prompt"], **run).outputs["codes"].tolist() == case["codes"]
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True}))
+    settings = ortpipe.load(folder).model.config.generation.settings
+    assert (settings.do_sample, settings.top_k, settings.temperature) == (True, 50, 1.0)
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "top_k": 3}))
+    pipe, plain = ortpipe.load(folder), ortpipe.load(musicgen_tiny)
+    sampled = pipe.generate(case["prompt"], **run, seed=4).outputs["codes"].tolist()
+    explicit = plain.generate(case["prompt"], **run, do_sample=True, top_k=3, seed=4)
+    assert sampled == explicit.outputs["codes"].tolist()
+    assert sampled != case["codes"]
+    unrestricted = plain.generate(case["prompt"], **run, do_sample=True, top_k=0, seed=4)
+    assert sampled != unrestricted.outputs["codes"].tolist()
+    assert pipe.generate(case["prompt"], **run, do_sample=False).outputs["codes"].tolist() == case["codes"]
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "temperature": -1}))
+    with pytest.raises(ConfigError, match="generation_config.json: temperature"):
+        ortpipe.load(folder)
 
 
 @pytest.mark.slow

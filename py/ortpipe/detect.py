@@ -58,7 +58,42 @@ def detect_config(folder: Folder) -> dict[str, Any]:
     length = next((hf[k] for k in _LENGTH_KEYS if isinstance(hf.get(k), int) and hf[k] > 0), None)
     if length:
         raw["generation"]["max_length"] = length
+    sampling = _sampling(folder, gen, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
+    if sampling:
+        raw["generation"]["sampling"] = sampling
     return raw
+
+
+# what transformers' generate samples with when generation_config.json leaves a key out (its
+# GenerationConfig defaults: top_k 50, not off)
+_TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}
+
+
+def _sampling(folder: Folder, gen: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """generation.sampling as transformers' generate reads generation_config.json: with do_sample true, the
+    temperature, top_k, top_p and min_p it gives or transformers' defaults; a repetition_penalty always (a
+    logits processor of greedy search too). A value ortpipe refuses is a ConfigError naming the file's key."""
+    from .config.settings import BY_NAME  # not at the top: the config package imports this module
+
+    out: dict[str, Any] = {}
+    samples = gen.get("do_sample") is True
+    for key in ("do_sample", *keys):
+        if key == "do_sample":
+            value = True if samples else None
+        elif key == "repetition_penalty":
+            value = gen.get(key) if gen.get(key) != 1.0 else None
+        else:
+            value = gen.get(key, _TRANSFORMERS_SAMPLING[key]) if samples else None
+        if value is None:
+            continue
+        checked, problem = BY_NAME[key].check(value)
+        if problem:
+            raise ConfigError(
+                f"{folder.describe('generation_config.json')}: {key} {problem}; fix it there, or "
+                "give the model a genai_config.json"
+            )
+        out[key] = checked
+    return out
 
 
 def _transformers_js_dtype(hf: dict[str, Any], file: str) -> Any:
@@ -73,6 +108,7 @@ def _transformers_js_dtype(hf: dict[str, Any], file: str) -> Any:
 
 def _tokens(gen: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     """Special tokens, generation_config.json first (it is what transformers' generate uses)."""
+
     def pick(key: str) -> Any:
         return gen.get(key, hf.get(key))
 
@@ -90,8 +126,11 @@ def _tokens(gen: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     return tokens
 
 
-DIFFUSERS_PARTS = {"text_encoder": "text_encoder/model.onnx", "unet": "unet/model.onnx",
-                   "vae_decoder": "vae_decoder/model.onnx"}
+DIFFUSERS_PARTS = {
+    "text_encoder": "text_encoder/model.onnx",
+    "unet": "unet/model.onnx",
+    "vae_decoder": "vae_decoder/model.onnx",
+}
 GRAPH_FILES = ("onnx/model.onnx", "model.onnx")
 
 
@@ -104,22 +143,31 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
     kind = index.get("_class_name", "a diffusers pipeline")
     other = [part for part in ("text_encoder_2", "transformer", "prior", "decoder") if part in index]
     if other:
-        raise ConfigError(f"{folder.describe('model_index.json')} is {kind}, with {', '.join(other)}: "
-                          "ortpipe detects StableDiffusionPipeline-style folders (text_encoder, unet, "
-                          "vae_decoder); write a genai_config.json for this one")
+        raise ConfigError(
+            f"{folder.describe('model_index.json')} is {kind}, with {', '.join(other)}: "
+            "ortpipe detects StableDiffusionPipeline-style folders (text_encoder, unet, "
+            "vae_decoder); write a genai_config.json for this one"
+        )
     missing = [file for file in DIFFUSERS_PARTS.values() if not folder.exists(file)]
     if missing:
-        raise ConfigError(f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export "
-                          f"the "
-                          "pipeline with optimum (optimum-cli export onnx --task text-to-image)")
+        raise ConfigError(
+            f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export "
+            f"the "
+            "pipeline with optimum (optimum-cli export onnx --task text-to-image)"
+        )
     return {
         "version": 2,
         "pipeline": {
             "sessions": {name: {"file": file} for name, file in DIFFUSERS_PARTS.items()},
-            "flow": [{"run": "text_encoder", "when": "init"}, {"run": "unet", "when": "step"},
-                     {"run": "vae_decoder", "when": "final"}],
-            "dataflow": [{"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"},
-                         {"from": "unet.out_sample", "to": "vae_decoder.latent_sample"}],
+            "flow": [
+                {"run": "text_encoder", "when": "init"},
+                {"run": "unet", "when": "step"},
+                {"run": "vae_decoder", "when": "final"},
+            ],
+            "dataflow": [
+                {"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"},
+                {"from": "unet.out_sample", "to": "vae_decoder.latent_sample"},
+            ],
             "output": {"session": "vae_decoder", "name": "sample", "as": "image"},
             "preprocessing": {"text": {"tokenizer": "tokenizer"}},
         },
@@ -129,8 +177,15 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
 
 
 # sentence-transformers' pooling modes (1_Pooling/config.json), current names and legacy flags
-POOLING = {"mean": "mean", "cls": "cls", "max": "max", "lasttoken": "lasttoken", "mean_tokens": "mean",
-           "cls_token": "cls", "max_tokens": "max"}
+POOLING = {
+    "mean": "mean",
+    "cls": "cls",
+    "max": "max",
+    "lasttoken": "lasttoken",
+    "mean_tokens": "mean",
+    "cls_token": "cls",
+    "max_tokens": "max",
+}
 ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
@@ -143,15 +198,19 @@ def _sentence_transformers(folder: Folder) -> dict[str, Any] | None:
     types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
     other = [f"{t} ({m.get('path')})" for t, m in types.items() if t not in ST_MODULES]
     if other or "Pooling" not in types:
-        raise ConfigError(f"{folder.describe('modules.json')} has the modules {', '.join(types)}: ortpipe "
-                          f"runs "
-                          f"{', '.join(ST_MODULES)} (Pooling required)")
+        raise ConfigError(
+            f"{folder.describe('modules.json')} has the modules {', '.join(types)}: ortpipe "
+            f"runs "
+            f"{', '.join(ST_MODULES)} (Pooling required)"
+        )
     file = next((f for f in GRAPH_FILES if folder.exists(f)), None)
     if file is None:
-        raise ConfigError(f"{folder.describe()} is a sentence-transformers folder without an ONNX graph "
-                          f"(looked for "
-                          f"{', '.join(GRAPH_FILES)}): export its Transformer with optimum "
-                          f"(feature-extraction)")
+        raise ConfigError(
+            f"{folder.describe()} is a sentence-transformers folder without an ONNX graph "
+            f"(looked for "
+            f"{', '.join(GRAPH_FILES)}): export its Transformer with optimum "
+            f"(feature-extraction)"
+        )
     pooling_file = f"{types['Pooling'].get('path') or '1_Pooling'}/config.json"
     pooling = _pooling_mode(read_json(folder, pooling_file), folder.describe(pooling_file))
     length = optional_json(folder, "sentence_bert_config.json").get("max_seq_length")
@@ -161,9 +220,13 @@ def _sentence_transformers(folder: Folder) -> dict[str, Any] | None:
         "pipeline": {
             "sessions": {"encoder": {"file": file}},
             "flow": [{"run": "encoder", "when": "init"}],
-            "output": {"session": "encoder", "name": "last_hidden_state", "as": "embedding",
-                       "pooling": pooling,
-                       "normalize": "Normalize" in types},
+            "output": {
+                "session": "encoder",
+                "name": "last_hidden_state",
+                "as": "embedding",
+                "pooling": pooling,
+                "normalize": "Normalize" in types,
+            },
             **({"preprocessing": {"text": text}} if text else {}),
         },
         "generation": {"loop": "single_pass"},
@@ -175,15 +238,26 @@ def _pooling_mode(config: dict[str, Any], where: str) -> str:
     """The one pooling mode of a Pooling config: `pooling_mode` (sentence-transformers 6) or its legacy
     flags."""
     mode = config.get("pooling_mode")
-    modes = [mode] if isinstance(mode, str) else [k.removeprefix("pooling_mode_") for k, v in config.items()
-                                                  if k.startswith("pooling_mode_") and v is True]
+    modes = (
+        [mode]
+        if isinstance(mode, str)
+        else [
+            k.removeprefix("pooling_mode_")
+            for k, v in config.items()
+            if k.startswith("pooling_mode_") and v is True
+        ]
+    )
     if len(modes) != 1 or modes[0] not in POOLING:
-        raise ConfigError(f"{where} pools by {', '.join(modes) or 'nothing'}: ortpipe pools by one of "
-                          "mean, cls, max, lasttoken")
+        raise ConfigError(
+            f"{where} pools by {', '.join(modes) or 'nothing'}: ortpipe pools by one of "
+            "mean, cls, max, lasttoken"
+        )
     if config.get("include_prompt", True) is not True:
-        raise ConfigError(f"{where} sets include_prompt false (the prompt's tokens left out of the pooling), "
-                          f"which "
-                          "ortpipe does not run")
+        raise ConfigError(
+            f"{where} sets include_prompt false (the prompt's tokens left out of the pooling), "
+            f"which "
+            "ortpipe does not run"
+        )
     return POOLING[modes[0]]
 
 
@@ -207,8 +281,11 @@ def _speech(folder: Folder) -> dict[str, Any] | None:
     }
 
 
-MUSICGEN_PARTS = {"text_encoder": "text_encoder.onnx", "decoder": "decoder_model_merged.onnx",
-                  "audio_decoder": "encodec_decode.onnx"}
+MUSICGEN_PARTS = {
+    "text_encoder": "text_encoder.onnx",
+    "decoder": "decoder_model_merged.onnx",
+    "audio_decoder": "encodec_decode.onnx",
+}
 
 
 def _musicgen(folder: Folder) -> dict[str, Any] | None:
@@ -222,21 +299,27 @@ def _musicgen(folder: Folder) -> dict[str, Any] | None:
         return None
     missing = [f for f in MUSICGEN_PARTS.values() if not variants.present(folder, base + f)]
     if missing:
-        raise ConfigError(f"{folder.describe()} has {base}encodec_decode.onnx but not "
-                          f"{', '.join(base + f for f in missing)}: export MusicGen with optimum (--task "
-                          "text-to-audio) and merge its decoders into decoder_model_merged.onnx")
+        raise ConfigError(
+            f"{folder.describe()} has {base}encodec_decode.onnx but not "
+            f"{', '.join(base + f for f in missing)}: export MusicGen with optimum (--task "
+            "text-to-audio) and merge its decoders into decoder_model_merged.onnx"
+        )
     hf = optional_json(folder, "config.json")
     gen = optional_json(folder, "generation_config.json")
     decoder, audio = hf.get("decoder"), hf.get("audio_encoder")
     count = decoder.get("num_codebooks") if isinstance(decoder, dict) else None
     rate = audio.get("sampling_rate") if isinstance(audio, dict) else None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (count, rate)):
-        raise ConfigError(f"{folder.describe('config.json')} must give decoder.num_codebooks and "
-                          "audio_encoder.sampling_rate (MusicGen's config.json), found "
-                          f"{count!r} and {rate!r}")
+        raise ConfigError(
+            f"{folder.describe('config.json')} must give decoder.num_codebooks and "
+            "audio_encoder.sampling_rate (MusicGen's config.json), found "
+            f"{count!r} and {rate!r}"
+        )
     if isinstance(decoder, dict) and decoder.get("audio_channels", 1) != 1:
-        raise ConfigError(f"{folder.describe('config.json')} is a stereo MusicGen (audio_channels "
-                          f"{decoder.get('audio_channels')}): ortpipe runs mono MusicGen")
+        raise ConfigError(
+            f"{folder.describe('config.json')} is a stereo MusicGen (audio_channels "
+            f"{decoder.get('audio_channels')}): ortpipe runs mono MusicGen"
+        )
     tokens = _tokens(gen, decoder if isinstance(decoder, dict) else {})
     tokens["eos"] = []  # MusicGen stops at its length
     tokens.setdefault("pad", tokens.get("decoder_start"))
@@ -247,17 +330,29 @@ def _musicgen(folder: Folder) -> dict[str, Any] | None:
     generation: dict[str, Any] = {"codebooks": codebooks}
     if isinstance(gen.get("max_length"), int) and gen["max_length"] > 1:
         generation["max_length"] = gen["max_length"]
+    sampling = _sampling(folder, gen, ("temperature", "top_k", "top_p", "min_p"))
+    if sampling:
+        generation["sampling"] = sampling
     tokenizer = "" if folder.exists("tokenizer.json") or not base else base.rstrip("/")
     return {
         "version": 2,
         "pipeline": {
             "sessions": {name: {"file": base + file} for name, file in MUSICGEN_PARTS.items()},
-            "flow": [{"run": "text_encoder", "when": "init"}, {"run": "decoder", "when": "step"},
-                     {"run": "audio_decoder", "when": "final"}],
-            "dataflow": [{"from": "text_encoder.last_hidden_state", "to": "decoder.encoder_hidden_states"},
-                         {"from": "generated.ids", "to": "audio_decoder.audio_codes"}],
-            "output": {"session": "audio_decoder", "name": "audio_values", "as": "audio",
-                       "sampling_rate": rate},
+            "flow": [
+                {"run": "text_encoder", "when": "init"},
+                {"run": "decoder", "when": "step"},
+                {"run": "audio_decoder", "when": "final"},
+            ],
+            "dataflow": [
+                {"from": "text_encoder.last_hidden_state", "to": "decoder.encoder_hidden_states"},
+                {"from": "generated.ids", "to": "audio_decoder.audio_codes"},
+            ],
+            "output": {
+                "session": "audio_decoder",
+                "name": "audio_values",
+                "as": "audio",
+                "sampling_rate": rate,
+            },
             **({"preprocessing": {"text": {"tokenizer": tokenizer}}} if tokenizer else {}),
         },
         "tokens": {k: v for k, v in tokens.items() if v is not None},

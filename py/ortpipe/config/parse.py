@@ -43,7 +43,7 @@ from .schema import (
     Tokens,
     Wire,
 )
-from .settings import SETTINGS, SearchSettings, by_v2
+from .settings import CODEBOOK_SAMPLING, SETTINGS, SearchSettings, by_v2
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                list: "a list", dict: "an object"}
@@ -875,10 +875,12 @@ def _codebooks(sec: Section, loop: str, values: dict[str, Any]) -> Codebooks | N
     elif delay is not None and (len(delay) != count or any(d < 0 or d > 4096 for d in delay)):
         sec.problems.add(f"{c.path}.delay must list {count} delays (steps, 0 to 4096), one per codebook, "
                          f"found {quote(list(delay))}")
-    if values:  # max_length was taken out: every other setting would go unread
-        sec.problems.add(f"generation.codebooks reads only max_length (and its own guidance_scale) from the "
-                         f"config; a request may sample (do_sample, temperature, top_k, top_p, min_p, "
-                         f"seed): drop {', '.join(sorted(values))}")
+    unread = sorted(k for k in values if k not in CODEBOOK_SAMPLING)  # max_length was taken out
+    if unread:
+        sec.problems.add(
+            f"generation.codebooks reads only max_length, {', '.join(CODEBOOK_SAMPLING)} (and its "
+            f"own guidance_scale) from the config: drop {', '.join(unread)}"
+        )
     scale = c.number("guidance_scale", float, 1.0, 0.0, 1e6)
     if delay is None or scale is None:
         return None

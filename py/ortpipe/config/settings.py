@@ -133,6 +133,9 @@ def _strings(value: Any) -> tuple[Any, str | None]:
     return tuple(value), None
 
 
+# the settings that pick each codebook's token in the codebook loop (loops/codebooks.py), from the config or a
+# request (a penalty or a ban per codebook is not read)
+CODEBOOK_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "seed")
 MAX_BEAMS = 64  # beams multiply the batch: each holds its own KV cache
 MAX_DRAFT = 32  # drafted tokens checked in one run at most
 LARGE = 1e4  # the bound of settings that are otherwise unbounded: beyond it float32 kernels overflow

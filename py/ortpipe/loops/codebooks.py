@@ -26,9 +26,6 @@ from ..request import Result
 from ..sampling.sampler import Sampler
 from .text import TextSetup, text_inputs
 
-# the request settings that pick a codebook's token (a penalty or a ban per codebook is not read)
-CODEBOOK_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p", "seed")
-
 
 class CodebookRequest(OutputRequest):
     """One text's codes, step by step (each advance one decoder step; the last one runs the final phase)."""

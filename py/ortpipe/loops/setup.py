@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.settings import BY_NAME, SearchSettings
+from ..config.settings import BY_NAME, CODEBOOK_SAMPLING, SearchSettings
 from ..errors import GenerationError
 from ..execute.work import Handle
 from ..folder import Folder
@@ -15,7 +15,7 @@ from ..jsonfile import quote
 from ..plan import Plan
 from ..sampling.settings import check_setting, settings_for
 from ..tokenizer import Tokenizer
-from .codebooks import CODEBOOK_SAMPLING, CodebookRequest
+from .codebooks import CodebookRequest
 from .denoising import DenoisingRequest, DenoisingSetup, denoising_setup
 from .schedulers import make_schedule
 from .single_pass import DEFAULT_BATCH, SinglePassRequest
@@ -152,7 +152,9 @@ def _codebook_request(
             f"this folder generates codebooks from a text and reads only {', '.join(known)}; "
             f"drop {', '.join(unread) or 'inputs'}"
         )
-    search = settings_for(SearchSettings(), {k: given[k] for k in CODEBOOK_SAMPLING if k in given})
+    # the config's sampling settings (generation.codebooks reads no others), then the request's
+    defaults = SearchSettings(**{k: getattr(plan.config.generation.settings, k) for k in CODEBOOK_SAMPLING})
+    search = settings_for(defaults, {k: given[k] for k in CODEBOOK_SAMPLING if k in given})
     rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
     if rows is None:
         raise GenerationError("the codebook loop needs an init session that reads the prompt's input_ids")

@@ -34,11 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..errors import ConfigError
 from ..jsonfile import optional_json
-from ..targets.cpython.media import audio_of, pcm16, png_bytes, resample, wav_bytes
 from .protocol import IGNORED, InvalidRequest, _check_names, _decimal, _integer, _type_error, _unsupported
 
 PCM_RATE = 24000  # OpenAI's `pcm`: 24 kHz, 16-bit signed little-endian, mono
@@ -369,6 +366,9 @@ class OutputRow:
         self.current.interrupt()
 
     def reply(self, model: str) -> OutputReply:
+        # the server runs the CPython target: its media encoders (numpy), imported where they are used
+        from ..targets.cpython.media import audio_of, pcm16, png_bytes, resample, wav_bytes
+
         q = self.query
         if q.endpoint == "embeddings":
             return self._embeddings(model)
@@ -388,6 +388,8 @@ class OutputRow:
         )
 
     def _embeddings(self, model: str) -> OutputReply:
+        import numpy as np
+
         q = self.query
         vectors = np.asarray(self.results[0].output_of("embedding"), dtype=np.float32)
         if q.dimensions is not None and q.dimensions != vectors.shape[1]:
