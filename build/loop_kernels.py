@@ -134,8 +134,8 @@ def normal(_: int) -> onnx.GraphProto:
     return helper.make_graph(n.nodes, "normal", inputs, [_tensor("noise", F32, None)])
 
 
-def _latents(name: str, elem: int = F32) -> onnx.ValueInfoProto:
-    return _tensor(name, elem, ["batch", "channels", "height", "width"])
+def _latents(name: str, elem: int = F32, batch: str = "batch") -> onnx.ValueInfoProto:
+    return _tensor(name, elem, [batch, "channels", "height", "width"])
 
 
 def denoise_init(elem: int) -> onnx.GraphProto:
@@ -147,7 +147,8 @@ def denoise_init(elem: int) -> onnx.GraphProto:
     x = n.op("Mul", "latents", sigma, out="x")
     n.op("Cast", n.op("Tile", n.op("Mul", x, scale), "repeats"), to=elem, out="sample")
     inputs = [_latents("latents"), _tensor("coefficients", F32, [2]), _tensor("repeats", I64, [4])]
-    return helper.make_graph(n.nodes, "denoise_init", inputs, [_latents("x"), _latents("sample", elem)])
+    outputs = [_latents("x"), _latents("sample", elem, "rows")]  # rows: the batch, twice with guidance
+    return helper.make_graph(n.nodes, "denoise_init", inputs, outputs)
 
 
 def denoise_step(elem: int) -> onnx.GraphProto:
@@ -183,23 +184,27 @@ def denoise_step(elem: int) -> onnx.GraphProto:
     n.op("Cast", n.op("Tile", n.op("Mul", x_next, c["next_input_scale"]), "repeats"), to=elem, out="sample")
     inputs = [
         _latents("x"),
-        _latents("output", elem),
+        _latents("output", elem, "rows"),
         _tensor("previous_x0", F32, None),
         _tensor("noise", F32, None),
         _tensor("coefficients", F32, [len(STEP_COEFFICIENTS)]),
         _tensor("repeats", I64, [4]),
     ]
     return helper.make_graph(
-        n.nodes, "denoise_step", inputs, [_latents("x_next"), _latents("x0"), _latents("sample", elem)]
+        n.nodes,
+        "denoise_step",
+        inputs,
+        [_latents("x_next"), _latents("x0"), _latents("sample", elem, "rows")],
     )
 
 
 def divide(elem: int) -> onnx.GraphProto:
-    """x / d, in x's type (the final latents over the VAE's scaling factor, as diffusers divides them)."""
+    """x / d in float32, then in the VAE's type `elem` (the final latents over the VAE's scaling factor, as
+    diffusers divides them before it casts them to the VAE's dtype)."""
     n = _Nodes("")
-    n.op("Div", "x", n.op("Cast", "d", to=elem), out="y")
+    n.op("Cast", n.op("Div", "x", "d"), to=elem, out="y")
     return helper.make_graph(
-        n.nodes, "divide", [_tensor("x", elem, None), _tensor("d", F32, [1])], [_tensor("y", elem, None)]
+        n.nodes, "divide", [_tensor("x", F32, None), _tensor("d", F32, [1])], [_tensor("y", elem, None)]
     )
 
 
@@ -243,14 +248,18 @@ def guide_last(elem: int) -> onnx.GraphProto:
     guided logits [n, 1, vocab] in float32: uncond + scale * (cond - uncond) (classifier-free guidance,
     transformers' ClassifierFreeGuidanceLogitsProcessor)."""
     n = _Nodes("")
-    last = n.op("Cast", n.op("Slice", "logits", n.const([-1], I64), n.const([2**63 - 1], I64),
-                             n.const([1], I64)), to=F32)
+    last = n.op(
+        "Cast",
+        n.op("Slice", "logits", n.const([-1], I64), n.const([2**63 - 1], I64), n.const([1], I64)),
+        to=F32,
+    )
     half = n.op("Div", n.op("Shape", last, start=0, end=1), n.const([2], I64))
     cond = n.op("Slice", last, n.const([0], I64), half, n.const([0], I64))
     uncond = n.op("Slice", last, half, n.const([2**63 - 1], I64), n.const([0], I64))
     n.op("Add", uncond, n.op("Mul", "scale", n.op("Sub", cond, uncond)), out="guided")
     return helper.make_graph(
-        n.nodes, "guide_last",
+        n.nodes,
+        "guide_last",
         [_tensor("logits", elem, ["rows", "seq", "vocab"]), _tensor("scale", F32, [1])],
         [_tensor("guided", F32, ["half", 1, "vocab"])],
     )
@@ -263,9 +272,9 @@ LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]
     "pool_lasttoken": (pool_lasttoken, FLOATS),
     "l2_normalize": (l2_normalize, ("float32",)),
     "normal": (normal, ("float32",)),
-    "denoise_init": (denoise_init, ("float32",)),
-    "denoise_step": (denoise_step, ("float32",)),
-    "divide": (divide, ("float32",)),
+    "denoise_init": (denoise_init, FLOATS),  # the UNet's type: its sample in, its output out
+    "denoise_step": (denoise_step, FLOATS),
+    "divide": (divide, FLOATS),  # the VAE's type
     "vae_image": (vae_image, FLOATS),
     "rgba8": (rgba8, ("uint8",)),
     "guide_last": (guide_last, FLOATS),

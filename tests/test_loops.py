@@ -191,6 +191,49 @@ def test_a_seed_makes_the_latents_and_the_noise(sd_copy: Path, sd_cases: dict[st
     assert np.abs(other - result.image).max() > 0.1
 
 
+FP16_IMAGE_TOLERANCE = 5e-3  # float16 graphs against diffusers' float32 image (fp16 rounding)
+
+
+@pytest.fixture(scope="module")
+def sd_fp16(sd_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sd-tiny with every graph in float16 inputs, weights and outputs (onnxruntime's float16 converter, as
+    fp16 exports for WebGPU are made; Resize kept in float32 as the converter's users do)."""
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    folder = Path(shutil.copytree(sd_tiny, tmp_path_factory.mktemp("sd16") / "sd-fp16",
+                                  ignore=shutil.ignore_patterns("references")))
+    for part in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
+        path = folder / part / "model.onnx"
+        half = convert_float_to_float16(onnx.load(path), keep_io_types=False,
+                                        op_block_list=[*DEFAULT_OP_BLOCK_LIST, "Resize"])
+        onnx.save(half, path)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["ddim-eps-leading-cfg", "dpm-v-trailing"])
+def test_float16_graphs_give_diffusers_image(name: str, sd_fp16: Path, sd_tiny: Path,
+                                             sd_cases: dict[str, dict]) -> None:
+    """A float16 UNet, text encoder and VAE: the scheduler still runs in float32 between the UNet's runs (the
+    kernels cast its sample in and its prediction out), so the image is diffusers' float32 one up to float16
+    rounding, and the float32 folder's up to the same."""
+    import onnx
+
+    unet = onnx.load(sd_fp16 / "unet" / "model.onnx", load_external_data=False)
+    types = {i.name: i.type.tensor_type.elem_type for i in unet.graph.input}
+    assert types["sample"] == onnx.TensorProto.FLOAT16
+    case = sd_cases[name]
+    folder = _with_scheduler(sd_fp16, case["scheduler"])
+    latents = np.load(sd_tiny / "references" / case["latents"])
+    half = ortpipe.load(folder, threads=1).generate(case["prompt"], latents=latents, **_case_request(case))
+    expected = np.load(sd_tiny / "references" / case["image"])
+    to_diffusers = float(np.abs(half.image - expected).max())
+    print(f"{name}: float16 graphs, max |ortpipe - diffusers float32| = {to_diffusers:.2e}")
+    assert half.image.dtype == np.float32 and half.image.shape == expected.shape
+    assert to_diffusers <= FP16_IMAGE_TOLERANCE
+    assert to_diffusers > 0, "float16 graphs ran: the image is not bit-equal to float32's"
+
+
 def test_the_seeds_config_with_real_tensor_names(sd_tiny: Path, sd_copy: Path, sd_cases: dict[str, dict],
                                                  tmp_path: Path) -> None:
     """The design's section 12.3 diffusion config, with optimum's tensor names and a scheduler named by the

@@ -53,6 +53,7 @@ class DenoisingSetup:
     latent_shape: tuple[int | None, int | None, int | None]  # channels, height, width (None: not known)
     scaling_factor: float
     batch_fixed: bool  # the UNet's batch dim is fixed to 1: no guidance
+    vae_dtype: str = "float32"  # the element type of the final step's latents input (the VAE's)
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -63,10 +64,10 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     feeds = {f.source: f for f in step.feeds if f.kind == LOOP}
     sample, timestep = feeds["sample"], feeds["timestep"]
     problems = []
-    if sample.dtype != "float32":
+    if sample.dtype not in ("float32", "float16"):
         problems.append(
             f'session "{step.session}" input "{sample.input}" is {sample.dtype}: the denoising loop '
-            "runs float32 UNets (its scheduler kernels compute in float32)"
+            "runs float32 and float16 UNets (its scheduler kernels compute in float32 between them)"
         )
     info = sig.input(sample.input)
     if info.rank != LATENT_RANK:
@@ -80,6 +81,12 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         problems.append(
             f'session "{step.session}" has outputs {", ".join(outputs)}: name the noise prediction in '
             f"sessions.{step.session}.outputs.noise_pred"
+        )
+    elif sig.output(noise_pred).dtype != sample.dtype:
+        problems.append(
+            f'session "{step.session}" takes {sample.dtype} "{sample.input}" but gives '
+            f'{sig.output(noise_pred).dtype} "{noise_pred}": the denoising loop runs UNets whose noise '
+            "prediction has the type of their sample"
         )
     if problems:
         raise ConfigError(problems)
@@ -98,6 +105,13 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     shape = (channels, dims[1] or size[0], dims[2] or size[1])
     final = next((s for s in plan.final_phase if any(f.kind == LOOP for f in s.feeds)), None)
     vae = _beside(folder, config.pipeline.sessions[final.session].file) if final else {}
+    latents_feed = next((f for f in final.feeds if f.kind == LOOP), None) if final else None
+    vae_dtype = latents_feed.dtype if latents_feed is not None else "float32"
+    if vae_dtype not in ("float32", "float16"):
+        raise ConfigError(
+            f'session "{final.session}" input "{latents_feed.input}" is {vae_dtype}: the denoising '
+            "loop hands float32 or float16 latents to its final steps"
+        )
     scaling = vae.get("scaling_factor", DEFAULT_SCALING)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
         raise ConfigError(f"the VAE's scaling_factor must be a positive number, found {scaling!r}")
@@ -114,6 +128,7 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         shape,
         float(scaling),
         info.shape[0] == 1,
+        vae_dtype,
     )
 
 
@@ -209,7 +224,7 @@ class DenoisingRequest(OutputRequest):
             latents = yield from self.noise.draw(self.shape, "init")
         first = self.schedule.steps[0]
         out = yield Run(
-            kernel("denoise_init", "float32"),
+            kernel("denoise_init", self.setup.sample_dtype),
             {
                 "latents": latents,
                 "coefficients": b.tensor(
@@ -234,7 +249,7 @@ class DenoisingRequest(OutputRequest):
         following = steps[self.step + 1].input_scale if self.step + 1 < len(steps) else 1.0
         coefficients = [self.guidance if self.guided else 0.0, *step.coefficients, following]
         made = yield Run(
-            kernel("denoise_step", "float32"),
+            kernel("denoise_step", self.setup.sample_dtype),
             {
                 "x": self.x,
                 "output": out[self.setup.noise_pred],
@@ -253,7 +268,7 @@ class DenoisingRequest(OutputRequest):
         """The final latents over the VAE's scaling factor into the final phase; the named outputs."""
         b = self.backend
         scaled = yield Run(
-            kernel("divide", "float32"),
+            kernel("divide", self.setup.vae_dtype),
             {"x": self.x, "d": b.tensor([self.setup.scaling_factor], (1,), "float32")},
             ("y",),
             None,
