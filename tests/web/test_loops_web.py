@@ -157,6 +157,41 @@ def test_webgpu_outputs_equal_cpython_within_tolerance(page: Any, serve_model: A
     assert difference <= WEBGPU
 
 
+FLOAT16_IMAGE = 5e-3  # float16 kernels of wasm and of the CPU provider round apart: about one level of 255
+
+
+@pytest.mark.parametrize("ort_device", ["wasm", "webgpu"])
+def test_float16_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path, ort_device: str,
+                                      tmp_path: Path) -> None:
+    """sd-tiny's graphs in float16 (as fp16 exports for WebGPU are made; onnxruntime's float16 converter,
+    Resize kept in float32): a seeded, guided image equals CPython's float16 one within float16 rounding. A
+    WebGPU adapter without shader-f16 (SwiftShader's) cannot open the graphs: the page gets the ConfigError
+    naming it."""
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    folder = Path(shutil.copytree(sd_folder, tmp_path / "sd-fp16"))
+    for part in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
+        path = folder / part / "model.onnx"
+        onnx.save(convert_float_to_float16(onnx.load(path), keep_io_types=False,
+                                           op_block_list=[*DEFAULT_OP_BLOCK_LIST, "Resize"]), path)
+    serve_model("sd-fp16", folder)
+    request = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 3, "guidanceScale": 4.0,
+               "seed": 9}
+    half = ort_device == "wasm" or page.evaluate(
+        "async () => !!(await navigator.gpu?.requestAdapter())?.features.has('shader-f16')")
+    if not half:
+        with pytest.raises(Exception, match=r"ConfigError: session .* on webgpu: .*requires f16 but the"):
+            in_page(page, "sd-fp16", [{"kind": "generate", "args": [request]}], ort_device)
+        return
+    run = in_page(page, "sd-fp16", [{"kind": "generate", "args": [request]}], ort_device)["runs"][0]
+    expected = ortpipe.load(folder).generate("a red cube", negative_prompt="blurry", num_steps=3,
+                                             guidance_scale=4.0, seed=9).image
+    difference = float(np.abs(np.array(run["data"], np.float32).reshape(run["dims"]) - expected).max())
+    print(f"{ort_device} float16 image: max |browser - CPython| = {difference:.1e}")
+    assert difference <= FLOAT16_IMAGE
+
+
 def test_refusals_reach_the_page(page: Any, serve_model: Any, vits_tiny: Path, sd_folder: Path) -> None:
     serve_model("vits-tiny", vits_tiny)
     serve_model("sd-tiny", sd_folder)
