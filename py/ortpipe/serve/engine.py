@@ -301,9 +301,7 @@ class Outputs:
         try:
             assert isinstance(job.completion, OutputQuery)
             self.open[job] = OutputRow(self.pipe, job.completion)
-        except (
-            Exception
-        ) as e:  # a refused request (a text too long, a size the model does not make), or a bug
+        except Exception as e:  # a refused request (a size the model does not make, a bad setting), or a bug
             self._fail(job, e)
 
     def step(self) -> None:

@@ -129,7 +129,6 @@ class OutputQuery:
     count: int = 1  # images: n
     size: tuple[int, int] | None = None  # images: (width, height) asked for (None: auto)
     settings: dict[str, Any] = field(default_factory=dict)  # images: seed, num_steps, guidance_scale, ...
-    stream: bool = False  # never: these endpoints answer once
 
 
 def _text(value: Any, name: str, limit: int | None = None) -> str:
