@@ -97,14 +97,14 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
             f"the denoising loop needs a scheduler: {folder.describe(SCHEDULER_FILE)} does not "
             'exist and generation.scheduler names none (e.g. "EulerDiscreteScheduler")'
         )
-    unet = _beside(folder, spec.file)
+    unet = config_beside(folder, spec.file)
     dims = [d if isinstance(d, int) else None for d in info.shape[1:]]
     size = unet.get("sample_size")
     size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, list) else (None, None)
     channels = dims[0] if dims[0] is not None else unet.get("in_channels")
     shape = (channels, dims[1] or size[0], dims[2] or size[1])
     final = next((s for s in plan.final_phase if any(f.kind == LOOP for f in s.feeds)), None)
-    vae = _beside(folder, config.pipeline.sessions[final.session].file) if final else {}
+    vae = config_beside(folder, config.pipeline.sessions[final.session].file) if final else {}
     latents_feed = next((f for f in final.feeds if f.kind == LOOP), None) if final else None
     vae_dtype = latents_feed.dtype if latents_feed is not None else "float32"
     if vae_dtype not in ("float32", "float16"):
@@ -132,7 +132,7 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     )
 
 
-def _beside(folder: Folder, graph: str) -> dict[str, Any]:
+def config_beside(folder: Folder, graph: str) -> dict[str, Any]:
     """The config.json beside a graph file (diffusers writes one per model), or {}."""
     return optional_json(folder, posixpath.join(posixpath.dirname(graph), "config.json"))
 

@@ -112,15 +112,13 @@ class Scheduler(Protocol):
     def rows(self) -> int: ...
 
 
-class TimeSliced:
-    """Up to `max_rows` requests, each with its own KV cache, stepped in turn on one pipeline."""
+class Slots:
+    """What schedulers share: up to `max_rows` open requests (in admission order, the order they are stepped
+    in), their metrics, and how a job leaves or fails."""
 
-    def __init__(self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics,
-                 leave: Callable[[Job], None]):
+    def __init__(self, pipe: Any, max_rows: int, metrics: Metrics, leave: Callable[[Job], None]):
         self.pipe, self.max_rows, self.metrics, self._leave = pipe, max_rows, metrics, leave
-        self.template = chat_template(pipe)
-        self.cache = PromptCache(pipe, cache_size, slot_length(pipe))
-        self.open: dict[Job, Row] = {}  # in admission order: the order rows are stepped in
+        self.open: dict[Job, Any] = {}
 
     @property
     def rows(self) -> int:
@@ -128,6 +126,32 @@ class TimeSliced:
 
     def room(self) -> int:
         return self.max_rows - len(self.open)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        """Tell a job why it failed (a refused request is a 400, a bug a 500), count it, let it leave."""
+        if isinstance(e, InvalidRequest):
+            error = e
+        elif isinstance(e, GenerationError):
+            error = InvalidRequest(str(e))
+        else:
+            log.exception("%s failed", job.id)
+            error = InvalidRequest(
+                f"The server failed on this request: {type(e).__name__}: {e}", status=500, kind="server_error"
+            )
+        job.emit(Failed(error))
+        self.metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
+        log.info("%s error=%d %s", job.id, error.status, error.message)
+        self._leave(job)
+
+
+class TimeSliced(Slots):
+    """Up to `max_rows` requests, each with its own KV cache, stepped in turn on one pipeline."""
+
+    def __init__(self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics,
+                 leave: Callable[[Job], None]):
+        super().__init__(pipe, max_rows, metrics, leave)
+        self.template = chat_template(pipe)
+        self.cache = PromptCache(pipe, cache_size, slot_length(pipe))
 
     def admit(self, job: Job) -> None:
         if job.cancelled:
@@ -203,26 +227,6 @@ class TimeSliced:
         _log_line(job, usage, reason, now)
         self._leave(job)
 
-    def _fail(self, job: Job, e: Exception) -> None:
-        _failed(job, e, self.metrics)
-        self._leave(job)
-
-
-def _failed(job: Job, e: Exception, metrics: Metrics) -> None:
-    """Tell a job why it failed (a refused request is a 400, a bug a 500) and count it."""
-    if isinstance(e, InvalidRequest):
-        error = e
-    elif isinstance(e, GenerationError):
-        error = InvalidRequest(str(e))
-    else:
-        log.exception("%s failed", job.id)
-        error = InvalidRequest(
-            f"The server failed on this request: {type(e).__name__}: {e}", status=500, kind="server_error"
-        )
-    job.emit(Failed(error))
-    metrics.finish("error", 0, 0, time.monotonic() - job.arrived)
-    log.info("%s error=%d %s", job.id, error.status, error.message)
-
 
 class Batched(TimeSliced):
     """Up to `max_rows` requests as rows of one batched decoder run: continuous batching."""
@@ -278,21 +282,13 @@ class Batched(TimeSliced):
             self.pipe.driver.drive(self.batch.leave(row.gen.core))
 
 
-class Outputs:
+class Outputs(Slots):
     """Up to `max_rows` requests of an output endpoint (embeddings, speech, images), advanced in turn one
     step each (a batch of texts, a denoising step), so that a long one does not hold back the others."""
 
     def __init__(self, pipe: Any, max_rows: int, metrics: Metrics, leave: Callable[[Job], None], model: str):
-        self.pipe, self.max_rows, self.metrics, self._leave = pipe, max_rows, metrics, leave
+        super().__init__(pipe, max_rows, metrics, leave)
         self.model = model
-        self.open: dict[Job, OutputRow] = {}
-
-    @property
-    def rows(self) -> int:
-        return len(self.open)
-
-    def room(self) -> int:
-        return self.max_rows - len(self.open)
 
     def admit(self, job: Job) -> None:
         if job.cancelled:
@@ -338,10 +334,6 @@ class Outputs:
         for job in list(self.open):
             del self.open[job]
             self._fail(job, error)
-
-    def _fail(self, job: Job, e: Exception) -> None:
-        _failed(job, e, self.metrics)
-        self._leave(job)
 
 
 def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:

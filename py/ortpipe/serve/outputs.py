@@ -27,7 +27,6 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 from __future__ import annotations
 
 import base64
-import posixpath
 import re
 import time
 from collections import deque
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..jsonfile import optional_json
+from ..loops.denoising import config_beside
 from .protocol import IGNORED, InvalidRequest, _check_names, _decimal, _integer, _type_error, _unsupported
 
 PCM_RATE = 24000  # OpenAI's `pcm`: 24 kHz, 16-bit signed little-endian, mono
@@ -104,8 +103,7 @@ def image_size(pipe: Any) -> tuple[int, int] | None:
     final = pipe.plan.final_phase
     if setup is None or not final or None in setup.latent_shape[1:]:
         return None
-    graph = pipe.config.pipeline.sessions[final[-1].session].file
-    vae = optional_json(pipe.model.folder, posixpath.join(posixpath.dirname(graph), "config.json"))
+    vae = config_beside(pipe.model.folder, pipe.config.pipeline.sessions[final[-1].session].file)
     blocks = vae.get("block_out_channels")
     if not isinstance(blocks, list) or not blocks:
         return None
@@ -387,21 +385,19 @@ class OutputRow:
         )
 
     def _embeddings(self, model: str) -> OutputReply:
-        import numpy as np
+        from ..targets.cpython.media import float32_rows
 
         q = self.query
-        vectors = np.asarray(self.results[0].output_of("embedding"), dtype=np.float32)
-        if q.dimensions is not None and q.dimensions != vectors.shape[1]:
+        vectors = self.results[0].output_of("embedding")
+        dim = vectors.shape[1]
+        if q.dimensions is not None and q.dimensions != dim:
             raise InvalidRequest(
-                f"Invalid value for 'dimensions': {q.dimensions}. This model makes "
-                f"{vectors.shape[1]}-dimensional embeddings; send {vectors.shape[1]} or omit it.",
+                f"Invalid value for 'dimensions': {q.dimensions}. This model makes {dim}-dimensional "
+                f"embeddings; send {dim} or omit it.",
                 "dimensions",
                 "invalid_value",
             )
-        if q.encoding == "base64":
-            rows: list[Any] = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
-        else:
-            rows = [[float(x) for x in v] for v in vectors]
+        rows = float32_rows(vectors, q.encoding)
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
         usage = {"prompt_tokens": self.tokens, "total_tokens": self.tokens}
         return OutputReply(

@@ -7,6 +7,7 @@ waveforms.
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 import os
@@ -125,6 +126,15 @@ def audio_of(result: Any) -> Audio:
     samples = result.outputs[name]
     return Audio(samples.reshape(-1) if samples.ndim == 1 or samples.shape[0] == 1 else samples,
                  result.kinds[name]["sampling_rate"])
+
+
+def float32_rows(values: Any, encoding: str) -> list[Any]:
+    """The rows of a [rows, dim] array as OpenAI sends embeddings: lists of floats, or ("base64") each row's
+    little-endian float32 bytes in base64."""
+    rows = np.asarray(values, dtype="<f4")
+    if encoding == "base64":
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    return [row.tolist() for row in rows]
 
 
 def pcm16(samples: np.ndarray) -> np.ndarray:
