@@ -53,6 +53,15 @@ def narrow(elem: int) -> onnx.GraphProto:
     return helper.make_graph(nodes, "narrow", [x, *ints], [y])
 
 
+def pad(elem: int) -> onnx.GraphProto:
+    """x, pads [2 * rank] -> x with zeros added before and after each axis (`pads` as ONNX Pad reads it:
+    the counts before every axis, then after): a batch's concat KV cache padded on the left so that rows
+    of different lengths line up."""
+    x, y = (helper.make_value_info(n, helper.make_tensor_type_proto(elem, shape=None)) for n in "xy")
+    pads = helper.make_tensor_value_info("pads", TensorProto.INT64, ["pads"])
+    return helper.make_graph([helper.make_node("Pad", ["x", "pads"], ["y"])], "pad", [x, pads], [y])
+
+
 def _concat(axis: int) -> Callable[[int], onnx.GraphProto]:
     def make(elem: int) -> onnx.GraphProto:
         """a, b -> a and b joined along `axis` (0: per-image outputs gathered into one tensor; 1: a step
@@ -413,6 +422,7 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "narrow": (narrow, (*FLOAT_TYPES, "int64")),
     "concat0": (_concat(0), tuple(FLOAT_TYPES)),
     "concat1": (_concat(1), tuple(FLOAT_TYPES)),
+    "pad": (pad, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),

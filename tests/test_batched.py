@@ -1,8 +1,10 @@
-"""Continuous batching (loops/batched.py): rows joining and leaving a running batch give, token for
-token, what each request gives alone; sampled rows keep their own seeded generator."""
+"""Continuous batching (loops/batched.py), shared-buffer and concat caches: rows joining and leaving a
+running batch give, token for token, what each request gives alone (a concat row padded on the left, cut
+back when it leaves); sampled rows keep their own seeded generator."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,11 @@ def prefilled(pipe: Any, prompt: list[int], **settings: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    "model", ["llama_builder_fp32", "llama_builder_int4", "phi3_builder", "qwen2_builder"]
+    "model",
+    [
+        "llama_builder_fp32", "llama_builder_int4", "phi3_builder", "qwen2_builder",
+        "llama_concat", "gpt2_optimum",
+    ],
 )
 def test_rows_that_join_and_leave_give_what_they_give_alone(
     model: str, request: pytest.FixtureRequest
@@ -61,27 +67,40 @@ def test_rows_that_join_and_leave_give_what_they_give_alone(
     assert got == alone
 
 
-def test_a_row_that_left_goes_on_alone_from_its_cache(llama_builder_fp32: Path) -> None:
-    pipe = ortpipe.load(llama_builder_fp32, threads=1)
-    ids = prompt_ids(llama_builder_fp32)
-    expected = pipe.generate(prompt_ids=ids[:30], max_new_tokens=20).tokens
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_concat"])
+def test_a_row_that_left_goes_on_alone_from_its_cache(model: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(model)
+    pipe = ortpipe.load(folder, threads=1)
+    ids = prompt_ids(Path(folder))
+    expected = pipe.generate(prompt_ids=ids[:12], max_new_tokens=20).tokens
     batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)
-    gen, other = prefilled(pipe, ids[:30]), prefilled(pipe, ids[40:50])
-    for g in (other, gen):
+    gen, other = prefilled(pipe, ids[:12]), prefilled(pipe, ids[40:70])
+    for g in (other, gen):  # a concat batch pads the shorter row, `gen`, on the left
         pipe.driver.drive(batch.join(g))
     for _ in range(9):
         pipe.driver.drive(batch.step())
     pipe.driver.drive(batch.leave(gen))
+    shapes = {pipe.model.backend.shape(x) for x in batch.cache.values()}
+    if pipe.plan.fused.layout == "concat":  # the other row's own length, no padding left
+        assert {s[2] for s in shapes} == {other.flow.position} and other.flow.position > 12 + 9
+    else:
+        assert {s[2] for s in shapes} == {CAPACITY}
     while gen.generated < 20:  # alone again: the fused path over the cache the batch handed back
         pipe.driver.drive(gen.next_tokens(1))
-    assert gen.tokens[30:50] == expected
+    assert gen.tokens[12:32] == expected
 
 
 def test_what_cannot_be_batched_says_why(
-    llama_concat: Path, gemma_builder: Path, llama_builder_fp32: Path
+    llama_concat: Path, gemma_builder: Path, llama_builder_fp32: Path, whisper_builder: Path
 ) -> None:
-    assert "shared past/present buffer" in batchable(ortpipe.load(llama_concat).plan)
+    concat = ortpipe.load(llama_concat).plan
+    assert batchable(concat) is None
+    unplaced = dataclasses.replace(concat, fused=dataclasses.replace(concat.fused, positions=None))
+    assert "no position ids" in batchable(unplaced)
+    unmasked = dataclasses.replace(concat, fused=dataclasses.replace(concat.fused, mask=None))
+    assert "no attention mask" in batchable(unmasked)
     assert "slides" in batchable(ortpipe.load(gemma_builder).plan)
+    assert "not a single decoder run" in batchable(ortpipe.load(whisper_builder).plan)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
     assert batchable(pipe.plan) is None
     batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)

@@ -506,6 +506,36 @@ def test_twenty_concurrent_streams_each_equal_the_request_alone(folder: Path, pi
     assert metrics["ortpipe_batch_occupancy"] > 0.25  # rows did run side by side
 
 
+def test_an_optimum_concat_export_is_batched_too(llama_concat: Path) -> None:
+    """Rows of a concat cache (present = past + new) of different lengths, padded on the left in the
+    batch: each completion equals the request alone."""
+    reference = ortpipe.load(llama_concat, threads=1)
+    sampled = {"temperature": 0.8, "top_p": 0.9}
+    requests = [  # prompts of different lengths; every third sampled with its own seed
+        ("def " + "spam_" * (1 + 3 * i) + "(x):", 30 - i,
+         {"temperature": 0} if i % 3 else {**sampled, "seed": i})
+        for i in range(8)
+    ]
+    with served(llama_concat, max_batch=4, max_queue=16, delay=0.002) as s:
+        client = s.client(max_retries=0)
+
+        def complete(request: tuple[str, int, dict]) -> str:
+            prompt, max_tokens, settings = request
+            chunks = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, **settings
+            )
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(complete, requests))
+        assert type(s.engine.scheduler).__name__ == "Batched"
+        assert s.engine.scheduler.batch.steps > 0
+        assert s.metrics()["ortpipe_batch_occupancy"] > 0.25
+    for (prompt, max_tokens, settings), text in zip(requests, texts, strict=True):
+        options = {"do_sample": True, **settings} if "seed" in settings else {}
+        assert text == reference.generate(prompt, max_new_tokens=max_tokens, **options).text
+
+
 def test_a_client_that_disconnects_frees_its_row_and_its_queue_place(folder: Path, pipe: Any) -> None:
     with served(folder, max_batch=1, max_queue=1, delay=0.02) as s:
         client = s.client(max_retries=0)

@@ -6,19 +6,25 @@ at its own position, and gives every row its next token; a row that is done (eos
 stop string, an interrupt) leaves between steps, taking its cache rows back, so its generator can
 go on alone (a chat's next turn, a prompt cache) or join again.
 
-Rows may have different lengths. The model builder's graphs (GroupQueryAttention over one shared
-past/present buffer per layer) read each row's length from its attention mask (the sum of the row,
-right-padded), write the row's new key and value at that position and rotate by it, so a row
-attends to exactly what it would alone. That is the layout batched here: the plan's fused step
-with a shared buffer, every row sized to the batch's capacity. A plan without it is served one
-request at a time.
+Rows may have different lengths. Two cache layouts are batched:
+- shared: the model builder's graphs (GroupQueryAttention over one shared past/present buffer per
+  layer) read each row's length from its attention mask (the sum of the row, right-padded), write
+  the row's new key and value at that position and rotate by it. Every row is sized to the batch's
+  capacity.
+- concat: a graph that returns present = past + new (Optimum's exports) takes one past length for
+  every row, so rows are aligned on the right: a shorter row's cache is padded on the left with
+  zeros that its attention mask hides, and its position ids say where it really is. When a row
+  leaves, its padding is cut off, and the columns every remaining row pads are dropped.
+Either way a row attends to exactly what it would alone. Other plans are served one request at a
+time.
 """
 
 from __future__ import annotations
 
 from ..errors import GenerationError
 from ..execute.work import Backend, Handle, Run, Work, kernel
-from ..plan import Plan
+from ..plan import CacheEntry, Plan
+from ..state.kv import END, narrow_seq
 from .autoregressive import TokenGenerator
 
 
@@ -27,13 +33,16 @@ def batchable(plan: Plan) -> str | None:
     step = plan.fused
     if step is None:
         return "its step phase is not a single decoder run over a KV cache (a multi-session pipeline)"
-    if step.layout != "shared":
-        return "its KV cache is not one shared past/present buffer (GroupQueryAttention, the model builder's)"
     session = plan.step_phase[0]
     if session.kv.format != "separate" or any(e.window is not None for e in session.kv.entries):
         return "its KV cache is combined or slides (rows of such caches are not batched yet)"
+    if any(e.frozen or e.batch_axis != 0 for e in session.kv.entries):
+        return "its KV cache keeps cross-attention entries or has no leading batch axis"
     if step.mask is None:
         return "its decoder takes no attention mask, which is how rows of different lengths are told apart"
+    if step.layout == "concat" and step.positions is None:
+        return ("its decoder takes no position ids, and a row padded on the left to the batch's length "
+                "needs them to be placed where it is")
     return None
 
 
@@ -46,9 +55,11 @@ class Batch:
             raise GenerationError(f"this model's requests cannot be batched: {why}")
         self.plan, self.backend, self.capacity = plan, backend, capacity
         self.fused = plan.fused
+        self.shared = self.fused.layout == "shared"
         self.entries = plan.step_phase[0].kv.entries
         self.rows: list[TokenGenerator] = []
-        self.cache: dict[str, Handle] = {}  # past input -> [rows, heads, capacity, head_size]
+        self.cache: dict[str, Handle] = {}  # past input -> [rows, heads, positions, head_size]
+        self.width = 0  # concat: the positions every row's cache holds, its left padding included
         self.steps = 0
 
     def __len__(self) -> int:
@@ -58,24 +69,33 @@ class Batch:
         """Add a prefilled generator (READY, one id pending) as the batch's last row."""
         if gen.flow.iterations == 0 or len(gen.pending) != 1 or gen.state != "ready":
             raise GenerationError("a row joins a batch after its prefill, with one token to feed")
-        if gen.flow.max_length != self.capacity:
+        if self.shared and gen.flow.max_length != self.capacity:
             raise GenerationError(
                 f"a row's cache holds {gen.flow.max_length} positions; this batch's rows hold "
                 f"{self.capacity}: make the generator with max_length {self.capacity}"
             )
-        own = gen.flow.caches[self.fused.session].feeds
+        own = dict(gen.flow.caches[self.fused.session].feeds)
+        length = gen.flow.position
         if not self.rows:
-            self.cache = dict(own)
-        else:
+            self.cache, self.width = own, length
+            self.rows.append(gen)
+            return
+        if not self.shared and length != self.width:  # pad the shorter side on the left
+            wider = max(length, self.width)
             for e in self.entries:
-                out = yield Run(
-                    kernel("concat0", e.dtype),
-                    {"a": self.cache[e.past_input], "b": own[e.past_input]},
-                    ("y",),
-                    None,
-                    "join",
-                )
-                self.cache[e.past_input] = out["y"]
+                own[e.past_input] = yield from self._pad(own[e.past_input], e, wider - length)
+                batched = self.cache[e.past_input]
+                self.cache[e.past_input] = yield from self._pad(batched, e, wider - self.width)
+            self.width = wider
+        for e in self.entries:
+            out = yield Run(
+                kernel("concat0", e.dtype),
+                {"a": self.cache[e.past_input], "b": own[e.past_input]},
+                ("y",),
+                None,
+                "join",
+            )
+            self.cache[e.past_input] = out["y"]
         self.rows.append(gen)
 
     def leave(self, gen: TokenGenerator) -> Work:
@@ -83,18 +103,25 @@ class Batch:
         i = self.rows.index(gen)
         keep = [j for j in range(len(self.rows)) if j != i]
         own = gen.flow.caches[self.fused.session]
+        padding = [self.width - g.flow.position for g in self.rows] if not self.shared else []
+        trim = min(padding[j] for j in keep) if keep and padding else 0  # columns every other row pads
         for e in self.entries:
             batched = self.cache[e.past_input]
-            if len(self.rows) == 1:
-                own.feeds[e.past_input] = batched
-                continue
-            picked = yield from self._rows(batched, e.dtype, [i])
+            picked = batched if not keep else (yield from self._rows(batched, e.dtype, [i]))
+            if padding and padding[i]:
+                picked = yield from narrow_seq(self.backend, e, picked, padding[i], END)
             own.feeds[e.past_input] = picked
-            self.cache[e.past_input] = yield from self._rows(batched, e.dtype, keep)
-        own.inplace = {e.present_output: e.past_input for e in self.entries}
+            if keep:
+                rest = yield from self._rows(batched, e.dtype, keep)
+                if trim:
+                    rest = yield from narrow_seq(self.backend, e, rest, trim, END)
+                self.cache[e.past_input] = rest
+        if self.shared:
+            own.inplace = {e.present_output: e.past_input for e in self.entries}
         del self.rows[i]
+        self.width -= trim
         if not self.rows:
-            self.cache = {}
+            self.cache, self.width = {}, 0
 
     def step(self) -> Work:
         """One decoder run for every row; each row's generator takes its next token."""
@@ -103,19 +130,22 @@ class Batch:
             gen.begin_external()
         try:
             lengths = [gen.flow.position + 1 for gen in rows]  # what each row's graph will have seen
-            width = max(lengths)
             feeds = dict(self.cache)
             feeds[step.ids[0]] = b.tensor([gen.pending[0] for gen in rows], (len(rows), 1), step.ids[1])
-            mask = [v for n in lengths for v in [1] * n + [0] * (width - n)]
+            if self.shared:  # right-padded: the graph reads each row's length from its mask
+                width = max(lengths)
+                mask = [v for n in lengths for v in [1] * n + [0] * (width - n)]
+            else:  # left-padded to the cache's width, plus the new position
+                width = self.width + 1
+                mask = [v for n in lengths for v in [0] * (width - n) + [1] * n]
             feeds[step.mask[0]] = b.tensor(mask, (len(rows), width), step.mask[1])
             if step.positions:
                 feeds[step.positions[0]] = b.tensor(
                     [n - 1 for n in lengths], (len(rows), 1), step.positions[1]
                 )
-            out = yield Run(
-                step.session, feeds, step.outputs, dict(step.presents), f"batch step {self.steps}"
-            )
-            for e in self.entries:  # a target that could not write in place answered new buffers
+            inplace = dict(step.presents) if self.shared else None
+            out = yield Run(step.session, feeds, step.outputs, inplace, f"batch step {self.steps}")
+            for e in self.entries:  # concat: the presents; shared: a target that could not write in place
                 if e.present_output in out:
                     self.cache[e.past_input] = out[e.present_output]
             tokens = yield from self._select(out[step.logits])
@@ -124,6 +154,8 @@ class Batch:
                 gen.fail_external(e)
             raise
         self.steps += 1
+        if not self.shared:
+            self.width += 1
         for gen, token in zip(rows, tokens, strict=True):
             gen.end_external([token])
         return tokens
@@ -156,4 +188,15 @@ class Batch:
     def _rows(self, x: Handle, dtype: str, rows: list[int]) -> Work:
         index = self.backend.tensor(rows, (len(rows),), "int64")
         out = yield Run(kernel("gather_rows0", dtype), {"x": x, "rows": index}, ("y",), None, "batch rows")
+        return out["y"]
+
+    def _pad(self, x: Handle, e: CacheEntry, count: int) -> Work:
+        """`count` zero positions before the first of a concat cache's sequence axis."""
+        if not count:
+            return x
+        rank = len(self.backend.shape(x))
+        pads = [0] * (2 * rank)
+        pads[e.seq_axis] = count
+        feeds = {"x": x, "pads": self.backend.tensor(pads, (len(pads),), "int64")}
+        out = yield Run(kernel("pad", e.dtype), feeds, ("y",), None, "batch rows")
         return out["y"]

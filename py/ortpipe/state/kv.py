@@ -47,7 +47,7 @@ class KVCache:
                 feeds[e.past_input] = outputs[e.present_output]
         for e in self._windowed:
             if backend.shape(feeds[e.past_input])[e.seq_axis] > e.window:
-                feeds[e.past_input] = yield from _narrow(backend, e, feeds[e.past_input], -e.window, END)
+                feeds[e.past_input] = yield from narrow_seq(backend, e, feeds[e.past_input], -e.window, END)
 
     def take(self, cache: Mapping[str, Handle], steps: int) -> None:
         """After `steps` fused decode steps: the cache the target answered is this cache from now on."""
@@ -67,7 +67,8 @@ class KVCache:
             )
         if not self.plan.share_buffer:
             for e in self.plan.entries:
-                self.feeds[e.past_input] = yield from _narrow(backend, e, self.feeds[e.past_input], 0, length)
+                past = self.feeds[e.past_input]
+                self.feeds[e.past_input] = yield from narrow_seq(backend, e, past, 0, length)
         self.length = length
 
     def reorder(self, rows: list[int], backend: Backend) -> Work:
@@ -87,7 +88,7 @@ class KVCache:
 END = 2**62  # "to the end" for the narrow kernel
 
 
-def _narrow(backend: Backend, e: CacheEntry, x: Handle, start: int, end: int) -> Work:
+def narrow_seq(backend: Backend, e: CacheEntry, x: Handle, start: int, end: int) -> Work:
     out = yield Run(
         kernel("narrow", e.dtype),
         {
