@@ -62,6 +62,55 @@ def pad(elem: int) -> onnx.GraphProto:
     return helper.make_graph([helper.make_node("Pad", ["x", "pads"], ["y"])], "pad", [x, pads], [y])
 
 
+def _rank4(name: str, elem: int, dims: list[str]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+def put_rows(elem: int) -> onnx.GraphProto:
+    """x [n, heads, positions, size], rows [k], values [k, heads, p, size], length [1] -> x with positions
+    [0, length) of those rows taken from values; the rest of x as it was. A batch's shared-buffer KV cache
+    takes a row (a target with views writes into x in place, the Run asking for it)."""
+    nodes = [
+        _const("zero", [0]), _const("axis1", [1]), _const("axis2", [2]),
+        _const("end", [INT64_MAX]),
+        helper.make_node("Slice", ["values", "zero", "length", "axis2"], ["head"]),
+        helper.make_node("Gather", ["x", "rows"], ["old"], axis=0),
+        helper.make_node("Slice", ["old", "length", "end", "axis2"], ["tail"]),
+        helper.make_node("Concat", ["head", "tail"], ["new"], axis=2),
+        helper.make_node("Unsqueeze", ["rows", "axis1"], ["index"]),
+        helper.make_node("ScatterND", ["x", "index", "new"], ["y"]),
+    ]
+    return helper.make_graph(
+        nodes, "put_rows",
+        [_rank4("x", elem, ["n", "heads", "positions", "size"]),
+         helper.make_tensor_value_info("rows", TensorProto.INT64, ["k"]),
+         _rank4("values", elem, ["k", "heads", "p", "size"]),
+         helper.make_tensor_value_info("length", TensorProto.INT64, [1])],
+        [_rank4("y", elem, ["n", "heads", "positions", "size"])])
+
+
+def take_rows(elem: int) -> onnx.GraphProto:
+    """x [n, heads, positions, size], rows [k], length [1] -> those rows with positions [0, length) and
+    zeros after: a row leaving a batch's shared-buffer KV cache takes the positions it has seen."""
+    nodes = [
+        _const("zero", [0]), _const("axis2", [2]), _const("axis3", [3]), _const("before", [0, 0, 0, 0, 0, 0]),
+        _const("last", [0]),
+        helper.make_node("Gather", ["x", "rows"], ["picked"], axis=0),
+        helper.make_node("Slice", ["picked", "zero", "length", "axis2"], ["seen"]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Slice", ["shape", "axis2", "axis3", "zero"], ["positions"]),
+        helper.make_node("Sub", ["positions", "length"], ["after"]),
+        helper.make_node("Concat", ["before", "after", "last"], ["pads"], axis=0),
+        helper.make_node("Pad", ["seen", "pads"], ["y"]),
+    ]
+    return helper.make_graph(
+        nodes, "take_rows",
+        [_rank4("x", elem, ["n", "heads", "positions", "size"]),
+         helper.make_tensor_value_info("rows", TensorProto.INT64, ["k"]),
+         helper.make_tensor_value_info("length", TensorProto.INT64, [1])],
+        [_rank4("y", elem, ["k", "heads", "positions", "size"])])
+
+
 def _concat(axis: int) -> Callable[[int], onnx.GraphProto]:
     def make(elem: int) -> onnx.GraphProto:
         """a, b -> a and b joined along `axis` (0: per-image outputs gathered into one tensor; 1: a step
@@ -423,6 +472,8 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "concat0": (_concat(0), tuple(FLOAT_TYPES)),
     "concat1": (_concat(1), tuple(FLOAT_TYPES)),
     "pad": (pad, tuple(FLOAT_TYPES)),
+    "put_rows": (put_rows, tuple(FLOAT_TYPES)),
+    "take_rows": (take_rows, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),

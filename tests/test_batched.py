@@ -50,9 +50,10 @@ def test_rows_that_join_and_leave_give_what_they_give_alone(
     batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)
     gens: list[Any] = []
     waiting = list(jobs)
+    joins = [0, 0, 3, 7, 8]  # the step each job joins before: 5 rows outgrow the batch's first 4 slots
     steps = 0
     while waiting or len(batch):
-        if waiting and (steps in (0, 3, 7, 8) or not len(batch)):  # rows join at different steps
+        if waiting and (joins[len(gens)] <= steps or not len(batch)):
             prompt, settings = waiting.pop(0)
             gens.append(prefilled(pipe, prompt, **settings))
             pipe.driver.drive(batch.join(gens[-1]))
@@ -109,3 +110,9 @@ def test_what_cannot_be_batched_says_why(
     pipe.driver.drive(gen.next_tokens(1))
     with pytest.raises(GenerationError, match="make the generator with max_length 128"):
         pipe.driver.drive(batch.join(gen))
+    pipe.model.backend.row_views = False  # the browser's tensors: no buffer of rows to view
+    try:
+        with pytest.raises(GenerationError, match="cannot batch rows"):
+            Batch(pipe.plan, pipe.model.backend, CAPACITY)
+    finally:
+        pipe.model.backend.row_views = True

@@ -48,6 +48,21 @@ def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
         for start, end in ((-5, 2**62), (0, 3)):
             feeds = {"x": x, "start": np.array([start]), "end": np.array([end]), "axis": np.array([axis])}
             assert np.array_equal(NATIVE_KERNELS["narrow"](**feeds)[0], run("narrow_float16", **feeds))
+    x = rng.standard_normal((5, 2, 12, 3)).astype(np.float32)
+    for rows, length in (([3], 7), ([0, 4], 12), ([2], 0)):
+        values = rng.standard_normal((len(rows), 2, 12, 3)).astype(np.float32)
+        feeds = {"rows": np.array(rows), "values": values, "length": np.array([length])}
+        graph = run("put_rows_float32", x=x, **feeds)
+        native = NATIVE_KERNELS["put_rows"](x=x.copy(), **feeds)[0]  # writes into its x
+        assert np.array_equal(native, graph)
+        assert np.array_equal(graph[rows, :, :length], values[:, :, :length])
+        others = [r for r in range(5) if r not in rows]
+        assert np.array_equal(graph[others], x[others])
+        assert np.array_equal(graph[rows, :, length:], x[rows, :, length:])
+        feeds = {"x": x, "rows": np.array(rows), "length": np.array([length])}
+        taken = run("take_rows_float32", **feeds)
+        assert np.array_equal(NATIVE_KERNELS["take_rows"](**feeds)[0], taken)
+        assert np.array_equal(taken[:, :, :length], x[rows, :, :length]) and not taken[:, :, length:].any()
 
 
 def test_guide_last_mixes_the_last_position_of_both_halves() -> None:

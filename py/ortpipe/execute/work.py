@@ -147,12 +147,15 @@ class Backend(Protocol):
     empty: the core never yields one. `decode_burst`: the most steps one `Decode` asks for (running
     several per answer saves the core's work per token and, in the browser, a crossing into Python).
     `fused_sampling`: the target selects tokens by a `Decode`'s `pick` (else only plain greedy
-    requests are fused).
+    requests are fused). `row_views`: the `narrow` kernel along the first axis answers a tensor over
+    the same memory, so a run that writes it in place writes the whole (a batch of rows in one
+    preallocated buffer needs it, loops/batched.py).
     """
 
     fused_layouts: frozenset[str]
     decode_burst: int
     fused_sampling: bool
+    row_views: bool
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> Handle: ...
 

@@ -47,18 +47,28 @@ def batchable(plan: Plan) -> str | None:
 
 
 class Batch:
-    """Rows decoding together. `join` and `leave` between steps; `step` runs them all once."""
+    """Rows decoding together. `join` and `leave` between steps; `step` runs them all once.
 
-    def __init__(self, plan: Plan, backend: Backend, capacity: int):
+    Shared-buffer rows live in one buffer of `slots` rows per cache entry, allocated at the first join
+    (more when more rows join): a row joining is copied into the next free slot, a row leaving takes
+    a copy of its slot, and the last row moves into the slot it freed, each copy only of the positions
+    a row has seen. Each step runs over a view of the first rows, written in place (the target's
+    `row_views`). Concat rows are joined into new tensors, which their caches are anyway every step.
+    """
+
+    def __init__(self, plan: Plan, backend: Backend, capacity: int, slots: int = 4):
         why = batchable(plan)
         if why:
             raise GenerationError(f"this model's requests cannot be batched: {why}")
-        self.plan, self.backend, self.capacity = plan, backend, capacity
+        self.plan, self.backend, self.capacity, self.slots = plan, backend, capacity, max(1, slots)
         self.fused = plan.fused
         self.shared = self.fused.layout == "shared"
+        if self.shared and not getattr(backend, "row_views", False):
+            raise GenerationError("this target cannot batch rows: its tensors are not views of one buffer")
         self.entries = plan.step_phase[0].kv.entries
         self.rows: list[TokenGenerator] = []
         self.cache: dict[str, Handle] = {}  # past input -> [rows, heads, positions, head_size]
+        self.buffer: dict[str, Handle] = {}  # shared: past input -> [slots, heads, capacity, head_size]
         self.width = 0  # concat: the positions every row's cache holds, its left padding included
         self.steps = 0
 
@@ -75,12 +85,97 @@ class Batch:
                 f"{self.capacity}: make the generator with max_length {self.capacity}"
             )
         own = dict(gen.flow.caches[self.fused.session].feeds)
-        length = gen.flow.position
+        if self.shared:
+            yield from self._join_slot(own, gen.flow.position)
+        else:
+            yield from self._join_concat(own, gen.flow.position)
+        self.rows.append(gen)
+
+    def leave(self, gen: TokenGenerator) -> Work:
+        """Take a row out: its cache rows go back to its generator, the others stay batched."""
+        i = self.rows.index(gen)
+        own = gen.flow.caches[self.fused.session]
+        if self.shared:
+            yield from self._leave_slot(i, own.feeds)
+            own.inplace = {e.present_output: e.past_input for e in self.entries}
+        else:
+            yield from self._leave_concat(i, own.feeds)
+
+    # shared buffers: slots
+
+    def _join_slot(self, own: dict[str, Handle], length: int) -> Work:
+        n = len(self.rows)
+        if not self.buffer or n == self.backend.shape(next(iter(self.buffer.values())))[0]:
+            yield from self._grow(own)
+        for e in self.entries:
+            yield from self._put(e, n, own[e.past_input], length)
+        yield from self._view(n + 1)
+
+    def _leave_slot(self, i: int, feeds: dict[str, Handle]) -> Work:
+        b, last = self.backend, len(self.rows) - 1
+        seen = b.tensor([self.rows[i].flow.position], (1,), "int64")
+        for e in self.entries:
+            out = yield Run(
+                kernel("take_rows", e.dtype),
+                {"x": self.buffer[e.past_input], "rows": b.tensor([i], (1,), "int64"), "length": seen},
+                ("y",), None, "batch rows",
+            )
+            feeds[e.past_input] = out["y"]
+        if i != last:  # the last row moves into the slot this one frees
+            moved = self.rows[last]
+            for e in self.entries:
+                row = yield from self._narrow0(self.buffer[e.past_input], e, last, last + 1)
+                yield from self._put(e, i, row, moved.flow.position)
+            self.rows[i] = moved
+        self.rows.pop()
+        if self.rows:
+            yield from self._view(len(self.rows))
+        else:
+            self.cache = {}  # the buffer stays for the next rows
+
+    def _grow(self, own: dict[str, Handle]) -> Work:
+        """A buffer of more slots (twice as many once rows fill it), the rows so far copied into it."""
+        old, n = self.buffer, len(self.rows)
+        if old:
+            self.slots *= 2
+        seen = max((g.flow.position for g in self.rows), default=0)
+        self.buffer = {}
+        for e in self.entries:
+            shape = (self.slots, *self.backend.shape(own[e.past_input])[1:])
+            self.buffer[e.past_input] = self.backend.full(shape, 0, e.dtype)
+            if n:
+                rows = yield from self._narrow0(old[e.past_input], e, 0, n)
+                yield from self._put(e, list(range(n)), rows, seen)
+
+    def _put(self, e: CacheEntry, rows: int | list[int], values: Handle, length: int) -> Work:
+        b = self.backend
+        index = [rows] if isinstance(rows, int) else rows
+        feeds = {
+            "x": self.buffer[e.past_input], "rows": b.tensor(index, (len(index),), "int64"),
+            "values": values, "length": b.tensor([length], (1,), "int64"),
+        }
+        out = yield Run(kernel("put_rows", e.dtype), feeds, ("y",), {"y": "x"}, "batch rows")
+        if "y" in out:  # a target that did not write in place
+            self.buffer[e.past_input] = out["y"]
+
+    def _view(self, n: int) -> Work:
+        """The batch's cache: views of the buffers' first `n` rows, which each step writes in place."""
+        for e in self.entries:
+            self.cache[e.past_input] = yield from self._narrow0(self.buffer[e.past_input], e, 0, n)
+
+    def _narrow0(self, x: Handle, e: CacheEntry, start: int, end: int) -> Work:
+        b = self.backend
+        feeds = {"x": x, "start": b.tensor([start], (1,), "int64"), "end": b.tensor([end], (1,), "int64"),
+                 "axis": b.tensor([0], (1,), "int64")}
+        return (yield Run(kernel("narrow", e.dtype), feeds, ("y",), None, "batch rows"))["y"]
+
+    # concat caches: rows padded on the left
+
+    def _join_concat(self, own: dict[str, Handle], length: int) -> Work:
         if not self.rows:
             self.cache, self.width = own, length
-            self.rows.append(gen)
             return
-        if not self.shared and length != self.width:  # pad the shorter side on the left
+        if length != self.width:  # pad the shorter side on the left
             wider = max(length, self.width)
             for e in self.entries:
                 own[e.past_input] = yield from self._pad(own[e.past_input], e, wider - length)
@@ -96,28 +191,22 @@ class Batch:
                 "join",
             )
             self.cache[e.past_input] = out["y"]
-        self.rows.append(gen)
 
-    def leave(self, gen: TokenGenerator) -> Work:
-        """Take a row out: its cache rows go back to its generator, the others stay batched."""
-        i = self.rows.index(gen)
+    def _leave_concat(self, i: int, feeds: dict[str, Handle]) -> Work:
         keep = [j for j in range(len(self.rows)) if j != i]
-        own = gen.flow.caches[self.fused.session]
-        padding = [self.width - g.flow.position for g in self.rows] if not self.shared else []
-        trim = min(padding[j] for j in keep) if keep and padding else 0  # columns every other row pads
+        padding = [self.width - g.flow.position for g in self.rows]
+        trim = min((padding[j] for j in keep), default=0)  # columns every other row pads
         for e in self.entries:
             batched = self.cache[e.past_input]
             picked = batched if not keep else (yield from self._rows(batched, e.dtype, [i]))
-            if padding and padding[i]:
+            if padding[i]:
                 picked = yield from narrow_seq(self.backend, e, picked, padding[i], END)
-            own.feeds[e.past_input] = picked
+            feeds[e.past_input] = picked
             if keep:
                 rest = yield from self._rows(batched, e.dtype, keep)
                 if trim:
                     rest = yield from narrow_seq(self.backend, e, rest, trim, END)
                 self.cache[e.past_input] = rest
-        if self.shared:
-            own.inplace = {e.present_output: e.past_input for e in self.entries}
         del self.rows[i]
         self.width -= trim
         if not self.rows:
@@ -145,9 +234,14 @@ class Batch:
                 )
             inplace = dict(step.presents) if self.shared else None
             out = yield Run(step.session, feeds, step.outputs, inplace, f"batch step {self.steps}")
-            for e in self.entries:  # concat: the presents; shared: a target that could not write in place
-                if e.present_output in out:
+            answered = [e for e in self.entries if e.present_output in out]
+            for e in answered:  # concat: the presents; shared: a target that could not write in place
+                if self.shared:
+                    yield from self._put(e, list(range(len(rows))), out[e.present_output], max(lengths))
+                else:
                     self.cache[e.past_input] = out[e.present_output]
+            if self.shared and answered:
+                yield from self._view(len(rows))
             tokens = yield from self._select(out[step.logits])
         except BaseException as e:
             for gen in rows:

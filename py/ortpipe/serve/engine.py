@@ -235,7 +235,7 @@ class Batched(TimeSliced):
         self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None]
     ):
         super().__init__(pipe, max_rows, cache_size, metrics, leave)
-        self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length)
+        self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length, max_rows)
 
     def admit(self, job: Job) -> None:
         """Open the row and run its prefill alone; then it joins the batch, unless it is done already."""
@@ -265,7 +265,7 @@ class Batched(TimeSliced):
         try:
             tokens = self.pipe.driver.drive(self.batch.step())
         except Exception as e:  # every row of the failed run ends; the next requests start a new batch
-            self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length)
+            self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length, self.max_rows)
             for job, row in list(self.open.items()):
                 self._drop(job, row, e)
             return

@@ -109,6 +109,7 @@ class WebBackend:
     fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the worker runs
     decode_burst = 64  # steps per Decode at most; the JS Decoder also stops after BURST_MS
     fused_sampling = True  # the Decoder selects by a Decode's pick (web/sampling.js)
+    row_views = False  # every tensor is a copy on the JS side: the browser serves no batch of rows
 
     def __init__(self, bridge: JsProxy):
         self.bridge = bridge

@@ -41,11 +41,14 @@ class CpuBackend:
     fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver carries out
     decode_burst = 64  # steps per Decode at most; the driver also stops a burst after BURST_SECONDS
     fused_sampling = True  # the driver selects by a Decode's pick (sampling.py)
+    row_views = True  # narrowing the first axis of a contiguous array gives a view (the driver's narrow)
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)
 
     def full(self, shape: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
+        if value == 0:  # calloc'd: a KV buffer's pages are only touched when a position is written
+            return np.zeros(shape, dtype=dtype)
         return np.full(shape, value, dtype=dtype)
 
     def shape(self, handle: np.ndarray) -> tuple[int, ...]:

@@ -57,13 +57,29 @@ def _narrow(x: np.ndarray, start: np.ndarray, end: np.ndarray, axis: np.ndarray)
     return [np.ascontiguousarray(x[tuple(index)])]
 
 
+def _put_rows(x: np.ndarray, rows: np.ndarray, values: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+    end = int(length[0])
+    x[rows, :, :end] = values[:, :, :end]  # in place: the batch's buffer, which its rows' runs are bound to
+    return [x]
+
+
+def _take_rows(x: np.ndarray, rows: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+    end = int(length[0])
+    y = np.zeros((len(rows), *x.shape[1:]), x.dtype)  # calloc'd: the pages after `end` stay untouched
+    y[:, :, :end] = x[rows, :, :end]
+    return [y]
+
+
 def _selected(row: np.ndarray, session: str, position: int, picker: Picker | None) -> int:
     return _checked(row, session, position) if picker is None else picker.select(row, session, position)
 
 
 # numpy twins of kernel graphs whose onnxruntime call costs more than the work (about 50 µs a run
 # here, against 3 µs for an argmax); tests/test_kernels.py checks each twin against its graph.
-NATIVE_KERNELS = {"argmax_last": _argmax_last, "narrow": _narrow}
+# put_rows and take_rows copy only the positions a row has seen, and put_rows writes in place.
+NATIVE_KERNELS = {
+    "argmax_last": _argmax_last, "narrow": _narrow, "put_rows": _put_rows, "take_rows": _take_rows,
+}
 
 
 class NativeKernel:
@@ -344,7 +360,7 @@ class Driver:
     def _run(self, work: Run) -> dict[str, Any]:
         session = self.sessions.get(work.session) or self._kernel(work.session)
         try:
-            if work.inplace:
+            if work.inplace and not isinstance(session, NativeKernel):  # a native kernel writes in place
                 return self._run_bound(session, work)
             return dict(zip(work.outputs, session.run(work.outputs, work.feeds), strict=True))
         except Exception as e:
