@@ -89,28 +89,6 @@ def put_rows(elem: int) -> onnx.GraphProto:
         [_rank4("y", elem, ["n", "heads", "positions", "size"])])
 
 
-def take_rows(elem: int) -> onnx.GraphProto:
-    """x [n, heads, positions, size], rows [k], length [1] -> those rows with positions [0, length) and
-    zeros after: a row leaving a batch's shared-buffer KV cache takes the positions it has seen."""
-    nodes = [
-        _const("zero", [0]), _const("axis2", [2]), _const("axis3", [3]), _const("before", [0, 0, 0, 0, 0, 0]),
-        _const("last", [0]),
-        helper.make_node("Gather", ["x", "rows"], ["picked"], axis=0),
-        helper.make_node("Slice", ["picked", "zero", "length", "axis2"], ["seen"]),
-        helper.make_node("Shape", ["x"], ["shape"]),
-        helper.make_node("Slice", ["shape", "axis2", "axis3", "zero"], ["positions"]),
-        helper.make_node("Sub", ["positions", "length"], ["after"]),
-        helper.make_node("Concat", ["before", "after", "last"], ["pads"], axis=0),
-        helper.make_node("Pad", ["seen", "pads"], ["y"]),
-    ]
-    return helper.make_graph(
-        nodes, "take_rows",
-        [_rank4("x", elem, ["n", "heads", "positions", "size"]),
-         helper.make_tensor_value_info("rows", TensorProto.INT64, ["k"]),
-         helper.make_tensor_value_info("length", TensorProto.INT64, [1])],
-        [_rank4("y", elem, ["k", "heads", "positions", "size"])])
-
-
 def _concat(axis: int) -> Callable[[int], onnx.GraphProto]:
     def make(elem: int) -> onnx.GraphProto:
         """a, b -> a and b joined along `axis` (0: per-image outputs gathered into one tensor; 1: a step
@@ -473,7 +451,6 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "concat1": (_concat(1), tuple(FLOAT_TYPES)),
     "pad": (pad, tuple(FLOAT_TYPES)),
     "put_rows": (put_rows, tuple(FLOAT_TYPES)),
-    "take_rows": (take_rows, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),

@@ -59,10 +59,6 @@ def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
         others = [r for r in range(5) if r not in rows]
         assert np.array_equal(graph[others], x[others])
         assert np.array_equal(graph[rows, :, length:], x[rows, :, length:])
-        feeds = {"x": x, "rows": np.array(rows), "length": np.array([length])}
-        taken = run("take_rows_float32", **feeds)
-        assert np.array_equal(NATIVE_KERNELS["take_rows"](**feeds)[0], taken)
-        assert np.array_equal(taken[:, :, :length], x[rows, :, :length]) and not taken[:, :, length:].any()
 
 
 def test_guide_last_mixes_the_last_position_of_both_halves() -> None:

@@ -108,24 +108,21 @@ class Batch:
         if not self.buffer or n == self.backend.shape(next(iter(self.buffer.values())))[0]:
             yield from self._grow(own)
         for e in self.entries:
-            yield from self._put(e, n, own[e.past_input], length)
+            self.buffer[e.past_input] = yield from self._put(e, n, own[e.past_input], length)
         yield from self._view(n + 1)
 
     def _leave_slot(self, i: int, feeds: dict[str, Handle]) -> Work:
-        b, last = self.backend, len(self.rows) - 1
-        seen = b.tensor([self.rows[i].flow.position], (1,), "int64")
+        """The row's positions go back into its generator's own buffers (kept while it was batched, so
+        nothing is allocated); the last row moves into the slot it frees."""
+        last, seen = len(self.rows) - 1, self.rows[i].flow.position
         for e in self.entries:
-            out = yield Run(
-                kernel("take_rows", e.dtype),
-                {"x": self.buffer[e.past_input], "rows": b.tensor([i], (1,), "int64"), "length": seen},
-                ("y",), None, "batch rows",
-            )
-            feeds[e.past_input] = out["y"]
+            row = yield from self._narrow0(self.buffer[e.past_input], e, i, i + 1)
+            feeds[e.past_input] = yield from self._put(e, 0, row, seen, into=feeds[e.past_input])
         if i != last:  # the last row moves into the slot this one frees
             moved = self.rows[last]
             for e in self.entries:
                 row = yield from self._narrow0(self.buffer[e.past_input], e, last, last + 1)
-                yield from self._put(e, i, row, moved.flow.position)
+                self.buffer[e.past_input] = yield from self._put(e, i, row, moved.flow.position)
             self.rows[i] = moved
         self.rows.pop()
         if self.rows:
@@ -145,18 +142,23 @@ class Batch:
             self.buffer[e.past_input] = self.backend.full(shape, 0, e.dtype)
             if n:
                 rows = yield from self._narrow0(old[e.past_input], e, 0, n)
-                yield from self._put(e, list(range(n)), rows, seen)
+                self.buffer[e.past_input] = yield from self._put(e, list(range(n)), rows, seen)
 
-    def _put(self, e: CacheEntry, rows: int | list[int], values: Handle, length: int) -> Work:
+    def _put(
+        self, e: CacheEntry, rows: int | list[int], values: Handle, length: int, into: Handle | None = None
+    ) -> Work:
+        """Positions [0, length) of `values` written into those rows of `into` (the batch's buffer by
+        default), in place; the tensor that holds them after (a target that could not write in place
+        answers a new one)."""
         b = self.backend
+        x = self.buffer[e.past_input] if into is None else into
         index = [rows] if isinstance(rows, int) else rows
         feeds = {
-            "x": self.buffer[e.past_input], "rows": b.tensor(index, (len(index),), "int64"),
+            "x": x, "rows": b.tensor(index, (len(index),), "int64"),
             "values": values, "length": b.tensor([length], (1,), "int64"),
         }
         out = yield Run(kernel("put_rows", e.dtype), feeds, ("y",), {"y": "x"}, "batch rows")
-        if "y" in out:  # a target that did not write in place
-            self.buffer[e.past_input] = out["y"]
+        return out.get("y", x)
 
     def _view(self, n: int) -> Work:
         """The batch's cache: views of the buffers' first `n` rows, which each step writes in place."""
@@ -237,7 +239,8 @@ class Batch:
             answered = [e for e in self.entries if e.present_output in out]
             for e in answered:  # concat: the presents; shared: a target that could not write in place
                 if self.shared:
-                    yield from self._put(e, list(range(len(rows))), out[e.present_output], max(lengths))
+                    every, present = list(range(len(rows))), out[e.present_output]
+                    self.buffer[e.past_input] = yield from self._put(e, every, present, max(lengths))
                 else:
                     self.cache[e.past_input] = out[e.present_output]
             if self.shared and answered:

@@ -198,7 +198,7 @@ def bench(args: argparse.Namespace) -> int:
     if url is None:
         proc, url = start_server(args.model, max(streams), args.threads)
     try:
-        vocab = vocab_size(args.model)
+        vocab = args.vocab or vocab_size(args.model)
         warm_up = min(8, args.new_tokens)
         run_level(url, 1, 1, args.prompt_tokens, warm_up, vocab, args.api_key, seed=99)
         levels = [
@@ -245,6 +245,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates (default 128)")
     p.add_argument("--threads", type=int, help="intra-op threads of the server it starts")
     p.add_argument("--rounds", type=int, default=3, help="requests each stream sends, one after another")
+    p.add_argument("--vocab", type=int, help="prompt ids are drawn below this (default: MODEL_DIR's "
+                   "vocab_size; 256 with --url), so that two servers get the same prompts")
     p.add_argument("--json", action="store_true", help="print the levels as JSON")
     p.add_argument(
         "--processes",
@@ -260,6 +262,8 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name in ("prompt_tokens", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.vocab is not None and args.vocab < 4:
+        p.error("--vocab must be at least 4 (prompt ids are drawn from 3 up)")
     try:
         streams = [int(n) for n in str(args.streams).split(",")]
     except ValueError:

@@ -63,23 +63,14 @@ def _put_rows(x: np.ndarray, rows: np.ndarray, values: np.ndarray, length: np.nd
     return [x]
 
 
-def _take_rows(x: np.ndarray, rows: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
-    end = int(length[0])
-    y = np.zeros((len(rows), *x.shape[1:]), x.dtype)  # calloc'd: the pages after `end` stay untouched
-    y[:, :, :end] = x[rows, :, :end]
-    return [y]
-
-
 def _selected(row: np.ndarray, session: str, position: int, picker: Picker | None) -> int:
     return _checked(row, session, position) if picker is None else picker.select(row, session, position)
 
 
 # numpy twins of kernel graphs whose onnxruntime call costs more than the work (about 50 µs a run
 # here, against 3 µs for an argmax); tests/test_kernels.py checks each twin against its graph.
-# put_rows and take_rows copy only the positions a row has seen, and put_rows writes in place.
-NATIVE_KERNELS = {
-    "argmax_last": _argmax_last, "narrow": _narrow, "put_rows": _put_rows, "take_rows": _take_rows,
-}
+# put_rows copies only the positions a row has seen, in place.
+NATIVE_KERNELS = {"argmax_last": _argmax_last, "narrow": _narrow, "put_rows": _put_rows}
 
 
 class NativeKernel:
