@@ -744,3 +744,28 @@ def test_the_serve_benchmark_command_reports_each_level(folder: Path) -> None:
         text=True,
     )
     assert wrong.returncode == 2 and "--streams takes positive counts" in wrong.stderr
+    tiny = subprocess.run(
+        [sys.executable, "-m", "ortpipe.cli", "bench", "--serve", str(folder), "--vocab", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert tiny.returncode == 2 and "--vocab must be at least 4" in tiny.stderr
+
+
+def test_the_load_generator_draws_the_same_prompts_for_any_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A level's prompts depend on its seed and `--vocab` only, so ortpipe and another server (`--url`) get
+    the same requests; ids span the vocabulary given."""
+    from ortpipe.serve import load
+
+    sent: dict[str, list[list[int]]] = {}
+
+    def fake(url: str, prompt: list[int], new_tokens: int, api_key: str | None) -> load.Sample:
+        sent.setdefault(url, []).append(prompt)
+        return load.Sample(0.01, 0.02, new_tokens)
+
+    monkeypatch.setattr(load, "one_request", fake)
+    for url in ("http://ortpipe", "http://other"):
+        level = load.run_level(url, 2, 2, 6, 3, 32000, None)
+        assert (level.requests, level.tokens) == (4, 12)
+    assert sorted(sent["http://ortpipe"]) == sorted(sent["http://other"])
+    assert max(max(p) for p in sent["http://ortpipe"]) >= 256

@@ -1,7 +1,7 @@
 """The serve benchmark's load generator: aggregate tokens/s of `ortpipe serve` at 1, 2, 4, 8 streams.
 
     ortpipe bench --serve MODEL_DIR [--streams 1,2,4,8] [--prompt-tokens 64] [--new-tokens 128]
-    ortpipe bench --serve --url http://127.0.0.1:8000 [--api-key KEY] ...
+    ortpipe bench --serve --url http://127.0.0.1:8000 [--api-key KEY] [--vocab N] ...
 
 Given a model folder it starts `ortpipe serve` in a process of its own (rows enough for the most streams)
 and stops it at the end; given a URL it measures a server that is already running (llama.cpp's server
