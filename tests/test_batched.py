@@ -13,6 +13,7 @@ from build.references import prompt_ids
 
 import ortpipe
 from ortpipe.errors import GenerationError
+from ortpipe.execute.work import Run, drive
 from ortpipe.loops.batched import Batch, batchable
 
 NEW = 24
@@ -116,3 +117,31 @@ def test_what_cannot_be_batched_says_why(
             Batch(pipe.plan, pipe.model.backend, CAPACITY)
     finally:
         pipe.model.backend.row_views = True
+
+
+def test_a_target_that_cannot_write_in_place_gets_the_same_tokens(llama_builder_fp32: Path) -> None:
+    """A target may answer a shared buffer's present instead of writing it in place (work.Run's contract):
+    the batch then copies the answer into its buffer of rows, and every row still gives its tokens alone."""
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    ids = prompt_ids(llama_builder_fp32)
+    prompts = [ids[:9], ids[20:45], ids[3:17]]
+    alone = [pipe.generate(prompt_ids=p, max_new_tokens=12).tokens for p in prompts]
+    answered: list[str] = []
+
+    def copying(work: Any) -> Any:  # the decoder's runs: new presents, the inputs left as they were
+        if isinstance(work, Run) and work.inplace and work.session == pipe.plan.fused.session:
+            out = pipe.driver.execute(Run(work.session, work.feeds, work.outputs, None, work.label))
+            answered.extend(name for name in work.inplace if name in out)
+            return out
+        return pipe.driver.execute(work)
+
+    batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)
+    gens = [prefilled(pipe, p) for p in prompts]
+    for gen in gens:
+        drive(batch.join(gen), copying)
+    for _ in range(11):
+        drive(batch.step(), copying)
+    for gen in gens:
+        drive(batch.leave(gen), copying)
+    assert answered  # the fallback ran
+    assert [gen.tokens[len(p) : len(p) + 12] for gen, p in zip(gens, prompts, strict=True)] == alone
