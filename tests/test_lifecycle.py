@@ -168,3 +168,36 @@ def test_rewind_drops_a_failed_turn(chat_models: dict, monkeypatch: pytest.Monke
     assert chat.tokens == after_first and len(chat.core.messages) == 2
     chat.rewind()
     assert chat.tokens == [] and replies(chat, TURNS[:1]) == first
+
+
+def test_a_generator_resampled_between_requests_gives_a_fresh_generators_tokens(
+    llama_builder_fp32: Path,
+) -> None:
+    """resample: a kept cache takes new settings (a seed starts over), as a fresh generator with them would
+    sample; a generator that speculates keeps its settings."""
+    from ortpipe.sampling.settings import settings_for
+
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    model = pipe.model
+    prompt, more = [5, 9, 14, 3, 22], [7, 8]
+    sampled = {"do_sample": True, "temperature": 0.9, "top_k": 30, "seed": 4}
+    fresh = model.generator(0, max_length=64, **sampled)
+    fresh.append_tokens(prompt + more)
+    expected = pipe.driver.drive(fresh.next_tokens(6))
+    while len(expected) < 6:
+        expected += pipe.driver.drive(fresh.next_tokens(6 - len(expected)))
+
+    kept = model.generator(0, max_length=64)  # greedy, then resampled
+    kept.append_tokens(prompt)
+    pipe.driver.drive(kept.next_tokens(3))
+    pipe.driver.drive(kept.rewind(len(prompt)))
+    kept.resample(settings_for(model.config.generation.settings, sampled))
+    kept.append_tokens(more)
+    got: list[int] = []
+    while len(got) < 6:
+        got += pipe.driver.drive(kept.next_tokens(6 - len(got)))
+    assert got == expected
+
+    drafting = model.generator(0, max_length=64, prompt_lookup_num_tokens=3)
+    with pytest.raises(GenerationError, match="speculates keeps its settings"):
+        drafting.resample(settings_for(model.config.generation.settings, {}))

@@ -620,6 +620,25 @@ def test_a_conversation_continues_its_cached_prompt(server: Served, folder: Path
     assert r2.usage.prompt_tokens == len(pipe.tokenizer.encode(render(folder, second)))
 
 
+def test_a_cached_conversation_serves_other_settings_and_seeds(
+    server: Served, folder: Path, pipe: Any
+) -> None:
+    """The next turn may change its sampling settings or ask for a seed: it still continues the cached
+    prompt (a fresh sampler, the seed starting over) and gives what the request gives alone."""
+    client = server.client()
+    first = [{"role": "user", "content": "def parse_args(argv):"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=10, temperature=0)
+    turn = [*first, {"role": "assistant", "content": r1.choices[0].message.content}]
+    for i, settings in enumerate([{"temperature": 0.9, "top_p": 0.8, "seed": 11}, {"temperature": 0}]):
+        turn = [*turn, {"role": "user", "content": f"And case {i}?"}]
+        r = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=10, **settings)
+        prompt = render(folder, turn)
+        options = {"do_sample": True, **settings} if "seed" in settings else {}
+        assert r.choices[0].message.content == alone(pipe, prompt, 10, **options)[0]
+        assert r.usage.prompt_tokens_details.cached_tokens > len(pipe.tokenizer.encode(render(folder, first)))
+        turn = [*turn, {"role": "assistant", "content": r.choices[0].message.content}]
+
+
 # --- the command -----------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ the words of REFUSALS.
     READY --stop--> DONE                                           (interrupted between steps, or no room)
     DONE --append--> READY                                         (continue: a chat's next turn)
     IDLE, READY, DONE, ERROR --rewind--> READY --empty--> IDLE  (when the rewind left nothing to run)
+    IDLE, READY, DONE --resample--> the same state              (new sampling settings between requests)
 
 A step that fails leaves the KV cache in a state nobody can vouch for after the last complete
 step; rewinding to a length before the failed step makes the sequence whole again (every
@@ -21,8 +22,8 @@ from __future__ import annotations
 from .errors import GenerationError
 
 IDLE, READY, STEPPING, DONE, ERROR = "idle", "ready", "stepping", "done", "error"
-APPEND, BEGIN, END, FINISH, STOP, FAIL, REWIND, EMPTY = (
-    "append", "begin", "end", "finish", "stop", "fail", "rewind", "empty")
+APPEND, BEGIN, END, FINISH, STOP, FAIL, REWIND, EMPTY, RESAMPLE = (
+    "append", "begin", "end", "finish", "stop", "fail", "rewind", "empty", "resample")
 
 TRANSITIONS: dict[tuple[str, str], str] = {
     (IDLE, APPEND): READY,
@@ -35,6 +36,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     **{(state, REWIND): READY for state in (IDLE, READY, DONE, ERROR)},
     (READY, EMPTY): IDLE,  # a rewind left nothing to run
     (READY, STOP): DONE,  # interrupted between steps, or the ids appended fill max_length
+    **{(state, RESAMPLE): state for state in (IDLE, READY, DONE)},
 }
 
 REFUSALS: dict[tuple[str, str], str] = {
@@ -49,6 +51,8 @@ REFUSALS: dict[tuple[str, str], str] = {
     (STEPPING, BEGIN): "a step of this generation is already running: one step at a time",
     (STEPPING, APPEND): "a step of this generation is running: append after it ends",
     (STEPPING, REWIND): "a step of this generation is running: rewind after it ends",
+    (STEPPING, RESAMPLE): "a step of this generation is running: change its settings after it ends",
+    (ERROR, RESAMPLE): "an earlier step of this generation failed ({cause}); rewind before resampling",
 }
 
 

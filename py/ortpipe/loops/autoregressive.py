@@ -23,7 +23,7 @@ from ..config.settings import SearchSettings
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
 from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Work
-from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, REWIND, STOP, Lifecycle
+from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, RESAMPLE, REWIND, STOP, Lifecycle
 from ..plan import Plan
 from ..sampling.sampler import Sampler
 from .speculative import Speculator
@@ -74,12 +74,18 @@ class TokenGenerator:
         self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []  # per token, when asked
 
         self._burst = max(1, int(getattr(backend, "decode_burst", 1)))
+        self._draft = draft
+        self._choose_path()
+
+    def _choose_path(self) -> None:
+        """How the next tokens are made, from the sampler's settings: fused steps, speculative rounds, or
+        one generic step at a time."""
+        plan, backend, settings = self.plan, self.backend, self.sampler.settings
         fused = plan.fused
         fusable = fused is not None and fused.layout in getattr(backend, "fused_layouts", ())
-        settings = self.sampler.settings
         # logprobs are given one token a step: a request that asks for them does not speculate
         self.speculator = (
-            Speculator(plan, backend, settings, limits.max_length, limits.eos, draft)
+            Speculator(plan, backend, settings, self.limits.max_length, self.limits.eos, self._draft)
             if settings.speculative and settings.logprobs is None else None
         )
         # a sampled request that speculates runs its rounds here (speculative sampling), not fused
@@ -87,6 +93,17 @@ class TokenGenerator:
             self.speculator is None and getattr(backend, "fused_sampling", False) and self.sampler.fusable
         )
         self._fused: FusedStep | None = fused if fusable and selects else None
+
+    def resample(self, settings: SearchSettings) -> None:
+        """Select the tokens from here on by `settings`: a fresh sampler (a seed starts over) and the path
+        chosen again, so that a kept KV cache serves a request with other settings (the server's prompt
+        cache). Not while a step is running, and not for speculation, whose draft model's cache follows
+        the tokens of its own settings."""
+        if self.speculator is not None or settings.speculative:
+            raise GenerationError("a generator that speculates keeps its settings: make a new one")
+        self.life.fire(RESAMPLE)
+        self.sampler = Sampler(self.backend, self.sampler.dtype, settings, self.limits.eos)
+        self._choose_path()
 
     @property
     def state(self) -> str:

@@ -6,11 +6,11 @@ This is the one module that reaches under the pipeline's public API (load, reque
   prompt's ids are known before a row is opened (the prompt cache compares them).
 - `PromptCache` continues the generator of an earlier request, as chat.py continues a conversation: it
   rewinds the generator to the prefix the new prompt shares with it (`TokenGenerator.rewind`, driven by
-  `pipe.driver`) and builds a core `Request` over it (as `Chat.say` does). What the core lacks for it:
-  a generator's sampler settings and length are fixed when it is made, so a cached generator serves only a
-  request with the same settings (stop strings aside) and every generator is made at the slot length; a
-  seeded sampler's state cannot be reset, so seeded requests are not cached; and a cache cannot be forked,
-  so one conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
+  `pipe.driver`), gives it the new request's sampling settings (`TokenGenerator.resample`: a fresh sampler,
+  a seed starting over) and builds a core `Request` over it (as `Chat.say` does). A generator's length is
+  fixed when it is made, so every generator is made at the slot length; a request that speculates is not
+  cached (its draft model's cache follows its own tokens); and a cache cannot be forked, so one
+  conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
   (from its cached prefix or anew) and then joins the batch (loops/batched.py), so cached prefixes and
   batching work together.
 """
@@ -68,7 +68,7 @@ class Row:
     chunks: Iterator[Chunk]  # pipe.drive(request)
     prompt_tokens: int
     cached_tokens: int
-    key: tuple[Any, ...] | None  # settings a later request must share to continue this generator
+    kept: bool  # whether the prompt cache may keep the generator for a later request
     sent: int = 0  # chunks handed out so far
 
     def step(self) -> list[Chunk]:
@@ -88,7 +88,6 @@ class Row:
 @dataclass
 class _Entry:
     gen: Any
-    key: tuple[Any, ...]
 
 
 @dataclass
@@ -109,27 +108,25 @@ class PromptCache:
     def open(self, ids: list[int], c: Completion) -> Row:
         if len(ids) + (c.max_tokens or 1) > self.length:
             raise _too_long(len(ids), c, self.length)
-        key = _key(c.settings)
-        gen = self._take(ids, key)
+        settings = settings_for(self.pipe.config.generation.settings, c.settings)
+        kept = not settings.speculative
+        gen = self._take(ids, settings) if kept else None
         if gen is None:
             gen = self.pipe.generator(0, max_length=self.length, **c.settings)
             gen.append_tokens(ids)
         pending = gen.core.prefill_length
-        settings = settings_for(self.pipe.config.generation.settings, c.settings)
         request = Request(gen.core, settings, self.pipe.tokenizer, pending, c.max_tokens)
-        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, key)
+        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, kept)
 
     def keep(self, row: Row) -> None:
-        if self.size <= 0 or row.key is None:
+        if self.size <= 0 or not row.kept:
             return
-        self.entries.append(_Entry(row.gen, row.key))
+        self.entries.append(_Entry(row.gen))
         del self.entries[:-self.size]
 
-    def _take(self, ids: list[int], key: tuple[Any, ...] | None) -> Any | None:
+    def _take(self, ids: list[int], settings: Any) -> Any | None:
         best, common = None, 0
         for entry in self.entries:
-            if entry.key != key:
-                continue
             n = _common_prefix(entry.gen.tokens, ids)
             if n > common and 2 * n >= min(len(ids), len(entry.gen.tokens)):
                 best, common = entry, n
@@ -138,6 +135,7 @@ class PromptCache:
         self.entries.remove(best)
         keep = min(common, len(ids) - 1)  # at least one id is run, to give the next token's logits
         self.pipe.driver.drive(best.gen.core.rewind(keep))
+        best.gen.core.resample(settings)
         best.gen.append_tokens(ids[keep:])
         return best.gen
 
@@ -148,13 +146,6 @@ def _too_long(prompt: int, c: Completion, length: int) -> InvalidRequest:
                           f"{prompt + (c.max_tokens or 0)} tokens ({asked}). Please reduce the length of the "
                           "prompt or the completion.", "messages" if c.endpoint == "chat" else "prompt",
                           "context_length_exceeded")
-
-
-def _key(settings: dict[str, Any]) -> tuple[Any, ...] | None:
-    """What a cached generator must have been made with to serve these settings; None: never cache."""
-    if settings.get("seed") is not None:
-        return None  # a seeded sampler's state cannot be set back to its seed
-    return tuple(sorted((k, v) for k, v in settings.items() if k != "stop"))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
