@@ -145,3 +145,50 @@ def test_a_target_that_cannot_write_in_place_gets_the_same_tokens(llama_builder_
         drive(batch.leave(gen), copying)
     assert answered  # the fallback ran
     assert [gen.tokens[len(p) : len(p) + 12] for gen, p in zip(gens, prompts, strict=True)] == alone
+
+
+@pytest.mark.parametrize("model", ["llama_builder_fp32", "llama_builder_int4", "qwen2_builder"])
+def test_rows_prefilled_together_give_what_they_give_alone(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """Fresh prompts of different lengths prefill in one right-padded run, into the batch's next slots (more
+    than it has: the buffer grows), while other rows are mid-generation; each row then decodes as alone."""
+    folder = request.getfixturevalue(model)
+    pipe = ortpipe.load(folder, threads=1)
+    ids = prompt_ids(Path(folder))
+    jobs = [
+        (ids[:20], {}),
+        (ids[5:9], {"do_sample": True, "seed": 5, "top_k": 20}),
+        (ids[10:41], {}),
+        (ids[2:13], {"repetition_penalty": 1.3}),
+        (ids[30:33], {}),
+    ]
+    alone = [pipe.generate(prompt_ids=p, max_new_tokens=NEW, **s).tokens for p, s in jobs]
+
+    def fresh(prompt: list[int], **settings: Any) -> Any:
+        gen = pipe.model.generator(len(prompt), max_length=CAPACITY, **settings)
+        gen.append_tokens(prompt)
+        return gen
+
+    batch = Batch(pipe.plan, pipe.model.backend, CAPACITY, slots=2)
+    gens = [prefilled(pipe, *jobs[0][:1], **jobs[0][1])]
+    pipe.driver.drive(batch.join(gens[0]))
+    for _ in range(3):
+        pipe.driver.drive(batch.step())
+    together = [fresh(p, **s) for p, s in jobs[1:4]]
+    firsts = pipe.driver.drive(batch.prefill(together))
+    assert [g.tokens[-1] for g in together] == firsts
+    gens += together
+    for _ in range(5):
+        pipe.driver.drive(batch.step())
+    gens.append(fresh(*jobs[4][:1], **jobs[4][1]))
+    pipe.driver.drive(batch.prefill(gens[-1:]))
+    while len(batch):
+        pipe.driver.drive(batch.step())
+        for gen in list(batch.rows):
+            if gen.generated >= NEW or gen.done:
+                pipe.driver.drive(batch.leave(gen))
+    got = [gen.tokens[len(p) : len(p) + NEW] for gen, (p, _) in zip(gens, jobs, strict=True)]
+    assert got == alone
+    with pytest.raises(GenerationError, match="fresh generator"):
+        pipe.driver.drive(batch.prefill([gens[0]]))  # prefilled already

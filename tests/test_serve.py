@@ -411,10 +411,14 @@ def test_a_failing_request_ends_alone(server: Served, pipe: Any) -> None:
         raise ortpipe.OrtpipeError('session "decoder" failed')
         yield
 
+    def refuse() -> None:
+        raise ortpipe.OrtpipeError('session "decoder" failed')
+
     def failing(ids: list[int], c: Any) -> Any:
         row = open_row(ids, c)
-        if c.prompt == "boom":
-            row.request.advance = broken  # the row's first step raises, batched or not
+        if c.prompt == "boom":  # the row's first step raises, prefilled alone or with others
+            row.request.advance = broken
+            row.gen.core.begin_external = refuse
         return row
 
     cache.open = failing
@@ -495,6 +499,7 @@ def test_twenty_concurrent_streams_each_equal_the_request_alone(folder: Path, pi
         metrics = s.metrics()
         assert type(s.engine.scheduler).__name__ == "Batched"  # one batched decoder run for all rows
         assert s.engine.scheduler.batch.steps > 0
+        assert 0 < s.engine.scheduler.batch.prefills < 20  # requests admitted together prefilled together
 
     for (prompt, max_tokens, settings), got in zip(requests, results, strict=True):
         options = {"do_sample": True, **settings} if "seed" in settings else {}

@@ -212,11 +212,12 @@ class TokenGenerator:
             self.life.fire(STOP)
         self.life.fire(BEGIN)
 
-    def end_external(self, tokens: list[int]) -> None:
-        """The step fed the one pending id and selected `tokens`."""
+    def end_external(self, tokens: list[int], fed: int = 1) -> None:
+        """The step fed the `fed` pending ids (one a decode step; the prompt a prefill) and selected
+        `tokens`."""
         for cache in self.flow.caches.values():
-            cache.length += 1
-        self.flow.position += 1
+            cache.length += fed
+        self.flow.position += fed
         self.flow.iterations += 1
         self._took(tokens)
 

@@ -71,6 +71,7 @@ class Batch:
         self.buffer: dict[str, Handle] = {}  # shared: past input -> [slots, heads, capacity, head_size]
         self.width = 0  # concat: the positions every row's cache holds, its left padding included
         self.steps = 0
+        self.prefills = 0  # runs of `prefill`
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -79,17 +80,87 @@ class Batch:
         """Add a prefilled generator (READY, one id pending) as the batch's last row."""
         if gen.flow.iterations == 0 or len(gen.pending) != 1 or gen.state != "ready":
             raise GenerationError("a row joins a batch after its prefill, with one token to feed")
-        if self.shared and gen.flow.max_length != self.capacity:
-            raise GenerationError(
-                f"a row's cache holds {gen.flow.max_length} positions; this batch's rows hold "
-                f"{self.capacity}: make the generator with max_length {self.capacity}"
-            )
+        if self.shared:
+            self._check_capacity(gen)
         own = dict(gen.flow.caches[self.fused.session].feeds)
         if self.shared:
             yield from self._join_slot(own, gen.flow.position)
         else:
             yield from self._join_concat(own, gen.flow.position)
         self.rows.append(gen)
+
+    def prefill(self, gens: list[TokenGenerator]) -> Work:
+        """Prefill fresh generators together and add them as the batch's last rows: one run over their
+        prompts, right-padded (the shared buffer's graphs read each row's length from its mask, so a row
+        sees exactly its own prompt), written into the next slots; each row's first token selected by its
+        own sampler. Returns those tokens. Shared-buffer batches only: a concat row prefills alone."""
+        step, b = self.fused, self.backend
+        self._check_fresh(gens)
+        n, k = len(self.rows), len(gens)
+        own = gens[0].flow.caches[step.session].feeds
+        while not self.buffer or self.backend.shape(next(iter(self.buffer.values())))[0] < n + k:
+            yield from self._grow(own)
+        lengths = [len(gen.pending) for gen in gens]
+        width = max(lengths)
+        try:
+            for gen in gens:
+                gen.begin_external()
+            feeds = {}
+            for e in self.entries:
+                feeds[e.past_input] = yield from self._narrow0(self.buffer[e.past_input], e, n, n + k)
+            ids = [t for gen, m in zip(gens, lengths, strict=True) for t in gen.pending + [0] * (width - m)]
+            feeds[step.ids[0]] = b.tensor(ids, (k, width), step.ids[1])
+            mask = [v for m in lengths for v in [1] * m + [0] * (width - m)]
+            feeds[step.mask[0]] = b.tensor(mask, (k, width), step.mask[1])
+            if step.positions:
+                feeds[step.positions[0]] = b.tensor(list(range(width)) * k, (k, width), step.positions[1])
+            out = yield Run(step.session, feeds, step.outputs, dict(step.presents), "batch prefill")
+            for e in self.entries:  # a target that could not write in place
+                if e.present_output in out:
+                    rows, present = list(range(n, n + k)), out[e.present_output]
+                    self.buffer[e.past_input] = yield from self._put(e, rows, present, width)
+            tokens = yield from self._first_tokens(out[step.logits], gens, lengths)
+        except BaseException as e:
+            for gen in gens:
+                gen.fail_external(e)
+            raise
+        for gen, token, m in zip(gens, tokens, lengths, strict=True):
+            gen.end_external([token], fed=m)
+        self.rows.extend(gens)
+        self.prefills += 1
+        yield from self._view(n + k)
+        return tokens
+
+    @property
+    def prefills_together(self) -> bool:
+        """Whether fresh rows can prefill in one run (`prefill`): a shared buffer, every position's logits."""
+        return self.shared and len(self.fused.logits_shape) == 3
+
+    def _check_fresh(self, gens: list[TokenGenerator]) -> None:
+        if not self.prefills_together:
+            raise GenerationError("only a shared-buffer batch whose graph gives every position's logits "
+                                  "prefills rows together; prefill each alone and join it")
+        for gen in gens:
+            if gen.flow.iterations or gen.state != "ready" or not gen.pending:
+                raise GenerationError("rows prefill together from a fresh generator with its prompt appended")
+            self._check_capacity(gen)
+
+    def _check_capacity(self, gen: TokenGenerator) -> None:
+        if gen.flow.max_length != self.capacity:
+            raise GenerationError(
+                f"a row's cache holds {gen.flow.max_length} positions; this batch's rows hold "
+                f"{self.capacity}: make the generator with max_length {self.capacity}"
+            )
+
+    def _first_tokens(self, logits: Handle, gens: list[TokenGenerator], lengths: list[int]) -> Work:
+        """Each prefilled row's token, from the logits of its last prompt position."""
+        tokens, dtype = [], self._logits_dtype()
+        for i, (gen, m) in enumerate(zip(gens, lengths, strict=True)):
+            row = yield from self._narrow(logits, dtype, 0, i, i + 1)
+            last = yield from self._narrow(row, dtype, 1, m - 1, m)
+            gen.sampler.label = "batch prefill"
+            tokens.append((yield from gen.sampler.select(last, gen.tokens, gen.generated)))
+        return tokens
 
     def leave(self, gen: TokenGenerator) -> Work:
         """Take a row out: its cache rows go back to its generator, the others stay batched."""
@@ -166,10 +237,13 @@ class Batch:
             self.cache[e.past_input] = yield from self._narrow0(self.buffer[e.past_input], e, 0, n)
 
     def _narrow0(self, x: Handle, e: CacheEntry, start: int, end: int) -> Work:
+        return (yield from self._narrow(x, e.dtype, 0, start, end))
+
+    def _narrow(self, x: Handle, dtype: str, axis: int, start: int, end: int) -> Work:
         b = self.backend
         feeds = {"x": x, "start": b.tensor([start], (1,), "int64"), "end": b.tensor([end], (1,), "int64"),
-                 "axis": b.tensor([0], (1,), "int64")}
-        return (yield Run(kernel("narrow", e.dtype), feeds, ("y",), None, "batch rows"))["y"]
+                 "axis": b.tensor([axis], (1,), "int64")}
+        return (yield Run(kernel("narrow", dtype), feeds, ("y",), None, "batch rows"))["y"]
 
     # concat caches: rows padded on the left
 

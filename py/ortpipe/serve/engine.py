@@ -229,19 +229,26 @@ class TimeSliced(Slots):
 
 
 class Batched(TimeSliced):
-    """Up to `max_rows` requests as rows of one batched decoder run: continuous batching."""
+    """Up to `max_rows` requests as rows of one batched decoder run: continuous batching. Requests admitted
+    together with fresh prompts prefill together, in one run, at the next step; one that continues a cached
+    prompt prefills alone and joins."""
 
     def __init__(
         self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None]
     ):
         super().__init__(pipe, max_rows, cache_size, metrics, leave)
         self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length, max_rows)
+        self.fresh: list[Job] = []  # admitted, to prefill together at the next step
 
     def admit(self, job: Job) -> None:
-        """Open the row and run its prefill alone; then it joins the batch, unless it is done already."""
+        """Open the row; a fresh prompt waits to prefill with the others, a cached one prefills alone now and
+        joins the batch, unless it is done already."""
         super().admit(job)
         row = self.open.get(job)
         if row is None:
+            return
+        if self.batch.prefills_together and row.gen.core.flow.iterations == 0:
+            self.fresh.append(job)
             return
         try:
             chunks = self.pipe.driver.drive(row.request.advance())
@@ -256,8 +263,13 @@ class Batched(TimeSliced):
         self.metrics.step(len(self.open))
         for job, row in list(self.open.items()):
             if job.cancelled:
+                if job in self.fresh:  # never ran: nothing for the prompt cache
+                    self.fresh.remove(job)
+                    row.kept = False
                 self._leave_batch(row)
                 self._finish(job, row, "interrupt")
+        if self.fresh:
+            self._prefill_fresh()
         if not self.open:
             return
         rows = {row.gen.core: (job, row) for job, row in self.open.items()}
@@ -272,6 +284,24 @@ class Batched(TimeSliced):
         elapsed = (time.perf_counter() - start) * 1000
         for gen, token in zip(list(self.batch.rows), tokens, strict=True):
             job, row = rows[gen]
+            chunks = row.request.accept([token], elapsed)
+            if row.request.done:
+                self._leave_batch(row)
+            self._advanced(job, row, chunks)
+
+    def _prefill_fresh(self) -> None:
+        """The fresh rows' prompts in one run; each row's first token; rows that are done leave."""
+        jobs, self.fresh = self.fresh, []
+        rows = [self.open[job] for job in jobs]
+        start = time.perf_counter()
+        try:
+            tokens = self.pipe.driver.drive(self.batch.prefill([row.gen.core for row in rows]))
+        except Exception as e:  # the rows of the failed prefill end; the batch goes on without them
+            for job, row in zip(jobs, rows, strict=True):
+                self._drop(job, row, e)
+            return
+        elapsed = (time.perf_counter() - start) * 1000
+        for job, row, token in zip(jobs, rows, tokens, strict=True):
             chunks = row.request.accept([token], elapsed)
             if row.request.done:
                 self._leave_batch(row)
