@@ -100,6 +100,8 @@ class Batch:
         own = gens[0].flow.caches[step.session].feeds
         while not self.buffer or self.backend.shape(next(iter(self.buffer.values())))[0] < n + k:
             yield from self._grow(own)
+            if n:  # the rows' cache: views of the new buffer, even if this prefill fails
+                yield from self._view(n)
         lengths = [len(gen.pending) for gen in gens]
         width = max(lengths)
         try:
