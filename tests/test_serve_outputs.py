@@ -120,36 +120,18 @@ def test_speech_equals_transformers_as_wav_and_24k_pcm(vits_tiny: Path) -> None:
         default = client.audio.speech.create(model="vits", voice="default", input=text)
         assert default.content[:4] == b"RIFF", "without response_format: wav"
 
-        url, speech = server.url, "/v1/audio/speech"
-        refused(url, speech, {"model": "m", "input": "hi", "voice": "alloy"}, 400, "voice",
-                "one voice: 'default'")
-        refused(
-            url,
-            speech,
-            {"model": "m", "input": "hi", "response_format": "mp3"},
-            400,
-            "response_format",
-            "it makes 'wav', 'pcm'",
-        )
-        refused(url, speech, {"model": "m", "input": "hi", "speed": 2.0}, 400, "speed", "must be 1")
-        refused(
-            url,
-            speech,
-            {"model": "m", "input": "hi", "instructions": "whisper"},
-            400,
-            "instructions",
-            "cannot steer",
-        )
-        refused(url, speech, {"model": "m", "input": ""}, 400, "input", "empty string")
-        refused(url, speech, {"model": "m", "input": "x" * 4097}, 400, "input", "maximum length 4096")
-        refused(
-            url,
-            "/v1/images/generations",
-            {"model": "m", "prompt": "a cat"},
-            404,
-            None,
-            "is a text-to-speech model: it answers POST /v1/audio/speech only",
-        )
+        speech = {"model": "m", "input": "hi"}
+        for body, status, param, words in [
+            ({**speech, "voice": "alloy"}, 400, "voice", "one voice: 'default'"),
+            ({**speech, "response_format": "mp3"}, 400, "response_format", "it makes 'wav', 'pcm'"),
+            ({**speech, "speed": 2.0}, 400, "speed", "must be 1"),
+            ({**speech, "instructions": "whisper"}, 400, "instructions", "cannot steer"),
+            ({**speech, "input": ""}, 400, "input", "empty string"),
+            ({**speech, "input": "x" * 4097}, 400, "input", "maximum length 4096"),
+        ]:
+            refused(server.url, "/v1/audio/speech", body, status, param, words)
+        refused(server.url, "/v1/images/generations", {"model": "m", "prompt": "a cat"}, 404, None,
+                "is a text-to-speech model: it answers POST /v1/audio/speech only")
 
 
 # --- images ----------------------------------------------------------------------------------------------
@@ -180,37 +162,17 @@ def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
         again = client.images.generate(model="sd", prompt="a red cube", extra_body=extra)
         assert again.data[0].b64_json == got.data[0].b64_json
 
-        url, images = server.url, "/v1/images/generations"
-        refused(
-            url, images, {"model": "m", "prompt": "a", "size": "64x64"}, 400, "size", "makes 32x32 images"
-        )
-        refused(url, images, {"model": "m", "prompt": "a", "size": "big"}, 400, "size", "WIDTHxHEIGHT")
-        refused(
-            url,
-            images,
-            {"model": "m", "prompt": "a", "response_format": "url"},
-            400,
-            "response_format",
-            "it makes 'b64_json'",
-        )
-        refused(url, images, {"model": "m", "prompt": "a", "n": 11}, 400, "n", "maximum value")
-        refused(
-            url,
-            images,
-            {"model": "m", "prompt": "a", "num_inference_steps": 0},
-            400,
-            "num_inference_steps",
-            "minimum value",
-        )
-        refused(
-            url,
-            images,
-            {"model": "m", "prompt": "a", "guidance_scale": 1.0, "negative_prompt": "x"},
-            400,
-            None,
-            "negative_prompt is used by guidance",
-        )
-        refused(url, "/v1/embeddings", {"model": "m", "input": "a"}, 404, None, "is an image model")
+        image = {"model": "m", "prompt": "a"}
+        for body, param, words in [
+            ({**image, "size": "64x64"}, "size", "makes 32x32 images"),
+            ({**image, "size": "big"}, "size", "WIDTHxHEIGHT"),
+            ({**image, "response_format": "url"}, "response_format", "it makes 'b64_json'"),
+            ({**image, "n": 11}, "n", "maximum value"),
+            ({**image, "num_inference_steps": 0}, "num_inference_steps", "minimum value"),
+            ({**image, "guidance_scale": 1.0, "negative_prompt": "x"}, None, "is used by guidance"),
+        ]:
+            refused(server.url, "/v1/images/generations", body, 400, param, words)
+        refused(server.url, "/v1/embeddings", {"model": "m", "input": "a"}, 404, None, "is an image model")
 
 
 def test_a_client_that_leaves_mid_image_frees_its_row(sd_tiny: Path) -> None:

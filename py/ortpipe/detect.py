@@ -151,8 +151,7 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
     missing = [file for file in DIFFUSERS_PARTS.values() if not folder.exists(file)]
     if missing:
         raise ConfigError(
-            f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export "
-            f"the "
+            f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export the "
             "pipeline with optimum (optimum-cli export onnx --task text-to-image)"
         )
     return {

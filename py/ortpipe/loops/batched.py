@@ -60,6 +60,7 @@ class Batch:
         why = batchable(plan)
         if why:
             raise GenerationError(f"this model's requests cannot be batched: {why}")
+        # slots: the buffer's rows (once it is allocated; doubled each time rows fill it)
         self.plan, self.backend, self.capacity, self.slots = plan, backend, capacity, max(1, slots)
         self.fused = plan.fused
         self.shared = self.fused.layout == "shared"
@@ -98,7 +99,7 @@ class Batch:
         self._check_fresh(gens)
         n, k = len(self.rows), len(gens)
         own = gens[0].flow.caches[step.session].feeds
-        while not self.buffer or self.backend.shape(next(iter(self.buffer.values())))[0] < n + k:
+        while not self.buffer or n + k > self.slots:
             yield from self._grow(own)
             if n:  # the rows' cache: views of the new buffer, even if this prefill fails
                 yield from self._view(n)
@@ -178,7 +179,7 @@ class Batch:
 
     def _join_slot(self, own: dict[str, Handle], length: int) -> Work:
         n = len(self.rows)
-        if not self.buffer or n == self.backend.shape(next(iter(self.buffer.values())))[0]:
+        if not self.buffer or n == self.slots:
             yield from self._grow(own)
         for e in self.entries:
             self.buffer[e.past_input] = yield from self._put(e, n, own[e.past_input], length)

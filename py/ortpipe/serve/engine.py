@@ -9,12 +9,14 @@ interrupted at the next step boundary, which frees the row.
 
 The engine drives a `Scheduler`: `room()` free rows, `admit(job)` opens a row (prompt, cache, events),
 `step()` advances every open row once and lets finished or cancelled rows leave, `close(error)` ends them
-all. `Batched` is continuous batching (loops/batched.py): a request prefills alone when it is admitted, then
-its row joins the batch, and every step is one batched decoder run for all rows, so N streams cost far less
-than N times one. It serves the model builder's decoders (one shared past/present buffer); for other
-pipelines `TimeSliced` advances the rows one after another (one burst of fused decode steps each), so a
-long generation does not hold back a short one. A folder that makes outputs (embeddings, speech, images:
-outputs.py) is served by `Outputs`, which advances its requests in turn one step each.
+all. `Batched` is continuous batching (loops/batched.py): requests admitted together with fresh prompts
+prefill together at the next step (one continuing a cached prompt prefills alone when admitted), their rows
+join the batch, and every step is one batched decoder run for all rows, so N streams cost far less than N
+times one. It serves the plans `batchable` accepts (a shared past/present buffer, or a concat cache with a
+mask and position ids); for other pipelines `TimeSliced` advances the rows one after another (one burst
+of fused decode steps each), so a long generation does not hold back a short one. A folder that makes
+outputs (embeddings, speech, images: outputs.py) is served by `Outputs`, which advances its requests in
+turn one step each.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.settings import SearchSettings
 from ..request import Chunk, Request
 from ..sampling.settings import settings_for
 from ..tokenizer import encode
@@ -124,7 +125,7 @@ class PromptCache:
         self.entries.append(_Entry(row.gen))
         del self.entries[:-self.size]
 
-    def _take(self, ids: list[int], settings: Any) -> Any | None:
+    def _take(self, ids: list[int], settings: SearchSettings) -> Any | None:
         best, common = None, 0
         for entry in self.entries:
             n = _common_prefix(entry.gen.tokens, ids)
