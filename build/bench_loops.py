@@ -2,7 +2,7 @@
 
     python -m build.bench_loops sd [--folder sd-bench] [--steps 8] [--guidance 7.5] [--rounds 3] [--threads 2]
     python -m build.bench_loops embed [--folder st-bench] [--texts 1024] [--batch 32] [--rounds 3]
-    python -m build.bench_loops tts [--folder vits-tiny] [--rounds 3]
+    python -m build.bench_loops tts [--folder vits-bench] [--rounds 3]
 
 sd: the time of one denoising step (the UNet on the guided batch of two rows and the scheduler's update),
 median over the steps of a generation, for ortpipe, a hand-written onnxruntime loop (tests/paradigm_refs.py's,
@@ -53,6 +53,12 @@ SPEECH = ("The quick brown fox jumps over the lazy dog while the parser reads ea
 # its Transformer for feature-extraction; mean pooling and Normalize as in all-MiniLM-L6-v2).
 ST_BENCH = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536,
             "max_position_embeddings": 512}
+# A VITS of MMS-TTS's shape: transformers' VitsConfig defaults, which are facebook/mms-tts-*'s (hidden 192,
+# 6 text-encoder layers, 4 flows, HiFi-GAN from 512 channels up 256x, stochastic duration predictor); random
+# weights (seed 0), noise scales 0, vits-tiny's character vocabulary; optimum's text-to-audio export, in
+# transformers.js's layout (build/tjs_layout.py) with vocab.json kept for the hand loop. Made in the peers'
+# virtualenv into $ORTPIPE_CACHE/bench-loops/vits-bench.
+VITS_BENCH = {"noise_scale": 0.0, "noise_scale_duration": 0.0, "sampling_rate": 16000}
 
 
 def st_bench_folder() -> Path:
@@ -65,6 +71,40 @@ def st_bench_folder() -> Path:
         command = [str(peers_python()), "-m", "build.bench_loops", "_make_st_bench", str(tokenizer), str(out)]
         subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
     return out
+
+
+def vits_bench_folder() -> Path:
+    from build import hfmodels, paradigms
+
+    out = hfmodels.cache_root() / "bench-loops" / "vits-bench"
+    if not (out / "onnx" / "model.onnx").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer = paradigms.get("vits-tiny")
+        command = [str(peers_python()), "-m", "build.bench_loops", "_make_vits_bench", str(tokenizer),
+                   str(out)]
+        subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    return out
+
+
+def make_vits_bench(tokenizer: Path, out: Path) -> None:
+    import tempfile
+
+    import torch
+    import transformers
+
+    from build import tjs_layout
+
+    with tempfile.TemporaryDirectory(prefix="vits-bench-") as scratch:
+        hf = Path(scratch) / "hf"
+        vocab = json.loads((tokenizer / "vocab.json").read_text())
+        torch.manual_seed(0)
+        config = transformers.VitsConfig(vocab_size=len(vocab), **VITS_BENCH)
+        transformers.VitsModel(config).save_pretrained(hf)
+        for name in ("vocab.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (hf / name).write_bytes((tokenizer / name).read_bytes())
+        subprocess.run([sys.executable, "-m", "optimum.exporters.onnx", "--model", str(hf), "--task",
+                        "text-to-audio", str(hf / "onnx")], check=True)
+        tjs_layout.vits(hf, out, keep_vocab=True)
 
 
 def make_st_bench(tokenizer: Path, out: Path) -> None:
@@ -389,14 +429,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_make_st_bench":
         make_st_bench(Path(argv[1]), Path(argv[2]))
         return 0
+    if argv and argv[0] == "_make_vits_bench":
+        make_vits_bench(Path(argv[1]), Path(argv[2]))
+        return 0
     if argv and argv[0] == "_round":
         task, engines, folder, args = argv[1], argv[2].split(","), Path(argv[3]), json.loads(argv[4])
         print(json.dumps(one_round(task, engines, folder, args)))
         return 0
     parser = argparse.ArgumentParser(prog="python -m build.bench_loops", description=__doc__.splitlines()[0])
     parser.add_argument("task", choices=sorted(ENGINES))
-    parser.add_argument("--folder", help="a folder of build/paradigms.py (default: sd-bench, st-minilm-cls, "
-                        "vits-tiny) or a path")
+    parser.add_argument("--folder", help="a folder of build/paradigms.py, st-bench or vits-bench (default: "
+                        "sd-bench, st-bench, vits-bench) or a path")
     parser.add_argument("--engines", help=f"comma-separated (default: all of the task's: {ENGINES})")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -409,11 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from build import paradigms
 
-    name = args.folder or {"sd": "sd-bench", "embed": "st-bench", "tts": "vits-tiny"}[args.task]
+    name = args.folder or {"sd": "sd-bench", "embed": "st-bench", "tts": "vits-bench"}[args.task]
+    made_here = {"st-bench": st_bench_folder, "vits-bench": vits_bench_folder}
     if Path(name).is_dir():
         folder = Path(name)
     else:
-        folder = st_bench_folder() if name == "st-bench" else paradigms.get(name)
+        folder = made_here[name]() if name in made_here else paradigms.get(name)
     engines = args.engines.split(",") if args.engines else list(ENGINES[args.task])
     names = ("threads", "steps", "guidance", "texts", "batch", "repeats", "rounds")
     settings = {k: getattr(args, k) for k in names}

@@ -3,14 +3,16 @@
 //
 //   bench-loops.html?engine=ortpipe&task=embed&model=st-bench&batch=32&runs=3
 //   bench-loops.html?engine=transformers.js&task=embed&model=st-bench&batch=32&runs=3
-//   bench-loops.html?engine=ortpipe&task=tts&model=vits-tiny&runs=3
+//   bench-loops.html?engine=ortpipe&task=tts&model=vits-bench&runs=3
+//   bench-loops.html?engine=transformers.js&task=tts&model=vits-bench&runs=3
 //
 // embed: texts.json (the bundle's) embedded in batches of `batch`: ortpipe's embed (its own batches, longest
 // first), or transformers.js's feature-extraction pipeline (mean pooling, normalised) on the batches in the
 // texts' order ("transformers.js") or longest first by characters ("transformers.js-sorted", as a careful
 // caller would batch), over the onnxruntime-web build ortpipe bundles (the same kernels). tts: ortpipe's
-// speak, timed per second of audio. window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings]} or
-// {error}.
+// speak or transformers.js's text-to-speech pipeline on the same sentence, timed per second of audio.
+// window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings] or [the first 64
+// samples]} or {error}.
 
 const here = (path) => new URL(path, import.meta.url).href;
 const SPEECH = 'The quick brown fox jumps over the lazy dog while the parser reads each line of the file and '
@@ -24,7 +26,8 @@ async function run(params) {
   const batch = Number(params.get('batch') ?? 32);
   const texts = task === 'embed' ? await (await fetch(here('./texts.json'))).json() : null;
   const work = engine === 'ortpipe' ? await ortpipeTask(task, model, batch)
-    : await transformersJs(model, batch, engine === 'transformers.js-sorted');
+    : task === 'tts' ? await transformersJsSpeech(model)
+      : await transformersJs(model, batch, engine === 'transformers.js-sorted');
   await work(texts?.slice(0, batch)); // warm-up
   const times = [];
   let last = null;
@@ -42,7 +45,7 @@ async function ortpipeTask(task, model, batch) {
   if (task === 'tts') {
     return async () => {
       const { audio, samplingRate } = await pipe.speak(SPEECH);
-      return { audioSeconds: audio.length / samplingRate };
+      return { audioSeconds: audio.length / samplingRate, first: Array.from(audio.slice(0, 64)) };
     };
   }
   return async (texts) => {
@@ -51,7 +54,9 @@ async function ortpipeTask(task, model, batch) {
   };
 }
 
-async function transformersJs(model, batch, sorted) {
+/** transformers.js over ortpipe's onnxruntime-web build, one thread, local files only; the folder's
+ * tokenizer files. */
+async function transformersJsSetUp(model) {
   globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
   const tjs = await import('./tjs/transformers.min.js');
   const { env } = tjs;
@@ -62,9 +67,30 @@ async function transformersJs(model, batch, sorted) {
   env.backends.onnx.wasm.wasmPaths = here('./ort/');
   env.backends.onnx.wasm.numThreads = 1;
   // Made from the folder's files: AutoTokenizer's existence check skips local files given by http URL
-  // (as web/bench.js finds); the pipeline is what tjs.pipeline('feature-extraction') makes.
+  // (as web/bench.js finds).
   const [json, config] = await Promise.all(['tokenizer.json', 'tokenizer_config.json'].map(
     (file) => fetch(here(`./models/${model}/${file}`)).then((r) => r.json())));
+  return { tjs, json, config };
+}
+
+/** What tjs.pipeline('text-to-speech') makes of a VITS folder. */
+async function transformersJsSpeech(model) {
+  const { tjs, json, config } = await transformersJsSetUp(model);
+  const vits = await tjs.AutoModel.from_pretrained(model, {
+    device: 'auto', session_options: { executionProviders: ['wasm'] }, dtype: 'fp32',
+  });
+  const synth = new tjs.TextToAudioPipeline({
+    task: 'text-to-speech', model: vits, tokenizer: new tjs.VitsTokenizer(json, config),
+  });
+  return async () => {
+    const { audio, sampling_rate: rate } = await synth(SPEECH);
+    return { audioSeconds: audio.length / rate, first: Array.from(audio.slice(0, 64)) };
+  };
+}
+
+/** What tjs.pipeline('feature-extraction') makes. */
+async function transformersJs(model, batch, sorted) {
+  const { tjs, json, config } = await transformersJsSetUp(model);
   const encoder = await tjs.AutoModel.from_pretrained(model, {
     device: 'auto', session_options: { executionProviders: ['wasm'] }, dtype: 'fp32',
   });

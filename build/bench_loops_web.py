@@ -6,7 +6,9 @@ Embeddings per second of ortpipe's `embed` and of transformers.js's feature-extr
 pooling, normalised; over the onnxruntime-web build ortpipe bundles, so both run the same kernels; its
 batches in the texts' order, and longest first as ortpipe makes them) on the
 same sentence-transformers folder (build/bench_loops.py's st-bench, all-MiniLM-L6-v2's shape), and the
-real-time factor of ortpipe's `speak` on vits-tiny. Each engine and round is a fresh browser context
+real-time factor of ortpipe's `speak` and of transformers.js's text-to-speech pipeline on the same VITS
+folder (build/bench_loops.py's vits-bench: MMS-TTS's shape, in transformers.js's layout, the same
+sentence). Each engine and round is a fresh browser context
 (nothing cached), engines alternating; within a page, one warm-up and `--runs` timed runs. The bundle is
 build/bench_web.py's (transformers.js beside ortpipe) plus the page of build/bench_loops_page.js.
 """
@@ -19,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from build import bench_loops, bench_web, paradigms
+from build import bench_loops, bench_web
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "dist" / "bench-loops"
@@ -29,7 +31,7 @@ PAGE = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>ortpi
 
 
 def bundle(texts: list[str]) -> Path:
-    models = {"st-bench": bench_loops.st_bench_folder(), "vits-tiny": paradigms.get("vits-tiny")}
+    models = {"st-bench": bench_loops.st_bench_folder(), "vits-bench": bench_loops.vits_bench_folder()}
     out = bench_web.build_bundle(OUT, models)
     (out / "bench-loops.html").write_text(PAGE)
     (out / "bench-loops.js").write_text((ROOT / "build" / "bench_loops_page.js").read_text())
@@ -58,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tasks", default="embed,tts", help="embed, tts or both (default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     out = bundle(bench_loops.texts(args.texts))
     pages = [("ortpipe", "embed", "st-bench"), ("transformers.js", "embed", "st-bench"),
-             ("transformers.js-sorted", "embed", "st-bench"), ("ortpipe", "tts", "vits-tiny")]
+             ("transformers.js-sorted", "embed", "st-bench"), ("ortpipe", "tts", "vits-bench"),
+             ("transformers.js", "tts", "vits-bench")]
+    pages = [p for p in pages if p[1] in args.tasks.split(",")]
     results: dict[str, list[dict]] = {f"{e} {t}": [] for e, t, _ in pages}
     with bench_web.chromium() as browser, bench_web.serving(out, 1) as url:
         for round_ in range(args.rounds):
@@ -72,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"{engine} {task}"].append(open_page(browser, url, query))
     import numpy as np
 
-    embeddings = [r[0]["first"] for k, r in results.items() if k.endswith("embed")]
-    difference = float(np.abs(np.array(embeddings[0]) - np.array(embeddings[1])).max())
     print(f"wasm, 1 thread, {args.rounds} rounds of {args.runs} runs; {args.texts} texts in batches of "
-          f"{args.batch}; max |ortpipe - transformers.js| embedding difference {difference:.1e}")
+          f"{args.batch}")
+    for task in args.tasks.split(","):
+        firsts = [r[0]["first"] for k, r in results.items() if k.endswith(task)]
+        difference = float(np.abs(np.array(firsts[0]) - np.array(firsts[1])).max())
+        print(f"{task}: max |ortpipe - transformers.js| difference {difference:.1e} (first rows / samples)")
     for name, rounds in results.items():
         if name.endswith("embed"):
             rates = sorted(args.texts / statistics.median(r["runs"]) for r in rounds)

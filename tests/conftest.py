@@ -66,3 +66,22 @@ def llama_variants(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFa
     folder = shutil.copytree(llama_builder_fp32, tmp_path_factory.mktemp("variants") / "llama")
     write_variants(folder / "model.onnx", ["q8", "q4", "fp16", "q4f16"])
     return folder
+
+
+@pytest.fixture(scope="session")
+def vits_tjs(vits_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vits-tiny in transformers.js's layout (build/tjs_layout.py): its converted tokenizer.json, no
+    vocab.json; the references stay in vits-tiny."""
+    from build import tjs_layout
+
+    return tjs_layout.vits(vits_tiny, tmp_path_factory.mktemp("tjs") / "vits-tjs")
+
+
+@pytest.fixture(scope="session")
+def st_tjs(st_minilm_nonorm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """st-minilm-nonorm's graph and tokenizer in transformers.js's feature-extraction layout (no
+    modules.json, no pooling modules); the references (mean pooling, not normalised) stay in
+    st-minilm-nonorm."""
+    from build import tjs_layout
+
+    return tjs_layout.feature_extraction(st_minilm_nonorm, tmp_path_factory.mktemp("tjs") / "st-tjs")

@@ -62,6 +62,21 @@ def test_embeddings_equal_sentence_transformers_and_the_plain_loop(fixture: str,
     assert np.abs(result.outputs["last_hidden_state"][0] - expected[2]).max() <= EMBEDDING_TOLERANCE
 
 
+def test_feature_extraction_folder_embeds_as_sentence_transformers(st_tjs: Path, st_minilm_nonorm: Path,
+                                                                   llama_concat: Path) -> None:
+    """A folder with an encoder graph and no modules.json (transformers.js's and optimum's
+    feature-extraction exports) is detected from its graph (last_hidden_state, no logits): mean pooling,
+    not normalised, which is what sentence-transformers makes of a plain transformers model
+    (st-minilm-nonorm's references). A decoder folder without genai_config.json stays a decoder."""
+    pipe = ortpipe.load(st_tjs, threads=1)
+    assert pipe.config.generation.loop == "single_pass" and list(pipe.config.pipeline.sessions) == ["encoder"]
+    assert "an encoder" in pipe.config.metadata["detected_from"]
+    inputs = _json(st_minilm_nonorm / "references" / "inputs.json")
+    expected = np.load(st_minilm_nonorm / "references" / "embeddings.npy")
+    assert np.abs(pipe.embed(inputs["texts"]) - expected).max() <= EMBEDDING_TOLERANCE
+    assert ortpipe.load(llama_concat, threads=1).config.generation.loop == "autoregressive"
+
+
 def test_embedding_ids_and_truncation_follow_the_tokenizer(st_minilm: Path) -> None:
     """The rows ortpipe feeds are sentence-transformers' (padding to the longest), and a text longer than the
     folder's 128 tokens is cut as the tokenizer's own truncation cuts it (special tokens kept)."""
@@ -101,6 +116,30 @@ def test_speech_equals_transformers_and_the_plain_loop(vits_tiny: Path) -> None:
         assert np.abs(audio.samples - refs.speak(vits_tiny, case["input_ids"])[0]).max() <= WAVEFORM_TOLERANCE
     ids = refs.vits_ids(vits_tiny, "Hi")
     assert np.array_equal(pipe.generate(prompt_ids=ids).audio, refs.speak(vits_tiny, ids))
+
+
+def test_transformers_js_vits_folder_speaks_as_transformers(vits_tiny: Path, vits_tjs: Path,
+                                                           tmp_path: Path) -> None:
+    """transformers.js's converted VITS folder: a tokenizer.json whose model is a bare vocabulary (the Rust
+    tokenizers cannot read it) and no vocab.json. The core's VITS tokenizer reads that vocabulary."""
+    from tokenizers import Tokenizer
+
+    assert not (vits_tjs / "vocab.json").exists()
+    with pytest.raises(Exception, match="ModelUntagged"):
+        Tokenizer.from_file(str(vits_tjs / "tokenizer.json"))
+    pipe = ortpipe.load(vits_tjs, threads=1)
+    for case in _json(vits_tiny / "references" / "inputs.json")["cases"]:
+        assert pipe.tokenizer.encode(case["text"]) == case["input_ids"]
+        expected = np.load(vits_tiny / "references" / case["waveform"])[0]
+        assert np.abs(pipe.speak(case["text"]).samples - expected).max() <= WAVEFORM_TOLERANCE
+    broken = Path(shutil.copytree(vits_tjs, tmp_path / "broken"))
+    tokenizer = _json(broken / "tokenizer.json")
+    (broken / "tokenizer.json").write_text(json.dumps({**tokenizer, "model": {"vocab": [["a", 0.0]]}}))
+    with pytest.raises(ConfigError, match=r"tokenizer.json's model.vocab must map tokens to ids"):
+        ortpipe.load(broken)
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="names VitsTokenizer, and neither vocab.json nor tokenizer.json"):
+        ortpipe.load(broken)
 
 
 def test_vits_tokenizer_follows_transformers(vits_tiny: Path) -> None:

@@ -10,7 +10,9 @@ Three layouts run loops that make no tokens (docs/pipelines.md): optimum's diffu
 (`model_index.json`, `text_encoder/`, `unet/`, `vae_decoder/`, `scheduler/`, `tokenizer/`: denoising), a
 sentence-transformers folder (`modules.json`, `1_Pooling/config.json`, an ONNX export: single_pass, pooled
 embeddings) a transformers.js-style speech folder (`config.json` with `sampling_rate`, an ONNX graph
-giving `waveform`: single_pass, audio). An optimum MusicGen export (`text_encoder.onnx`,
+giving `waveform`: single_pass, audio). A folder of the decoder layout whose graph is an encoder
+(`last_hidden_state`, no `logits`; model.py reads it before opening its session) becomes embeddings,
+mean-pooled (`encoder_embeddings`). An optimum MusicGen export (`text_encoder.onnx`,
 `decoder_model_merged.onnx`, `encodec_decode.onnx`) runs the autoregressive loop over codebooks with a final
 audio decoder. Tensor names are optimum's; the plan checks them against the graphs.
 """
@@ -213,24 +215,43 @@ def _sentence_transformers(folder: Folder) -> dict[str, Any] | None:
     pooling_file = f"{types['Pooling'].get('path') or '1_Pooling'}/config.json"
     pooling = _pooling_mode(read_json(folder, pooling_file), folder.describe(pooling_file))
     length = optional_json(folder, "sentence_bert_config.json").get("max_seq_length")
-    text: dict[str, Any] = {"max_length": length} if isinstance(length, int) and length > 0 else {}
+    return _embeddings({"file": file}, pooling, "Normalize" in types, "sentence-transformers", "modules.json",
+                       length if isinstance(length, int) and length > 0 else None)
+
+
+def _embeddings(session: dict[str, Any], pooling: str, normalize: bool, model_type: Any, detected_from: str,
+                max_length: int | None = None) -> dict[str, Any]:
+    text: dict[str, Any] = {"max_length": max_length} if max_length else {}
     return {
         "version": 2,
         "pipeline": {
-            "sessions": {"encoder": {"file": file}},
+            "sessions": {"encoder": session},
             "flow": [{"run": "encoder", "when": "init"}],
             "output": {
                 "session": "encoder",
                 "name": "last_hidden_state",
                 "as": "embedding",
                 "pooling": pooling,
-                "normalize": "Normalize" in types,
+                "normalize": normalize,
             },
             **({"preprocessing": {"text": text}} if text else {}),
         },
         "generation": {"loop": "single_pass"},
-        "metadata": {"model_type": "sentence-transformers", "detected_from": "modules.json"},
+        "metadata": {"model_type": model_type, "detected_from": detected_from},
     }
+
+
+def encoder_embeddings(raw: dict[str, Any], outputs: list[str], inputs: list[str]) -> dict[str, Any] | None:
+    """The detected decoder config `raw` of a folder whose graph turns out to be an encoder (a
+    `last_hidden_state` output, no `logits`, no past inputs: transformers.js's and optimum's
+    feature-extraction exports, with no modules.json): embeddings, mean-pooled and not normalised, as
+    sentence-transformers makes of a plain transformers model. Else None."""
+    if "last_hidden_state" not in outputs or "logits" in outputs or any(n.startswith("past") for n in inputs):
+        return None
+    session = raw["pipeline"]["sessions"]["decoder"]
+    metadata = raw.get("metadata", {})
+    return _embeddings(session, "mean", False, metadata.get("model_type"),
+                       f"{metadata.get('detected_from')} (an encoder: last_hidden_state, no logits)")
 
 
 def _pooling_mode(config: dict[str, Any], where: str) -> str:

@@ -18,6 +18,7 @@ from .chat import Chat
 from .config import Config, load_config
 from .config.profiles import Profile
 from .config.schema import TOKENS_OUTPUT
+from .detect import detect_config, encoder_embeddings
 from .errors import ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
@@ -41,7 +42,7 @@ from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
 from .variants import check_dtype, choose, present
-from .vocab_tokenizers import load_vocab_tokenizer
+from .vocab_tokenizers import load_vits_tokenizer, load_vocab_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -126,6 +127,13 @@ def load_model(
         path, shown = folder.locate(spec.file), folder.describe(spec.file)
         graph = read_model((yield ReadGraph(path, shown)), shown)
         check_external_data(folder, spec.file, graph)  # before onnxruntime opens what it names
+        if config.source == "detected" and not prefix and spec.name == "decoder":
+            names = ([v.name for v in graph.graph.outputs], [v.name for v in graph.graph.inputs])
+            raw = encoder_embeddings(detect_config(folder), *names)
+            if raw is not None:  # the graph is an encoder: the folder's detected config is the embeddings'
+                config = load_config(folder, warn=False, profile=profile, detected=raw)
+                config = with_variants(config, folder, check_dtype(dtype), device, f16)
+                spec = config.pipeline.sessions["encoder"]
         opened: Opened = yield Open(spec, path, shown)
         sessions[spec.name], signatures[spec.name] = opened.session, opened.signature
         facts[spec.name] = decoder_facts(graph)
@@ -280,9 +288,13 @@ def check_external_data(folder: Folder, file: str, graph: OnnxModel) -> None:
 
 
 def load_tokenizer(folder: Folder, platform: Platform, where: str = "") -> Tokenizer | None:
-    """The tokenizer in `where` (a folder inside the model folder; preprocessing.text.tokenizer): its
-    tokenizer.json, else the vocabulary of a CLIP or VITS tokenizer (vocab_tokenizers.py), else None."""
+    """The tokenizer in `where` (a folder inside the model folder; preprocessing.text.tokenizer): a VITS
+    tokenizer (transformers' rule, run by the core, tokenizer.json or not), else its tokenizer.json, else
+    the vocabulary of a CLIP or VITS tokenizer (vocab_tokenizers.py), else None."""
     prefix = f"{where}/" if where else ""
+    vits = load_vits_tokenizer(folder, where)
+    if vits is not None:
+        return vits
     if not folder.exists(prefix + TOKENIZER_FILE):
         return load_vocab_tokenizer(folder, where)
     text = folder.read_text(prefix + TOKENIZER_FILE)

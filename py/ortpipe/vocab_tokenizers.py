@@ -1,6 +1,7 @@
-"""Tokenizers ortpipe runs itself, for folders that have no tokenizer.json: CLIP's byte-level BPE
-(vocab.json + merges.txt, as diffusers folders have it) and VITS's characters (vocab.json, as transformers
-saves a VitsTokenizer). Pure Python, so both targets give the same ids by construction.
+"""Tokenizers ortpipe runs itself: CLIP's byte-level BPE for folders without a tokenizer.json (vocab.json
++ merges.txt, as diffusers folders have it) and VITS's characters in every VITS folder (vocab.json as
+transformers saves a VitsTokenizer, or the vocabulary of transformers.js's converted tokenizer.json).
+Pure Python, so both targets give the same ids by construction.
 
 - `ClipTokenizer` follows the tokenizer.json transformers makes of a CLIPTokenizer (what diffusers runs
   with transformers 5): NFC, runs of white space folded to one space, lower case; the special tokens split
@@ -242,6 +243,44 @@ def _json(folder: Folder, name: str) -> Any:
         raise ConfigError(f"{folder.describe(name)} is not valid JSON: {e}") from None
 
 
+def load_vits_tokenizer(folder: Folder, where: str) -> VitsTokenizer | None:
+    """The tokenizer of a folder whose tokenizer_config.json names VitsTokenizer, else None: transformers'
+    rule (`VitsTokenizer` above) over vocab.json, or, without one, over tokenizer.json's vocabulary.
+    transformers.js's converted VITS folders have only the tokenizer.json, whose model is a bare
+    vocabulary (tokenizers.js reads it as its legacy model, the Rust tokenizers cannot) and whose
+    normalizers restate that rule; the core runs the rule itself, so both targets give transformers' ids."""
+    prefix = f"{where}/" if where else ""
+    config_file = prefix + "tokenizer_config.json"
+    if not folder.exists(config_file):
+        return None
+    config = _json(folder, config_file)
+    if not isinstance(config, dict) or config.get("tokenizer_class") != "VitsTokenizer":
+        return None
+    if folder.exists(prefix + "vocab.json"):
+        shown = folder.describe(prefix + "vocab.json")
+        vocab = _json(folder, prefix + "vocab.json")
+    elif folder.exists(prefix + "tokenizer.json"):
+        shown = folder.describe(prefix + "tokenizer.json")
+        model = _json(folder, prefix + "tokenizer.json")
+        model = model.get("model") if isinstance(model, dict) else None
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        shown = f"{shown}'s model.vocab"
+    else:
+        raise ConfigError(
+            f"{folder.describe(config_file)} names VitsTokenizer, and neither vocab.json nor tokenizer.json "
+            "is beside it: add the vocab.json transformers saves with the tokenizer"
+        )
+    _check_vocab(vocab, shown)
+    return VitsTokenizer(vocab, config, shown)
+
+
+def _check_vocab(vocab: Any, shown: str) -> None:
+    if not isinstance(vocab, dict) or not all(
+        isinstance(t, str) and isinstance(i, int) and not isinstance(i, bool) for t, i in vocab.items()
+    ):
+        raise ConfigError(f"{shown} must map tokens to ids (an object of token: integer)")
+
+
 def load_vocab_tokenizer(folder: Folder, where: str) -> ClipTokenizer | VitsTokenizer | None:
     """The tokenizer of `where` (a folder inside the model folder, "" for its root) from its vocab.json, or
     None
@@ -256,8 +295,7 @@ def load_vocab_tokenizer(folder: Folder, where: str) -> ClipTokenizer | VitsToke
         else {}
     )
     shown = folder.describe(prefix + "vocab.json")
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-        raise ConfigError(f"{shown} must map tokens to ids")
+    _check_vocab(vocab, shown)
     kind = config.get("tokenizer_class") if isinstance(config, dict) else None
     if kind in ("CLIPTokenizer", "CLIPTokenizerFast") or folder.exists(prefix + "merges.txt"):
         if kind not in ("CLIPTokenizer", "CLIPTokenizerFast"):

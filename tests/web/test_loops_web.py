@@ -107,6 +107,99 @@ def test_wasm_speech_equals_cpython(page: Any, serve_model: Any, vits_tiny: Path
         assert np.abs(np.array(run["data"]) - expected).max() <= WASM["audio"]
 
 
+# transformers.js's text-to-speech or feature-extraction pipeline (what tjs.pipeline(...) makes, built from
+# the folder's files: its existence check skips local files given by http URL) over the onnxruntime-web
+# build ortpipe bundles; then ortpipe's speak or embed on the same folder, in the same page.
+TJS_SETUP = """
+  const here = (path) => new URL(path, location.href).href;
+  globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
+  const tjs = await import('./tjs/transformers.min.js');
+  Object.assign(tjs.env, {allowRemoteModels: false, allowLocalModels: true, useBrowserCache: false,
+                          localModelPath: here('./models/')});
+  tjs.env.backends.onnx.wasm.wasmPaths = here('./ort/');
+  const [json, config] = await Promise.all(['tokenizer.json', 'tokenizer_config.json'].map(
+    (file) => fetch(here(`./models/${model}/${file}`)).then((r) => r.json())));
+  const graph = await tjs.AutoModel.from_pretrained(model, {
+    device: 'auto', session_options: {executionProviders: ['wasm']}, dtype: 'fp32'});
+  const {load} = await import('./ortpipe.js');
+"""
+BOTH_SPEAK = """async ({model, texts}) => {""" + TJS_SETUP + """
+  const tokenizer = new tjs.VitsTokenizer(json, config);
+  const synth = new tjs.TextToAudioPipeline({task: 'text-to-speech', model: graph, tokenizer});
+  const theirs = [];
+  for (const text of texts) {
+    const {audio, sampling_rate} = await synth(text);
+    theirs.push({data: Array.from(audio), samplingRate: sampling_rate,
+                 ids: Array.from(tokenizer(text).input_ids.data, Number)});
+  }
+  const pipe = await load(`models/${model}/`, {device: 'wasm'});
+  const ours = [];
+  for (const text of texts) {
+    const {audio, samplingRate} = await pipe.speak(text);
+    ours.push({data: Array.from(audio), samplingRate});
+  }
+  pipe.dispose();
+  return {theirs, ours};
+}"""
+BOTH_EMBED = """async ({model, texts}) => {""" + TJS_SETUP + """
+  const extract = new tjs.FeatureExtractionPipeline({task: 'feature-extraction', model: graph,
+                                                     tokenizer: new tjs.PreTrainedTokenizer(json, config)});
+  const theirs = await extract(texts, {pooling: 'mean', normalize: false});
+  const pipe = await load(`models/${model}/`, {device: 'wasm'});
+  const ours = await pipe.embed(texts);
+  const info = pipe.info;
+  pipe.dispose();
+  return {theirs: {data: Array.from(theirs.data), dims: theirs.dims},
+          ours: {data: Array.from(ours.data), dims: ours.dims}, info};
+}"""
+
+
+def test_wasm_speech_equals_transformers_js(page: Any, serve_model: Any, bundle: Path, vits_tiny: Path,
+                                            vits_tjs: Path) -> None:
+    """transformers.js's converted VITS layout (tokenizer.json, no vocab.json) in one page: transformers.js's
+    text-to-speech pipeline and ortpipe's speak give the same waveforms, and transformers' (the
+    references)."""
+    from build import bench_web
+
+    (bundle / "tjs").mkdir(exist_ok=True)
+    shutil.copy2(bench_web.TRANSFORMERS_JS / "dist" / "transformers.min.js", bundle / "tjs")
+    serve_model("vits-tjs", vits_tjs)
+    cases = _json(vits_tiny / "references" / "inputs.json")["cases"]
+    page.goto("/")
+    got = page.evaluate(BOTH_SPEAK, {"model": "vits-tjs", "texts": [case["text"] for case in cases]})
+    for case, theirs, ours in zip(cases, got["theirs"], got["ours"], strict=True):
+        assert theirs["ids"] == case["input_ids"]
+        expected = np.load(vits_tiny / "references" / case["waveform"])[0]
+        assert theirs["samplingRate"] == ours["samplingRate"] == 16000
+        assert len(theirs["data"]) == len(ours["data"]) == case["samples"]
+        worst = float(np.abs(np.array(ours["data"]) - np.array(theirs["data"])).max())
+        print(f"{case['text']!r}: max |ortpipe - transformers.js| = {worst:.1e}")
+        assert worst <= WASM["audio"]
+        assert np.abs(np.array(ours["data"]) - expected).max() <= 1e-4  # the issue's, against transformers
+
+
+def test_wasm_feature_extraction_folder_equals_transformers_js(page: Any, serve_model: Any, bundle: Path,
+                                                               st_minilm_nonorm: Path, st_tjs: Path) -> None:
+    """transformers.js's feature-extraction layout (no modules.json): ortpipe detects the encoder and
+    mean-pools, as transformers.js's pipeline does asked for mean pooling, and as sentence-transformers
+    (the references)."""
+    from build import bench_web
+
+    (bundle / "tjs").mkdir(exist_ok=True)
+    shutil.copy2(bench_web.TRANSFORMERS_JS / "dist" / "transformers.min.js", bundle / "tjs")
+    serve_model("st-tjs", st_tjs)
+    texts = _json(st_minilm_nonorm / "references" / "inputs.json")["texts"]
+    page.goto("/")
+    got = page.evaluate(BOTH_EMBED, {"model": "st-tjs", "texts": texts})
+    assert got["info"]["loop"] == "single_pass"
+    theirs, ours = (np.array(got[k]["data"], np.float32).reshape(got[k]["dims"]) for k in ("theirs", "ours"))
+    expected = np.load(st_minilm_nonorm / "references" / "embeddings.npy")
+    print(f"max |ortpipe - transformers.js| = {np.abs(ours - theirs).max():.1e}")
+    assert ours.shape == theirs.shape == expected.shape
+    assert np.abs(ours - theirs).max() <= WASM["embedding"]
+    assert np.abs(ours - expected).max() <= WASM["embedding"]
+
+
 def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path) -> None:
     """A seeded image (latents and each step's noise from the core's generator) with guidance and a negative
     prompt, and one from given latents: CPython's, within 1e-4; the RGBA bytes within one level."""

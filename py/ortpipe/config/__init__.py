@@ -37,13 +37,14 @@ def raw_config(folder: Folder) -> tuple[dict[str, Any], str, tuple[str, ...]] | 
     return raw, "v2", ()
 
 
-def load_config(folder: Folder, warn: bool = True, profile: str | Profile | None = None) -> Config:
-    """The folder's Config; without genai_config.json, one detected from the folder's files.
-    `profile`: a device profile (a built-in name, a .json path, or a Profile) layered over its sessions
-    before the config is checked (config/profiles.py). `warn`: show the config's notes (unknown v1
-    keys, ...) as Python warnings."""
-    found = raw_config(folder)
-    raw, source, notes = found if found else (detect_config(folder), "detected", ())
+def load_config(folder: Folder, warn: bool = True, profile: str | Profile | None = None,
+                detected: dict[str, Any] | None = None) -> Config:
+    """The folder's Config; without genai_config.json, one detected from the folder's files (or
+    `detected`, a detected config the graphs corrected). `profile`: a device profile (a built-in name, a
+    .json path, or a Profile) layered over its sessions before the config is checked
+    (config/profiles.py). `warn`: show the config's notes (unknown v1 keys, ...) as Python warnings."""
+    found = None if detected is not None else raw_config(folder)
+    raw, source, notes = found if found else (detected or detect_config(folder), "detected", ())
     if profile is not None:
         raw = layer_profile(raw, profile if isinstance(profile, Profile) else load_profile(profile))
     config = parse_config(raw, folder, source, notes)
