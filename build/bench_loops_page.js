@@ -5,12 +5,15 @@
 //   bench-loops.html?engine=transformers.js&task=embed&model=st-bench&batch=32&runs=3
 //   bench-loops.html?engine=ortpipe&task=tts&model=vits-bench&runs=3
 //   bench-loops.html?engine=transformers.js&task=tts&model=vits-bench&runs=3
+//   bench-loops.html?engine=ort&task=tts&model=vits-bench&runs=3
 //
 // embed: texts.json (the bundle's) embedded in batches of `batch`: ortpipe's embed (its own batches, longest
 // first), or transformers.js's feature-extraction pipeline (mean pooling, normalised) on the batches in the
 // texts' order ("transformers.js") or longest first by characters ("transformers.js-sorted", as a careful
 // caller would batch), over the onnxruntime-web build ortpipe bundles (the same kernels). tts: ortpipe's
-// speak or transformers.js's text-to-speech pipeline on the same sentence, timed per second of audio.
+// speak, transformers.js's text-to-speech pipeline or a hand-written onnxruntime-web loop ("ort": one
+// session.run on the sentence's ids, speech-ids.json in the bundle) on the same sentence, timed per second
+// of audio.
 // window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings] or [the first 64
 // samples]} or {error}.
 
@@ -26,6 +29,7 @@ async function run(params) {
   const batch = Number(params.get('batch') ?? 32);
   const texts = task === 'embed' ? await (await fetch(here('./texts.json'))).json() : null;
   const work = engine === 'ortpipe' ? await ortpipeTask(task, model, batch)
+    : engine === 'ort' ? await ortSpeech(model)
     : task === 'tts' ? await transformersJsSpeech(model)
       : await transformersJs(model, batch, engine === 'transformers.js-sorted');
   await work(texts?.slice(0, batch)); // warm-up
@@ -71,6 +75,30 @@ async function transformersJsSetUp(model) {
   const [json, config] = await Promise.all(['tokenizer.json', 'tokenizer_config.json'].map(
     (file) => fetch(here(`./models/${model}/${file}`)).then((r) => r.json())));
   return { tjs, json, config };
+}
+
+/** The floor: onnxruntime-web (the build ortpipe bundles) run by hand on the sentence's ids. */
+async function ortSpeech(model) {
+  const ort = await import('./ort/ort.wasm.min.mjs');
+  ort.env.wasm.numThreads = 1;
+  ort.env.wasm.wasmPaths = here('./ort/');
+  const [bytes, ids, config] = await Promise.all([
+    fetch(here(`./models/${model}/onnx/model.onnx`)).then((r) => r.arrayBuffer()),
+    fetch(here('./speech-ids.json')).then((r) => r.json()),
+    fetch(here(`./models/${model}/config.json`)).then((r) => r.json()),
+  ]);
+  const session = await ort.InferenceSession.create(new Uint8Array(bytes), {
+    executionProviders: ['wasm'], graphOptimizationLevel: 'all',
+  });
+  const feeds = {
+    input_ids: new ort.Tensor('int64', BigInt64Array.from(ids, BigInt), [1, ids.length]),
+    attention_mask: new ort.Tensor('int64', BigInt64Array.from(ids, () => 1n), [1, ids.length]),
+  };
+  return async () => {
+    const { waveform } = await session.run(feeds);
+    const audio = waveform.data;
+    return { audioSeconds: audio.length / config.sampling_rate, first: Array.from(audio.slice(0, 64)) };
+  };
 }
 
 /** What tjs.pipeline('text-to-speech') makes of a VITS folder. */
