@@ -218,6 +218,9 @@ BROKEN_FILES: dict[str, Callable[[Path], None]] = {
     ),
     "tokenizer not json": lambda f: (f / "tokenizer.json").write_text("<html>"),
     "tokenizer config list": lambda f: (f / "tokenizer_config.json").write_text("[]"),
+    "deep tokenizer config": lambda f: (f / "tokenizer_config.json").write_text(
+        "[" * 100_000 + "]" * 100_000
+    ),
     "template syntax": lambda f: _template(f, "{% for m in messages %}"),
     "template not a string": lambda f: _template(f, {"a": 1}),
     "template list": lambda f: _template(f, [{"name": "default", "template": "{{ 1 + }}"}]),

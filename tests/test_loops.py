@@ -137,7 +137,12 @@ def test_transformers_js_vits_folder_speaks_as_transformers(vits_tiny: Path, vit
     (broken / "tokenizer.json").write_text(json.dumps({**tokenizer, "model": {"vocab": [["a", 0.0]]}}))
     with pytest.raises(ConfigError, match=r"tokenizer.json's model.vocab must map tokens to ids"):
         ortpipe.load(broken)
+    (broken / "tokenizer.json").write_text(json.dumps({**tokenizer, "model": {"vocab": {"a": 0, "b": 1}}}))
+    shutil.copy2(vits_tiny / "vocab.json", broken / "vocab.json")
+    with pytest.raises(ConfigError, match="vocab.json and .*model.vocab map tokens to different ids"):
+        ortpipe.load(broken)
     (broken / "tokenizer.json").unlink()
+    (broken / "vocab.json").unlink()
     with pytest.raises(ConfigError, match="names VitsTokenizer, and neither vocab.json nor tokenizer.json"):
         ortpipe.load(broken)
 

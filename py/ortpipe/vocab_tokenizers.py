@@ -14,12 +14,12 @@ Pure Python, so both targets give the same ids by construction.
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from typing import Any
 
 from .errors import ConfigError
 from .folder import Folder
+from .jsonfile import parse_json
 
 CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")  # CLIP's pattern, in its order
 
@@ -237,10 +237,7 @@ def _max_length(config: dict[str, Any]) -> int | None:
 
 
 def _json(folder: Folder, name: str) -> Any:
-    try:
-        return json.loads(folder.read_text(name))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{folder.describe(name)} is not valid JSON: {e}") from None
+    return parse_json(folder.read_text(name), folder.describe(name))
 
 
 def load_vits_tokenizer(folder: Folder, where: str) -> VitsTokenizer | None:
@@ -256,21 +253,27 @@ def load_vits_tokenizer(folder: Folder, where: str) -> VitsTokenizer | None:
     config = _json(folder, config_file)
     if not isinstance(config, dict) or config.get("tokenizer_class") != "VitsTokenizer":
         return None
+    found = {}  # file -> its vocabulary
     if folder.exists(prefix + "vocab.json"):
-        shown = folder.describe(prefix + "vocab.json")
-        vocab = _json(folder, prefix + "vocab.json")
-    elif folder.exists(prefix + "tokenizer.json"):
-        shown = folder.describe(prefix + "tokenizer.json")
+        found[folder.describe(prefix + "vocab.json")] = _json(folder, prefix + "vocab.json")
+    if folder.exists(prefix + "tokenizer.json"):
         model = _json(folder, prefix + "tokenizer.json")
         model = model.get("model") if isinstance(model, dict) else None
-        vocab = model.get("vocab") if isinstance(model, dict) else None
-        shown = f"{shown}'s model.vocab"
-    else:
+        found[f"{folder.describe(prefix + 'tokenizer.json')}'s model.vocab"] = (
+            model.get("vocab") if isinstance(model, dict) else None
+        )
+    if not found:
         raise ConfigError(
             f"{folder.describe(config_file)} names VitsTokenizer, and neither vocab.json nor tokenizer.json "
             "is beside it: add the vocab.json transformers saves with the tokenizer"
         )
-    _check_vocab(vocab, shown)
+    for shown, vocab in found.items():
+        _check_vocab(vocab, shown)
+    (shown, vocab), *others = found.items()
+    if others and others[0][1] != vocab:  # one tokenizer read, the other file must not say otherwise
+        raise ConfigError(
+            f"{shown} and {others[0][0]} map tokens to different ids: keep the files of one tokenizer"
+        )
     return VitsTokenizer(vocab, config, shown)
 
 
