@@ -63,6 +63,7 @@ def test_embeddings_equal_sentence_transformers_and_the_plain_loop(fixture: str,
 
 
 def test_feature_extraction_folder_embeds_as_sentence_transformers(st_tjs: Path, st_minilm_nonorm: Path,
+                                                                   st_minilm: Path, st_minilm_cls: Path,
                                                                    llama_concat: Path) -> None:
     """A folder with an encoder graph and no modules.json (transformers.js's and optimum's
     feature-extraction exports) is detected from its graph (last_hidden_state, no logits): mean pooling,
@@ -75,6 +76,23 @@ def test_feature_extraction_folder_embeds_as_sentence_transformers(st_tjs: Path,
     expected = np.load(st_minilm_nonorm / "references" / "embeddings.npy")
     assert np.abs(pipe.embed(inputs["texts"]) - expected).max() <= EMBEDDING_TOLERANCE
     assert ortpipe.load(llama_concat, threads=1).config.generation.loop == "autoregressive"
+    # a request's pooling and normalize, as transformers.js's pipeline takes them: the same graph's other
+    # sentence-transformers folders (mean + Normalize; CLS + Normalize) are the references
+    cases = ((st_minilm, {"normalize": True}), (st_minilm_cls, {"pooling": "cls", "normalize": True}))
+    for folder, options in cases:
+        reference = np.load(folder / "references" / "embeddings.npy")
+        assert np.abs(pipe.embed(inputs["texts"], **options) - reference).max() <= EMBEDDING_TOLERANCE
+    normalised = ortpipe.load(st_minilm, threads=1)
+    assert np.abs(normalised.embed(inputs["texts"], normalize=False) - expected).max() <= EMBEDDING_TOLERANCE
+    with pytest.raises(GenerationError, match="pooling must be one of mean, cls, max, lasttoken"):
+        pipe.embed("x", pooling="sum")
+    with pytest.raises(GenerationError, match="normalize must be true or false"):
+        pipe.embed("x", normalize="yes")
+    done = subprocess.run([sys.executable, "-m", "ortpipe.cli", "embed", str(st_tjs), *inputs["texts"],
+                           "--pooling", "cls", "--normalize", "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    cls = np.load(st_minilm_cls / "references" / "embeddings.npy")
+    assert np.abs(np.array(json.loads(done.stdout)["embeddings"]) - cls).max() <= EMBEDDING_TOLERANCE
 
 
 def test_embedding_ids_and_truncation_follow_the_tokenizer(st_minilm: Path) -> None:

@@ -242,9 +242,12 @@ export class Pipeline {
   chat(options?: ChatOptions): Promise<Chat>;
   /** Speech for a text from a text-to-speech folder. */
   speak(text: string, options?: GenerateOptions): Promise<Audio>;
-  /** Sentence embeddings, float32 [texts, dim] (a sentence-transformers folder). */
-  embed(texts: string | string[], options?: { batchSize?: number; onProgress?: (progress: Progress) => void }):
-    Promise<{ data: Float32Array; dims: number[] }>;
+  /** Sentence embeddings, float32 [texts, dim] (a sentence-transformers folder); `pooling` and `normalize`
+   * instead of the folder's. */
+  embed(texts: string | string[], options?: {
+    batchSize?: number; pooling?: 'mean' | 'cls' | 'max' | 'lasttoken'; normalize?: boolean;
+    onProgress?: (progress: Progress) => void;
+  }): Promise<{ data: Float32Array; dims: number[] }>;
   /** Stop the running generation (or chat turn) and any queued behind it. */
   interrupt(): void;
   dispose(): void;

@@ -148,13 +148,18 @@ export class Pipeline {
 
   /**
    * Sentence embeddings (a sentence-transformers folder): float32 [texts, dim], pooled and normalised as
-   * the folder says; texts run in batches of `batchSize`, padded.
+   * the folder says, or as `pooling` ('mean', 'cls', 'max', 'lasttoken') and `normalize` say; texts run
+   * in batches of `batchSize`, padded.
    * @param {string|string[]} texts
-   * @param {{batchSize?: number, onProgress?: (p: Progress) => void}} [options]
+   * @param {{batchSize?: number, pooling?: string, normalize?: boolean,
+   *   onProgress?: (p: Progress) => void}} [options]
    * @returns {Promise<{data: Float32Array, dims: number[]}>}
    */
-  async embed(texts, { batchSize, onProgress } = {}) {
-    const message = { options: { texts, ...(batchSize === undefined ? {} : { batch_size: batchSize }) } };
+  async embed(texts, { batchSize, pooling, normalize, onProgress } = {}) {
+    const given = { batch_size: batchSize, pooling, normalize };
+    const message = {
+      options: { texts, ...Object.fromEntries(Object.entries(given).filter(([, v]) => v !== undefined)) },
+    };
     const result = await this._enqueue(() => this._call('embed', message, undefined, onProgress));
     const embedding = Object.values(result.outputs ?? {}).find((o) => o.kind === 'embedding');
     return { data: embedding.data, dims: embedding.dims };

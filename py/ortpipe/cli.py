@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import variants
+from .config.schema import POOLING_MODES
 from .config.settings import SETTINGS
 from .errors import ConfigError, GenerationError, OrtpipeError
 from .outputs import OutputRequest
@@ -146,6 +147,11 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed")
     embed.add_argument("--file", metavar="FILE", help="more texts, one a line")
     embed.add_argument("--batch-size", type=int, default=32, help="texts run together, padded (default 32)")
+    embed.add_argument("--pooling", choices=POOLING_MODES,
+                       help="pool the token states so instead of as the folder says")
+    embed.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                       help="L2-normalise the embeddings, or not (--no-normalize), instead of as the "
+                       "folder says")
     embed.add_argument("--out", metavar="FILE.npy", help="write the embeddings, float32 [texts, dim]")
     embed.add_argument("--json", action="store_true", help="print {dim, embeddings: [[...], ...]}")
     _session_args(embed)
@@ -401,7 +407,8 @@ def _embed(args: argparse.Namespace) -> int:
             raise GenerationError(f"--file {args.file}: {e}") from None
     if not texts:
         raise GenerationError("give texts to embed (arguments, or --file with one a line)")
-    embeddings = _load(args).embed(texts, batch_size=args.batch_size)
+    embeddings = _load(args).embed(texts, batch_size=args.batch_size, pooling=args.pooling,
+                                   normalize=args.normalize)
     if args.out:
         from .targets.cpython.media import write_npy
 

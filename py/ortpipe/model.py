@@ -420,9 +420,12 @@ class Model:
         request.timings.load_ms = self.load_ms
         return request
 
-    def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH) -> OutputRequest:
-        """A request for the embeddings of `texts` (a string or a list of them), in batches."""
-        made = embed_request(self.plan, self.backend, self.loop, self.tokenizer, texts, batch_size)
+    def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH, pooling: str | None = None,
+              normalize: bool | None = None) -> OutputRequest:
+        """A request for the embeddings of `texts` (a string or a list of them), in batches; `pooling` and
+        `normalize` override the folder's."""
+        made = embed_request(self.plan, self.backend, self.loop, self.tokenizer, texts, batch_size, pooling,
+                             normalize)
         made.timings.load_ms = self.load_ms
         return made
 

@@ -8,7 +8,7 @@ from a VAE's [batch, 3, height, width] in [-1, 1] to float32 [batch, height, wid
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,13 @@ def finish_outputs(
     values: Mapping[str, Handle],
     mask: Handle | None = None,
     replace: Mapping[str, Handle] | None = None,
+    specs: Sequence[OutputSpec] | None = None,
 ) -> Work:
     """{name: value} of every named output, from the flow's values (`replace`: values by source that stand
-    for a
-    session's, as the denoising loop's final latents stand for its UNet's output)."""
+    for a session's, as the denoising loop's final latents stand for its UNet's output; `specs`: the
+    outputs as a request changed them, e.g. another pooling)."""
     out = {}
-    for o in plan.config.pipeline.outputs:
+    for o in plan.config.pipeline.outputs if specs is None else specs:
         value = (replace or {}).get(o.source, values.get(o.source))
         if value is not None:  # an optional session that was skipped gives nothing
             out[o.name] = yield from finish_output(plan, backend, o, value, mask)

@@ -144,13 +144,16 @@ BOTH_SPEAK = """async ({model, texts}) => {""" + TJS_SETUP + """
 BOTH_EMBED = """async ({model, texts}) => {""" + TJS_SETUP + """
   const extract = new tjs.FeatureExtractionPipeline({task: 'feature-extraction', model: graph,
                                                      tokenizer: new tjs.PreTrainedTokenizer(json, config)});
-  const theirs = await extract(texts, {pooling: 'mean', normalize: false});
   const pipe = await load(`models/${model}/`, {device: 'wasm'});
-  const ours = await pipe.embed(texts);
+  const plain = ({data, dims}) => ({data: Array.from(data), dims});
+  const runs = [];
+  for (const options of [{}, {pooling: 'cls', normalize: true}]) {  // the folder's; a request's
+    const theirs = await extract(texts, {pooling: 'mean', normalize: false, ...options});
+    runs.push({theirs: plain(theirs), ours: plain(await pipe.embed(texts, options))});
+  }
   const info = pipe.info;
   pipe.dispose();
-  return {theirs: {data: Array.from(theirs.data), dims: theirs.dims},
-          ours: {data: Array.from(ours.data), dims: ours.dims}, info};
+  return {runs, info};
 }"""
 
 
@@ -179,10 +182,11 @@ def test_wasm_speech_equals_transformers_js(page: Any, serve_model: Any, bundle:
 
 
 def test_wasm_feature_extraction_folder_equals_transformers_js(page: Any, serve_model: Any, bundle: Path,
-                                                               st_minilm_nonorm: Path, st_tjs: Path) -> None:
+                                                               st_minilm_nonorm: Path, st_minilm_cls: Path,
+                                                               st_tjs: Path) -> None:
     """transformers.js's feature-extraction layout (no modules.json): ortpipe detects the encoder and
     mean-pools, as transformers.js's pipeline does asked for mean pooling, and as sentence-transformers
-    (the references)."""
+    (the references); asked for CLS pooling and normalisation, both give st-minilm-cls's references."""
     from build import bench_web
 
     (bundle / "tjs").mkdir(exist_ok=True)
@@ -192,12 +196,14 @@ def test_wasm_feature_extraction_folder_equals_transformers_js(page: Any, serve_
     page.goto("/")
     got = page.evaluate(BOTH_EMBED, {"model": "st-tjs", "texts": texts})
     assert got["info"]["loop"] == "single_pass"
-    theirs, ours = (np.array(got[k]["data"], np.float32).reshape(got[k]["dims"]) for k in ("theirs", "ours"))
-    expected = np.load(st_minilm_nonorm / "references" / "embeddings.npy")
-    print(f"max |ortpipe - transformers.js| = {np.abs(ours - theirs).max():.1e}")
-    assert ours.shape == theirs.shape == expected.shape
-    assert np.abs(ours - theirs).max() <= WASM["embedding"]
-    assert np.abs(ours - expected).max() <= WASM["embedding"]
+    for run, folder in zip(got["runs"], (st_minilm_nonorm, st_minilm_cls), strict=True):
+        theirs, ours = (np.array(run[k]["data"], np.float32).reshape(run[k]["dims"])
+                        for k in ("theirs", "ours"))
+        expected = np.load(folder / "references" / "embeddings.npy")
+        print(f"{folder.name}: max |ortpipe - transformers.js| = {np.abs(ours - theirs).max():.1e}")
+        assert ours.shape == theirs.shape == expected.shape
+        assert np.abs(ours - theirs).max() <= WASM["embedding"]
+        assert np.abs(ours - expected).max() <= WASM["embedding"]
 
 
 def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path) -> None:

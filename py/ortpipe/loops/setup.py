@@ -4,9 +4,11 @@ denoising.py. `loop_setup` reads at load what a loop needs from the folder; `out
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.schema import POOLING_MODES
 from ..config.settings import BY_NAME, CODEBOOK_SAMPLING, SearchSettings
 from ..errors import GenerationError
 from ..execute.work import Handle
@@ -181,8 +183,12 @@ def embed_request(
     tokenizer: Tokenizer | None,
     texts: Any,
     batch_size: int = DEFAULT_BATCH,
+    pooling: str | None = None,
+    normalize: bool | None = None,
 ) -> SinglePassRequest:
-    """Embeddings of many texts, in batches (a single_pass folder whose outputs are embeddings)."""
+    """Embeddings of many texts, in batches (a single_pass folder whose outputs are embeddings); `pooling`
+    and `normalize`, when given, instead of the folder's (as transformers.js's feature-extraction pipeline
+    takes them)."""
     outputs = plan.config.pipeline.outputs
     if (
         setup is None
@@ -196,5 +202,11 @@ def embed_request(
         )
     if type(batch_size) is not int or not 1 <= batch_size <= 4096:
         raise GenerationError(f"batch_size must be an integer from 1 to 4096, found {quote(batch_size)}")
+    if pooling is not None and pooling not in POOLING_MODES:
+        raise GenerationError(f"pooling must be one of {', '.join(POOLING_MODES)}, found {quote(pooling)}")
+    if normalize is not None and type(normalize) is not bool:
+        raise GenerationError(f"normalize must be true or false, found {quote(normalize)}")
+    changes = {k: v for k, v in (("pooling", pooling), ("normalize", normalize)) if v is not None}
+    specs = [dataclasses.replace(o, **changes) for o in outputs] if changes else None
     rows = encode_texts(tokenizer, [texts] if isinstance(texts, str) else texts, setup.text.max_length)
-    return SinglePassRequest(plan, backend, rows, setup.text, None, batch_size)
+    return SinglePassRequest(plan, backend, rows, setup.text, None, batch_size, specs)

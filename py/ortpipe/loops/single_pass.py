@@ -9,7 +9,9 @@ texts' order by kernels.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+from ..config.schema import OutputSpec
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
 from ..execute.work import Backend, Handle, Run, Work, kernel
@@ -31,8 +33,10 @@ class SinglePassRequest(OutputRequest):
         setup: TextSetup,
         inputs: dict[str, Handle] | None = None,
         batch_size: int = DEFAULT_BATCH,
+        outputs: Sequence[OutputSpec] | None = None,
     ):
         super().__init__(plan)
+        self.specs = outputs  # the outputs as the request changed them (an embedding's pooling), else None
         self.backend, self.setup, self.inputs = backend, setup, dict(inputs or {})
         if rows is None:
             self.batches, self.order = [[]], None
@@ -56,7 +60,7 @@ class SinglePassRequest(OutputRequest):
         flow = FlowRun(self.plan, self.backend, 1, 0, {**inputs, **self.inputs})
         yield from flow.run_init([])
         yield from flow.run_final()
-        made = yield from finish_outputs(self.plan, self.backend, flow.values, mask)
+        made = yield from finish_outputs(self.plan, self.backend, flow.values, mask, specs=self.specs)
         for name, value in made.items():
             joined = self.outputs.get(name)
             self.outputs[name] = value if joined is None else (yield from self._join(name, joined, value))

@@ -664,10 +664,13 @@ class Worker:
 
     def _embed(self, options: dict[str, Any]) -> Work:
         self._interrupted = bool(options.pop("interrupted", False))
-        unknown = sorted(set(options) - {"texts", "batch_size"})
+        unknown = sorted(set(options) - {"texts", "batch_size", "pooling", "normalize"})
         if unknown:
-            raise GenerationError(f"embed takes texts and batchSize, not {', '.join(unknown)}")
-        request = self._loaded().embed(options.get("texts"), options.get("batch_size", 32))
+            raise GenerationError(
+                f"embed takes texts, batchSize, pooling and normalize, not {', '.join(unknown)}"
+            )
+        request = self._loaded().embed(options.get("texts"), options.get("batch_size", 32),
+                                       options.get("pooling"), options.get("normalize"))
         return (yield from self._run(request))
 
     def _run(self, request: Request | OutputRequest) -> Work:

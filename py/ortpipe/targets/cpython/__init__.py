@@ -188,10 +188,12 @@ class Pipeline:
             collected.write(trace)
         return request.result()
 
-    def embed(self, texts: str | list[str], *, batch_size: int = 32) -> np.ndarray:
+    def embed(self, texts: str | list[str], *, batch_size: int = 32, pooling: str | None = None,
+              normalize: bool | None = None) -> np.ndarray:
         """Embeddings of a sentence-transformers (or any embedding) folder: float32 [len(texts), dim], or
-        [dim] for one string; texts run in batches of `batch_size`, padded."""
-        request = self.model.embed(texts, batch_size)
+        [dim] for one string; texts run in batches of `batch_size`, padded. `pooling` ("mean", "cls",
+        "max", "lasttoken") and `normalize` override the folder's."""
+        request = self.model.embed(texts, batch_size, pooling, normalize)
         for _ in self.drive(request):
             pass
         embeddings = request.result().output_of("embedding")
