@@ -311,7 +311,7 @@ def load_vocab_tokenizer(folder: Folder, where: str) -> ClipTokenizer | VitsToke
         if not all(len(m) == 2 for m in merges):
             raise ConfigError(f"{folder.describe(prefix + 'merges.txt')} must hold two tokens a line")
         return ClipTokenizer(vocab, merges, config, shown)
-    if kind == "VitsTokenizer" or "add_blank" in config:
+    if "add_blank" in config:  # a VITS tokenizer_config.json that does not name its class
         return VitsTokenizer(vocab, config, shown)
     raise ConfigError(
         f"{shown} has no tokenizer.json beside it, and tokenizer_config.json names a "

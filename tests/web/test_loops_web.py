@@ -107,6 +107,15 @@ def test_wasm_speech_equals_cpython(page: Any, serve_model: Any, vits_tiny: Path
         assert np.abs(np.array(run["data"]) - expected).max() <= WASM["audio"]
 
 
+@pytest.fixture
+def transformers_js(bundle: Path) -> None:
+    """transformers.js (its browser build) served at tjs/ in the bundle, beside ortpipe."""
+    from build import bench_web
+
+    (bundle / "tjs").mkdir(exist_ok=True)
+    shutil.copy2(bench_web.TRANSFORMERS_JS / "dist" / "transformers.min.js", bundle / "tjs")
+
+
 # transformers.js's text-to-speech or feature-extraction pipeline (what tjs.pipeline(...) makes, built from
 # the folder's files: its existence check skips local files given by http URL) over the onnxruntime-web
 # build ortpipe bundles; then ortpipe's speak or embed on the same folder, in the same page.
@@ -157,15 +166,11 @@ BOTH_EMBED = """async ({model, texts}) => {""" + TJS_SETUP + """
 }"""
 
 
-def test_wasm_speech_equals_transformers_js(page: Any, serve_model: Any, bundle: Path, vits_tiny: Path,
-                                            vits_tjs: Path) -> None:
+def test_wasm_speech_equals_transformers_js(page: Any, serve_model: Any, transformers_js: None,
+                                            vits_tiny: Path, vits_tjs: Path) -> None:
     """transformers.js's converted VITS layout (tokenizer.json, no vocab.json) in one page: transformers.js's
     text-to-speech pipeline and ortpipe's speak give the same waveforms, and transformers' (the
     references)."""
-    from build import bench_web
-
-    (bundle / "tjs").mkdir(exist_ok=True)
-    shutil.copy2(bench_web.TRANSFORMERS_JS / "dist" / "transformers.min.js", bundle / "tjs")
     serve_model("vits-tjs", vits_tjs)
     cases = _json(vits_tiny / "references" / "inputs.json")["cases"]
     page.goto("/")
@@ -181,16 +186,12 @@ def test_wasm_speech_equals_transformers_js(page: Any, serve_model: Any, bundle:
         assert np.abs(np.array(ours["data"]) - expected).max() <= 1e-4  # the issue's, against transformers
 
 
-def test_wasm_feature_extraction_folder_equals_transformers_js(page: Any, serve_model: Any, bundle: Path,
-                                                               st_minilm_nonorm: Path, st_minilm_cls: Path,
-                                                               st_tjs: Path) -> None:
+def test_wasm_feature_extraction_folder_equals_transformers_js(page: Any, serve_model: Any,
+                                                               transformers_js: None, st_minilm_nonorm: Path,
+                                                               st_minilm_cls: Path, st_tjs: Path) -> None:
     """transformers.js's feature-extraction layout (no modules.json): ortpipe detects the encoder and
     mean-pools, as transformers.js's pipeline does asked for mean pooling, and as sentence-transformers
     (the references); asked for CLS pooling and normalisation, both give st-minilm-cls's references."""
-    from build import bench_web
-
-    (bundle / "tjs").mkdir(exist_ok=True)
-    shutil.copy2(bench_web.TRANSFORMERS_JS / "dist" / "transformers.min.js", bundle / "tjs")
     serve_model("st-tjs", st_tjs)
     texts = _json(st_minilm_nonorm / "references" / "inputs.json")["texts"]
     page.goto("/")
