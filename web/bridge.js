@@ -108,7 +108,7 @@ export class Bridge {
     const externalData = await Promise.all(options.externalData.map(async (url) => ({
       url, data: await this.fetchBytes(url, url.slice(url.lastIndexOf('/') + 1)),
     })));
-    return ort.InferenceSession.create(bytes, sessionOptions(options.device, externalData, options.gpuOutputs));
+    return createInferenceSession(ort, bytes, sessionOptions(options.device, externalData, options.gpuOutputs));
   }
 
   /** The session's inputs and outputs as JSON: [{name, type, shape}], shape null when unknown. */
@@ -298,6 +298,23 @@ export function sessionOptions(device, externalData, gpuOutputs) {
   };
   if (gpuOutputs) options.preferredOutputLocation = 'gpu-buffer';
   return options;
+}
+
+// onnxruntime-web module -> its latest session creation on WebGPU (settled either way)
+const creatingOnGpu = new WeakMap();
+
+/**
+ * `ort.InferenceSession.create(bytes, options)`, one at a time on WebGPU: onnxruntime-web's WebGPU EP
+ * refuses a session while another is being created ("another WebGPU EP inference session is being
+ * created"), and the worker makes its early sessions, the core's and the kernels' concurrently.
+ */
+export function createInferenceSession(ort, bytes, options) {
+  const gpu = options.executionProviders.some((ep) => (typeof ep === 'string' ? ep : ep.name) === 'webgpu');
+  if (!gpu) return ort.InferenceSession.create(bytes, options);
+  const previous = creatingOnGpu.get(ort) ?? Promise.resolve();
+  const session = previous.then(() => ort.InferenceSession.create(bytes, options));
+  creatingOnGpu.set(ort, session.catch(() => {}));
+  return session;
 }
 
 /** The bytes at `url`, reporting download progress to `onProgress` under `name`. */

@@ -9,7 +9,7 @@
 // samplingRate}, an image as {image: ImageData}, other tensors (embeddings) as {data, dims}. After `unload` the worker can load another model without starting Python
 // and onnxruntime-web again.
 
-import { Bridge, downloadBytes, sessionOptions } from './bridge.js';
+import { Bridge, createInferenceSession, downloadBytes, sessionOptions } from './bridge.js';
 import { decodeImages } from './images.js';
 import { Prefetch } from './prefetch.js';
 import { speculator } from './speculate.js';
@@ -130,7 +130,7 @@ async function load(modelUrl, device, dtype, allowPlugins = false) {
 async function openEarly(file, bytes, weights, device) {
   const ort = await ortBuild(device);
   progress({ phase: 'session', file, early: true });
-  return ort.InferenceSession.create(bytes, sessionOptions(device, weights, device === 'webgpu'));
+  return createInferenceSession(ort, bytes, sessionOptions(device, weights, device === 'webgpu'));
 }
 
 /** Run the Python task `kind` to its end: its value, named outputs read. */
