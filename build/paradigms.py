@@ -273,7 +273,19 @@ SD_CASES = (
     ("dpm-eps-leading-cfg", "DPMSolverMultistepScheduler", "epsilon", "leading", 5, 7.5, NEGATIVE),
     ("dpm-v-trailing", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
     ("dpm-eps-linspace", "DPMSolverMultistepScheduler", "epsilon", "linspace", 6, 1.0, None),
+    ("euler-karras-eps-leading-cfg", "EulerDiscreteScheduler", "epsilon", "leading", 4, 7.5, NEGATIVE),
+    ("euler-karras-v-range", "EulerDiscreteScheduler", "v_prediction", "linspace", 3, 1.0, None),
+    ("dpm-karras-eps-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 5, 5.0, NEGATIVE),
+    ("dpm-karras-v-trailing", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
 )
+# scheduler fields beyond the table's, per case
+SD_CASE_FIELDS = {
+    "euler-karras-eps-leading-cfg": {"use_karras_sigmas": True},
+    "euler-karras-v-range": {"use_karras_sigmas": True, "sigma_min": 0.05, "sigma_max": 12.0,
+                             "final_sigmas_type": "sigma_min"},
+    "dpm-karras-eps-cfg": {"use_karras_sigmas": True},
+    "dpm-karras-v-trailing": {"use_karras_sigmas": True, "final_sigmas_type": "sigma_min"},
+}
 
 
 def sd_cases() -> list[dict]:
@@ -281,7 +293,7 @@ def sd_cases() -> list[dict]:
     cases = []
     for seed, (name, cls, prediction, spacing, steps, guidance, negative) in enumerate(SD_CASES):
         scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
-                     "timestep_spacing": spacing}
+                     "timestep_spacing": spacing, **SD_CASE_FIELDS.get(name, {})}
         cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
                       "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
                       "latents": f"{name}.latents.npy",

@@ -134,6 +134,23 @@ def _check(config: Mapping, **allowed) -> None:
             raise ValueError(f"{config['_class_name']}: {key}={config[key]!r} is not written by hand here")
 
 
+def karras_sigmas(sigma_max: float, sigma_min: float, steps: int) -> np.ndarray:
+    """Karras et al.'s (arXiv 2206.00364) noise levels, rho 7: even steps in sigma ** (1 / rho)."""
+    rho = 7.0
+    ramp = np.linspace(0.0, 1.0, steps)
+    return (sigma_max ** (1 / rho) + ramp * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
+
+
+def sigma_to_t(sigmas: np.ndarray, all_sigmas: np.ndarray) -> np.ndarray:
+    """The fractional training timesteps of `sigmas`: linear interpolation of t in log sigma between the
+    two training sigmas around each (clipped to the table's ends), as diffusers maps Karras sigmas."""
+    logs = np.log(all_sigmas)
+    wanted = np.log(np.maximum(sigmas, 1e-10))
+    low = np.clip(np.searchsorted(logs, wanted, side="right") - 1, 0, len(logs) - 2)
+    weight = np.clip((logs[low] - wanted) / (logs[low] - logs[low + 1]), 0.0, 1.0)
+    return low + weight
+
+
 def _x0_from_sigma(config: Mapping, output: np.ndarray, x: np.ndarray, sigma: float) -> np.ndarray:
     """The denoised sample in the sigma (variance-exploding) parametrisation of Euler."""
     if config["prediction_type"] == "epsilon":
@@ -156,14 +173,23 @@ class Euler:
     """EulerDiscreteScheduler (s_churn 0) and, with `ancestral`, EulerAncestralDiscreteScheduler."""
 
     def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
-        _check(config, interpolation_type=("linear",), use_karras_sigmas=(False,),
-               final_sigmas_type=("zero",), timestep_type=("discrete",), use_exponential_sigmas=(False,),
-               use_beta_sigmas=(False,))
+        _check(config, interpolation_type=("linear",), use_karras_sigmas=(False, True),
+               final_sigmas_type=("zero", "sigma_min"), timestep_type=("discrete",),
+               use_exponential_sigmas=(False,), use_beta_sigmas=(False,))
+        if ancestral and config.get("use_karras_sigmas"):
+            raise ValueError("EulerAncestralDiscreteScheduler has no Karras sigmas")
         self.config, self.ancestral = config, ancestral
         cumprod = alphas_cumprod(config)
         self.timesteps = spaced(config, steps).astype(np.float32).astype(np.float64)
         all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
-        self.sigmas = np.append(np.interp(self.timesteps, np.arange(len(all_sigmas)), all_sigmas), 0.0)
+        sigmas = np.interp(self.timesteps, np.arange(len(all_sigmas)), all_sigmas)
+        if config.get("use_karras_sigmas"):  # between the spaced ends, unless the config names its own
+            high, low = config.get("sigma_max"), config.get("sigma_min")
+            high, low = sigmas[0] if high is None else high, sigmas[-1] if low is None else low
+            sigmas = karras_sigmas(high, low, steps)
+            self.timesteps = sigma_to_t(sigmas, all_sigmas).astype(np.float32).astype(np.float64)
+        last = all_sigmas[0] if config.get("final_sigmas_type", "zero") == "sigma_min" else 0.0
+        self.sigmas = np.append(sigmas, last)
         top = self.sigmas.max()
         # PITFALLS: linspace and trailing start from the largest sigma itself, leading from sqrt(sigma^2 + 1)
         exact = config["timestep_spacing"] in ("linspace", "trailing")
@@ -247,9 +273,10 @@ class DPMSolverMultistep:
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, algorithm_type=("dpmsolver++",), solver_order=(2, 1), solver_type=("midpoint", "heun"),
-               final_sigmas_type=("zero", "sigma_min"), thresholding=(False,), use_karras_sigmas=(False,),
-               use_lu_lambdas=(False,), use_exponential_sigmas=(False,), use_beta_sigmas=(False,),
-               use_flow_sigmas=(False,), lambda_min_clipped=(-math.inf, None), variance_type=(None,))
+               final_sigmas_type=("zero", "sigma_min"), thresholding=(False,),
+               use_karras_sigmas=(False, True), use_lu_lambdas=(False,), use_exponential_sigmas=(False,),
+               use_beta_sigmas=(False,), use_flow_sigmas=(False,), lambda_min_clipped=(-math.inf, None),
+               variance_type=(None,))
         self.config, self.steps = config, steps
         cumprod = alphas_cumprod(config)
         count = config["num_train_timesteps"]
@@ -263,7 +290,12 @@ class DPMSolverMultistep:
             self.timesteps = spaced(config, steps).astype(np.int64)
         all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
         last = all_sigmas[0] if config.get("final_sigmas_type", "zero") == "sigma_min" else 0.0
-        self.sigmas = np.append(np.interp(self.timesteps, np.arange(count), all_sigmas), last)
+        if config.get("use_karras_sigmas"):  # over the whole training range, whatever the spacing
+            sigmas = karras_sigmas(all_sigmas[-1], all_sigmas[0], steps)
+            self.timesteps = sigma_to_t(sigmas, all_sigmas).round().astype(np.int64)
+        else:
+            sigmas = np.interp(self.timesteps, np.arange(count), all_sigmas)
+        self.sigmas = np.append(sigmas, last)
         self.init_noise_sigma, self.noise_steps = 1.0, []
         self.outputs: list[np.ndarray] = []
 

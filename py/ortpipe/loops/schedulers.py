@@ -4,7 +4,8 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ of order
-1 or 2), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2). A
+1 or 2), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2), and
+Karras sigmas (`use_karras_sigmas`, arXiv 2206.00364) for EulerDiscrete and DPMSolverMultistep. A
 field whose value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -58,6 +59,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_beta_sigmas": False,
         "timestep_type": "discrete",
         "final_sigmas_type": "zero",
+        "sigma_min": None,  # the ends of Karras sigmas (None: the spaced schedule's)
+        "sigma_max": None,
     },
     "EulerAncestralDiscreteScheduler": {**_BETAS, "timestep_spacing": "linspace"},
     "DDIMScheduler": {
@@ -112,11 +115,11 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     "EulerDiscreteScheduler": {
         **_COMMON,
         "interpolation_type": ("linear",),
-        "use_karras_sigmas": (False,),
+        "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False,),
         "use_beta_sigmas": (False,),
         "timestep_type": ("discrete",),
-        "final_sigmas_type": ("zero",),
+        "final_sigmas_type": ("zero", "sigma_min"),
     },
     "EulerAncestralDiscreteScheduler": dict(_COMMON),
     "DDIMScheduler": {**_COMMON, "thresholding": (False,)},
@@ -127,7 +130,7 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"),
         "thresholding": (False,),
-        "use_karras_sigmas": (False,),
+        "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False,),
         "use_beta_sigmas": (False,),
         "use_lu_lambdas": (False,),
@@ -177,6 +180,11 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
         value = config.get(key)
         if key in config and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
             problems.append(f"{where}: {key} must be a number of 0 or more, found {quote(value)}")
+    for key in ("sigma_min", "sigma_max"):  # EulerDiscrete's (other classes have no such field)
+        value = config.get(key) if key in DEFAULTS[wanted] else None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and (not number or value <= 0):
+            problems.append(f"{where}: {key} must be a positive number or null, found {quote(value)}")
     betas = config.get("trained_betas")
     if betas is not None and (
         not isinstance(betas, list)
@@ -289,12 +297,42 @@ def _step(
     return Step(timestep, scale, coefficients, noise != 0.0)
 
 
+def karras(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
+    """Karras et al.'s noise levels (rho 7): `steps` values from sigma_max to sigma_min, evenly spaced in
+    sigma ** (1 / rho)."""
+    rho = 7.0
+    high, low = sigma_max ** (1 / rho), sigma_min ** (1 / rho)
+    return [(high + ramp * (low - high)) ** rho for ramp in _linspace(0.0, 1.0, steps)]
+
+
+def sigmas_to_t(sigmas: list[float], table: list[float]) -> list[float]:
+    """The fractional training timesteps of `sigmas` (`table`: the training sigmas)."""
+    logs = [math.log(s) if s > 0 else -INF for s in table]
+    return [_sigma_to_t(sigma, logs) for sigma in sigmas]
+
+
+def _sigma_to_t(sigma: float, logs: list[float]) -> float:
+    """t interpolated linearly in log sigma between the last training sigma at or below `sigma` and the
+    next (the table's first two below it, its last two above it), the weight clipped to [0, 1], as
+    diffusers maps sigmas back to timesteps."""
+    wanted = math.log(max(sigma, 1e-10))
+    at_or_below = [i for i, value in enumerate(logs) if value <= wanted]
+    low = min(at_or_below[-1] if at_or_below else 0, len(logs) - 2)
+    weight = min(max((logs[low] - wanted) / (logs[low] - logs[low + 1]), 0.0), 1.0)
+    return (1 - weight) * low + weight * (low + 1)
+
+
 def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
     cumprod = alphas_cumprod(config)
     timesteps = [_f32(t) for t in spaced(config, steps)]
-    _distinct(timesteps, config)
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
-    sigmas = [_interp(t, table) for t in timesteps] + [0.0]
+    sigmas = [_interp(t, table) for t in timesteps]
+    if not ancestral and config["use_karras_sigmas"]:  # between the spaced ends, or the config's own
+        high, low = config["sigma_max"], config["sigma_min"]
+        sigmas = karras(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
+        timesteps = [_f32(t) for t in sigmas_to_t(sigmas, table)]
+    _distinct(timesteps, config)
+    sigmas.append(table[0] if not ancestral and config["final_sigmas_type"] == "sigma_min" else 0.0)
     top = max(sigmas)
     init = top if config["timestep_spacing"] in ("linspace", "trailing") else (top * top + 1) ** 0.5
     out = []
@@ -394,17 +432,23 @@ def _alpha_sigma_lambda(sigma: float) -> tuple[float, float, float]:
 def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
     cumprod = alphas_cumprod(config)
     count = config["num_train_timesteps"]
-    if config["timestep_spacing"] == "linspace":  # steps + 1 points, the last (0) dropped
-        timesteps = [int(round(t)) for t in _linspace(0, count - 1, steps + 1)][::-1][:-1]
-    elif config["timestep_spacing"] == "leading":
-        ratio = count // (steps + 1)
-        timesteps = [i * ratio + config["steps_offset"] for i in range(steps + 1)][::-1][:-1]
-    else:
-        timesteps = [int(t) for t in spaced(config, steps)]
-    _distinct(timesteps, config)
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
-    last = table[0] if config["final_sigmas_type"] == "sigma_min" else 0.0
-    sigmas = [_interp(t, table) for t in timesteps] + [last]
+    if config["use_karras_sigmas"]:  # over the whole training range, whatever the spacing
+        sigmas = karras(table[-1], table[0], steps)
+        timesteps = [round(t) for t in sigmas_to_t(sigmas, table)]  # round half to even, as numpy
+        if timesteps.count(timesteps[0]) > 1:
+            _distinct(timesteps, config)  # diffusers would start from the repeat
+    else:
+        if config["timestep_spacing"] == "linspace":  # steps + 1 points, the last (0) dropped
+            timesteps = [int(round(t)) for t in _linspace(0, count - 1, steps + 1)][::-1][:-1]
+        elif config["timestep_spacing"] == "leading":
+            ratio = count // (steps + 1)
+            timesteps = [i * ratio + config["steps_offset"] for i in range(steps + 1)][::-1][:-1]
+        else:
+            timesteps = [int(t) for t in spaced(config, steps)]
+        _distinct(timesteps, config)
+        sigmas = [_interp(t, table) for t in timesteps]
+    sigmas.append(table[0] if config["final_sigmas_type"] == "sigma_min" else 0.0)
     few = config["lower_order_final"] and steps < 15
     out = []
     for i, t in enumerate(timesteps):
