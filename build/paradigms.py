@@ -277,6 +277,8 @@ SD_CASES = (
     ("euler-karras-v-range", "EulerDiscreteScheduler", "v_prediction", "linspace", 3, 1.0, None),
     ("dpm-karras-eps-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 5, 5.0, NEGATIVE),
     ("dpm-karras-v-trailing", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("dpm-sde-karras-eps-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 5, 5.0, NEGATIVE),
+    ("dpm-sde-heun-v-min", "DPMSolverMultistepScheduler", "v_prediction", "leading", 4, 1.0, None),
 )
 # scheduler fields beyond the table's, per case
 SD_CASE_FIELDS = {
@@ -285,6 +287,9 @@ SD_CASE_FIELDS = {
                              "final_sigmas_type": "sigma_min"},
     "dpm-karras-eps-cfg": {"use_karras_sigmas": True},
     "dpm-karras-v-trailing": {"use_karras_sigmas": True, "final_sigmas_type": "sigma_min"},
+    "dpm-sde-karras-eps-cfg": {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True},
+    "dpm-sde-heun-v-min": {"algorithm_type": "sde-dpmsolver++", "solver_type": "heun",
+                           "final_sigmas_type": "sigma_min", "lower_order_final": False},
 }
 
 
@@ -294,10 +299,11 @@ def sd_cases() -> list[dict]:
     for seed, (name, cls, prediction, spacing, steps, guidance, negative) in enumerate(SD_CASES):
         scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
                      "timestep_spacing": spacing, **SD_CASE_FIELDS.get(name, {})}
+        noisy = str(scheduler.get("algorithm_type", "")).startswith("sde")  # DPM-Solver's SDE: noise per step
         cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
                       "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
                       "latents": f"{name}.latents.npy",
-                      "noise": f"{name}.noise.npy" if cls in NOISY_SCHEDULERS else None})
+                      "noise": f"{name}.noise.npy" if cls in NOISY_SCHEDULERS or noisy else None})
     return cases
 
 

@@ -272,7 +272,8 @@ class DPMSolverMultistep:
     """DPMSolverMultistepScheduler, algorithm dpmsolver++ of order 1 or 2 (midpoint or heun), no noise."""
 
     def __init__(self, config: Mapping, steps: int) -> None:
-        _check(config, algorithm_type=("dpmsolver++",), solver_order=(2, 1), solver_type=("midpoint", "heun"),
+        _check(config, algorithm_type=("dpmsolver++", "sde-dpmsolver++"), solver_order=(2, 1),
+               solver_type=("midpoint", "heun"),
                final_sigmas_type=("zero", "sigma_min"), thresholding=(False,),
                use_karras_sigmas=(False, True), use_lu_lambdas=(False,), use_exponential_sigmas=(False,),
                use_beta_sigmas=(False,), use_flow_sigmas=(False,), lambda_min_clipped=(-math.inf, None),
@@ -296,7 +297,9 @@ class DPMSolverMultistep:
         else:
             sigmas = np.interp(self.timesteps, np.arange(count), all_sigmas)
         self.sigmas = np.append(sigmas, last)
-        self.init_noise_sigma, self.noise_steps = 1.0, []
+        self.sde = config.get("algorithm_type", "dpmsolver++") == "sde-dpmsolver++"
+        self.init_noise_sigma = 1.0
+        self.noise_steps = list(range(steps)) if self.sde else []  # the SDE draws at every step
         self.outputs: list[np.ndarray] = []
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
@@ -322,6 +325,8 @@ class DPMSolverMultistep:
         final_first_order = i == self.steps - 1 and (
             config.get("euler_at_final", False) or few or config.get("final_sigmas_type", "zero") == "zero")
         decay = math.exp(-(lambda_t - lambda_s0))  # exp(-h); 0 when the next sigma is 0
+        if self.sde:
+            return self._sde(x, x0, i, noise, final_first_order, sigma_s0, sigma_t, alpha_t, decay)
         if config.get("solver_order", 2) == 1 or len(self.outputs) < 2 or final_first_order:
             return (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
         _, _, lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])
@@ -331,6 +336,24 @@ class DPMSolverMultistep:
         if config.get("solver_type", "midpoint") == "midpoint":
             return first - 0.5 * alpha_t * (decay - 1.0) * d1
         return first + alpha_t * ((decay - 1.0) / h + 1.0) * d1
+
+    def _sde(self, x: np.ndarray, x0: np.ndarray, i: int, noise: np.ndarray | None, final_first_order: bool,
+             sigma_s0: float, sigma_t: float, alpha_t: float, decay: float) -> np.ndarray:
+        """sde-dpmsolver++: the ODE step with exp(-2h) in place of exp(-h) for x0 and x decayed by exp(-h)
+        more, plus noise of standard deviation sigma_t sqrt(1 - exp(-2h))."""
+        if noise is None:
+            raise ValueError(f"sde-dpmsolver++ step {i} needs its noise")
+        kept = 1.0 - decay * decay  # 1 - exp(-2h)
+        out = (sigma_t / sigma_s0 * decay) * x + alpha_t * kept * x0 + sigma_t * kept**0.5 * noise
+        if self.config.get("solver_order", 2) == 1 or len(self.outputs) < 2 or final_first_order:
+            return out
+        _, _, lambda_s0 = self._alpha_sigma_lambda(self.sigmas[i])
+        _, _, lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])
+        h = -math.log(decay)
+        d1 = (x0 - self.outputs[-2]) * h / (lambda_s0 - lambda_s1)
+        if self.config.get("solver_type", "midpoint") == "midpoint":
+            return out + 0.5 * alpha_t * kept * d1
+        return out + alpha_t * (kept / (-2.0 * h) + 1.0) * d1
 
 
 SCHEDULERS = {

@@ -79,7 +79,7 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
                                           r"ortpipe \(it runs 1, 2\)|solver_order 3"):
         scheduler_config({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, None, "x")
     with pytest.raises(ConfigError, match="algorithm_type"):
-        scheduler_config({"algorithm_type": "sde-dpmsolver++"}, "DPMSolverMultistepScheduler", "x")
+        scheduler_config({"algorithm_type": "sde-dpmsolver"}, "DPMSolverMultistepScheduler", "x")
     with pytest.raises(ConfigError, match="rescale_betas_zero_snr"):
         scheduler_config({"rescale_betas_zero_snr": True}, "DDIMScheduler", "x")
     with pytest.raises(GenerationError, match="more than the LCM scheduler's original_inference_steps 50"):

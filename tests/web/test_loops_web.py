@@ -237,13 +237,13 @@ def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path)
 
 def test_wasm_karras_image_equals_cpython(page: Any, serve_model: Any, sd_folder: Path,
                                           tmp_path: Path) -> None:
-    """DPM-Solver++ (2M) with Karras sigmas, guided: the schedule is the core's arithmetic, the same in
-    Pyodide; the image is CPython's within 1e-4."""
+    """DPM-Solver++ (2M) SDE with Karras sigmas, guided, seeded: the schedule is the core's arithmetic and
+    each step's noise the core's generator, the same in Pyodide; the image is CPython's within 1e-4."""
     from build import paradigms
 
     cases = {c["name"]: c for c in _json(paradigms.get("sd-tiny") / "references" / "cases.json")["cases"]}
     folder = Path(shutil.copytree(sd_folder, tmp_path / "sd-karras"))
-    scheduler = cases["dpm-karras-eps-cfg"]["scheduler"]
+    scheduler = cases["dpm-sde-karras-eps-cfg"]["scheduler"]
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
     request = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 4, "guidanceScale": 5.0,
                "seed": 9}
@@ -252,7 +252,7 @@ def test_wasm_karras_image_equals_cpython(page: Any, serve_model: Any, sd_folder
     serve_model("sd-karras", folder)
     (run,) = in_page(page, "sd-karras", [{"kind": "generate", "args": [request]}])["runs"]
     data = np.array(run["data"], np.float32).reshape(run["dims"])
-    print(f"wasm DPM++ 2M Karras image: max |browser - CPython| = {np.abs(data - expected).max():.1e}")
+    print(f"wasm DPM++ 2M SDE Karras image: max |browser - CPython| = {np.abs(data - expected).max():.1e}")
     assert np.abs(data - expected).max() <= WASM["image"]
 
 

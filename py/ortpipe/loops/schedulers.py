@@ -3,9 +3,10 @@
 A scheduler here is the schedule of one request: each step's timestep, the scale of the UNet's input and
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
-(EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ of order
-1 or 2), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2), and
-Karras sigmas (`use_karras_sigmas`, arXiv 2206.00364) for EulerDiscrete and DPMSolverMultistep. A
+(EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ and
+sde-dpmsolver++ of order 1 or 2), for epsilon and v_prediction and the three timestep spacings (arXiv
+2305.08891, table 2), and Karras sigmas (`use_karras_sigmas`, arXiv 2206.00364) for EulerDiscrete and
+DPMSolverMultistep. A
 field whose value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -126,7 +127,7 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     "LCMScheduler": {**_COMMON, "thresholding": (False,)},
     "DPMSolverMultistepScheduler": {
         **_COMMON,
-        "algorithm_type": ("dpmsolver++",),
+        "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
         "solver_order": (1, 2),
         "solver_type": ("midpoint", "heun"),
         "thresholding": (False,),
@@ -450,6 +451,7 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
         sigmas = [_interp(t, table) for t in timesteps]
     sigmas.append(table[0] if config["final_sigmas_type"] == "sigma_min" else 0.0)
     few = config["lower_order_final"] and steps < 15
+    sde = config["algorithm_type"] == "sde-dpmsolver++"
     out = []
     for i, t in enumerate(timesteps):
         alpha_s, sigma_s, lambda_s = _alpha_sigma_lambda(sigmas[i])
@@ -463,17 +465,25 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
         first_order = i == steps - 1 and (
             config["euler_at_final"] or few or config["final_sigmas_type"] == "zero"
         )
-        ratio, from_x0 = sigma_t / sigma_s, -alpha_t * (decay - 1.0)
+        if sde:  # the SDE variant: exp(-h) more decay of x, fresh noise of sigma_t sqrt(1 - exp(-2h))
+            ratio, from_x0 = sigma_t / sigma_s * decay, alpha_t * (1.0 - decay * decay)
+            noise = sigma_t * (1.0 - decay * decay) ** 0.5
+        else:
+            ratio, from_x0, noise = sigma_t / sigma_s, -alpha_t * (decay - 1.0), 0.0
         if config["solver_order"] == 1 or i == 0 or first_order:
-            out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0))
+            out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0, noise=noise))
             continue
         h = lambda_t - lambda_s
         d1 = h / (lambda_s - _alpha_sigma_lambda(sigmas[i - 1])[2])  # D1 = (x0 - x0_prev) * d1
-        if config["solver_type"] == "midpoint":
+        if sde:
+            weight = (0.5 * from_x0 if config["solver_type"] == "midpoint"
+                      else alpha_t * ((1.0 - decay * decay) / (-2.0 * h) + 1.0))
+        elif config["solver_type"] == "midpoint":
             weight = -0.5 * alpha_t * (decay - 1.0)
         else:
             weight = alpha_t * ((decay - 1.0) / h + 1.0)
-        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0 + weight * d1, previous=-weight * d1))
+        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0 + weight * d1, previous=-weight * d1,
+                         noise=noise))
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
