@@ -279,6 +279,9 @@ SD_CASES = (
     ("dpm-karras-v-trailing", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
     ("dpm-sde-karras-eps-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 5, 5.0, NEGATIVE),
     ("dpm-sde-heun-v-min", "DPMSolverMultistepScheduler", "v_prediction", "leading", 4, 1.0, None),
+    ("ddim-v-trailing-zsnr", "DDIMScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("euler-v-trailing-zsnr-cfg", "EulerDiscreteScheduler", "v_prediction", "trailing", 3, 5.0, NEGATIVE),
+    ("dpm-v-linspace-zsnr", "DPMSolverMultistepScheduler", "v_prediction", "linspace", 4, 1.0, None),
 )
 # scheduler fields beyond the table's, per case
 SD_CASE_FIELDS = {
@@ -290,6 +293,9 @@ SD_CASE_FIELDS = {
     "dpm-sde-karras-eps-cfg": {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True},
     "dpm-sde-heun-v-min": {"algorithm_type": "sde-dpmsolver++", "solver_type": "heun",
                            "final_sigmas_type": "sigma_min", "lower_order_final": False},
+    "ddim-v-trailing-zsnr": {"rescale_betas_zero_snr": True},
+    "euler-v-trailing-zsnr-cfg": {"rescale_betas_zero_snr": True},
+    "dpm-v-linspace-zsnr": {"rescale_betas_zero_snr": True},
 }
 
 

@@ -110,9 +110,16 @@ def alphas_cumprod(config: Mapping) -> np.ndarray:
         betas = np.linspace(start, end, count)
     else:
         raise ValueError(f"beta_schedule {config['beta_schedule']!r} is not written by hand here")
-    if config.get("rescale_betas_zero_snr"):
-        raise ValueError("rescale_betas_zero_snr is not written by hand here")
-    return np.cumprod(1.0 - betas)
+    cumprod = np.cumprod(1.0 - betas)
+    if config.get("rescale_betas_zero_snr"):  # the last timestep's signal shifted to zero, the first kept
+        root = np.sqrt(cumprod)
+        root = (root - root[-1]) * root[0] / (root[0] - root[-1])
+        bar = root**2
+        cumprod = np.cumprod(np.concatenate([bar[:1], bar[1:] / bar[:-1]]))
+        if config["_class_name"] in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
+                                     "DPMSolverMultistepScheduler"):
+            cumprod[-1] = 2.0**-24
+    return cumprod
 
 
 def spaced(config: Mapping, steps: int, spacing: str | None = None) -> np.ndarray:

@@ -115,7 +115,12 @@ def test_image_matches_diffusers(name: str, sd_tiny: Path, sd_cases: dict[str, d
     drift = float(np.abs(latents - expected_latents).max() / np.abs(expected_latents).max())
     print(f"{name}: max |image difference| = {difference:.2e}, final latents relative {drift:.1e}")
     assert difference <= IMAGE_TOLERANCE
-    assert drift <= 1e-5
+    # Euler with zero terminal SNR starts from latents 4096 times the noise (sigma of alpha 2**-24), and
+    # diffusers computes that schedule in float32 (its rescaled alpha products differ from float64's by up
+    # to 3.8e-5 near the end): there its latents drift up to 5.3e-5 from the float64 port's.
+    scheduler = case["scheduler"]
+    zero_snr_euler = scheduler.get("rescale_betas_zero_snr") and "Euler" in scheduler["_class_name"]
+    assert drift <= (1e-4 if zero_snr_euler else 1e-5)
 
 
 def test_a_folder_with_another_scheduler(sd_tiny: Path, sd_cases: dict[str, dict], tmp_path: Path) -> None:

@@ -80,8 +80,15 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
         scheduler_config({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, None, "x")
     with pytest.raises(ConfigError, match="algorithm_type"):
         scheduler_config({"algorithm_type": "sde-dpmsolver"}, "DPMSolverMultistepScheduler", "x")
-    with pytest.raises(ConfigError, match="rescale_betas_zero_snr"):
-        scheduler_config({"rescale_betas_zero_snr": True}, "DDIMScheduler", "x")
+    with pytest.raises(ConfigError, match="thresholding"):
+        scheduler_config({"thresholding": True}, "DDIMScheduler", "x")
+    zero_snr = scheduler_config({"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"},
+                                "DDIMScheduler", "x")
+    refusal = "no signal left at its last training timestep, where an epsilon prediction gives no clean"
+    with pytest.raises(GenerationError, match=refusal + " latents: use a v_prediction"):
+        make_schedule(zero_snr, 4)  # trailing starts at 999, where the rescaled alpha product is 0
+    assert make_schedule({**zero_snr, "timestep_spacing": "leading"}, 4).steps[0].timestep == 750.0
+    assert make_schedule({**zero_snr, "prediction_type": "v_prediction"}, 4).steps[0].timestep == 999.0
     with pytest.raises(GenerationError, match="more than the LCM scheduler's original_inference_steps 50"):
         make_schedule(scheduler_config({}, "LCMScheduler", "x"), 51)
     with pytest.raises(GenerationError, match="num_steps 1000 gives DPMSolverMultistepScheduler with leading "

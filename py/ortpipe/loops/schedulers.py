@@ -110,7 +110,7 @@ _COMMON: dict[str, tuple[Any, ...] | None] = {
     "beta_schedule": ("linear", "scaled_linear"),
     "prediction_type": ("epsilon", "v_prediction"),
     "timestep_spacing": ("linspace", "leading", "trailing"),
-    "rescale_betas_zero_snr": (False,),
+    "rescale_betas_zero_snr": (False, True),
 }
 ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     "EulerDiscreteScheduler": {
@@ -228,6 +228,11 @@ def _linspace(start: float, stop: float, count: int) -> list[float]:
     return values
 
 
+# the classes that keep the zero-SNR schedule's last alpha product at 2**-24, not 0 (their sigmas divide
+# by it)
+ZERO_SNR_FLOOR = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+
+
 def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
     count, start, end = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
     if config.get("trained_betas"):
@@ -236,6 +241,18 @@ def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
         betas = [b * b for b in _linspace(start**0.5, end**0.5, count)]
     else:
         betas = _linspace(start, end, count)
+    out = _cumprod(betas)
+    if config["rescale_betas_zero_snr"]:  # arXiv 2305.08891: the last timestep's signal made zero
+        roots = [a**0.5 for a in out]
+        first, last = roots[0], roots[-1]
+        bars = [((r - last) * first / (first - last)) ** 2 for r in roots]
+        out = _cumprod([1.0 - bars[0]] + [1.0 - bars[i] / bars[i - 1] for i in range(1, count)])
+        if config["_class_name"] in ZERO_SNR_FLOOR:
+            out[-1] = 2.0**-24  # close to 0, so that the first sigma is finite
+    return out
+
+
+def _cumprod(betas: list[float]) -> list[float]:
     product, out = 1.0, []
     for beta in betas:
         product *= 1.0 - beta
@@ -278,6 +295,12 @@ def _x0_sigma(config: Mapping[str, Any], sigma: float) -> tuple[float, float]:
 def _x0_alpha(config: Mapping[str, Any], alpha_prod: float) -> tuple[float, float]:
     """(from x, from output) of the clean latents in the alpha parametrisation (DDIM, LCM)."""
     if config["prediction_type"] == "epsilon":
+        if alpha_prod == 0:  # diffusers divides by zero here and makes a NaN image
+            raise GenerationError(
+                f"{config['_class_name']} with rescale_betas_zero_snr has no signal left at its last "
+                "training timestep, where an epsilon prediction gives no clean latents: use a "
+                "v_prediction model, or a spacing or step count that does not start there"
+            )
         return 1.0 / alpha_prod**0.5, -((1 - alpha_prod) ** 0.5) / alpha_prod**0.5
     return alpha_prod**0.5, -((1 - alpha_prod) ** 0.5)
 
