@@ -43,6 +43,7 @@ STEP_COEFFICIENTS = (
     "from_output",
     "from_noise",
     "from_previous_x0",
+    "from_previous2_x0",
     "next_input_scale",
 )
 
@@ -153,12 +154,13 @@ def denoise_init(elem: int) -> onnx.GraphProto:
 
 def denoise_step(elem: int) -> onnx.GraphProto:
     """One scheduler step. `output` is the UNet's, [rows * batch, ...] with rows 1, or 2 for guidance
-    ([unconditional, conditional]); `noise` and `previous_x0` broadcast ([1] zeros when a step has none).
+    ([unconditional, conditional]); `noise`, `previous_x0` and `previous2_x0` (the clean latents of the
+    last two steps, DPM-Solver's multistep memory) broadcast ([1] zeros when a step has none).
 
         guided = out[first] + guidance * (out[last] - out[first])
         x0 = clip(x0_from_x * x + x0_from_output * guided, clip_low, clip_high)
         x_next = from_x * x + from_x0 * x0 + from_output * guided + from_noise * noise
-                 + from_previous_x0 * previous_x0
+                 + from_previous_x0 * previous_x0 + from_previous2_x0 * previous2_x0
         sample = tile(x_next * next_input_scale, repeats), cast to the UNet's type
     """
     n = _Nodes("")
@@ -176,6 +178,7 @@ def denoise_step(elem: int) -> onnx.GraphProto:
         n.op("Mul", c["from_output"], guided),
         n.op("Mul", c["from_noise"], "noise"),
         n.op("Mul", c["from_previous_x0"], "previous_x0"),
+        n.op("Mul", c["from_previous2_x0"], "previous2_x0"),
     ]
     total = terms[0]
     for term in terms[1:]:
@@ -186,6 +189,7 @@ def denoise_step(elem: int) -> onnx.GraphProto:
         _latents("x"),
         _latents("output", elem, "rows"),
         _tensor("previous_x0", F32, None),
+        _tensor("previous2_x0", F32, None),
         _tensor("noise", F32, None),
         _tensor("coefficients", F32, [len(STEP_COEFFICIENTS)]),
         _tensor("repeats", I64, [4]),

@@ -282,6 +282,8 @@ SD_CASES = (
     ("ddim-v-trailing-zsnr", "DDIMScheduler", "v_prediction", "trailing", 4, 1.0, None),
     ("euler-v-trailing-zsnr-cfg", "EulerDiscreteScheduler", "v_prediction", "trailing", 3, 5.0, NEGATIVE),
     ("dpm-v-linspace-zsnr", "DPMSolverMultistepScheduler", "v_prediction", "linspace", 4, 1.0, None),
+    ("dpm3-eps-linspace-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 6, 5.0, NEGATIVE),
+    ("dpm3-sde-v-min", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 5, 1.0, None),
 )
 # scheduler fields beyond the table's, per case
 SD_CASE_FIELDS = {
@@ -296,6 +298,9 @@ SD_CASE_FIELDS = {
     "ddim-v-trailing-zsnr": {"rescale_betas_zero_snr": True},
     "euler-v-trailing-zsnr-cfg": {"rescale_betas_zero_snr": True},
     "dpm-v-linspace-zsnr": {"rescale_betas_zero_snr": True},
+    "dpm3-eps-linspace-cfg": {"solver_order": 3},
+    "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
+                       "final_sigmas_type": "sigma_min", "lower_order_final": False},
 }
 
 

@@ -279,7 +279,7 @@ class DPMSolverMultistep:
     """DPMSolverMultistepScheduler, algorithm dpmsolver++ of order 1 or 2 (midpoint or heun), no noise."""
 
     def __init__(self, config: Mapping, steps: int) -> None:
-        _check(config, algorithm_type=("dpmsolver++", "sde-dpmsolver++"), solver_order=(2, 1),
+        _check(config, algorithm_type=("dpmsolver++", "sde-dpmsolver++"), solver_order=(2, 1, 3),
                solver_type=("midpoint", "heun"),
                final_sigmas_type=("zero", "sigma_min"), thresholding=(False,),
                use_karras_sigmas=(False, True), use_lu_lambdas=(False,), use_exponential_sigmas=(False,),
@@ -317,6 +317,30 @@ class DPMSolverMultistep:
         alpha = 1 / (sigma**2 + 1) ** 0.5
         return alpha, sigma * alpha, (math.inf if sigma == 0 else math.log(alpha) - math.log(sigma * alpha))
 
+    def _order(self, i: int) -> int:
+        """The solver's order at step i: lower at the start, and at the end as the config says."""
+        config = self.config
+        few = config.get("lower_order_final", True) and self.steps < 15
+        if i == self.steps - 1 and (config.get("euler_at_final", False) or few
+                                    or config.get("final_sigmas_type", "zero") == "zero"):
+            return 1
+        order = min(config.get("solver_order", 2), len(self.outputs))
+        return min(order, 2) if i == self.steps - 2 and few else order
+
+    def _differences(self, order: int, i: int, h: float, lambda_s0: float) -> tuple[np.ndarray, np.ndarray]:
+        """D1 and D2 of the multistep update from the clean latents of this step and the ones before."""
+        x0 = self.outputs[-1]
+        d1 = d2 = np.zeros_like(x0)
+        if order >= 2:
+            lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])[2]
+            r0 = (lambda_s0 - lambda_s1) / h
+            d1 = (x0 - self.outputs[-2]) / r0
+        if order == 3:
+            r1 = (lambda_s1 - self._alpha_sigma_lambda(self.sigmas[i - 2])[2]) / h
+            d1_1 = (self.outputs[-2] - self.outputs[-3]) / r1
+            d1, d2 = d1 + r0 / (r0 + r1) * (d1 - d1_1), (d1 - d1_1) / (r0 + r1)
+        return d1, d2
+
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         config = self.config
         alpha_s0, sigma_s0, lambda_s0 = self._alpha_sigma_lambda(self.sigmas[i])
@@ -328,39 +352,31 @@ class DPMSolverMultistep:
         else:
             raise ValueError(f"prediction_type {config['prediction_type']!r}")
         self.outputs.append(x0)
-        few = config.get("lower_order_final", True) and self.steps < 15
-        final_first_order = i == self.steps - 1 and (
-            config.get("euler_at_final", False) or few or config.get("final_sigmas_type", "zero") == "zero")
+        order = self._order(i)
         decay = math.exp(-(lambda_t - lambda_s0))  # exp(-h); 0 when the next sigma is 0
-        if self.sde:
-            return self._sde(x, x0, i, noise, final_first_order, sigma_s0, sigma_t, alpha_t, decay)
-        if config.get("solver_order", 2) == 1 or len(self.outputs) < 2 or final_first_order:
-            return (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
-        _, _, lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])
         h = lambda_t - lambda_s0
-        d1 = (x0 - self.outputs[-2]) * h / (lambda_s0 - lambda_s1)
-        first = (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
-        if config.get("solver_type", "midpoint") == "midpoint":
-            return first - 0.5 * alpha_t * (decay - 1.0) * d1
-        return first + alpha_t * ((decay - 1.0) / h + 1.0) * d1
-
-    def _sde(self, x: np.ndarray, x0: np.ndarray, i: int, noise: np.ndarray | None, final_first_order: bool,
-             sigma_s0: float, sigma_t: float, alpha_t: float, decay: float) -> np.ndarray:
-        """sde-dpmsolver++: the ODE step with exp(-2h) in place of exp(-h) for x0 and x decayed by exp(-h)
-        more, plus noise of standard deviation sigma_t sqrt(1 - exp(-2h))."""
-        if noise is None:
-            raise ValueError(f"sde-dpmsolver++ step {i} needs its noise")
-        kept = 1.0 - decay * decay  # 1 - exp(-2h)
-        out = (sigma_t / sigma_s0 * decay) * x + alpha_t * kept * x0 + sigma_t * kept**0.5 * noise
-        if self.config.get("solver_order", 2) == 1 or len(self.outputs) < 2 or final_first_order:
+        d1, d2 = self._differences(order, i, h, lambda_s0)
+        midpoint = config.get("solver_type", "midpoint") == "midpoint"
+        if self.sde:  # exp(-2h) for exp(-h), x decayed by exp(-h) more, noise sigma_t sqrt(1 - exp(-2h))
+            if noise is None:
+                raise ValueError(f"sde-dpmsolver++ step {i} needs its noise")
+            kept = 1.0 - decay * decay
+            out = (sigma_t / sigma_s0 * decay) * x + alpha_t * kept * x0 + sigma_t * kept**0.5 * noise
+            if order == 2 and midpoint:
+                return out + 0.5 * alpha_t * kept * d1
+            if order >= 2:
+                out = out + alpha_t * (kept / (-2.0 * h) + 1.0) * d1
+            if order == 3:
+                out = out + alpha_t * ((kept - 2.0 * h) / (2.0 * h) ** 2 - 0.5) * d2
             return out
-        _, _, lambda_s0 = self._alpha_sigma_lambda(self.sigmas[i])
-        _, _, lambda_s1 = self._alpha_sigma_lambda(self.sigmas[i - 1])
-        h = -math.log(decay)
-        d1 = (x0 - self.outputs[-2]) * h / (lambda_s0 - lambda_s1)
-        if self.config.get("solver_type", "midpoint") == "midpoint":
-            return out + 0.5 * alpha_t * kept * d1
-        return out + alpha_t * (kept / (-2.0 * h) + 1.0) * d1
+        out = (sigma_t / sigma_s0) * x - alpha_t * (decay - 1.0) * x0
+        if order == 2 and midpoint:
+            return out - 0.5 * alpha_t * (decay - 1.0) * d1
+        if order >= 2:
+            out = out + alpha_t * ((decay - 1.0) / h + 1.0) * d1
+        if order == 3:
+            out = out - alpha_t * ((decay - 1.0 + h) / h**2 - 0.5) * d2
+        return out
 
 
 SCHEDULERS = {

@@ -22,9 +22,10 @@ STEPS = (1, 2, 3, 4, 5, 7, 11, 20, 25, 33, 49)
 def _step(coefficients: tuple[float, ...], x: np.ndarray, output: np.ndarray, noise: np.ndarray,
           previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """What the denoise_step kernel computes from a step's coefficients (guidance aside)."""
-    a, b, low, high, from_x, from_x0, from_output, from_noise, from_previous = coefficients
+    a, b, low, high, from_x, from_x0, from_output, from_noise, from_previous, from_previous2 = coefficients
     x0 = np.clip(a * x + b * output, low, high)
-    after = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise + from_previous * previous
+    after = (from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
+             + from_previous * previous[0] + from_previous2 * previous[1])
     return after, x0
 
 
@@ -34,13 +35,14 @@ def _compare(config: dict, steps: int, rng: np.random.Generator) -> float:
     assert [s.timestep for s in schedule.steps] == [float(t) for t in port.timesteps]
     assert schedule.init_noise_sigma == pytest.approx(port.init_noise_sigma, rel=1e-12)
     x = rng.normal(size=8) * 5
-    ours, previous, worst = x.copy(), np.zeros(8), 0.0
+    ours, previous, worst = x.copy(), (np.zeros(8), np.zeros(8)), 0.0
     for i, step in enumerate(schedule.steps):
         assert step.input_scale == pytest.approx(port.scale_model_input(np.ones(1), i)[0], rel=1e-12)
         assert not step.noise or i in port.noise_steps
         output, noise = rng.normal(size=8), rng.normal(size=8)
         x = port.step(output, i, x, noise if i in port.noise_steps else None)
-        ours, previous = _step(step.coefficients, ours, output, noise, previous)
+        ours, x0 = _step(step.coefficients, ours, output, noise, previous)
+        previous = (x0, previous[0])  # the clean latents of this step and of the one before
         worst = max(worst, float(np.abs(ours - x).max() / np.abs(x).max()))
     return worst
 
@@ -75,9 +77,9 @@ def test_a_class_name_switches_the_scheduler_and_defaults_fill_the_rest() -> Non
 
 
 def test_what_a_schedule_cannot_do_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r'"DPMSolverMultistepScheduler" with solver_order 3 is not run by '
-                                          r"ortpipe \(it runs 1, 2\)|solver_order 3"):
-        scheduler_config({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, None, "x")
+    with pytest.raises(ConfigError, match=r"DPMSolverMultistepScheduler with solver_order 4 is not run by "
+                                          r"ortpipe \(it runs 1, 2, 3\)"):
+        scheduler_config({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 4}, None, "x")
     with pytest.raises(ConfigError, match="algorithm_type"):
         scheduler_config({"algorithm_type": "sde-dpmsolver"}, "DPMSolverMultistepScheduler", "x")
     with pytest.raises(ConfigError, match="thresholding"):
@@ -88,6 +90,18 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
     with pytest.raises(GenerationError, match=refusal + " latents: use a v_prediction"):
         make_schedule(zero_snr, 4)  # trailing starts at 999, where the rescaled alpha product is 0
     assert make_schedule({**zero_snr, "timestep_spacing": "leading"}, 4).steps[0].timestep == 750.0
+    # Karras sigmas end at the smallest training sigma, and final_sigmas_type sigma_min repeats it: a
+    # third-order or heun update there divides by zero (diffusers' image is NaN); the midpoint's D1 is 0
+    ending = {"use_karras_sigmas": True, "final_sigmas_type": "sigma_min", "lower_order_final": False}
+    for order, solver in ((3, "midpoint"), (2, "heun"), (3, "heun")):
+        with pytest.raises(GenerationError, match=f"step 5 of 5 goes from sigma 0.01 to the same sigma, "
+                                                  f"where an order-{order} {solver} step divides by zero"):
+            config = {**ending, "solver_order": order, "solver_type": solver}
+            make_schedule(scheduler_config(config, "DPMSolverMultistepScheduler", "x"), 5)
+    midpoint = make_schedule(scheduler_config(ending, "DPMSolverMultistepScheduler", "x"), 5).steps[-1]
+    assert midpoint.coefficients[8:] == (0.0, 0.0)
+    lower = scheduler_config({**ending, "lower_order_final": True}, "DPMSolverMultistepScheduler", "x")
+    assert make_schedule(lower, 5).steps[-1].coefficients[8] == 0.0  # first order there: no x0_prev
     assert make_schedule({**zero_snr, "prediction_type": "v_prediction"}, 4).steps[0].timestep == 999.0
     with pytest.raises(GenerationError, match="more than the LCM scheduler's original_inference_steps 50"):
         make_schedule(scheduler_config({}, "LCMScheduler", "x"), 51)

@@ -192,7 +192,8 @@ class DenoisingRequest(OutputRequest):
         self.flow = FlowRun(plan, backend, 1, 0, {**text_feeds, **(inputs or {})})
         self.x: Handle = None
         self.sample: Handle = None
-        self.previous_x0: Handle = None
+        self.previous_x0: Handle = None  # the clean latents of the last step and of the one before
+        self.previous2_x0: Handle = None
         self.step = 0
         self._zero = backend.full((1,), 0.0, "float32")
         self.repeats = backend.tensor([2 if self.guided else 1, 1, 1, 1], (4,), "int64")
@@ -254,6 +255,7 @@ class DenoisingRequest(OutputRequest):
                 "x": self.x,
                 "output": out[self.setup.noise_pred],
                 "previous_x0": self._zero if self.previous_x0 is None else self.previous_x0,
+                "previous2_x0": self._zero if self.previous2_x0 is None else self.previous2_x0,
                 "noise": noise,
                 "coefficients": b.tensor(coefficients, (len(coefficients),), "float32"),
                 "repeats": self.repeats,
@@ -262,6 +264,7 @@ class DenoisingRequest(OutputRequest):
             None,
             label,
         )
+        self.previous2_x0 = self.previous_x0
         self.x, self.previous_x0, self.sample = made["x_next"], made["x0"], made["sample"]
 
     def _finish(self) -> Work:

@@ -4,17 +4,18 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ and
-sde-dpmsolver++ of order 1 or 2), for epsilon and v_prediction and the three timestep spacings (arXiv
+sde-dpmsolver++ of order 1 to 3), for epsilon and v_prediction and the three timestep spacings (arXiv
 2305.08891, table 2), and Karras sigmas (`use_karras_sigmas`, arXiv 2206.00364) for EulerDiscrete and
 DPMSolverMultistep. A
 field whose value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
-when the config says so), the step's noise and the previous step's x0 (DPM-Solver's second order):
+when the config says so), the step's noise and the x0 of the two steps before (DPM-Solver's second and
+third orders):
 
     x0 = clip(x0_from_x * x + x0_from_output * output)
     x_next = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
-             + from_previous_x0 * x0_prev
+             + from_previous_x0 * x0_prev + from_previous2_x0 * x0_prev2
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     "DPMSolverMultistepScheduler": {
         **_COMMON,
         "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
-        "solver_order": (1, 2),
+        "solver_order": (1, 2, 3),
         "solver_type": ("midpoint", "heun"),
         "thresholding": (False,),
         "use_karras_sigmas": (False, True),
@@ -202,7 +203,7 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
 class Step:
     timestep: float  # what the UNet's timestep input gets
     input_scale: float  # the UNet's input is x times this
-    coefficients: tuple[float, ...]  # x0_from_x ... from_previous_x0, in denoise_step's order
+    coefficients: tuple[float, ...]  # x0_from_x ... from_previous2_x0, in denoise_step's order
     noise: bool  # the step adds fresh noise
 
 
@@ -316,8 +317,9 @@ def _step(
     output: float = 0.0,
     noise: float = 0.0,
     previous: float = 0.0,
+    previous2: float = 0.0,
 ) -> Step:
-    coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous)
+    coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous, previous2)
     return Step(timestep, scale, coefficients, noise != 0.0)
 
 
@@ -453,10 +455,10 @@ def _alpha_sigma_lambda(sigma: float) -> tuple[float, float, float]:
     return alpha, sigma * alpha, (INF if sigma == 0 else math.log(alpha) - math.log(sigma * alpha))
 
 
-def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
-    cumprod = alphas_cumprod(config)
+def _dpm_timesteps(config: Mapping[str, Any], steps: int, table: list[float]
+                   ) -> tuple[list[int], list[float]]:
+    """DPM-Solver's timesteps and their sigmas (the final sigma appended)."""
     count = config["num_train_timesteps"]
-    table = [((1 - a) / a) ** 0.5 for a in cumprod]
     if config["use_karras_sigmas"]:  # over the whole training range, whatever the spacing
         sigmas = karras(table[-1], table[0], steps)
         timesteps = [round(t) for t in sigmas_to_t(sigmas, table)]  # round half to even, as numpy
@@ -473,8 +475,23 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
         _distinct(timesteps, config)
         sigmas = [_interp(t, table) for t in timesteps]
     sigmas.append(table[0] if config["final_sigmas_type"] == "sigma_min" else 0.0)
+    return timesteps, sigmas
+
+
+def _dpm_order(config: Mapping[str, Any], i: int, steps: int) -> int:
+    """The solver's order at step i: lower at the start, and at the end as the config says."""
     few = config["lower_order_final"] and steps < 15
+    if i == steps - 1 and (config["euler_at_final"] or few or config["final_sigmas_type"] == "zero"):
+        return 1
+    order = min(config["solver_order"], i + 1)  # the steps behind it so far
+    return min(order, 2) if i == steps - 2 and few else order
+
+
+def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
+    table = [((1 - a) / a) ** 0.5 for a in alphas_cumprod(config)]
+    timesteps, sigmas = _dpm_timesteps(config, steps, table)
     sde = config["algorithm_type"] == "sde-dpmsolver++"
+    lambdas = [_alpha_sigma_lambda(s)[2] for s in sigmas]
     out = []
     for i, t in enumerate(timesteps):
         alpha_s, sigma_s, lambda_s = _alpha_sigma_lambda(sigmas[i])
@@ -485,29 +502,56 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
             else (alpha_s, -sigma_s)
         )
         decay = math.exp(-(lambda_t - lambda_s))  # exp(-h); 0 when the next sigma is 0
-        first_order = i == steps - 1 and (
-            config["euler_at_final"] or few or config["final_sigmas_type"] == "zero"
-        )
         if sde:  # the SDE variant: exp(-h) more decay of x, fresh noise of sigma_t sqrt(1 - exp(-2h))
             ratio, from_x0 = sigma_t / sigma_s * decay, alpha_t * (1.0 - decay * decay)
             noise = sigma_t * (1.0 - decay * decay) ** 0.5
         else:
             ratio, from_x0, noise = sigma_t / sigma_s, -alpha_t * (decay - 1.0), 0.0
-        if config["solver_order"] == 1 or i == 0 or first_order:
+        order = _dpm_order(config, i, steps)
+        if order == 1:
             out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0, noise=noise))
             continue
-        h = lambda_t - lambda_s
-        d1 = h / (lambda_s - _alpha_sigma_lambda(sigmas[i - 1])[2])  # D1 = (x0 - x0_prev) * d1
-        if sde:
-            weight = (0.5 * from_x0 if config["solver_type"] == "midpoint"
-                      else alpha_t * ((1.0 - decay * decay) / (-2.0 * h) + 1.0))
-        elif config["solver_type"] == "midpoint":
-            weight = -0.5 * alpha_t * (decay - 1.0)
+        if abs(lambda_t - lambda_s) < 1e-6:  # Karras sigmas ending at sigma_min, then sigma_min again
+            if order == 3 or config["solver_type"] == "heun":  # diffusers divides by zero: a NaN image
+                raise GenerationError(
+                    f"DPMSolverMultistepScheduler's step {i + 1} of {steps} goes from sigma {sigmas[i]:.4g} "
+                    f"to the same sigma, where an order-{order} {config['solver_type']} step divides by "
+                    'zero: set lower_order_final or euler_at_final true, or final_sigmas_type "zero"'
+                )
+            weights = [0.0, 0.0, 0.0]  # the midpoint's D1 term vanishes there
         else:
-            weight = alpha_t * ((decay - 1.0) / h + 1.0)
-        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0 + weight * d1, previous=-weight * d1,
-                         noise=noise))
+            behind = lambdas[i - order + 1 : i + 2]  # the steps behind, this one and the next
+            weights = _multistep_weights(config, order, behind, alpha_t)
+        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0 + weights[0], previous=weights[1],
+                         previous2=weights[2], noise=noise))
     return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def _multistep_weights(config: Mapping[str, Any], order: int, lambdas: list[float], alpha_t: float
+                       ) -> list[float]:
+    """The weights of (x0, the step before's x0, the one before that's) in an order-2 or 3 update's D1 and
+    D2 terms; `lambdas`: log(alpha / sigma) of the steps behind, this step and the next."""
+    lambda_s, lambda_t = lambdas[-2], lambdas[-1]
+    h = lambda_t - lambda_s
+    decay = math.exp(-h)
+    r0 = (lambda_s - lambdas[-3]) / h
+    if order == 2:
+        d1, d2 = (1 / r0, -1 / r0, 0.0), (0.0, 0.0, 0.0)
+    else:
+        r1 = (lambdas[-3] - lambdas[-4]) / h
+        d10, d11 = (1 / r0, -1 / r0, 0.0), (0.0, 1 / r1, -1 / r1)
+        apart = tuple(a - b for a, b in zip(d10, d11, strict=True))
+        d1 = tuple(a + r0 / (r0 + r1) * b for a, b in zip(d10, apart, strict=True))
+        d2 = tuple(b / (r0 + r1) for b in apart)
+    kept = 1.0 - decay * decay  # 1 - exp(-2h)
+    midpoint = order == 2 and config["solver_type"] == "midpoint"
+    if config["algorithm_type"] == "sde-dpmsolver++":
+        w1 = 0.5 * alpha_t * kept if midpoint else alpha_t * (kept / (-2.0 * h) + 1.0)
+        w2 = alpha_t * ((kept - 2.0 * h) / (2.0 * h) ** 2 - 0.5)
+    else:
+        w1 = -0.5 * alpha_t * (decay - 1.0) if midpoint else alpha_t * ((decay - 1.0) / h + 1.0)
+        w2 = -alpha_t * ((decay - 1.0 + h) / h**2 - 0.5)
+    return [w1 * a + w2 * b for a, b in zip(d1, d2, strict=True)]
 
 
 def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
