@@ -34,6 +34,7 @@ FLOATS = ("float32", "float16")
 # The order of denoise_step's coefficients (loops/schedulers.py StepCoefficients writes them so).
 STEP_COEFFICIENTS = (
     "guidance",
+    "guidance_rescale",
     "x0_from_x",
     "x0_from_output",
     "clip_low",
@@ -152,12 +153,24 @@ def denoise_init(elem: int) -> onnx.GraphProto:
     return helper.make_graph(n.nodes, "denoise_init", inputs, outputs)
 
 
+def _row_std(n: _Nodes, x: str) -> str:
+    """The unbiased standard deviation of each row of latents [batch, channels, height, width]:
+    [batch, 1, 1, 1]."""
+    centred = n.op("Sub", x, n.op("ReduceMean", x, axes=[1, 2, 3], keepdims=1))
+    total = n.op("ReduceSum", n.op("Mul", centred, centred), n.const([1, 2, 3], I64), keepdims=1)
+    shape = n.op("Shape", x)
+    count = n.op("Cast", n.op("ReduceProd", n.op("Slice", shape, n.const([1], I64), n.const([4], I64)),
+                              keepdims=0), to=F32)
+    return n.op("Sqrt", n.op("Div", total, n.op("Sub", count, n.const(1.0, F32))))
+
+
 def denoise_step(elem: int) -> onnx.GraphProto:
     """One scheduler step. `output` is the UNet's, [rows * batch, ...] with rows 1, or 2 for guidance
     ([unconditional, conditional]); `noise`, `previous_x0` and `previous2_x0` (the clean latents of the
     last two steps, DPM-Solver's multistep memory) broadcast ([1] zeros when a step has none).
 
         guided = out[first] + guidance * (out[last] - out[first])
+        guided = guided * (1 + guidance_rescale * (std(out[last]) / std(guided) - 1))   (guidance_rescale > 0)
         x0 = clip(x0_from_x * x + x0_from_output * guided, clip_low, clip_high)
         x_next = from_x * x + from_x0 * x0 + from_output * guided + from_noise * noise
                  + from_previous_x0 * previous_x0 + from_previous2_x0 * previous2_x0
@@ -169,7 +182,14 @@ def denoise_step(elem: int) -> onnx.GraphProto:
     batch = n.op("Slice", n.op("Shape", "x"), n.const([0], I64), n.const([1], I64))
     first = n.op("Slice", out, n.const([0], I64), batch, n.const([0], I64))
     last = n.op("Slice", out, n.op("Neg", batch), n.const([INT64_MAX], I64), n.const([0], I64))
-    guided = n.op("Add", first, n.op("Mul", c["guidance"], n.op("Sub", last, first)))
+    mixed = n.op("Add", first, n.op("Mul", c["guidance"], n.op("Sub", last, first)))
+    # diffusers' rescale_noise_cfg: each row's guided prediction times (1 - r) + r * std(cond) / std(guided),
+    # the standard deviations unbiased over the row's values; skipped at r = 0 (a flat row would be 0 / 0)
+    ratio = n.op("Div", _row_std(n, last), _row_std(n, mixed))
+    factor = n.op("Add", n.const([1.0], F32), n.op("Mul", c["guidance_rescale"],
+                                                   n.op("Sub", ratio, n.const([1.0], F32))))
+    rescale = n.op("Greater", c["guidance_rescale"], n.const(0.0, F32))
+    guided = n.op("Where", rescale, n.op("Mul", mixed, factor), mixed)
     estimate = n.op("Add", n.op("Mul", c["x0_from_x"], "x"), n.op("Mul", c["x0_from_output"], guided))
     x0 = n.op("Clip", estimate, c["clip_low"], c["clip_high"], out="x0")
     terms = [

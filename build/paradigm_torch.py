@@ -273,6 +273,7 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
             image = pipe(case["prompt"], negative_prompt=case.get("negative_prompt"),
                          num_inference_steps=case["num_inference_steps"],
                          guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
+                         guidance_rescale=case.get("guidance_rescale", 0.0),
                          output_type="np", callback_on_step_end=keep).images
     finally:
         module.randn_tensor = original

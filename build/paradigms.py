@@ -284,7 +284,10 @@ SD_CASES = (
     ("dpm-v-linspace-zsnr", "DPMSolverMultistepScheduler", "v_prediction", "linspace", 4, 1.0, None),
     ("dpm3-eps-linspace-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 6, 5.0, NEGATIVE),
     ("dpm3-sde-v-min", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 5, 1.0, None),
+    ("ddim-v-trailing-zsnr-cfg-rescale", "DDIMScheduler", "v_prediction", "trailing", 4, 7.5, NEGATIVE),
 )
+# request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
+SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
 # scheduler fields beyond the table's, per case
 SD_CASE_FIELDS = {
     "euler-karras-eps-leading-cfg": {"use_karras_sigmas": True},
@@ -299,6 +302,7 @@ SD_CASE_FIELDS = {
     "euler-v-trailing-zsnr-cfg": {"rescale_betas_zero_snr": True},
     "dpm-v-linspace-zsnr": {"rescale_betas_zero_snr": True},
     "dpm3-eps-linspace-cfg": {"solver_order": 3},
+    "ddim-v-trailing-zsnr-cfg-rescale": {"rescale_betas_zero_snr": True},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},
 }
@@ -314,7 +318,8 @@ def sd_cases() -> list[dict]:
         cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
                       "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
                       "latents": f"{name}.latents.npy",
-                      "noise": f"{name}.noise.npy" if cls in NOISY_SCHEDULERS or noisy else None})
+                      "noise": f"{name}.noise.npy" if cls in NOISY_SCHEDULERS or noisy else None,
+                      "guidance_rescale": SD_CASE_OPTIONS.get(name, {}).get("guidance_rescale", 0.0)})
     return cases
 
 

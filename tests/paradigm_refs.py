@@ -405,13 +405,14 @@ def encode_prompt(folder: Path, ids: Sequence[int]) -> np.ndarray:
 
 def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
                    prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
-                   guidance_scale: float = 1.0,
+                   guidance_scale: float = 1.0, guidance_rescale: float = 0.0,
                    noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(image [batch, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionPipeline
     computes them from the same initial `latents` (before scaling by init_noise_sigma).
 
-    Guidance above 1 runs the UNet on [unconditional, conditional] in one batch; `noise[i]` is the noise
-    that step i of an ancestral or LCM scheduler adds.
+    Guidance above 1 runs the UNet on [unconditional, conditional] in one batch; `guidance_rescale` mixes
+    in the guided output rescaled to the conditional one's standard deviation (arXiv 2305.08891, 3.4);
+    `noise[i]` is the noise that step i of an ancestral, LCM or SDE scheduler adds.
     """
     folder = Path(folder)
     guided = guidance_scale > 1
@@ -432,6 +433,11 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
         if guided:
             uncond, cond = np.split(output, 2)
             output = uncond + guidance_scale * (cond - uncond)
+            if guidance_rescale > 0:  # per row, over every latent value, unbiased (torch.std's default)
+                axes = tuple(range(1, output.ndim))
+                cond_std = cond.std(axis=axes, ddof=1, keepdims=True)
+                ratio = cond_std / output.std(axis=axes, ddof=1, keepdims=True)
+                output = guidance_rescale * output * ratio + (1 - guidance_rescale) * output
         step_noise = noise[i].astype(np.float64) if i in scheduler.noise_steps else None
         x = scheduler.step(output, i, x, step_noise).astype(np.float32).astype(np.float64)
     scaling = json.loads((folder / "vae_decoder" / "config.json").read_text())["scaling_factor"]

@@ -196,7 +196,8 @@ def _with_scheduler(folder: Path, scheduler: dict) -> Path:
 def _case_request(case: dict) -> dict:
     guided = case["guidance_scale"] > 1
     return {"num_steps": case["num_inference_steps"], "guidance_scale": case["guidance_scale"],
-            "negative_prompt": case["negative_prompt"] if guided else None}
+            "negative_prompt": case["negative_prompt"] if guided else None,
+            "guidance_rescale": case["guidance_rescale"]}
 
 
 def _ortpipe_noise(pipe: ortpipe.Pipeline, case: dict, seed: int, latents: bool) -> tuple:
@@ -225,7 +226,8 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sd_tiny: Path, sd_
     plain, _ = refs.generate_image(sd_copy, case["scheduler"], case["num_inference_steps"], latents,
                                    prompt_ids=case["prompt_ids"],
                                    negative_prompt_ids=case["negative_prompt_ids"],
-                                   guidance_scale=case["guidance_scale"], noise=noise)
+                                   guidance_scale=case["guidance_scale"],
+                                   guidance_rescale=case["guidance_rescale"], noise=noise)
     to_plain = float(np.abs(result.image - plain).max())
     assert result.image.shape == (1, 32, 32, 3)
     assert to_plain <= IMAGE_TOLERANCE
@@ -236,6 +238,20 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sd_tiny: Path, sd_
         assert to_diffusers <= IMAGE_TOLERANCE
     else:
         print(f"{name}: max |ortpipe - plain loop with ortpipe's noise| = {to_plain:.2e}")
+
+
+def test_guidance_rescale_is_what_makes_its_image(sd_tiny: Path, sd_copy: Path,
+                                                  sd_cases: dict[str, dict]) -> None:
+    """The rescaled case's image is diffusers' only with its guidance_rescale: without it, far off."""
+    case = sd_cases["ddim-v-trailing-zsnr-cfg-rescale"]
+    assert case["guidance_rescale"] == 0.7
+    pipe = ortpipe.load(_with_scheduler(sd_copy, case["scheduler"]), threads=1)
+    latents = np.load(sd_tiny / "references" / case["latents"])
+    expected = np.load(sd_tiny / "references" / case["image"])
+    plain = pipe.generate(case["prompt"], latents=latents, **{**_case_request(case), "guidance_rescale": 0.0})
+    rescaled = pipe.generate(case["prompt"], latents=latents, **_case_request(case))
+    assert np.abs(rescaled.image - expected).max() <= IMAGE_TOLERANCE
+    assert np.abs(plain.image - expected).max() > 100 * IMAGE_TOLERANCE
 
 
 def test_a_seed_makes_the_latents_and_the_noise(sd_copy: Path, sd_cases: dict[str, dict]) -> None:
@@ -430,6 +446,9 @@ def test_requests_a_loop_does_not_take_are_refused(vits_tiny: Path, sd_copy: Pat
         (image, {"max_new_tokens": 4}, "max_new_tokens is a setting of the autoregressive loop"),
         (image, {"num_steps": 0}, "num_steps 0 is out of range"),
         (image, {"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt is used by guidance"),
+        (image, {"guidance_scale": 1.0, "guidance_rescale": 0.7}, "guidance_rescale rescales guidance: raise "
+                                                                  "guidance_scale above 1"),
+        (image, {"guidance_scale": 5.0, "guidance_rescale": 1.5}, "guidance_rescale"),
         (image, {"latents": np.zeros((1, 3, 8, 8), np.float32)}, r"latents must be float32 \[1, 4, height"),
         (speech, {"latents": np.zeros((1, 4, 8, 8), np.float32)}, 'latents are an input of the "denoising"'),
     ]:

@@ -97,7 +97,8 @@ def _generate(folder: Path, case: dict, noise: np.ndarray | None = None) -> tupl
     return refs.generate_image(folder, case["scheduler"], case["num_inference_steps"],
                                np.load(references / case["latents"]), prompt_ids=case["prompt_ids"],
                                negative_prompt_ids=case["negative_prompt_ids"],
-                               guidance_scale=case["guidance_scale"], noise=noise)
+                               guidance_scale=case["guidance_scale"],
+                               guidance_rescale=case["guidance_rescale"], noise=noise)
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ def test_speech_equals_transformers_as_wav_and_24k_pcm(vits_tiny: Path) -> None:
 
 def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
     pipe = ortpipe.load(sd_tiny, threads=1)
-    settings = {"num_steps": 3, "guidance_scale": 2.0, "negative_prompt": "blurry"}
+    settings = {"num_steps": 3, "guidance_scale": 2.0, "negative_prompt": "blurry", "guidance_rescale": 0.5}
 
     def expected(seed: int) -> np.ndarray:
         image = pipe.generate("a red cube", seed=seed, **settings).image[0]
@@ -152,7 +152,8 @@ def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
             assert image.format == "PNG" and image.mode == "RGB"
             return np.asarray(image)
 
-    extra = {"seed": 5, "num_inference_steps": 3, "guidance_scale": 2.0, "negative_prompt": "blurry"}
+    extra = {"seed": 5, "num_inference_steps": 3, "guidance_scale": 2.0, "negative_prompt": "blurry",
+             "guidance_rescale": 0.5}
     with served(sd_tiny, max_batch=2) as server:
         client = server.client()
         got = client.images.generate(model="sd", prompt="a red cube", n=2, size="32x32", extra_body=extra)
@@ -170,6 +171,7 @@ def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
             ({**image, "n": 11}, "n", "maximum value"),
             ({**image, "num_inference_steps": 0}, "num_inference_steps", "minimum value"),
             ({**image, "guidance_scale": 1.0, "negative_prompt": "x"}, None, "is used by guidance"),
+            ({**image, "guidance_rescale": 2}, "guidance_rescale", "maximum value"),
         ]:
             refused(server.url, "/v1/images/generations", body, 400, param, words)
         refused(server.url, "/v1/embeddings", {"model": "m", "input": "a"}, 404, None, "is an image model")

@@ -113,6 +113,8 @@ export interface GenerateOptions {
   numSteps?: number;
   /** Classifier-free guidance: above 1 runs a conditional and an unconditional row. */
   guidanceScale?: number;
+  /** With guidance: mix in the guided prediction rescaled to the conditional one's standard deviation (diffusers' guidance_rescale, for zero terminal SNR models; 0 keeps it as it is). */
+  guidanceRescale?: number;
   /** What the image should not show (the unconditional row's text). */
   negativePrompt?: string;
   /** Speculative decoding with drafts looked up in the prompt and the text so far, at most this many tokens a step (transformers' name); 0 turns it off. */

@@ -237,8 +237,9 @@ def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path)
 
 def test_wasm_karras_image_equals_cpython(page: Any, serve_model: Any, sd_folder: Path,
                                           tmp_path: Path) -> None:
-    """DPM-Solver++ (2M) SDE with Karras sigmas, guided, seeded: the schedule is the core's arithmetic and
-    each step's noise the core's generator, the same in Pyodide; the image is CPython's within 1e-4."""
+    """DPM-Solver++ (2M) SDE with Karras sigmas, guided and rescaled, seeded: the schedule is the core's
+    arithmetic and each step's noise the core's generator, the same in Pyodide; the image is CPython's
+    within 1e-4."""
     from build import paradigms
 
     cases = {c["name"]: c for c in _json(paradigms.get("sd-tiny") / "references" / "cases.json")["cases"]}
@@ -246,9 +247,9 @@ def test_wasm_karras_image_equals_cpython(page: Any, serve_model: Any, sd_folder
     scheduler = cases["dpm-sde-karras-eps-cfg"]["scheduler"]
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
     request = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 4, "guidanceScale": 5.0,
-               "seed": 9}
+               "guidanceRescale": 0.5, "seed": 9}
     expected = ortpipe.load(folder).generate("a red cube", negative_prompt="blurry", num_steps=4,
-                                             guidance_scale=5.0, seed=9).image
+                                             guidance_scale=5.0, guidance_rescale=0.5, seed=9).image
     serve_model("sd-karras", folder)
     (run,) = in_page(page, "sd-karras", [{"kind": "generate", "args": [request]}])["runs"]
     data = np.array(run["data"], np.float32).reshape(run["dims"])

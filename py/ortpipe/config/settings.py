@@ -315,6 +315,17 @@ SETTINGS: tuple[Setting, ...] = (
         loops=DENOISING_LOOP,
     ),
     Setting(
+        "guidance_rescale",
+        "float",
+        0.0,
+        "with guidance: mix in the guided prediction rescaled to the conditional one's standard deviation "
+        "(diffusers' guidance_rescale, for zero terminal SNR models; 0 keeps it as it is)",
+        low=0.0,
+        high=1.0,
+        v2="guidance_rescale",
+        loops=DENOISING_LOOP,
+    ),
+    Setting(
         "negative_prompt",
         "string",
         None,

@@ -174,7 +174,7 @@ class DenoisingRequest(OutputRequest):
         backend: Backend,
         setup: DenoisingSetup,
         schedule: Schedule,
-        guidance: float,
+        guidance: tuple[float, float],
         rows: list[list[int]],
         text: TextSetup,
         latents: Handle | None,
@@ -183,8 +183,8 @@ class DenoisingRequest(OutputRequest):
     ):
         super().__init__(plan)
         self.backend, self.setup, self.schedule = backend, setup, schedule
-        self.guided = guidance > 1  # diffusers: guidance 1 or less runs no unconditional row
-        self.guidance = guidance
+        self.guidance, self.guidance_rescale = guidance  # guidance_scale, guidance_rescale
+        self.guided = self.guidance > 1  # diffusers: guidance 1 or less runs no unconditional row
         self.noise = Noise(backend, seed)
         self.latents = latents
         self.shape = _latent_shape(setup, latents, backend)
@@ -248,7 +248,12 @@ class DenoisingRequest(OutputRequest):
         noise = (yield from self.noise.draw(self.shape, label)) if step.noise else self._zero
         steps = self.schedule.steps
         following = steps[self.step + 1].input_scale if self.step + 1 < len(steps) else 1.0
-        coefficients = [self.guidance if self.guided else 0.0, *step.coefficients, following]
+        coefficients = [
+            self.guidance if self.guided else 0.0,
+            self.guidance_rescale if self.guided else 0.0,
+            *step.coefficients,
+            following,
+        ]
         made = yield Run(
             kernel("denoise_step", self.setup.sample_dtype),
             {

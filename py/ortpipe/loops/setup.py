@@ -123,6 +123,8 @@ def output_request(
         )
     if settings["negative_prompt"] is not None and not guided:
         raise GenerationError("negative_prompt is used by guidance: raise guidance_scale above 1, or drop it")
+    if settings["guidance_rescale"] > 0 and not guided:
+        raise GenerationError("guidance_rescale rescales guidance: raise guidance_scale above 1, or drop it")
     if guided and rows is not None:
         negative = settings["negative_prompt"] or ""  # diffusers' unconditional text when none is given
         rows = encode_texts(tokenizer, [negative], setup.text.max_length) + rows
@@ -132,7 +134,7 @@ def output_request(
         backend,
         setup.denoising,
         schedule,
-        settings["guidance_scale"],
+        (settings["guidance_scale"], settings["guidance_rescale"]),
         rows or [],
         setup.text,
         latents,

@@ -18,7 +18,7 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 - images: `prompt`, `n` (1 to 10; with a seed, image i draws from seed + i), `size` auto or the model's
   own, `response_format` b64_json (there are no files to give URLs of), `output_format` png; beside them,
   as vLLM and diffusers servers take them through `extra_body`: `seed`, `num_inference_steps`,
-  `guidance_scale` and `negative_prompt`.
+  `guidance_scale`, `guidance_rescale` and `negative_prompt`.
 
 `OutputRow` runs a checked query on the engine thread, one advance of the core's request per engine step
 (a batch of texts, a denoising step), so a long image does not hold back the other clients.
@@ -227,7 +227,7 @@ def parse_speech(body: Any) -> OutputQuery:
     return OutputQuery("speech", body["model"], (text,), audio_format=audio_format)
 
 
-IMAGE_EXTRAS = {"seed", "num_inference_steps", "guidance_scale", "negative_prompt"}
+IMAGE_EXTRAS = {"seed", "num_inference_steps", "guidance_scale", "guidance_rescale", "negative_prompt"}
 
 
 def parse_images(body: Any) -> OutputQuery:
@@ -281,6 +281,8 @@ def parse_images(body: Any) -> OutputQuery:
         settings["num_steps"] = _integer(body["num_inference_steps"], "num_inference_steps", 1, 1000)
     if body.get("guidance_scale") is not None:
         settings["guidance_scale"] = _decimal(body["guidance_scale"], "guidance_scale", 0.0, 100.0)
+    if body.get("guidance_rescale") is not None:
+        settings["guidance_rescale"] = _decimal(body["guidance_rescale"], "guidance_rescale", 0.0, 1.0)
     if body.get("negative_prompt") is not None:
         settings["negative_prompt"] = _text(body["negative_prompt"], "negative_prompt", 32000)
     return OutputQuery(
