@@ -285,6 +285,8 @@ SD_CASES = (
     ("dpm3-eps-linspace-cfg", "DPMSolverMultistepScheduler", "epsilon", "linspace", 6, 5.0, NEGATIVE),
     ("dpm3-sde-v-min", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 5, 1.0, None),
     ("ddim-v-trailing-zsnr-cfg-rescale", "DDIMScheduler", "v_prediction", "trailing", 4, 7.5, NEGATIVE),
+    ("euler-exp-eps-leading-cfg", "EulerDiscreteScheduler", "epsilon", "leading", 4, 5.0, NEGATIVE),
+    ("euler-exp-v-trailing-range", "EulerDiscreteScheduler", "v_prediction", "trailing", 3, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -303,6 +305,8 @@ SD_CASE_FIELDS = {
     "dpm-v-linspace-zsnr": {"rescale_betas_zero_snr": True},
     "dpm3-eps-linspace-cfg": {"solver_order": 3},
     "ddim-v-trailing-zsnr-cfg-rescale": {"rescale_betas_zero_snr": True},
+    "euler-exp-eps-leading-cfg": {"use_exponential_sigmas": True},
+    "euler-exp-v-trailing-range": {"use_exponential_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},
 }

@@ -148,6 +148,11 @@ def karras_sigmas(sigma_max: float, sigma_min: float, steps: int) -> np.ndarray:
     return (sigma_max ** (1 / rho) + ramp * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
 
 
+def exponential_sigmas(sigma_max: float, sigma_min: float, steps: int) -> np.ndarray:
+    """Noise levels evenly spaced in log sigma."""
+    return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), steps))
+
+
 def sigma_to_t(sigmas: np.ndarray, all_sigmas: np.ndarray) -> np.ndarray:
     """The fractional training timesteps of `sigmas`: linear interpolation of t in log sigma between the
     two training sigmas around each (clipped to the table's ends), as diffusers maps Karras sigmas."""
@@ -182,7 +187,7 @@ class Euler:
     def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
         _check(config, interpolation_type=("linear",), use_karras_sigmas=(False, True),
                final_sigmas_type=("zero", "sigma_min"), timestep_type=("discrete",),
-               use_exponential_sigmas=(False,), use_beta_sigmas=(False,))
+               use_exponential_sigmas=(False, True), use_beta_sigmas=(False,))
         if ancestral and config.get("use_karras_sigmas"):
             raise ValueError("EulerAncestralDiscreteScheduler has no Karras sigmas")
         self.config, self.ancestral = config, ancestral
@@ -190,10 +195,12 @@ class Euler:
         self.timesteps = spaced(config, steps).astype(np.float32).astype(np.float64)
         all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
         sigmas = np.interp(self.timesteps, np.arange(len(all_sigmas)), all_sigmas)
-        if config.get("use_karras_sigmas"):  # between the spaced ends, unless the config names its own
+        spread = karras_sigmas if config.get("use_karras_sigmas") else (
+            exponential_sigmas if config.get("use_exponential_sigmas") else None)
+        if spread:  # between the spaced ends, unless the config names its own
             high, low = config.get("sigma_max"), config.get("sigma_min")
             high, low = sigmas[0] if high is None else high, sigmas[-1] if low is None else low
-            sigmas = karras_sigmas(high, low, steps)
+            sigmas = spread(high, low, steps)
             self.timesteps = sigma_to_t(sigmas, all_sigmas).astype(np.float32).astype(np.float64)
         last = all_sigmas[0] if config.get("final_sigmas_type", "zero") == "sigma_min" else 0.0
         self.sigmas = np.append(sigmas, last)

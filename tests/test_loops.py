@@ -391,7 +391,8 @@ def test_speech_and_embedding_cli(vits_tiny: Path, st_minilm: Path, tmp_path: Pa
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("_class_name", "PNDMScheduler", "scheduler \"PNDMScheduler\" is not run by ortpipe; it runs Euler"),
-    ("use_exponential_sigmas", True, "EulerDiscreteScheduler with use_exponential_sigmas True is not run"),
+    ("use_beta_sigmas", True, "EulerDiscreteScheduler with use_beta_sigmas True is not run"),
+
     ("sigma_max", -1, "sigma_max must be a positive number or null, found -1"),
     ("prediction_type", "sample", "prediction_type \"sample\" is not run by ortpipe (it runs \"epsilon\", "
                                   "\"v_prediction\")"),

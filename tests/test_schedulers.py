@@ -82,6 +82,12 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
         scheduler_config({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 4}, None, "x")
     with pytest.raises(ConfigError, match="algorithm_type"):
         scheduler_config({"algorithm_type": "sde-dpmsolver"}, "DPMSolverMultistepScheduler", "x")
+    with pytest.raises(ConfigError, match="use_karras_sigmas and use_exponential_sigmas are set together: "
+                                          "diffusers takes one at most"):
+        scheduler_config({"use_karras_sigmas": True, "use_exponential_sigmas": True}, "euler", "x")
+    with pytest.raises(ConfigError, match="DPMSolverMultistepScheduler with use_exponential_sigmas True is "
+                                          "not run by ortpipe"):  # diffusers truncates float32 timesteps
+        scheduler_config({"use_exponential_sigmas": True}, "DPMSolverMultistepScheduler", "x")
     with pytest.raises(ConfigError, match="thresholding"):
         scheduler_config({"thresholding": True}, "DDIMScheduler", "x")
     zero_snr = scheduler_config({"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"},

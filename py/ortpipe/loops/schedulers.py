@@ -5,8 +5,8 @@ the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which doe
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ and
 sde-dpmsolver++ of order 1 to 3), for epsilon and v_prediction and the three timestep spacings (arXiv
-2305.08891, table 2), and Karras sigmas (`use_karras_sigmas`, arXiv 2206.00364) for EulerDiscrete and
-DPMSolverMultistep. A
+2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv 2206.00364;
+`use_exponential_sigmas`) for EulerDiscrete, Karras also for DPMSolverMultistep. A
 field whose value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -118,7 +118,7 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         **_COMMON,
         "interpolation_type": ("linear",),
         "use_karras_sigmas": (False, True),
-        "use_exponential_sigmas": (False,),
+        "use_exponential_sigmas": (False, True),
         "use_beta_sigmas": (False,),
         "timestep_type": ("discrete",),
         "final_sigmas_type": ("zero", "sigma_min"),
@@ -133,7 +133,7 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "solver_type": ("midpoint", "heun"),
         "thresholding": (False,),
         "use_karras_sigmas": (False, True),
-        "use_exponential_sigmas": (False,),
+        "use_exponential_sigmas": (False,),  # diffusers truncates its float32 timesteps: not followed
         "use_beta_sigmas": (False,),
         "use_lu_lambdas": (False,),
         "use_flow_sigmas": (False,),
@@ -172,6 +172,10 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
     if config.get("lambda_min_clipped") is None or config.get("lambda_min_clipped") == "-inf":
         config["lambda_min_clipped"] = -INF
     problems = []
+    spreads = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+    spacings = [k for k in spreads if config.get(k) is True]
+    if len(spacings) > 1:
+        problems.append(f"{where}: {' and '.join(spacings)} are set together: diffusers takes one at most")
     for key, allowed in ALLOWED[wanted].items():
         if allowed is not None and config.get(key) not in allowed:
             problems.append(
@@ -323,6 +327,11 @@ def _step(
     return Step(timestep, scale, coefficients, noise != 0.0)
 
 
+def exponential(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
+    """`steps` noise levels from sigma_max to sigma_min, evenly spaced in log sigma."""
+    return [math.exp(v) for v in _linspace(math.log(sigma_max), math.log(sigma_min), steps)]
+
+
 def karras(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
     """Karras et al.'s noise levels (rho 7): `steps` values from sigma_max to sigma_min, evenly spaced in
     sigma ** (1 / rho)."""
@@ -353,9 +362,11 @@ def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
     timesteps = [_f32(t) for t in spaced(config, steps)]
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
     sigmas = [_interp(t, table) for t in timesteps]
-    if not ancestral and config["use_karras_sigmas"]:  # between the spaced ends, or the config's own
+    spread = None if ancestral else karras if config["use_karras_sigmas"] else (
+        exponential if config["use_exponential_sigmas"] else None)
+    if spread:  # between the spaced ends, or the config's own
         high, low = config["sigma_max"], config["sigma_min"]
-        sigmas = karras(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
+        sigmas = spread(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
         timesteps = [_f32(t) for t in sigmas_to_t(sigmas, table)]
     _distinct(timesteps, config)
     sigmas.append(table[0] if not ancestral and config["final_sigmas_type"] == "sigma_min" else 0.0)
