@@ -45,6 +45,7 @@ STEP_COEFFICIENTS = (
     "from_noise",
     "from_previous_x0",
     "from_previous2_x0",
+    "from_previous3_x0",
     "next_input_scale",
 )
 
@@ -166,14 +167,16 @@ def _row_std(n: _Nodes, x: str) -> str:
 
 def denoise_step(elem: int) -> onnx.GraphProto:
     """One scheduler step. `output` is the UNet's, [rows * batch, ...] with rows 1, or 2 for guidance
-    ([unconditional, conditional]); `noise`, `previous_x0` and `previous2_x0` (the clean latents of the
-    last two steps, DPM-Solver's multistep memory) broadcast ([1] zeros when a step has none).
+    ([unconditional, conditional]); `noise` and `previous_x0` to `previous3_x0` (the x0 of the last three
+    steps that keep theirs: DPM-Solver's multistep memory, or PNDM's past outputs, its x0 being the output
+    itself) broadcast ([1] zeros when a step has none).
 
         guided = out[first] + guidance * (out[last] - out[first])
         guided = guided * (1 + guidance_rescale * (std(out[last]) / std(guided) - 1))   (guidance_rescale > 0)
         x0 = clip(x0_from_x * x + x0_from_output * guided, clip_low, clip_high)
         x_next = from_x * x + from_x0 * x0 + from_output * guided + from_noise * noise
                  + from_previous_x0 * previous_x0 + from_previous2_x0 * previous2_x0
+                 + from_previous3_x0 * previous3_x0
         sample = tile(x_next * next_input_scale, repeats), cast to the UNet's type
     """
     n = _Nodes("")
@@ -199,6 +202,7 @@ def denoise_step(elem: int) -> onnx.GraphProto:
         n.op("Mul", c["from_noise"], "noise"),
         n.op("Mul", c["from_previous_x0"], "previous_x0"),
         n.op("Mul", c["from_previous2_x0"], "previous2_x0"),
+        n.op("Mul", c["from_previous3_x0"], "previous3_x0"),
     ]
     total = terms[0]
     for term in terms[1:]:
@@ -210,6 +214,7 @@ def denoise_step(elem: int) -> onnx.GraphProto:
         _latents("output", elem, "rows"),
         _tensor("previous_x0", F32, None),
         _tensor("previous2_x0", F32, None),
+        _tensor("previous3_x0", F32, None),
         _tensor("noise", F32, None),
         _tensor("coefficients", F32, [len(STEP_COEFFICIENTS)]),
         _tensor("repeats", I64, [4]),

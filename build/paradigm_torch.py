@@ -260,7 +260,7 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
     noise = np.load(folder / case["noise"]) if case.get("noise") else None
     given = _GivenNoise(noise)
     module = importlib.import_module(cls.__module__)
-    original = module.randn_tensor
+    original = getattr(module, "randn_tensor", None)  # a scheduler that never draws noise has none
     module.randn_tensor = given
     steps: list[np.ndarray] = []
 
@@ -276,7 +276,10 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
                          guidance_rescale=case.get("guidance_rescale", 0.0),
                          output_type="np", callback_on_step_end=keep).images
     finally:
-        module.randn_tensor = original
+        if original is None:
+            del module.randn_tensor
+        else:
+            module.randn_tensor = original
     return {"image": image.astype(np.float32), "final_latents": steps[-1], "noise_draws": given.calls,
             "timesteps": [float(t) for t in pipe.scheduler.timesteps],
             "scheduler": json.loads(pipe.scheduler.to_json_string())}

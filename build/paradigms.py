@@ -287,6 +287,9 @@ SD_CASES = (
     ("ddim-v-trailing-zsnr-cfg-rescale", "DDIMScheduler", "v_prediction", "trailing", 4, 7.5, NEGATIVE),
     ("euler-exp-eps-leading-cfg", "EulerDiscreteScheduler", "epsilon", "leading", 4, 5.0, NEGATIVE),
     ("euler-exp-v-trailing-range", "EulerDiscreteScheduler", "v_prediction", "trailing", 3, 1.0, None),
+    ("pndm-eps-leading-cfg", "PNDMScheduler", "epsilon", "leading", 6, 7.5, NEGATIVE),
+    ("pndm-v-trailing", "PNDMScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("pndm-eps-linspace-2", "PNDMScheduler", "epsilon", "linspace", 2, 3.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -306,6 +309,9 @@ SD_CASE_FIELDS = {
     "dpm3-eps-linspace-cfg": {"solver_order": 3},
     "ddim-v-trailing-zsnr-cfg-rescale": {"rescale_betas_zero_snr": True},
     "euler-exp-eps-leading-cfg": {"use_exponential_sigmas": True},
+    "pndm-eps-leading-cfg": {"skip_prk_steps": True},  # Stable Diffusion 1.x's scheduler_config.json
+    "pndm-v-trailing": {"skip_prk_steps": True, "set_alpha_to_one": True},
+    "pndm-eps-linspace-2": {"skip_prk_steps": True},
     "euler-exp-v-trailing-range": {"use_exponential_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},

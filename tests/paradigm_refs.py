@@ -386,12 +386,66 @@ class DPMSolverMultistep:
         return out
 
 
+class PNDM:
+    """PNDMScheduler with skip_prk_steps (PLMS): the second timestep run twice, a linear multistep
+    combination of the past noise predictions (`ets`) in a DDIM-like update."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, skip_prk_steps=(True,), set_alpha_to_one=(False, True))
+        self.config, self.steps = config, steps
+        self.cumprod = alphas_cumprod({**config, "rescale_betas_zero_snr": False})
+        count = config["num_train_timesteps"]
+        self.ratio = count // steps
+        spacing = config.get("timestep_spacing", "leading")
+        if spacing == "linspace":
+            base = np.linspace(0, count - 1, steps).round().astype(np.int64)
+        elif spacing == "leading":
+            base = (np.arange(steps) * self.ratio).round().astype(np.int64) + config.get("steps_offset", 0)
+        else:
+            base = np.round(np.arange(count, 0, -count / steps))[::-1].astype(np.int64) - 1
+        self.timesteps = np.concatenate([base[:-1], base[-2:-1], base[-1:]])[::-1].copy()
+        self.final = 1.0 if config.get("set_alpha_to_one", False) else self.cumprod[0]
+        self.init_noise_sigma, self.noise_steps = 1.0, []
+        self.ets: list[np.ndarray] = []
+        self.first_sample: np.ndarray | None = None
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        t = int(self.timesteps[i])
+        if i == 1:  # the repeated timestep: from the first run's sample, the two outputs averaged
+            at, previous = t + self.ratio, t
+            combined, x = (output + self.ets[-1]) / 2, self.first_sample
+        else:
+            at, previous = t, t - self.ratio
+            self.ets = [*self.ets[-3:], output]
+            e = self.ets[::-1]  # latest first
+            if len(e) == 1:
+                combined = e[0]
+            elif len(e) == 2:
+                combined = (3 * e[0] - e[1]) / 2
+            elif len(e) == 3:
+                combined = (23 * e[0] - 16 * e[1] + 5 * e[2]) / 12
+            else:
+                combined = (55 * e[0] - 59 * e[1] + 37 * e[2] - 9 * e[3]) / 24
+            if i == 0:
+                self.first_sample = x
+        a = self.cumprod[at]
+        a_prev = self.cumprod[previous] if previous >= 0 else self.final
+        if self.config["prediction_type"] == "v_prediction":
+            combined = a**0.5 * combined + (1 - a) ** 0.5 * x
+        denominator = a * (1 - a_prev) ** 0.5 + (a * (1 - a) * a_prev) ** 0.5
+        return (a_prev / a) ** 0.5 * x - (a_prev - a) * combined / denominator
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
     "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),
     "DDIMScheduler": DDIM,
     "LCMScheduler": LCM,
     "DPMSolverMultistepScheduler": DPMSolverMultistep,
+    "PNDMScheduler": PNDM,
 }
 
 

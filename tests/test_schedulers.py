@@ -22,10 +22,11 @@ STEPS = (1, 2, 3, 4, 5, 7, 11, 20, 25, 33, 49)
 def _step(coefficients: tuple[float, ...], x: np.ndarray, output: np.ndarray, noise: np.ndarray,
           previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """What the denoise_step kernel computes from a step's coefficients (guidance aside)."""
-    a, b, low, high, from_x, from_x0, from_output, from_noise, from_previous, from_previous2 = coefficients
+    a, b, low, high, from_x, from_x0, from_output, from_noise, *from_previous = coefficients
     x0 = np.clip(a * x + b * output, low, high)
-    after = (from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
-             + from_previous * previous[0] + from_previous2 * previous[1])
+    after = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
+    for weight, value in zip(from_previous, previous, strict=True):
+        after = after + weight * value
     return after, x0
 
 
@@ -35,14 +36,15 @@ def _compare(config: dict, steps: int, rng: np.random.Generator) -> float:
     assert [s.timestep for s in schedule.steps] == [float(t) for t in port.timesteps]
     assert schedule.init_noise_sigma == pytest.approx(port.init_noise_sigma, rel=1e-12)
     x = rng.normal(size=8) * 5
-    ours, previous, worst = x.copy(), (np.zeros(8), np.zeros(8)), 0.0
+    ours, previous, worst = x.copy(), (np.zeros(8),) * 3, 0.0
     for i, step in enumerate(schedule.steps):
         assert step.input_scale == pytest.approx(port.scale_model_input(np.ones(1), i)[0], rel=1e-12)
         assert not step.noise or i in port.noise_steps
         output, noise = rng.normal(size=8), rng.normal(size=8)
         x = port.step(output, i, x, noise if i in port.noise_steps else None)
         ours, x0 = _step(step.coefficients, ours, output, noise, previous)
-        previous = (x0, previous[0])  # the clean latents of this step and of the one before
+        if step.remember:  # the memory: the x0 of the last three steps that keep theirs
+            previous = (x0, *previous[:2])
         worst = max(worst, float(np.abs(ours - x).max() / np.abs(x).max()))
     return worst
 
@@ -105,7 +107,7 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
             config = {**ending, "solver_order": order, "solver_type": solver}
             make_schedule(scheduler_config(config, "DPMSolverMultistepScheduler", "x"), 5)
     midpoint = make_schedule(scheduler_config(ending, "DPMSolverMultistepScheduler", "x"), 5).steps[-1]
-    assert midpoint.coefficients[8:] == (0.0, 0.0)
+    assert midpoint.coefficients[8:] == (0.0, 0.0, 0.0)
     lower = scheduler_config({**ending, "lower_order_final": True}, "DPMSolverMultistepScheduler", "x")
     assert make_schedule(lower, 5).steps[-1].coefficients[8] == 0.0  # first order there: no x0_prev
     assert make_schedule({**zero_snr, "prediction_type": "v_prediction"}, 4).steps[0].timestep == 999.0

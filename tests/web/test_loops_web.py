@@ -235,25 +235,27 @@ def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path)
         assert run["timings"]["steps"] == steps and run["finishReason"] == "done"
 
 
-def test_wasm_karras_image_equals_cpython(page: Any, serve_model: Any, sd_folder: Path,
-                                          tmp_path: Path) -> None:
-    """DPM-Solver++ (2M) SDE with Karras sigmas, guided and rescaled, seeded: the schedule is the core's
-    arithmetic and each step's noise the core's generator, the same in Pyodide; the image is CPython's
-    within 1e-4."""
+@pytest.mark.parametrize(("case", "rescale"), [("dpm-sde-karras-eps-cfg", 0.5),
+                                               ("pndm-eps-leading-cfg", 0.0)])
+def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path, tmp_path: Path,
+                                             case: str, rescale: float) -> None:
+    """DPM-Solver++ (2M) SDE with Karras sigmas, guided and rescaled, seeded; PNDM (PLMS, Stable Diffusion
+    1.x's own, its memory of past outputs): the schedule is the core's arithmetic and each step's noise the
+    core's generator, the same in Pyodide; the image is CPython's within 1e-4."""
     from build import paradigms
 
     cases = {c["name"]: c for c in _json(paradigms.get("sd-tiny") / "references" / "cases.json")["cases"]}
-    folder = Path(shutil.copytree(sd_folder, tmp_path / "sd-karras"))
-    scheduler = cases["dpm-sde-karras-eps-cfg"]["scheduler"]
+    folder = Path(shutil.copytree(sd_folder, tmp_path / "sd-scheduler"))
+    scheduler = cases[case]["scheduler"]
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
     request = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 4, "guidanceScale": 5.0,
-               "guidanceRescale": 0.5, "seed": 9}
+               "guidanceRescale": rescale, "seed": 9}
     expected = ortpipe.load(folder).generate("a red cube", negative_prompt="blurry", num_steps=4,
-                                             guidance_scale=5.0, guidance_rescale=0.5, seed=9).image
-    serve_model("sd-karras", folder)
-    (run,) = in_page(page, "sd-karras", [{"kind": "generate", "args": [request]}])["runs"]
+                                             guidance_scale=5.0, guidance_rescale=rescale, seed=9).image
+    serve_model(case, folder)
+    (run,) = in_page(page, case, [{"kind": "generate", "args": [request]}])["runs"]
     data = np.array(run["data"], np.float32).reshape(run["dims"])
-    print(f"wasm DPM++ 2M SDE Karras image: max |browser - CPython| = {np.abs(data - expected).max():.1e}")
+    print(f"wasm {case} image: max |browser - CPython| = {np.abs(data - expected).max():.1e}")
     assert np.abs(data - expected).max() <= WASM["image"]
 
 

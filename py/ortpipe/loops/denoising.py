@@ -192,8 +192,7 @@ class DenoisingRequest(OutputRequest):
         self.flow = FlowRun(plan, backend, 1, 0, {**text_feeds, **(inputs or {})})
         self.x: Handle = None
         self.sample: Handle = None
-        self.previous_x0: Handle = None  # the clean latents of the last step and of the one before
-        self.previous2_x0: Handle = None
+        self.memory: list[Handle] = []  # the x0 of the last three steps that keep theirs, latest first
         self.step = 0
         self._zero = backend.full((1,), 0.0, "float32")
         self.repeats = backend.tensor([2 if self.guided else 1, 1, 1, 1], (4,), "int64")
@@ -259,8 +258,8 @@ class DenoisingRequest(OutputRequest):
             {
                 "x": self.x,
                 "output": out[self.setup.noise_pred],
-                "previous_x0": self._zero if self.previous_x0 is None else self.previous_x0,
-                "previous2_x0": self._zero if self.previous2_x0 is None else self.previous2_x0,
+                **{name: self.memory[k] if k < len(self.memory) else self._zero
+                   for k, name in enumerate(("previous_x0", "previous2_x0", "previous3_x0"))},
                 "noise": noise,
                 "coefficients": b.tensor(coefficients, (len(coefficients),), "float32"),
                 "repeats": self.repeats,
@@ -269,8 +268,9 @@ class DenoisingRequest(OutputRequest):
             None,
             label,
         )
-        self.previous2_x0 = self.previous_x0
-        self.x, self.previous_x0, self.sample = made["x_next"], made["x0"], made["sample"]
+        self.x, self.sample = made["x_next"], made["sample"]
+        if step.remember:
+            self.memory = [made["x0"], *self.memory[:2]]
 
     def _finish(self) -> Work:
         """The final latents over the VAE's scaling factor into the final phase; the named outputs."""

@@ -39,6 +39,7 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "lcm": "LCMScheduler",
     "dpm_solver_multistep": "DPMSolverMultistepScheduler",
     "dpmsolver_multistep": "DPMSolverMultistepScheduler",
+    "pndm": "PNDMScheduler",
 }
 _BETAS = {
     "num_train_timesteps": 1000,
@@ -86,6 +87,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "timestep_spacing": "leading",
         "timestep_scaling": 10.0,
     },
+    "PNDMScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+        "skip_prk_steps": False,
+        "set_alpha_to_one": False,
+        "timestep_spacing": "leading",
+    },
     "DPMSolverMultistepScheduler": {
         **_BETAS,
         "timestep_spacing": "linspace",
@@ -125,6 +132,10 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     },
     "EulerAncestralDiscreteScheduler": dict(_COMMON),
     "DDIMScheduler": {**_COMMON, "thresholding": (False,)},
+    "PNDMScheduler": {
+        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+        "skip_prk_steps": (True,),  # PLMS; the Runge-Kutta warm-up is not run
+    },
     "LCMScheduler": {**_COMMON, "thresholding": (False,)},
     "DPMSolverMultistepScheduler": {
         **_COMMON,
@@ -207,8 +218,9 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
 class Step:
     timestep: float  # what the UNet's timestep input gets
     input_scale: float  # the UNet's input is x times this
-    coefficients: tuple[float, ...]  # x0_from_x ... from_previous2_x0, in denoise_step's order
+    coefficients: tuple[float, ...]  # x0_from_x ... from_previous3_x0, in denoise_step's order
     noise: bool  # the step adds fresh noise
+    remember: bool = True  # its x0 joins the memory the next steps read (previous_x0 ...)
 
 
 @dataclass(frozen=True)
@@ -247,7 +259,8 @@ def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
     else:
         betas = _linspace(start, end, count)
     out = _cumprod(betas)
-    if config["rescale_betas_zero_snr"]:  # arXiv 2305.08891: the last timestep's signal made zero
+    if config.get("rescale_betas_zero_snr") and "rescale_betas_zero_snr" in DEFAULTS[config["_class_name"]]:
+        # arXiv 2305.08891: the last timestep's signal made zero
         roots = [a**0.5 for a in out]
         first, last = roots[0], roots[-1]
         bars = [((r - last) * first / (first - last)) ** 2 for r in roots]
@@ -322,9 +335,11 @@ def _step(
     noise: float = 0.0,
     previous: float = 0.0,
     previous2: float = 0.0,
+    previous3: float = 0.0,
+    remember: bool = True,
 ) -> Step:
-    coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous, previous2)
-    return Step(timestep, scale, coefficients, noise != 0.0)
+    coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous, previous2, previous3)
+    return Step(timestep, scale, coefficients, noise != 0.0, remember)
 
 
 def exponential(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
@@ -565,6 +580,57 @@ def _multistep_weights(config: Mapping[str, Any], order: int, lambdas: list[floa
     return [w1 * a + w2 * b for a, b in zip(d1, d2, strict=True)]
 
 
+# PLMS's combinations of its last outputs, by how many it has (diffusers' PNDMScheduler.step_plms)
+PLMS = {1: (1.0,), 2: (1.5, -0.5), 3: (23 / 12, -16 / 12, 5 / 12), 4: (55 / 24, -59 / 24, 37 / 24, -9 / 24)}
+
+
+def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
+    """PNDMScheduler with skip_prk_steps (PLMS), as Stable Diffusion 1.x's folders carry it: steps + 1 UNet
+    runs (the second timestep twice: the second run averages its output with the first's and restarts from
+    the first run's sample), each a DDIM-like step of a linear multistep combination of the past outputs.
+
+    The kernel's x0 is the guided output itself here (x0_from_output 1), so the memory holds past outputs;
+    the second run's is left out of it, as diffusers keeps it out of its `ets`."""
+    cumprod = alphas_cumprod(config)
+    count = config["num_train_timesteps"]
+    final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
+    ratio = count // steps
+    if config["timestep_spacing"] == "linspace":
+        base = [int(round(t)) for t in _linspace(0, count - 1, steps)]
+    elif config["timestep_spacing"] == "leading":
+        base = [round(i * ratio) + config["steps_offset"] for i in range(steps)]
+    else:
+        base = [int(t) for t in spaced(config, steps)][::-1]  # trailing, ascending
+    timesteps = (base[:-1] + base[-2:-1] + base[-1:])[::-1]
+    v = config["prediction_type"] == "v_prediction"
+    out: list[Step] = []
+    first: tuple[float, float] = (1.0, 0.0)  # the first run: x_1 = first[0] * x_0 + first[1] * output_0
+    remembered = 0
+    for i, t in enumerate(timesteps):
+        at, previous = (t + ratio, t) if i == 1 else (t, t - ratio)
+        a = cumprod[at]
+        a_prev = cumprod[previous] if previous >= 0 else final
+        keep = (a_prev / a) ** 0.5
+        drop = (a_prev - a) / (a * (1 - a_prev) ** 0.5 + (a * (1 - a) * a_prev) ** 0.5)
+        # x_next = keep * x - drop * eps, eps = combination (epsilon) or a^0.5 combination + (1 - a)^0.5 x (v)
+        from_x = keep - drop * ((1 - a) ** 0.5 if v else 0.0)
+        scale = drop * (a**0.5 if v else 1.0)
+        if i == 1:  # from the first run's sample x_0 = (x - first[1] * output_0) / first[0], outputs averaged
+            weights = (0.5, 0.5, 0.0, 0.0)
+            step = _step(float(t), 1.0, (0.0, 1.0), x=from_x / first[0], from_x0=-scale * weights[0],
+                         previous=-from_x * first[1] / first[0] - scale * weights[1], remember=False)
+        else:
+            remembered += 1
+            weights = (*PLMS[min(remembered, 4)], 0.0, 0.0, 0.0)[:4]
+            past = [-scale * w for w in weights]
+            step = _step(float(t), 1.0, (0.0, 1.0), x=from_x, from_x0=past[0], previous=past[1],
+                         previous2=past[2], previous3=past[3])
+        if i == 0:
+            first = (from_x, -scale)
+        out.append(step)
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
 def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
     """The schedule of `steps` steps for a config scheduler_config() made."""
     name = config["_class_name"]
@@ -579,9 +645,12 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
         schedule = ddim(config, steps)
     elif name == "LCMScheduler":
         schedule = lcm(config, steps)
+    elif name == "PNDMScheduler":
+        schedule = pndm(config, steps)
     else:
         schedule = dpm_solver(config, steps)
-    if len(schedule.steps) != steps:
+    runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
+    if len(schedule.steps) != runs:
         raise GenerationError(
             f"num_steps {steps} gives {name} with {config['timestep_spacing']} spacing "
             f"{len(schedule.steps)} timesteps; choose another number of steps"
