@@ -1,11 +1,13 @@
 """The denoising loop: the init phase (the text encoder, on the negative and the positive prompt as one
-batch), then `num_steps` runs of the step session (the UNet) with a scheduler's arithmetic between them as
-a kernel, then the final phase (the VAE decoder) on the latents divided by the VAE's scaling factor.
+batch), then one run of the step session (the UNet) per timestep of the schedule (`num_steps`; PNDM's one
+more) with a scheduler's arithmetic between them as a kernel, then the final phase (the VAE decoder) on the
+latents divided by the VAE's scaling factor.
 
 As diffusers' StableDiffusionPipeline does: guidance above 1 runs the UNet on [unconditional, conditional]
-rows in one batch and mixes them by guidance_scale; the initial latents are standard normal noise (or the
-request's `latents`) times the scheduler's initial sigma. The noise comes from the core's
-random.Random(seed) through the `normal` kernel (Noise), so a seeded image is the same on every target.
+rows in one batch and mixes them by guidance_scale (then rescales them by guidance_rescale); the initial
+latents are standard normal noise (or the request's `latents`) times the scheduler's initial sigma. The
+noise comes from the core's random.Random(seed) through the `normal` kernel (Noise), so a seeded image is
+the same on every target.
 
 Where things come from: the scheduler from the folder's scheduler/scheduler_config.json and
 generation.scheduler; the latents' default size from the UNet graph's fixed dims or its config.json
