@@ -117,3 +117,55 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
                                               "spacing repeated timesteps"):
         dpm = scheduler_config({"timestep_spacing": "leading"}, "DPMSolverMultistepScheduler", "x")
         make_schedule(dpm, 1000)
+
+
+def test_hostile_scheduler_configs_give_clear_errors_or_finite_schedules() -> None:
+    """Fields at and past their edges, alone and together, for every class and several step counts: a
+    ConfigError or GenerationError, or a schedule whose every number is a finite float; never another
+    exception (an IndexError, a ZeroDivisionError, a complex number from a negative square root)."""
+    import itertools
+    import math
+    import random
+
+    from ortpipe.loops.schedulers import SCHEDULERS
+
+    edges = {
+        "num_train_timesteps": [0, 1, 2, 3, 10, 1000],
+        "beta_start": [0.0, 0.5, 0.99, 1.0, 1.5],
+        "beta_end": [0.0, 0.02, 0.999, 1.0, 2.0],
+        "beta_schedule": ["linear", "scaled_linear"],
+        "steps_offset": [0, 1, 999, 5000],
+        "timestep_spacing": ["linspace", "leading", "trailing"],
+        "prediction_type": ["epsilon", "v_prediction"],
+        "rescale_betas_zero_snr": [False, True],
+        "use_karras_sigmas": [False, True],
+        "use_exponential_sigmas": [False, True],
+        "sigma_min": [None, 1e-30, 0.5, 50.0],
+        "sigma_max": [None, 1e-30, 0.5, 1e30],
+        "final_sigmas_type": ["zero", "sigma_min"],
+        "set_alpha_to_one": [False, True],
+        "solver_order": [1, 2, 3],
+        "solver_type": ["midpoint", "heun"],
+        "lower_order_final": [False, True],
+        "algorithm_type": ["dpmsolver++", "sde-dpmsolver++"],
+        "original_inference_steps": [1, 50, 5000],
+        "skip_prk_steps": [True],
+        "clip_sample": [False, True],
+    }
+    rng = random.Random(0)
+    outcomes = {"schedule": 0, "refused": 0}
+    for name, _ in itertools.product(SCHEDULERS, range(60)):
+        fields = {k: rng.choice(v) for k, v in edges.items() if rng.random() < 0.35}
+        for steps in (1, 2, 7, 50):
+            try:
+                schedule = make_schedule(scheduler_config(fields, name, "x"), steps)
+            except (ConfigError, GenerationError):
+                outcomes["refused"] += 1
+                continue
+            outcomes["schedule"] += 1
+            numbers = [schedule.init_noise_sigma] + [v for s in schedule.steps for v in (s.timestep, s.input_scale)]
+            numbers += [v for s in schedule.steps for i, v in enumerate(s.coefficients) if i not in (2, 3)]
+            clips = [v for s in schedule.steps for v in s.coefficients[2:4]]  # may be -inf, inf: no clipping
+            assert all(isinstance(v, float) and math.isfinite(v) for v in numbers), (name, fields, steps)
+            assert all(isinstance(v, float) and not math.isnan(v) for v in clips), (name, fields, steps)
+    assert outcomes["schedule"] > 100 and outcomes["refused"] > 100, outcomes

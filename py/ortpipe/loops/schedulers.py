@@ -193,6 +193,17 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
                 f"{where}: {wanted} with {key} {quote(config.get(key))} is not run by ortpipe "
                 f"(it runs {', '.join(map(quote, allowed))})"
             )
+    problems += _field_problems(config, wanted, where)
+    if not problems:
+        problems += _schedule_problems(config, where)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _field_problems(config: Mapping[str, Any], wanted: str, where: str) -> list[str]:
+    """The numeric fields' problems: their types and ranges."""
+    problems = []
     for key in NUMBERS:
         value = config.get(key)
         if key in config and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
@@ -209,9 +220,35 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
         or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
     ):
         problems.append(f"{where}: trained_betas must be num_train_timesteps numbers in [0, 1)")
-    if problems:
-        raise ConfigError(problems)
-    return config
+    count = config["num_train_timesteps"]
+    if not isinstance(count, int) or isinstance(count, bool) or count < 2:
+        problems.append(f"{where}: num_train_timesteps must be an integer of 2 or more, found {quote(count)}")
+    for key in ("beta_start", "beta_end"):
+        if isinstance(config[key], (int, float)) and not 0 <= config[key] < 1:
+            problems.append(f"{where}: {key} must be in [0, 1), found {quote(config[key])}")
+    return problems
+
+
+def _schedule_problems(config: Mapping[str, Any], where: str) -> list[str]:
+    """What makes the noise schedule unusable: an alpha product of 0 or 1 (a sigma of 0 or infinity) before
+    any zero-SNR rescale, which every scheduler here divides by somewhere."""
+    betas = _betas(config)
+    products = _cumprod(betas)
+    bad = next((t for t, a in enumerate(products) if not 0 < a < 1), None)
+    if bad is None and config.get("rescale_betas_zero_snr") and "rescale_betas_zero_snr" in DEFAULTS[
+            config["_class_name"]]:
+        if betas[-1] <= 0:
+            return [f"{where}: rescale_betas_zero_snr needs a last beta above 0 (it is {betas[-1]:.3g})"]
+        rescaled = alphas_cumprod(config)
+        bad = next((t for t, a in enumerate(rescaled[:-1]) if not 0 < a < 1), None)
+        products = rescaled
+    if bad is not None:
+        return [
+            f"{where}: the betas make the alpha product {products[bad]:.3g} at timestep {bad} (it must stay "
+            "strictly between 0 and 1: every beta above 0, and not so large that the product vanishes); "
+            "check beta_start, beta_end, beta_schedule or trained_betas"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -250,15 +287,18 @@ def _linspace(start: float, stop: float, count: int) -> list[float]:
 ZERO_SNR_FLOOR = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
 
 
-def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
+def _betas(config: Mapping[str, Any]) -> list[float]:
     count, start, end = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
     if config.get("trained_betas"):
-        betas = [float(b) for b in config["trained_betas"]]
-    elif config["beta_schedule"] == "scaled_linear":
-        betas = [b * b for b in _linspace(start**0.5, end**0.5, count)]
-    else:
-        betas = _linspace(start, end, count)
-    out = _cumprod(betas)
+        return [float(b) for b in config["trained_betas"]]
+    if config["beta_schedule"] == "scaled_linear":
+        return [b * b for b in _linspace(start**0.5, end**0.5, count)]
+    return _linspace(start, end, count)
+
+
+def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
+    count = config["num_train_timesteps"]
+    out = _cumprod(_betas(config))
     if config.get("rescale_betas_zero_snr") and "rescale_betas_zero_snr" in DEFAULTS[config["_class_name"]]:
         # arXiv 2305.08891: the last timestep's signal made zero
         roots = [a**0.5 for a in out]
@@ -268,6 +308,17 @@ def alphas_cumprod(config: Mapping[str, Any]) -> list[float]:
         if config["_class_name"] in ZERO_SNR_FLOOR:
             out[-1] = 2.0**-24  # close to 0, so that the first sigma is finite
     return out
+
+
+def _alpha(cumprod: list[float], t: int, config: Mapping[str, Any], steps: int) -> float:
+    """The alpha product at training timestep t; a GenerationError past the table (steps_offset too big)."""
+    if not 0 <= t < len(cumprod):
+        raise GenerationError(
+            f"num_steps {steps} gives {config['_class_name']} timestep {t}, outside its "
+            f"{len(cumprod)} training timesteps (steps_offset {config.get('steps_offset')}): lower "
+            "steps_offset or change num_steps"
+        )
+    return cumprod[t]
 
 
 def _cumprod(betas: list[float]) -> list[float]:
@@ -417,7 +468,7 @@ def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
     _distinct(timesteps, config)
     for t in timesteps:
         prev = t - config["num_train_timesteps"] // steps  # whatever the spacing, as diffusers does
-        a, a_prev = cumprod[t], (cumprod[prev] if prev >= 0 else final)
+        a, a_prev = _alpha(cumprod, t, config, steps), (cumprod[prev] if prev >= 0 else final)
         # x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps, eps the model's own (before any clipping)
         if config["prediction_type"] == "epsilon":
             eps = (0.0, 1.0)
@@ -455,7 +506,7 @@ def lcm(config: Mapping[str, Any], steps: int) -> Schedule:
     out = []
     for i, t in enumerate(timesteps):
         prev = timesteps[i + 1] if i + 1 < steps else t
-        a, a_prev = cumprod[t], (cumprod[prev] if prev >= 0 else final)
+        a, a_prev = _alpha(cumprod, t, config, steps), (cumprod[prev] if prev >= 0 else final)
         scaled = t * config["timestep_scaling"]
         c_skip, c_out = 0.25 / (scaled**2 + 0.25), scaled / (scaled**2 + 0.25) ** 0.5  # sigma_data 0.5
         last = (
@@ -608,7 +659,7 @@ def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
     remembered = 0
     for i, t in enumerate(timesteps):
         at, previous = (t + ratio, t) if i == 1 else (t, t - ratio)
-        a = cumprod[at]
+        a = _alpha(cumprod, at, config, steps)
         a_prev = cumprod[previous] if previous >= 0 else final
         keep = (a_prev / a) ** 0.5
         drop = (a_prev - a) / (a * (1 - a_prev) ** 0.5 + (a * (1 - a) * a_prev) ** 0.5)
@@ -655,6 +706,15 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
             f"num_steps {steps} gives {name} with {config['timestep_spacing']} spacing "
             f"{len(schedule.steps)} timesteps; choose another number of steps"
         )
+    for i, step in enumerate(schedule.steps):  # clipping bounds may be infinite; nothing else may
+        numbers = (schedule.init_noise_sigma, step.timestep, step.input_scale, *step.coefficients[:2],
+                   *step.coefficients[4:])
+        if not all(isinstance(v, float) and math.isfinite(v) for v in numbers):
+            raise GenerationError(
+                f"num_steps {steps} gives {name} a step {i + 1} that is not a finite real number (its noise "
+                "schedule's sigmas overflow or stop decreasing): check beta_start, beta_end, trained_betas "
+                "and rescale_betas_zero_snr"
+            )
     return schedule
 
 
