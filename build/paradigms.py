@@ -253,7 +253,8 @@ SCHEDULER_BASE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end"
                   "set_alpha_to_one": False}
 FOLDER_SCHEDULER = {**SCHEDULER_BASE, "prediction_type": "epsilon", "timestep_spacing": "leading"}  # Euler
 PROMPT, NEGATIVE = "a red cube on a wooden table", "blurry, low quality"
-NOISY_SCHEDULERS = ("EulerAncestralDiscreteScheduler", "LCMScheduler")  # they draw noise inside step()
+# they draw noise inside step()
+NOISY_SCHEDULERS = ("EulerAncestralDiscreteScheduler", "LCMScheduler", "DDPMScheduler")
 
 # (name, scheduler class, prediction_type, timestep_spacing, steps, guidance_scale, negative prompt)
 SD_CASES = (
@@ -290,6 +291,9 @@ SD_CASES = (
     ("pndm-eps-leading-cfg", "PNDMScheduler", "epsilon", "leading", 6, 7.5, NEGATIVE),
     ("pndm-v-trailing", "PNDMScheduler", "v_prediction", "trailing", 4, 1.0, None),
     ("pndm-eps-linspace-2", "PNDMScheduler", "epsilon", "linspace", 2, 3.0, None),
+    ("ddpm-eps-leading-cfg", "DDPMScheduler", "epsilon", "leading", 5, 7.5, NEGATIVE),
+    ("ddpm-v-trailing-large", "DDPMScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("ddpm-eps-linspace-log", "DDPMScheduler", "epsilon", "linspace", 3, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -312,6 +316,8 @@ SD_CASE_FIELDS = {
     "pndm-eps-leading-cfg": {"skip_prk_steps": True},  # Stable Diffusion 1.x's scheduler_config.json
     "pndm-v-trailing": {"skip_prk_steps": True, "set_alpha_to_one": True},
     "pndm-eps-linspace-2": {"skip_prk_steps": True},
+    "ddpm-v-trailing-large": {"variance_type": "fixed_large", "clip_sample": True},
+    "ddpm-eps-linspace-log": {"variance_type": "fixed_small_log"},
     "euler-exp-v-trailing-range": {"use_exponential_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},

@@ -253,6 +253,49 @@ class DDIM:
         return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
 
 
+class DDPM:
+    """DDPMScheduler over a spaced schedule, fixed variances (small or large): noise at every timestep
+    above 0."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, thresholding=(False,), variance_type=("fixed_small", "fixed_small_log", "fixed_large"))
+        self.config, self.steps = config, steps
+        self.cumprod = alphas_cumprod(config)
+        count = config["num_train_timesteps"]
+        spacing = config.get("timestep_spacing", "leading")
+        if spacing == "linspace":
+            self.timesteps = np.linspace(0, count - 1, steps).round()[::-1].astype(np.int64)
+        elif spacing == "leading":
+            self.timesteps = (np.arange(steps) * (count // steps)).round()[::-1].astype(np.int64)
+            self.timesteps += config.get("steps_offset", 0)
+        else:
+            self.timesteps = np.round(np.arange(count, 0, -count / steps)).astype(np.int64) - 1
+        self.init_noise_sigma = 1.0
+        self.noise_steps = [i for i, t in enumerate(self.timesteps) if t > 0]
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        t = self.timesteps[i]
+        prev = self.timesteps[i + 1] if i + 1 < len(self.timesteps) else -1
+        a_t = self.cumprod[t]
+        a_prev = self.cumprod[prev] if prev >= 0 else 1.0
+        beta_t = 1 - a_t / a_prev
+        x0 = _x0_from_alpha(self.config, output, x, a_t)
+        if self.config.get("clip_sample", True):
+            limit = self.config.get("clip_sample_range", 1.0)
+            x0 = np.clip(x0, -limit, limit)
+        mean = (a_prev**0.5 * beta_t / (1 - a_t)) * x0 + ((1 - beta_t) ** 0.5 * (1 - a_prev) / (1 - a_t)) * x
+        if t == 0:
+            return mean
+        if noise is None:
+            raise ValueError(f"DDPM step {i} (timestep {t}) needs its noise")
+        if self.config.get("variance_type", "fixed_small") == "fixed_large":
+            return mean + beta_t**0.5 * noise
+        return mean + max((1 - a_prev) / (1 - a_t) * beta_t, 1e-20) ** 0.5 * noise
+
+
 class LCM:
     """LCMScheduler: the timesteps are a subset of its `original_inference_steps` schedule (no spacing)."""
 
@@ -443,6 +486,7 @@ SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
     "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),
     "DDIMScheduler": DDIM,
+    "DDPMScheduler": DDPM,
     "LCMScheduler": LCM,
     "DPMSolverMultistepScheduler": DPMSolverMultistep,
     "PNDMScheduler": PNDM,

@@ -163,7 +163,8 @@ def test_hostile_scheduler_configs_give_clear_errors_or_finite_schedules() -> No
                 outcomes["refused"] += 1
                 continue
             outcomes["schedule"] += 1
-            numbers = [schedule.init_noise_sigma] + [v for s in schedule.steps for v in (s.timestep, s.input_scale)]
+            numbers = [schedule.init_noise_sigma]
+            numbers += [v for s in schedule.steps for v in (s.timestep, s.input_scale)]
             numbers += [v for s in schedule.steps for i, v in enumerate(s.coefficients) if i not in (2, 3)]
             clips = [v for s in schedule.steps for v in s.coefficients[2:4]]  # may be -inf, inf: no clipping
             assert all(isinstance(v, float) and math.isfinite(v) for v in numbers), (name, fields, steps)

@@ -3,11 +3,11 @@
 A scheduler here is the schedule of one request: each step's timestep, the scale of the UNet's input and
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
-(EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, LCM, DPMSolverMultistep's dpmsolver++ and
-sde-dpmsolver++ of order 1 to 3), for epsilon and v_prediction and the three timestep spacings (arXiv
-2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv 2206.00364;
-`use_exponential_sigmas`) for EulerDiscrete, Karras also for DPMSolverMultistep. A
-field whose value changes what diffusers computes and that is not followed here is a ConfigError at load.
+(EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
+dpmsolver++ and sde-dpmsolver++ of order 1 to 3), for epsilon and v_prediction and the three timestep
+spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv
+2206.00364; `use_exponential_sigmas`) for EulerDiscrete, Karras also for DPMSolverMultistep. A field whose
+value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
 when the config says so), the step's noise and the x0 of the two steps before (DPM-Solver's second and
@@ -40,6 +40,7 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "dpm_solver_multistep": "DPMSolverMultistepScheduler",
     "dpmsolver_multistep": "DPMSolverMultistepScheduler",
     "pndm": "PNDMScheduler",
+    "ddpm": "DDPMScheduler",
 }
 _BETAS = {
     "num_train_timesteps": 1000,
@@ -87,6 +88,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "timestep_spacing": "leading",
         "timestep_scaling": 10.0,
     },
+    "DDPMScheduler": {
+        **_BETAS,
+        "variance_type": "fixed_small",
+        "clip_sample": True,
+        "clip_sample_range": 1.0,
+        "thresholding": False,
+        "timestep_spacing": "leading",
+    },
     "PNDMScheduler": {
         **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
         "skip_prk_steps": False,
@@ -132,6 +141,12 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     },
     "EulerAncestralDiscreteScheduler": dict(_COMMON),
     "DDIMScheduler": {**_COMMON, "thresholding": (False,)},
+    "DDPMScheduler": {
+        **_COMMON,
+        "thresholding": (False,),
+        # the variance of each step's noise; "learned" ones read a second half of the UNet's output
+        "variance_type": ("fixed_small", "fixed_small_log", "fixed_large"),
+    },
     "PNDMScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "skip_prk_steps": (True,),  # PLMS; the Runge-Kutta warm-up is not run
@@ -489,6 +504,34 @@ def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
+def ddpm(config: Mapping[str, Any], steps: int) -> Schedule:
+    """DDPMScheduler over a spaced schedule: the posterior mean of the clean latents (clipped as the config
+    says) and the latents, plus noise of the fixed variance at every timestep above 0."""
+    cumprod = alphas_cumprod(config)
+    count = config["num_train_timesteps"]
+    if config["timestep_spacing"] == "linspace":
+        timesteps = [int(round(t)) for t in _linspace(0, count - 1, steps)][::-1]
+    elif config["timestep_spacing"] == "leading":
+        timesteps = [round(i * (count // steps)) + config["steps_offset"] for i in range(steps)][::-1]
+    else:
+        timesteps = [int(t) for t in spaced(config, steps)]
+    _distinct(timesteps, config)
+    clip = config["clip_sample_range"] if config["clip_sample"] else INF
+    out = []
+    for i, t in enumerate(timesteps):
+        previous = timesteps[i + 1] if i + 1 < len(timesteps) else -1  # the schedule's next, as diffusers
+        a = _alpha(cumprod, t, config, steps)
+        a_prev = _alpha(cumprod, previous, config, steps) if previous >= 0 else 1.0
+        kept = a / a_prev  # the alpha of this stride
+        noise = 0.0
+        if t > 0:
+            small = max((1 - a_prev) / (1 - a) * (1 - kept), 1e-20)
+            noise = (1 - kept) ** 0.5 if config["variance_type"] == "fixed_large" else small**0.5
+        out.append(_step(float(t), 1.0, _x0_alpha(config, a), clip, x=kept**0.5 * (1 - a_prev) / (1 - a),
+                         from_x0=a_prev**0.5 * (1 - kept) / (1 - a), noise=noise))
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
 def lcm(config: Mapping[str, Any], steps: int) -> Schedule:
     original = config["original_inference_steps"]
     if steps > original:
@@ -694,6 +737,8 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
         schedule = euler(config, steps, ancestral=name == "EulerAncestralDiscreteScheduler")
     elif name == "DDIMScheduler":
         schedule = ddim(config, steps)
+    elif name == "DDPMScheduler":
+        schedule = ddpm(config, steps)
     elif name == "LCMScheduler":
         schedule = lcm(config, steps)
     elif name == "PNDMScheduler":
