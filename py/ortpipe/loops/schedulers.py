@@ -10,12 +10,12 @@ spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas (`use_kar
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
-when the config says so), the step's noise and the x0 of the two steps before (DPM-Solver's second and
-third orders):
+when the config says so), the step's noise and the x0 of up to three steps before (DPM-Solver's second and
+third orders; PNDM's past outputs, its x0 being the output itself):
 
     x0 = clip(x0_from_x * x + x0_from_output * output)
     x_next = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
-             + from_previous_x0 * x0_prev + from_previous2_x0 * x0_prev2
+             + from_previous_x0 * x0_prev + from_previous2_x0 * x0_prev2 + from_previous3_x0 * x0_prev3
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_beta_sigmas": False,
         "timestep_type": "discrete",
         "final_sigmas_type": "zero",
-        "sigma_min": None,  # the ends of Karras sigmas (None: the spaced schedule's)
+        "sigma_min": None,  # the ends of Karras or exponential sigmas (None: the spaced schedule's)
         "sigma_max": None,
     },
     "EulerAncestralDiscreteScheduler": {**_BETAS, "timestep_spacing": "linspace"},
