@@ -199,9 +199,9 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
         config["lambda_min_clipped"] = -INF
     problems = []
     spreads = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
-    spacings = [k for k in spreads if config.get(k) is True]
-    if len(spacings) > 1:
-        problems.append(f"{where}: {' and '.join(spacings)} are set together: diffusers takes one at most")
+    chosen = [k for k in spreads if config.get(k) is True]
+    if len(chosen) > 1:
+        problems.append(f"{where}: {' and '.join(chosen)} are set together: diffusers takes one at most")
     for key, allowed in ALLOWED[wanted].items():
         if allowed is not None and config.get(key) not in allowed:
             problems.append(
@@ -443,8 +443,11 @@ def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
     timesteps = [_f32(t) for t in spaced(config, steps)]
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
     sigmas = [_interp(t, table) for t in timesteps]
-    spread = None if ancestral else karras if config["use_karras_sigmas"] else (
-        exponential if config["use_exponential_sigmas"] else None)
+    spread = None
+    if not ancestral and config["use_karras_sigmas"]:
+        spread = karras
+    elif not ancestral and config["use_exponential_sigmas"]:
+        spread = exponential
     if spread:  # between the spaced ends, or the config's own
         high, low = config["sigma_max"], config["sigma_min"]
         sigmas = spread(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
@@ -508,13 +511,7 @@ def ddpm(config: Mapping[str, Any], steps: int) -> Schedule:
     """DDPMScheduler over a spaced schedule: the posterior mean of the clean latents (clipped as the config
     says) and the latents, plus noise of the fixed variance at every timestep above 0."""
     cumprod = alphas_cumprod(config)
-    count = config["num_train_timesteps"]
-    if config["timestep_spacing"] == "linspace":
-        timesteps = [int(round(t)) for t in _linspace(0, count - 1, steps)][::-1]
-    elif config["timestep_spacing"] == "leading":
-        timesteps = [round(i * (count // steps)) + config["steps_offset"] for i in range(steps)][::-1]
-    else:
-        timesteps = [int(t) for t in spaced(config, steps)]
+    timesteps = [int(round(t)) for t in spaced(config, steps)]  # as DDIM's
     _distinct(timesteps, config)
     clip = config["clip_sample_range"] if config["clip_sample"] else INF
     out = []
@@ -689,17 +686,11 @@ def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
     count = config["num_train_timesteps"]
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
     ratio = count // steps
-    if config["timestep_spacing"] == "linspace":
-        base = [int(round(t)) for t in _linspace(0, count - 1, steps)]
-    elif config["timestep_spacing"] == "leading":
-        base = [round(i * ratio) + config["steps_offset"] for i in range(steps)]
-    else:
-        base = [int(t) for t in spaced(config, steps)][::-1]  # trailing, ascending
+    base = [int(round(t)) for t in spaced(config, steps)][::-1]  # ascending
     timesteps = (base[:-1] + base[-2:-1] + base[-1:])[::-1]
     v = config["prediction_type"] == "v_prediction"
     out: list[Step] = []
     first: tuple[float, float] = (1.0, 0.0)  # the first run: x_1 = first[0] * x_0 + first[1] * output_0
-    remembered = 0
     for i, t in enumerate(timesteps):
         at, previous = (t + ratio, t) if i == 1 else (t, t - ratio)
         a = _alpha(cumprod, at, config, steps)
@@ -710,12 +701,10 @@ def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
         from_x = keep - drop * ((1 - a) ** 0.5 if v else 0.0)
         scale = drop * (a**0.5 if v else 1.0)
         if i == 1:  # from the first run's sample x_0 = (x - first[1] * output_0) / first[0], outputs averaged
-            weights = (0.5, 0.5, 0.0, 0.0)
-            step = _step(float(t), 1.0, (0.0, 1.0), x=from_x / first[0], from_x0=-scale * weights[0],
-                         previous=-from_x * first[1] / first[0] - scale * weights[1], remember=False)
-        else:
-            remembered += 1
-            weights = (*PLMS[min(remembered, 4)], 0.0, 0.0, 0.0)[:4]
+            step = _step(float(t), 1.0, (0.0, 1.0), x=from_x / first[0], from_x0=-scale * 0.5,
+                         previous=-from_x * first[1] / first[0] - scale * 0.5, remember=False)
+        else:  # the outputs so far, the second run's left out: 1 at the first run, i after it
+            weights = (*PLMS[min(max(i, 1), 4)], 0.0, 0.0, 0.0)[:4]
             past = [-scale * w for w in weights]
             step = _step(float(t), 1.0, (0.0, 1.0), x=from_x, from_x0=past[0], previous=past[1],
                          previous2=past[2], previous3=past[3])
