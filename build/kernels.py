@@ -92,10 +92,11 @@ def put_rows(elem: int) -> onnx.GraphProto:
 def _concat(axis: int) -> Callable[[int], onnx.GraphProto]:
     def make(elem: int) -> onnx.GraphProto:
         """a, b -> a and b joined along `axis` (0: per-image outputs gathered into one tensor; 1: a step
-        output accumulated over the decode steps)."""
+        output accumulated over the decode steps; -1: the sources of a joined wire, side by side)."""
         a, b, y = (helper.make_value_info(n, helper.make_tensor_type_proto(elem, shape=None)) for n in "aby")
-        return helper.make_graph([helper.make_node("Concat", ["a", "b"], ["y"], axis=axis)], f"concat{axis}",
-                                 [a, b], [y])
+        name = "concat_last" if axis == -1 else f"concat{axis}"
+        graph = helper.make_node("Concat", ["a", "b"], ["y"], axis=axis)
+        return helper.make_graph([graph], name, [a, b], [y])
 
     return make
 
@@ -449,6 +450,7 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "narrow": (narrow, (*FLOAT_TYPES, "int64")),
     "concat0": (_concat(0), tuple(FLOAT_TYPES)),
     "concat1": (_concat(1), tuple(FLOAT_TYPES)),
+    "concat_last": (_concat(-1), tuple(FLOAT_TYPES)),
     "pad": (pad, tuple(FLOAT_TYPES)),
     "put_rows": (put_rows, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),

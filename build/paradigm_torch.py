@@ -207,6 +207,89 @@ def make_sd(spec: dict) -> None:
                                                         ("vae", vae))}}))
 
 
+def make_sdxl(spec: dict) -> None:
+    """A StableDiffusionXLPipeline of tiny random parts, saved with save_pretrained: the second tokenizer pads
+    with "!" as Stable Diffusion XL's does."""
+    import diffusers
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    text_encoder = transformers.CLIPTextModel(transformers.CLIPTextConfig(**spec["text_encoder"]))
+    text_encoder_2 = transformers.CLIPTextModelWithProjection(
+        transformers.CLIPTextConfig(**spec["text_encoder_2"]))
+    unet = diffusers.UNet2DConditionModel(**spec["unet"])
+    vae = diffusers.AutoencoderKL(**spec["vae"])
+    for seed, part in enumerate((text_encoder, text_encoder_2, unet, vae)):
+        _noisy_vectors(part, SEED + seed, spec["vector_noise"])
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"])
+    tokenizer_2 = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"], pad_token="!")
+    scheduler = diffusers.EulerDiscreteScheduler.from_config(spec["scheduler"])
+    pipe = diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder,
+                                               text_encoder_2=text_encoder_2,
+                                               tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
+                                               scheduler=scheduler, add_watermarker=False)
+    pipe.save_pretrained(spec["out"], safe_serialization=True)
+    print(json.dumps({"parameters": {name: sum(p.numel() for p in part.parameters())
+                                     for name, part in (("text_encoder", text_encoder),
+                                                        ("text_encoder_2", text_encoder_2), ("unet", unet),
+                                                        ("vae", vae))}}))
+
+
+def _load_sdxl(hf: str):
+    import diffusers
+    import transformers
+
+    parts = {
+        "text_encoder": _strict(transformers.CLIPTextModel.from_pretrained(hf, subfolder="text_encoder",
+                                                                           output_loading_info=True)),
+        "text_encoder_2": _strict(transformers.CLIPTextModelWithProjection.from_pretrained(
+            hf, subfolder="text_encoder_2", output_loading_info=True)),
+        "unet": _strict(diffusers.UNet2DConditionModel.from_pretrained(hf, subfolder="unet",
+                                                                       output_loading_info=True)),
+        "vae": _strict(diffusers.AutoencoderKL.from_pretrained(hf, subfolder="vae",
+                                                               output_loading_info=True)),
+    }
+    tokenizers = {name: transformers.CLIPTokenizer.from_pretrained(hf, subfolder=name)
+                  for name in ("tokenizer", "tokenizer_2")}
+    scheduler = diffusers.EulerDiscreteScheduler.from_pretrained(hf, subfolder="scheduler")
+    return diffusers.StableDiffusionXLPipeline(**parts, **tokenizers, scheduler=scheduler,
+                                               add_watermarker=False)
+
+
+def sdxl_refs(spec: dict) -> None:
+    """Each case through diffusers' StableDiffusionXLPipeline: image and final latents, both tokenizers' ids
+    (the negative's None where the pipeline zeroes the unconditional states)."""
+    import numpy as np
+
+    pipe = _load_sdxl(spec["hf"])
+    pipe.set_progress_bar_config(disable=True)
+    refs = Path(spec["out"]) / "references"
+    index = []
+    seen: list = []  # the size conditioning the pipeline hands its UNet, each call
+
+    def keep(_module, _args, kwargs):
+        seen.append(kwargs["added_cond_kwargs"]["time_ids"].numpy().tolist())
+
+    pipe.unet.register_forward_pre_hook(keep, with_kwargs=True)
+    for case in spec["cases"]:
+        seen.clear()
+        result = _run_case(pipe, case, refs)
+        name = case["name"]
+        np.save(refs / f"{name}.image.npy", result["image"])
+        np.save(refs / f"{name}.final_latents.npy", result["final_latents"])
+        negative = case.get("negative_prompt")
+        zeros = negative is None and case["guidance_scale"] > 1 and pipe.config.force_zeros_for_empty_prompt
+        index.append({**case, "scheduler": result["scheduler"], "image": f"{name}.image.npy",
+                      "final_latents": f"{name}.final_latents.npy", "noise_draws": result["noise_draws"],
+                      "timesteps": result["timesteps"], "zero_negative": bool(zeros), "time_ids": seen[0],
+                      "prompt_ids": [_ids(pipe.tokenizer, case["prompt"]),
+                                     _ids(pipe.tokenizer_2, case["prompt"])],
+                      "negative_prompt_ids": [_ids(pipe.tokenizer, negative),
+                                              _ids(pipe.tokenizer_2, negative)]})
+    _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor, "cases": index})
+
+
 def _load_sd(hf: str):
     import diffusers
     import transformers
@@ -334,7 +417,8 @@ def draw_case_inputs(spec: dict) -> None:
 
 
 COMMANDS = {"make-bert": make_bert, "make-st": make_st, "st-refs": st_refs, "make-vits": make_vits,
-            "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs,
+            "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs, "make-sdxl": make_sdxl,
+            "sdxl-refs": sdxl_refs,
             "draw-case-inputs": draw_case_inputs}
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@
     python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
     python -m build.paradigms sd-bench                        # the benchmark UNet (88M parameters)
 
-Three folders as people have them (docs/paradigm-models.md says what each holds):
+Four folders as people have them (docs/paradigm-models.md says what each holds):
 - `st-minilm` (and `-cls`, `-nonorm`): a sentence-transformers folder with optimum's `onnx/model.onnx`;
 - `vits-tiny`: a transformers.js-style VITS folder (optimum's text-to-audio export);
-- `sd-tiny`: optimum's Stable Diffusion export (`model_index.json`, `text_encoder/`, `unet/`, ...).
+- `sd-tiny`: optimum's Stable Diffusion export (`model_index.json`, `text_encoder/`, `unet/`, ...);
+- `sdxl-tiny`: optimum's Stable Diffusion XL export (`text_encoder_2/`, `tokenizer_2/` beside those).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
-StableDiffusionPipeline computed (torch, fp32) from the same weights.
+StableDiffusionPipeline / StableDiffusionXLPipeline computed (torch, fp32) from the same weights.
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
 the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
@@ -371,21 +372,27 @@ SD_SIZES = {
 }
 
 
-def make_sd_diffusers(out: Path, size: str) -> Path:
-    """The diffusers pipeline (save_pretrained), made in the export environment."""
+def _with_clip_tokenizer(command: str, out: Path, spec: Callable[[dict], dict]) -> Path:
+    """Run the export environment's `command` with the CLIP tokenizer and `spec(the ids its text encoders'
+    configs take)`: a diffusers pipeline saved in `out`."""
     with tempfile.TemporaryDirectory(prefix="ortpipe-clip-") as scratch:
         tokenizer = clip_tokenizer(Path(scratch))
         vocab = json.loads((tokenizer / "vocab.json").read_text())
         ids = {"vocab_size": len(vocab), "max_position_embeddings": CLIP_LENGTH,
                "bos_token_id": vocab["<|startoftext|>"], "eos_token_id": vocab["<|endoftext|>"],
                "pad_token_id": vocab["<|endoftext|>"]}
-        sizes = SD_SIZES[size]
-        printed = _export_env("make-sd", {
-            "out": str(out), "tokenizer": str(tokenizer), "text_encoder": {**sizes["text_encoder"], **ids},
-            "unet": sizes["unet"], "vae": sizes["vae"], "vae_out_gain": sizes["vae_out_gain"],
-            "vector_noise": 0.1, "scheduler": FOLDER_SCHEDULER})
+        printed = _export_env(command, {"out": str(out), "tokenizer": str(tokenizer), "vector_noise": 0.1,
+                                        "scheduler": FOLDER_SCHEDULER, **spec(ids)})
     print(printed.strip().splitlines()[-1])
     return out
+
+
+def make_sd_diffusers(out: Path, size: str) -> Path:
+    """The diffusers pipeline (save_pretrained), made in the export environment."""
+    sizes = SD_SIZES[size]
+    return _with_clip_tokenizer("make-sd", out, lambda ids: {
+        "text_encoder": {**sizes["text_encoder"], **ids}, "unet": sizes["unet"], "vae": sizes["vae"],
+        "vae_out_gain": sizes["vae_out_gain"]})
 
 
 def export_sd(hf: Path, out: Path) -> Path:
@@ -394,12 +401,55 @@ def export_sd(hf: Path, out: Path) -> Path:
     return _optimum(hf, out, "text-to-image")
 
 
-def make_sd(out: Path) -> Path:
-    export_sd(get("sd-tiny-diffusers"), out)
-    cases = sd_cases()
+def exported_with_references(out: Path, torch_folder: str, cases: list[dict], refs: str) -> Path:
+    """optimum's export of the built diffusers folder `torch_folder`, with each case's initial latents and
+    the reference environment's images (its command `refs`)."""
+    export_sd(get(torch_folder), out)
     _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": [1, 4, 8, 8]})
-    _reference_env("sd-refs", {"hf": str(get("sd-tiny-diffusers")), "out": str(out), "cases": cases})
+    _reference_env(refs, {"hf": str(get(torch_folder)), "out": str(out), "cases": cases})
     return out
+
+
+# Stable Diffusion XL: two text encoders (the second with a projection, its tokenizer padding with "!"), a
+# UNet taking their joined penultimate states, the second's pooled projection and the size conditioning.
+SDXL_CASES = (
+    ("sdxl-euler-eps-leading-cfg-zeros", "EulerDiscreteScheduler", "epsilon", "leading", 4, 5.0, None),
+    ("sdxl-euler-eps-leading-cfg-neg", "EulerDiscreteScheduler", "epsilon", "leading", 3, 5.0, NEGATIVE),
+    ("sdxl-euler-eps-trailing-cfg-empty", "EulerDiscreteScheduler", "epsilon", "trailing", 3, 7.0, ""),
+    ("sdxl-dpm-v-trailing", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
+)
+SDXL_TINY = {
+    "text_encoder": SD_SIZES["tiny"]["text_encoder"],
+    "text_encoder_2": {**SD_SIZES["tiny"]["text_encoder"], "hidden_size": 48, "intermediate_size": 53,
+                       "num_hidden_layers": 3, "projection_dim": 24},
+    # cross attention over both encoders' states (32 + 48); the added embedding over the pooled projection
+    # and six size values of addition_time_embed_dim each
+    "unet": {**SD_SIZES["tiny"]["unet"], "cross_attention_dim": 80, "addition_embed_type": "text_time",
+             "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 24 + 6 * 8},
+    "vae": SD_SIZES["tiny"]["vae"],
+}
+
+
+def sdxl_cases() -> list[dict]:
+    cases = []
+    for seed, (name, cls, prediction, spacing, steps, guidance, negative) in enumerate(SDXL_CASES, 100):
+        scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
+                     "timestep_spacing": spacing}
+        cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
+                      "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
+                      "latents": f"{name}.latents.npy", "noise": None, "guidance_rescale": 0.0})
+    return cases
+
+
+def make_sdxl_diffusers(out: Path) -> Path:
+    """A StableDiffusionXLPipeline of tiny random parts (save_pretrained), made in the export environment."""
+    return _with_clip_tokenizer("make-sdxl", out, lambda ids: {
+        "text_encoder": {**SDXL_TINY["text_encoder"], **ids},
+        "text_encoder_2": {**SDXL_TINY["text_encoder_2"], **ids}, "unet": SDXL_TINY["unet"],
+        "vae": SDXL_TINY["vae"]})
+
+
+
 
 
 # --- the named folders ---------------------------------------------------------------------------
@@ -412,7 +462,9 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "vits-hf": make_vits_hf,
     "vits-tiny": make_vits,
     "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
-    "sd-tiny": make_sd,
+    "sd-tiny": lambda out: exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs"),
+    "sdxl-tiny-diffusers": make_sdxl_diffusers,
+    "sdxl-tiny": lambda out: exported_with_references(out, "sdxl-tiny-diffusers", sdxl_cases(), "sdxl-refs"),
     "sd-bench-diffusers": lambda out: make_sd_diffusers(out, "bench"),
     "sd-bench": lambda out: export_sd(get("sd-bench-diffusers"), out),
 }

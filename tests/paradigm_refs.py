@@ -552,6 +552,59 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
     return image.astype(np.float32), x.astype(np.float32)
 
 
+def encode_prompt_xl(folder: Path, ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Stable Diffusion XL's text conditioning, as StableDiffusionXLPipeline.encode_prompt makes it: each text
+    encoder's last layer but one (its graph's hidden_states outputs, the embeddings' and each layer's) side by
+    side, and the second encoder's pooled projection (text_embeds); `ids`: one row per encoder's tokenizer."""
+    states, pooled = [], None
+    for k, encoder in enumerate(("text_encoder", "text_encoder_2")):
+        out = run(session(folder / encoder / "model.onnx"), {"input_ids": np.array([ids[k]], np.int64)})
+        layers = sorted((n for n in out if n.startswith("hidden_states.")),
+                        key=lambda n: int(n.split(".")[1]))
+        states.append(out[layers[-2]])
+        pooled = out.get("text_embeds")
+    return np.concatenate(states, axis=-1), pooled
+
+
+def generate_image_xl(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
+                      prompt_ids: Sequence[Sequence[int]],
+                      negative_prompt_ids: Sequence[Sequence[int]] | None,
+                      guidance_scale: float = 1.0, zero_negative: bool = False) -> np.ndarray:
+    """The image [batch, height, width, 3] StableDiffusionXLPipeline computes from the same initial `latents`,
+    by hand: the two encoders' conditioning (zeros for the unconditional row with `zero_negative`), the size
+    conditioning (the image's size in pixels as original and target size, the crop corner at 0, 0), the UNet
+    over [unconditional, conditional] rows with guidance, the scheduler's step, the VAE."""
+    folder = Path(folder)
+    guided = guidance_scale > 1
+    states, pooled = encode_prompt_xl(folder, prompt_ids)
+    if guided:
+        negative = ((np.zeros_like(states), np.zeros_like(pooled)) if zero_negative
+                    else encode_prompt_xl(folder, negative_prompt_ids))
+        states, pooled = np.concatenate([negative[0], states]), np.concatenate([negative[1], pooled])
+    vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
+    pixels = 2 ** (len(vae["block_out_channels"]) - 1)  # diffusers' vae_scale_factor
+    height, width = latents.shape[2] * pixels, latents.shape[3] * pixels
+    time_ids = np.array([[height, width, 0, 0, height, width]] * len(states), np.float32)
+    scheduler = make_scheduler(scheduler_config, steps)
+    if scheduler.noise_steps:
+        raise ValueError("this loop takes the deterministic schedulers only")
+    unet = session(folder / "unet" / "model.onnx")
+    x = latents.astype(np.float64) * scheduler.init_noise_sigma
+    for i, t in enumerate(scheduler.timesteps):
+        batch = np.concatenate([x, x]) if guided else x
+        feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
+                 "timestep": np.array(t, dtype=np.float32), "encoder_hidden_states": states,
+                 "text_embeds": pooled, "time_ids": time_ids}
+        output = run(unet, feeds)["out_sample"].astype(np.float64)
+        if guided:
+            uncond, cond = np.split(output, 2)
+            output = uncond + guidance_scale * (cond - uncond)
+        x = scheduler.step(output, i, x, None).astype(np.float32).astype(np.float64)
+    decoded = run(session(folder / "vae_decoder" / "model.onnx"),
+                  {"latent_sample": (x / vae["scaling_factor"]).astype(np.float32)})["sample"]
+    return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
+
+
 def with_scheduler(folder: Path | str, config: Mapping, out: Path | str) -> Path:
     """A copy of a diffusers folder whose scheduler/scheduler_config.json is `config` (the rest linked):
     how a user switches schedulers, and how a test runs one folder under every case's scheduler."""

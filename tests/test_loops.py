@@ -526,8 +526,12 @@ def test_image_kernels_follow_diffusers() -> None:
 
 
 @pytest.mark.parametrize(("files", "message"), [
-    ({"model_index.json": {"_class_name": "StableDiffusionXLPipeline", "text_encoder_2": ["x", "y"]}},
-     "is StableDiffusionXLPipeline, with text_encoder_2: ortpipe detects StableDiffusionPipeline-style"),
+    ({"model_index.json": {"_class_name": "FluxPipeline",
+                           "transformer": ["diffusers", "FluxTransformer2DModel"]}},
+     "is FluxPipeline, with transformer: ortpipe detects StableDiffusionPipeline-style"),
+    ({"model_index.json": {"_class_name": "StableDiffusionXLImg2ImgPipeline", "text_encoder": [None, None],
+                           "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}},
+     r"with text_encoder_2 without text_encoder \(a refiner\)"),
     ({"model_index.json": {"_class_name": "StableDiffusionPipeline"}},
      "has model_index.json but not text_encoder/model.onnx, unet/model.onnx, vae_decoder/model.onnx"),
     ({"modules.json": [{"type": "sentence_transformers.models.Transformer", "path": ""},

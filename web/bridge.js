@@ -133,6 +133,21 @@ export class Bridge {
     return outputs.map((name) => result[name]);
   }
 
+  /**
+   * Runs one after another, each as `run` or `runKernel` takes it ([session or null, kernel name, graph,
+   * device, names, tensors, outputs]): onnxruntime-web's wasm build fails two runs in flight at once
+   * (measured with 1.30: two text encoders of one init level gave a TypeError from inside its run).
+   */
+  async runEach(calls) {
+    const results = [];
+    for (const [session, name, graph, device, names, tensors, outputs] of calls) {
+      results.push(session
+        ? await this.run(session, names, tensors, outputs)
+        : await this.runKernel(name, graph, device, names, tensors, outputs));
+    }
+    return results;
+  }
+
   tensor(type, values, dims) {
     return new this.ort.Tensor(type, typedArray(type, values), dims);
   }

@@ -138,43 +138,75 @@ GRAPH_FILES = ("onnx/model.onnx", "model.onnx")
 
 def _diffusers(folder: Folder) -> dict[str, Any] | None:
     """optimum's export of a StableDiffusionPipeline: text encoder (init), UNet (step), VAE decoder
-    (final)."""
+    (final); of a StableDiffusionXLPipeline: two text encoders, each with its tokenizer, whose penultimate
+    states are joined for the UNet, the second's pooled projection and the loop's size conditioning beside."""
     if not folder.exists("model_index.json"):
         return None
     index = optional_json(folder, "model_index.json")
     kind = index.get("_class_name", "a diffusers pipeline")
-    other = [part for part in ("text_encoder_2", "transformer", "prior", "decoder") if part in index]
-    if other:
+    xl = _part(index, "text_encoder_2")
+    other = [part for part in ("transformer", "prior", "decoder", "image_encoder") if _part(index, part)]
+    if other or (xl and not _part(index, "text_encoder")):
+        found = ", ".join(other) or "text_encoder_2 without text_encoder (a refiner)"
         raise ConfigError(
-            f"{folder.describe('model_index.json')} is {kind}, with {', '.join(other)}: "
-            "ortpipe detects StableDiffusionPipeline-style folders (text_encoder, unet, "
-            "vae_decoder); write a genai_config.json for this one"
+            f"{folder.describe('model_index.json')} is {kind}, with {found}: ortpipe detects "
+            "StableDiffusionPipeline-style folders (text_encoder, unet, vae_decoder) and "
+            "StableDiffusionXLPipeline ones (text_encoder and text_encoder_2 beside them); write a "
+            "genai_config.json for this one"
         )
-    missing = [file for file in DIFFUSERS_PARTS.values() if not folder.exists(file)]
+    parts = {**DIFFUSERS_PARTS, **({"text_encoder_2": "text_encoder_2/model.onnx"} if xl else {})}
+    missing = [file for file in parts.values() if not folder.exists(file)]
     if missing:
         raise ConfigError(
             f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export the "
             "pipeline with optimum (optimum-cli export onnx --task text-to-image)"
         )
+    sessions: dict[str, Any] = {name: {"file": file} for name, file in parts.items()}
+    flow = [{"run": "text_encoder", "when": "init"}]
+    wires = [{"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"}]
+    generation: dict[str, Any] = {"loop": "denoising"}
+    if xl:
+        sessions["text_encoder_2"]["tokenizer"] = "tokenizer_2"
+        flow.append({"run": "text_encoder_2", "when": "init"})
+        wires = [
+            # diffusers' hidden_states[-2] of each encoder (clip_skip unset), side by side
+            {"from": [_penultimate(folder, "text_encoder"), _penultimate(folder, "text_encoder_2")],
+             "to": "unet.encoder_hidden_states"},
+            {"from": "text_encoder_2.text_embeds", "to": "unet.text_embeds"},
+        ]
+        zeros = index.get("force_zeros_for_empty_prompt", True)  # the pipeline's default
+        generation.update(guidance_scale=5.0, force_zeros_for_empty_prompt=zeros is True)
     return {
         "version": 2,
         "pipeline": {
-            "sessions": {name: {"file": file} for name, file in DIFFUSERS_PARTS.items()},
-            "flow": [
-                {"run": "text_encoder", "when": "init"},
-                {"run": "unet", "when": "step"},
-                {"run": "vae_decoder", "when": "final"},
-            ],
-            "dataflow": [
-                {"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"},
-                {"from": "unet.out_sample", "to": "vae_decoder.latent_sample"},
-            ],
+            "sessions": sessions,
+            "flow": [*flow, {"run": "unet", "when": "step"}, {"run": "vae_decoder", "when": "final"}],
+            "dataflow": [*wires, {"from": "unet.out_sample", "to": "vae_decoder.latent_sample"}],
             "output": {"session": "vae_decoder", "name": "sample", "as": "image"},
             "preprocessing": {"text": {"tokenizer": "tokenizer"}},
         },
-        "generation": {"loop": "denoising"},
+        "generation": generation,
         "metadata": {"model_type": kind, "detected_from": "model_index.json"},
     }
+
+
+def _part(index: dict[str, Any], name: str) -> bool:
+    """Whether model_index.json lists a component (diffusers writes [null, null] for one left out)."""
+    value = index.get(name)
+    return isinstance(value, list) and any(v is not None for v in value)
+
+
+def _penultimate(folder: Folder, encoder: str) -> str:
+    """The output of a text encoder's last layer but one: optimum's `hidden_states.N` of a CLIP text model
+    exported with its hidden states, N = num_hidden_layers - 1 from its config.json."""
+    file = f"{encoder}/config.json"
+    layers = optional_json(folder, file).get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ConfigError(
+            f"{folder.describe(file)} gives no num_hidden_layers: Stable Diffusion XL reads {encoder}'s last "
+            "layer but one (hidden_states.N); write a genai_config.json naming it"
+        )
+    return f"{encoder}.hidden_states.{layers - 1}"
 
 
 # sentence-transformers' pooling modes (1_Pooling/config.json), current names and legacy flags

@@ -143,7 +143,9 @@ def load_model(
     template = load_chat_template(folder, platform.compile_template)
     model = Model(folder, plan, platform.backend, tokenizer, template)
     model.plugin = factory
-    model.loop = loop_setup(plan, folder, tokenizer)
+    own = {name: load_tokenizer(folder, platform, spec.tokenizer)
+           for name, spec in config.pipeline.sessions.items() if spec.tokenizer is not None}
+    model.loop = loop_setup(plan, folder, tokenizer, own)
     model.platform, model.profile, model.device = platform, profile, (device, f16)
     why = cannot_verify(plan) if config.generation.settings.speculative else None
     if why:

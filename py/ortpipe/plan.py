@@ -37,6 +37,11 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
 LOOP = "loop"
 STREAM = "stream:"  # a LOOP feed of rows streamed from an earlier stage: "stream:SESSION.OUTPUT"
 DENOISING_ROLES = ("sample", "timestep")
+# a step input the denoising loop feeds when the graph has it: Stable Diffusion XL's size conditioning
+DENOISING_OPTIONAL = ("time_ids",)
+# JOINED: init sessions' outputs joined along the last axis (a wire of several sources, Feed.parts), computed
+# once the init phase has run; Feed.source names the joined value
+JOINED = "joined"
 CODEBOOK_ROLES = ("input_ids", "encoder_attention_mask")  # the codebook loop's step inputs (loops/codebooks)
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
@@ -81,6 +86,7 @@ class Feed:
     kind: str
     source: str = ""  # FROM_OUTPUT / CARRIED: "session.output"
     dtype: str = "int64"
+    parts: tuple[str, ...] = ()  # JOINED: the sources joined, in order
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,8 @@ def make_plan(config: Config, signatures: dict[str, Signature],
     )
     _check_outputs(config, signatures, problems)
     _check_generated(plan, problems)
+    _check_joined(config, plan, problems)
+    _check_tokenizers(config, plan, problems)
     if config.generation.loop == "denoising":
         _check_denoising(config, plan, problems)
     if config.generation.loop == "autoregressive" and plan.generator is None and not config.pipeline.plugin:
@@ -373,14 +381,20 @@ def _with_placeholder(config: Config, s: FlowStepPlan, init: list[FlowStepPlan])
 
 
 def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
+    for w in config.pipeline.stage_inputs:
+        if w.more:
+            problems.add(f"the wire {w} joins several sources across stages: join them inside one stage")
     for w in (*config.pipeline.dataflow, *config.pipeline.stage_inputs):  # a stage's: the other end elsewhere
-        src, dst = sigs.get(w.from_session), sigs.get(w.to_session)
-        if src and w.from_output not in src.output_names:
-            problems.add(
-                f'Dataflow wire references output "{w.from_output}" but session "{w.from_session}" has '
-                f"no such output (available outputs: {one_of(src.output_names)})."
-                f"{did_you_mean(w.from_output, src.output_names)}"
-            )
+        dst = sigs.get(w.to_session)
+        for source in w.sources:
+            session, output = source.split(".", 1)
+            src = sigs.get(session)
+            if src and output not in src.output_names:
+                problems.add(
+                    f'Dataflow wire references output "{output}" but session "{session}" has '
+                    f"no such output (available outputs: {one_of(src.output_names)})."
+                    f"{did_you_mean(output, src.output_names)}"
+                )
         if dst and w.to_input not in dst.input_names:
             problems.add(
                 f'Dataflow wire references input "{w.to_input}" but session "{w.to_session}" has '
@@ -416,7 +430,7 @@ def _step_plan(
         roles = {CACHE_BRANCH: "use_cache_branch"} if step.when == "step" else {}
     by_name = {name: role for role, name in roles.items()}
     loop_roles = (
-        {spec.inputs.get(r, r): r for r in DENOISING_ROLES}
+        {spec.inputs.get(r, r): r for r in (*DENOISING_ROLES, *DENOISING_OPTIONAL)}
         if loop == "denoising" and step.when == "step"
         else {spec.inputs.get(r, r): r for r in CODEBOOK_ROLES}
         if codebooks and step.when == "step"
@@ -509,9 +523,52 @@ def _check_accumulate(step: FlowStep, sig: Signature, problems: Problems) -> Non
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
     for w in config.pipeline.dataflow:
         if w.to_session == step.run and w.to_input == t.name:
+            if w.more:
+                return Feed(t.name, JOINED, " + ".join(w.sources), t.dtype, w.sources)
             kind = CARRIED if w.from_session == step.run else FROM_OUTPUT
             return Feed(t.name, kind, f"{w.from_session}.{w.from_output}", t.dtype)
     return None
+
+
+def _check_tokenizers(config: Config, plan: Plan, problems: Problems) -> None:
+    """A session's own tokenizer is for an init session of the denoising loop that reads token ids (the token
+    loops' ids are one tokenizer's; single_pass batches texts through one)."""
+    loop = config.generation.loop
+    for name, spec in config.pipeline.sessions.items():
+        if spec.tokenizer is None:
+            continue
+        if loop != "denoising":
+            problems.add(f'sessions.{name}.tokenizer is for the "denoising" loop\'s text encoders; this '
+                         f'config\'s loop is "{loop}": drop it (preprocessing.text.tokenizer names the one '
+                         "tokenizer)")
+            continue
+        ids = spec.inputs.get("input_ids", "input_ids")
+        if not any(s.session == name and any(f.kind == FROM_REQUEST and f.input == ids for f in s.feeds)
+                   for s in plan.init_steps):
+            problems.add(f'sessions.{name}.tokenizer names the tokenizer of its token ids, but session '
+                         f'"{name}" is not an init session that takes "{ids}" from the request: drop it')
+
+
+def _check_joined(config: Config, plan: Plan, problems: Problems) -> None:
+    """A wire of several sources joins init sessions' outputs of the input's type, for a later phase."""
+    when = {s.run: s.when for s in config.pipeline.flow}
+    for s in plan.all_steps:
+        for f in s.feeds:
+            if f.kind != JOINED:
+                continue
+            wire = f"{f.source} -> {s.session}.{f.input}"
+            if s.step.when == "init":
+                problems.add(f"the wire {wire} joins outputs into an init session: the joined value is made "
+                             "after the init phase, for step and final sessions")
+            for part in f.parts:
+                session, output = part.split(".", 1)
+                info = plan.signatures[session].output(output) if session in plan.signatures else None
+                if when.get(session) != "init":
+                    problems.add(f'the wire {wire} joins "{part}", which is not an init session\'s output: '
+                                 "joined wires take outputs of the init phase")
+                elif info is not None and info.dtype != f.dtype:
+                    problems.add(f'the wire {wire} joins {info.dtype} "{part}" into a {f.dtype} input: '
+                                 "joined outputs have the input's type")
 
 
 def _same_name_output(

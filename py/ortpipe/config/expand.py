@@ -56,7 +56,8 @@ def _staged(config: Config) -> dict[str, Any]:
 
 
 def _wire(w: Wire) -> dict[str, Any]:
-    out: dict[str, Any] = {"from": w.source, "to": f"{w.to_session}.{w.to_input}"}
+    source = list(w.sources) if w.more else w.source
+    out: dict[str, Any] = {"from": source, "to": f"{w.to_session}.{w.to_input}"}
     if w.stream:
         out["stream"] = True
     return out
@@ -98,6 +99,8 @@ def _session(s: SessionSpec) -> dict[str, Any]:
             out[key] = getattr(s, key)
     if s.optional:
         out["optional"] = True
+    if s.tokenizer is not None:
+        out["tokenizer"] = s.tokenizer
     return out
 
 

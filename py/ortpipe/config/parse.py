@@ -378,6 +378,7 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             "inputs",
             "outputs",
             "dtype",
+            "tokenizer",
         )
         file = s.get("file", str)
         if file is None:
@@ -395,8 +396,22 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             inputs=_role_map(s, "inputs"),
             outputs=_role_map(s, "outputs"),
             dtype=_dtype(s),
+            tokenizer=_tokenizer_folder(s, "tokenizer"),
         )
     return sessions
+
+
+def _tokenizer_folder(s: Section, key: str) -> str | None:
+    """A folder inside the model folder holding tokenizer files ("" or ".": the model folder itself)."""
+    where = s.get(key, str)
+    if where is None or where in ("", "."):
+        return None if where is None else ""
+    from ..folder import inside
+
+    if not inside(where):
+        s.problems.add(f'{s.path}.{key} "{where}" is not a folder inside the model folder')
+        return None
+    return where.strip("/")  # its files are read through the folder, which refuses links out of it
 
 
 def _dtype(s: Section) -> str | None:
@@ -585,15 +600,34 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
     for i, item in enumerate(raw):
         s = Section(item, f"pipeline.dataflow[{i}]", problems, nulls=False)
         s.allow("from", "to", "stream")
-        ends = [_endpoint(s, key, sessions) for key in ("from", "to")]
-        if ends[0] and ends[1]:
+        joined = isinstance(s.raw, dict) and isinstance(s.raw.get("from"), list)
+        if joined:  # several sources joined along the last axis
+            values = s.raw["from"]
+            if len(values) < 2 or not all(isinstance(v, str) for v in values):
+                problems.add(f'{s.path}.from must be "session.tensor" or a list of two or more of them '
+                             f"(joined along the last axis), found {quote(values)}")
+                continue
+            sources = [_endpoint(s, "from", sessions, v) for v in values]
+        else:
+            sources = [_endpoint(s, "from", sessions)]
+        to = _endpoint(s, "to", sessions)
+        if all(sources) and to:
             stream = bool(s.get("stream", bool, False))
-            wires.append(Wire(ends[0][0], ends[0][1], ends[1][0], ends[1][1], stream))
+            if joined and any(session == GENERATED for session, _ in sources):
+                problems.add(f'{s.path}.from: "{GENERATED}.ids" cannot be joined with other sources')
+                continue
+            if joined and stream:
+                problems.add(f"{s.path}: a wire of joined sources cannot stream: drop stream")
+                continue
+            (first, output), *rest = sources
+            wires.append(Wire(first, output, to[0], to[1], stream, tuple(f"{a}.{b}" for a, b in rest)))
     return tuple(wires)
 
 
-def _endpoint(s: Section, key: str, sessions: dict[str, SessionSpec]) -> tuple[str, str] | None:
-    value = s.get(key, str)
+def _endpoint(s: Section, key: str, sessions: dict[str, SessionSpec], given: Any = None
+              ) -> tuple[str, str] | None:
+    """A wire's end as (session, tensor): `key` of the wire, or `given` (one source of a joined wire)."""
+    value = s.get(key, str) if given is None else given
     if value is None or "." not in value:
         s.problems.add(f'{s.path}.{key} must be "session.tensor", found {quote(value)}')
         return None
@@ -616,8 +650,10 @@ def _check_cycles(flow: tuple[FlowStep, ...], wires: tuple[Wire, ...], problems:
     """Refuse cycles through dataflow and `after` (a session feeding itself is a carried state)."""
     edges: dict[str, set[str]] = {}
     for w in wires:
-        if w.from_session != w.to_session:
-            edges.setdefault(w.from_session, set()).add(w.to_session)
+        for source in w.sources:
+            producer = source.split(".", 1)[0]
+            if producer != w.to_session:
+                edges.setdefault(producer, set()).add(w.to_session)
     for step in flow:
         for dep in step.after:
             edges.setdefault(dep, set()).add(step.run)
@@ -762,14 +798,9 @@ def _text_preprocessing(s: Section, folder: Folder) -> dict[str, Any]:
     truncated to this many tokens, special tokens included (single_pass and denoising loops)."""
     s.allow("tokenizer", "max_length")
     text: dict[str, Any] = {}
-    where = s.get("tokenizer", str)
+    where = _tokenizer_folder(s, "tokenizer")
     if where is not None:
-        from ..folder import inside
-
-        if where not in ("", ".") and not inside(where):
-            s.problems.add(f'{s.path}.tokenizer "{where}" is not a folder inside the model folder')
-        else:
-            text["tokenizer"] = where.strip("/")
+        text["tokenizer"] = where
     length = s.number("max_length", int, None, 1, 1 << 20)
     if length is not None:
         text["max_length"] = length

@@ -37,6 +37,9 @@ class SessionSpec:
     inputs: dict[str, str] = field(default_factory=dict)  # role -> graph input name
     outputs: dict[str, str] = field(default_factory=dict)  # role -> graph output name
     dtype: str | None = None  # the model variant to run (variants.py); None: the device's default
+    # the folder of the tokenizer whose ids this session's text inputs take (the loops that make no tokens);
+    # None: preprocessing.text.tokenizer's
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,20 @@ class Wire:
     # between stages: the consumer's run over positions [p, p + n) takes rows [p, p + n) of an accumulated
     # output as they are made (zeros past its end once its stage is done)
     stream: bool = False
+    # more sources after the first ("session.output" each): the wire carries all of them joined along the
+    # last axis, in order (two text encoders' states side by side)
+    more: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.from_session}.{self.from_output} -> {self.to_session}.{self.to_input}"
+        return f"{' + '.join(self.sources)} -> {self.to_session}.{self.to_input}"
 
     @property
     def source(self) -> str:
         return f"{self.from_session}.{self.from_output}"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source, *self.more)
 
 
 @dataclass(frozen=True)

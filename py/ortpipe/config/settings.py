@@ -333,6 +333,16 @@ SETTINGS: tuple[Setting, ...] = (
         v2="negative_prompt",
         loops=DENOISING_LOOP,
     ),
+    Setting(
+        "force_zeros_for_empty_prompt",
+        "bool",
+        False,
+        "with guidance and no negative prompt: the unconditional row's text states are zeros, the text "
+        "encoders run on the prompt alone (diffusers' Stable Diffusion XL folders say so in "
+        "model_index.json)",
+        v2="force_zeros_for_empty_prompt",
+        loops=DENOISING_LOOP,
+    ),
     # speculative decoding (loops/speculative.py): onnxruntime-genai's `speculative` block, and transformers'
     # prompt_lookup_num_tokens
     Setting(

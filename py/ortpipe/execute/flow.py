@@ -21,6 +21,7 @@ from ..plan import (
     FROM_REQUEST,
     GENERATED_IDS,
     INPUT_IDS,
+    JOINED,
     KV_PAST,
     LOOP,
     POSITION_IDS,
@@ -43,6 +44,7 @@ class FlowRun:
         steps = plan.all_steps
         self.caches = {s.session: KVCache(s.kv, backend, batch, max_length) for s in steps if s.kv}
         read = {f.source for s in steps for f in s.feeds if f.kind in (FROM_OUTPUT, CARRIED)}
+        read |= {part for s in steps for f in s.feeds if f.kind == JOINED for part in f.parts}
         read |= {o.source for o in plan.config.pipeline.outputs}  # what the request returns
         read |= set(plan.config.pipeline.exported)  # what later stages read
         # each session's outputs that a later step reads: only these are kept
@@ -82,9 +84,28 @@ class FlowRun:
                 self._store(s, out)
                 self._count_rows(s, out, ids)
             ids = self._expand(ready, ids)
+        yield from self._join_values()
         if self.batch > 1:
             yield from self._tile_values()
         return ids
+
+    def _join_values(self) -> Work:
+        """The joined wires' values: their init outputs joined along the last axis (concat_last), in order."""
+        for s in (*self.plan.step_phase, *self.plan.final_phase):
+            for f in s.feeds:
+                if f.kind != JOINED or f.source in self.values:
+                    continue
+                missing = [p for p in f.parts if p not in self.values]
+                if missing:
+                    raise GenerationError(
+                        f'Session "{s.session}" input "{f.input}" joins {", ".join(missing)}, which did not '
+                        "run (a skipped optional session)"
+                    )
+                value = self.values[f.parts[0]]
+                for part in f.parts[1:]:
+                    feeds = {"a": value, "b": self.values[part]}
+                    value = (yield Run(kernel("concat_last", f.dtype), feeds, ("y",), None, self.label))["y"]
+                self.values[f.source] = value
 
     def _tile_values(self) -> Work:
         """Init outputs made for one row (an encoder's states, a cross cache) repeated for every row
@@ -92,7 +113,7 @@ class FlowRun:
         rows = self.backend.tensor([0] * self.batch, (self.batch,), "int64")
         for s in self.plan.step_phase:
             for f in s.feeds:
-                value = self.values.get(f.source) if f.kind == FROM_OUTPUT else None
+                value = self.values.get(f.source) if f.kind in (FROM_OUTPUT, JOINED) else None
                 if value is not None and self.backend.shape(value)[0] == 1:
                     out = yield Run(kernel("gather_rows0", f.dtype), {"x": value, "rows": rows}, ("y",), None,
                                     self.label)
@@ -261,7 +282,8 @@ class FlowRun:
     # feeds
 
     def _skip(self, s: FlowStepPlan) -> bool:
-        missing = [n for n in s.request_inputs if n not in self.inputs]
+        inputs = self.inputs
+        missing = [n for n in s.request_inputs if n not in inputs and f"{s.session}.{n}" not in inputs]
         if not missing:
             return False
         if s.step.optional or self.plan.config.pipeline.sessions[s.session].optional:
@@ -294,13 +316,14 @@ class FlowRun:
                 feeds[f.input] = b.tensor([int(past > 0)], (1,), f.dtype)
             elif kind == COUNTER:
                 feeds[f.input] = b.tensor([counter], (1,), f.dtype)
-            elif kind == FROM_REQUEST:
-                feeds[f.input] = self.inputs[f.input]
+            elif kind == FROM_REQUEST:  # the session's own ("session.input": its tokenizer's), else by name
+                own = f"{s.session}.{f.input}"
+                feeds[f.input] = self.inputs[own] if own in self.inputs else self.inputs[f.input]
             elif kind == LOOP:
                 feeds[f.input] = self.loop_inputs[f.source]
             elif kind == EMPTY:
                 feeds[f.input] = self._empty(s, f.input)
-            else:
+            else:  # FROM_OUTPUT, CARRIED, JOINED (its value made once the init phase ran)
                 feeds[f.input] = self._value(s, f.input, f.source)
         inplace = None
         if s.kv:

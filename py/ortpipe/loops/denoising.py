@@ -30,7 +30,7 @@ from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..folder import Folder
 from ..jsonfile import optional_json
 from ..outputs import OutputRequest, Progress, finish_outputs
-from ..plan import LOOP, Plan
+from ..plan import FROM_OUTPUT, JOINED, LOOP, Plan
 from ..sampling.sampler import generator
 from .schedulers import Schedule, scheduler_config
 from .text import TextSetup, text_inputs
@@ -38,6 +38,7 @@ from .text import TextSetup, text_inputs
 SCHEDULER_FILE = "scheduler/scheduler_config.json"
 DEFAULT_SCALING = 0.18215  # diffusers' AutoencoderKL scaling_factor
 LATENT_RANK = 4
+TIME_IDS = 6  # Stable Diffusion XL's size conditioning: original height, width, crop top, left, target h, w
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class DenoisingSetup:
     scaling_factor: float
     batch_fixed: bool  # the UNet's batch dim is fixed to 1: no guidance
     vae_dtype: str = "float32"  # the element type of the final step's latents input (the VAE's)
+    time_ids_dtype: str | None = None  # the UNet takes time_ids (Stable Diffusion XL), of this type
+    vae_scale: int = 8  # image pixels per latent (2 ** (the VAE's blocks - 1)), for time_ids
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -117,6 +120,16 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     scaling = vae.get("scaling_factor", DEFAULT_SCALING)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
         raise ConfigError(f"the VAE's scaling_factor must be a positive number, found {scaling!r}")
+    shifted = [key for key in ("latents_mean", "latents_std", "shift_factor") if vae.get(key) is not None]
+    if shifted:
+        raise ConfigError(
+            f"the VAE's config.json sets {', '.join(shifted)}: ortpipe divides the final latents by "
+            "scaling_factor only (Stable Diffusion 1.x, 2.x and XL's VAEs), and does not shift them"
+        )
+    time_ids = feeds.get("time_ids")
+    vae_scale = 8
+    if time_ids is not None:
+        vae_scale = _time_ids_scale(step.session, sig.input(time_ids.input), time_ids.dtype, vae)
     t_info = sig.input(timestep.input)
     return DenoisingSetup(
         scheduler_config(raw, config.generation.scheduler, where),
@@ -131,7 +144,28 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         float(scaling),
         info.shape[0] == 1,
         vae_dtype,
+        time_ids.dtype if time_ids is not None else None,
+        vae_scale,
     )
+
+
+def _time_ids_scale(session: str, info: Any, dtype: str, vae: dict[str, Any]) -> int:
+    """The pixels per latent of a UNet that takes time_ids; a ConfigError for time_ids the loop cannot
+    make."""
+    width = info.shape[-1] if info.rank == 2 else None
+    if info.rank != 2 or (isinstance(width, int) and width != TIME_IDS) or not dtype.startswith("float"):
+        raise ConfigError(
+            f'session "{session}" input "{info.name}" is {dtype} {list(info.shape)}: the denoising loop '
+            f"makes Stable Diffusion XL's float [batch, {TIME_IDS}] size conditioning (original size, crop "
+            "corner, target size); a refiner's aesthetic score is not made"
+        )
+    blocks = vae.get("block_out_channels")
+    if not isinstance(blocks, list) or not blocks:
+        raise ConfigError(
+            f'session "{session}" takes "{info.name}" (the image size in pixels), but the VAE\'s config.json '
+            "has no block_out_channels to tell pixels per latent (2 ** (blocks - 1))"
+        )
+    return 2 ** (len(blocks) - 1)
 
 
 def config_beside(folder: Folder, graph: str) -> dict[str, Any]:
@@ -182,6 +216,8 @@ class DenoisingRequest(OutputRequest):
         latents: Handle | None,
         seed: int | None,
         inputs: dict[str, Handle] | None = None,
+        own: dict[str, tuple[list[list[int]], TextSetup]] | None = None,
+        zeros: bool = False,
     ):
         super().__init__(plan)
         self.backend, self.setup, self.schedule = backend, setup, schedule
@@ -190,7 +226,8 @@ class DenoisingRequest(OutputRequest):
         self.noise = Noise(backend, seed)
         self.latents = latents
         self.shape = _latent_shape(setup, latents, backend)
-        text_feeds, _ = text_inputs(plan, backend, rows, text) if rows else ({}, None)
+        self.zeros = zeros  # the unconditional row's text states are zeros (force_zeros_for_empty_prompt)
+        text_feeds, _ = text_inputs(plan, backend, rows, text, own) if rows or own else ({}, None)
         self.flow = FlowRun(plan, backend, 1, 0, {**text_feeds, **(inputs or {})})
         self.x: Handle = None
         self.sample: Handle = None
@@ -221,6 +258,10 @@ class DenoisingRequest(OutputRequest):
         """The text encoder, the first latents and the first UNet input."""
         yield from self.flow.run_init([])
         b = self.backend
+        if self.zeros:
+            yield from self._zero_unconditional()
+        if self.setup.time_ids_dtype is not None:
+            self.flow.loop_inputs["time_ids"] = self._time_ids()
         latents = self.latents
         if latents is None:
             latents = yield from self.noise.draw(self.shape, "init")
@@ -239,6 +280,30 @@ class DenoisingRequest(OutputRequest):
             "init",
         )
         self.x, self.sample = out["x"], out["sample"]
+
+    def _zero_unconditional(self) -> Work:
+        """A row of zeros in front of each init output the step reads (the text encoders ran on the prompt
+        alone): diffusers' zeroed negative prompt states."""
+        b, done = self.backend, set()
+        for s in self.plan.step_phase:
+            for f in s.feeds:
+                init_output = f.kind in (FROM_OUTPUT, JOINED) and f.source in self.flow.values
+                if not init_output or f.source in done:
+                    continue
+                value = self.flow.values[f.source]
+                dtype = b.dtype(value)
+                zeros = b.full((1, *b.shape(value)[1:]), 0.0, dtype)
+                out = yield Run(kernel("concat0", dtype), {"a": zeros, "b": value}, ("y",), None, "init")
+                self.flow.values[f.source] = out["y"]
+                done.add(f.source)
+
+    def _time_ids(self) -> Handle:
+        """Stable Diffusion XL's size conditioning, as diffusers' defaults make it: the image's size in pixels
+        as the original and the target size, the crop corner at (0, 0); one row per UNet row."""
+        height, width = (n * self.setup.vae_scale for n in self.shape[2:])
+        rows = 2 if self.guided else 1
+        values = [float(height), float(width), 0.0, 0.0, float(height), float(width)] * rows
+        return self.backend.tensor(values, (rows, TIME_IDS), self.setup.time_ids_dtype)
 
     def _step(self) -> Work:
         b, step = self.backend, self.schedule.steps[self.step]

@@ -5,12 +5,13 @@ denoising.py. `loop_setup` reads at load what a loop needs from the folder; `out
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from ..config.schema import POOLING_MODES
 from ..config.settings import BY_NAME, CODEBOOK_SAMPLING, SearchSettings
-from ..errors import GenerationError
+from ..errors import ConfigError, GenerationError
 from ..execute.work import Handle
 from ..folder import Folder
 from ..jsonfile import quote
@@ -28,16 +29,28 @@ from .text import TextSetup, encode_texts, reads_text, text_setup
 class LoopSetup:
     text: TextSetup
     denoising: DenoisingSetup | None = None
+    # the sessions with their own tokenizer (sessions.NAME.tokenizer): that tokenizer and its TextSetup
+    own: dict[str, tuple[Tokenizer, TextSetup]] = dataclasses.field(default_factory=dict)
 
 
-def loop_setup(plan: Plan, folder: Folder, tokenizer: Tokenizer | None) -> LoopSetup | None:
-    """What the folder's loop needs besides the plan (None for the autoregressive loop)."""
+def loop_setup(plan: Plan, folder: Folder, tokenizer: Tokenizer | None,
+               own: dict[str, Tokenizer | None] | None = None) -> LoopSetup | None:
+    """What the folder's loop needs besides the plan (None for the autoregressive loop); `own`: the tokenizers
+    of the sessions that name theirs."""
     loop = plan.config.generation.loop
     if loop == "autoregressive" and plan.config.generation.codebooks is None:
         return None
     text = plan.config.pipeline.preprocessing.get("text", {})
-    setup = text_setup(folder, text.get("tokenizer", ""), tokenizer, text.get("max_length"))
-    return LoopSetup(setup, denoising_setup(plan, folder) if loop == "denoising" else None)
+    length = text.get("max_length")
+    setup = text_setup(folder, text.get("tokenizer", ""), tokenizer, length)
+    sessions = {}
+    for name, found in (own or {}).items():
+        where = plan.config.pipeline.sessions[name].tokenizer
+        if found is None:
+            raise ConfigError(f'sessions.{name}.tokenizer: {folder.describe(where)} holds no tokenizer '
+                              "(tokenizer.json, or a CLIP or VITS tokenizer's vocab.json)")
+        sessions[name] = (found, text_setup(folder, where, found, length))
+    return LoopSetup(setup, denoising_setup(plan, folder) if loop == "denoising" else None, sessions)
 
 
 def _settings(plan: Plan, given: dict[str, Any]) -> dict[str, Any]:
@@ -63,10 +76,21 @@ def _settings(plan: Plan, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rows(
-    plan: Plan, tokenizer: Tokenizer | None, text: TextSetup, prompt: Any, prompt_ids: Any
+    plan: Plan, tokenizer: Tokenizer | None, text: TextSetup, prompt: Any, prompt_ids: Any,
+    own: Collection[str] = (),
 ) -> list[list[int]] | None:
-    """The request's token rows: its text or its ids; None when no session reads text."""
-    if not reads_text(plan):
+    """The request's token rows: its text or its ids; None when no session reads text (`own`: sessions that
+    read their own tokenizer's, not these)."""
+    if own and (prompt is None) == (prompt_ids is None):
+        raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
+    if own and prompt_ids is not None:
+        raise GenerationError(
+            f"session{'s' if len(own) > 1 else ''} {', '.join(own)} read{'' if len(own) > 1 else 's'} "
+            "the ids of another tokenizer (sessions.NAME.tokenizer): pass the prompt as text"
+        )
+    if not reads_text(plan, own):
+        if own:
+            return None
         if prompt is not None or prompt_ids is not None:
             raise GenerationError(
                 "no session of this folder reads text: pass its inputs (inputs={name: array})"
@@ -114,7 +138,7 @@ def output_request(
             )
         rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
         return SinglePassRequest(plan, backend, rows, setup.text, inputs)
-    rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
+    rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids, setup.own)
     guided = settings["guidance_scale"] > 1
     if guided and setup.denoising.batch_fixed:
         raise GenerationError(
@@ -125,9 +149,17 @@ def output_request(
         raise GenerationError("negative_prompt is used by guidance: raise guidance_scale above 1, or drop it")
     if settings["guidance_rescale"] > 0 and not guided:
         raise GenerationError("guidance_rescale rescales guidance: raise guidance_scale above 1, or drop it")
-    if guided and rows is not None:
-        negative = settings["negative_prompt"] or ""  # diffusers' unconditional text when none is given
-        rows = encode_texts(tokenizer, [negative], setup.text.max_length) + rows
+    if given.get("force_zeros_for_empty_prompt") is not None and not guided:
+        raise GenerationError("force_zeros_for_empty_prompt sets the unconditional row of guidance: raise "
+                              "guidance_scale above 1, or drop it")
+    # diffusers' StableDiffusionXLPipeline: no negative prompt and force_zeros_for_empty_prompt make the
+    # unconditional row's text states zeros; else its text is the negative prompt, or ""
+    zeros = guided and settings["negative_prompt"] is None and settings["force_zeros_for_empty_prompt"]
+    unconditional = [settings["negative_prompt"] or ""] if guided and not zeros else []
+    if unconditional and rows is not None:
+        rows = encode_texts(tokenizer, unconditional, setup.text.max_length) + rows
+    own = {name: (encode_texts(own_tokenizer, [*unconditional, prompt], own_text.max_length), own_text)
+           for name, (own_tokenizer, own_text) in setup.own.items()}
     schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"])
     return DenoisingRequest(
         plan,
@@ -140,6 +172,8 @@ def output_request(
         latents,
         settings["seed"],
         inputs,
+        own,
+        zeros,
     )
 
 

@@ -4,6 +4,7 @@ zero token types and positions, by the role names of the sessions' inputs (sessi
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,33 +97,49 @@ def _truncated(tokenizer: Tokenizer, text: str, ids: list[int], max_length: int)
 
 
 def text_inputs(
-    plan: Plan, backend: Backend, rows: list[list[int]], setup: TextSetup
-) -> tuple[dict[str, Handle], Handle]:
+    plan: Plan, backend: Backend, rows: list[list[int]], setup: TextSetup,
+    own: dict[str, tuple[list[list[int]], TextSetup]] | None = None,
+) -> tuple[dict[str, Handle], Handle | None]:
     """The request inputs of the init sessions' text roles (input_ids, attention_mask, token_type_ids,
     position_ids) for `rows`, padded on the right to the longest row (or to max_length); and the attention
-    mask as an int64 tensor (what pooling reads)."""
+    mask as an int64 tensor (what pooling reads; None without rows). A session in `own` (one with its own
+    tokenizer) takes its rows there instead, as inputs named "session.input"."""
+    inputs, mask = {}, None
+    for s in plan.init_steps:
+        session_rows, session_setup = (own or {}).get(s.session, (rows, setup))
+        if not session_rows:
+            continue
+        values = _padded(session_rows, session_setup)
+        shape = (len(session_rows), len(values["input_ids"]) // len(session_rows))
+        spec = plan.config.pipeline.sessions[s.session]
+        names = {spec.inputs.get(role, role): role for role in ROLES}
+        for f in s.feeds:
+            if f.kind == FROM_REQUEST and f.input in names:
+                key = f"{s.session}.{f.input}" if s.session in (own or {}) else f.input
+                inputs[key] = backend.tensor(values[names[f.input]], shape, f.dtype)
+    if rows:
+        flat = _padded(rows, setup)["attention_mask"]
+        mask = backend.tensor(flat, (len(rows), len(flat) // len(rows)), "int64")
+    return inputs, mask
+
+
+def _padded(rows: list[list[int]], setup: TextSetup) -> dict[str, list[int]]:
+    """Each role's values for `rows` padded on the right to the longest row (or to max_length), row-major."""
     width = setup.max_length if setup.pad_to_max and setup.max_length else max(len(r) for r in rows)
-    values = {
+    return {
         "input_ids": [i for r in rows for i in r + [setup.pad_id] * (width - len(r))],
         "attention_mask": [m for r in rows for m in [1] * len(r) + [0] * (width - len(r))],
         "token_type_ids": [0] * (len(rows) * width),
         "position_ids": [p for _ in rows for p in range(width)],
     }
-    inputs = {}
-    for s in plan.init_steps:
-        spec = plan.config.pipeline.sessions[s.session]
-        names = {spec.inputs.get(role, role): role for role in ROLES}
-        for f in s.feeds:
-            if f.kind == FROM_REQUEST and f.input in names:
-                inputs[f.input] = backend.tensor(values[names[f.input]], (len(rows), width), f.dtype)
-    return inputs, backend.tensor(values["attention_mask"], (len(rows), width), "int64")
 
 
-def reads_text(plan: Plan) -> bool:
-    """Whether an init session takes token ids from the request."""
+def reads_text(plan: Plan, besides: Collection[str] = ()) -> bool:
+    """Whether an init session (not one of `besides`) takes token ids from the request."""
     return any(
         f.kind == FROM_REQUEST
         and f.input == plan.config.pipeline.sessions[s.session].inputs.get("input_ids", "input_ids")
         for s in plan.init_steps
+        if s.session not in besides
         for f in s.feeds
     )

@@ -277,8 +277,8 @@ class Driver:
                 out = getattr(self.bridge, twin)(*(t.js for t in work.feeds.values()))
                 return True, {work.outputs[0]: Tensor(out)}
             return False, self._run(work)
-        if kind is RunAll:
-            return False, js.Promise.all(to_js([self._run(r) for r in work.runs]))
+        if kind is RunAll:  # one after another: see Bridge.runEach
+            return False, self.bridge.runEach(to_js([self._call(r) for r in work.runs]))
         if kind is Open:
             return False, self._open(work)
         if kind is ReadGraph:
@@ -316,15 +316,23 @@ class Driver:
 
     def _run(self, work: Run) -> JsProxy:
         """A promise of the run's outputs; a kernel's session is made on its first run."""
+        session, name, graph, device, names, tensors, outputs = self._call(work)
+        if session is None:
+            return self.bridge.runKernel(name, graph, device, names, tensors, outputs)
+        return self.bridge.run(session, names, tensors, outputs)
+
+    def _call(self, work: Run) -> list[Any]:
+        """The run as Bridge.runEach takes it: [session or None (a kernel), the kernel's name, its graph (on
+        its first run), device, input names, tensors, output names]."""
         session = self.sessions.get(work.session)
         names, tensors = to_js(list(work.feeds)), to_js([t.js for t in work.feeds.values()])
+        graph, device = None, self.device
         if session is None:
             first = work.session not in self._kernels_sent
             self._kernels_sent.add(work.session)
             device = "wasm" if work.session.startswith(CPU_ONLY) else self.device
             graph = to_js(kernel_file(work.session).read_bytes()) if first else None
-            return self.bridge.runKernel(work.session, graph, device, names, tensors, to_js(work.outputs))
-        return self.bridge.run(session, names, tensors, to_js(work.outputs))
+        return [session, work.session, graph, device, names, tensors, to_js(work.outputs)]
 
     def warm(self, kernels: list[str]) -> None:
         """Open these kernels' sessions in the background (before a request needs them; a sampled
