@@ -9,8 +9,8 @@ noise and scheduler steps, and turning a VAE's output into an image.
   core computes each step's coefficients from the scheduler's config (py/ortpipe/loops/schedulers.py); the
   kernel applies classifier-free guidance, the prediction of the clean latents, the update of the latents
   and the scaling (and repetition, for guidance) of the next UNet input.
-- `divide`, `vae_image`, `rgba8`: the final latents divided by the VAE's scaling factor; the VAE's
-  [-1, 1] output as a [0, 1] image [batch, height, width, 3]; that image as RGBA bytes.
+- `divide`, `vae_image`, `rgba8`: the final latents divided by the VAE's scaling factor (plus its shift);
+  the VAE's [-1, 1] output as a [0, 1] image [batch, height, width, 3]; that image as RGBA bytes.
 
 `LOOP_KERNELS` has the format of build/kernels.py's `KERNELS`.
 """
@@ -228,12 +228,13 @@ def denoise_step(elem: int) -> onnx.GraphProto:
 
 
 def divide(elem: int) -> onnx.GraphProto:
-    """x / d in float32, then in the VAE's type `elem` (the final latents over the VAE's scaling factor, as
-    diffusers divides them before it casts them to the VAE's dtype)."""
+    """x / d + s in float32, then in the VAE's type `elem` (the final latents over the VAE's scaling factor,
+    plus its shift factor, as diffusers computes them before it casts them to the VAE's dtype)."""
     n = _Nodes("")
-    n.op("Cast", n.op("Div", "x", "d"), to=elem, out="y")
+    n.op("Cast", n.op("Add", n.op("Div", "x", "d"), "s"), to=elem, out="y")
     return helper.make_graph(
-        n.nodes, "divide", [_tensor("x", F32, None), _tensor("d", F32, [1])], [_tensor("y", elem, None)]
+        n.nodes, "divide", [_tensor("x", F32, None), _tensor("d", F32, [1]), _tensor("s", F32, [1])],
+        [_tensor("y", elem, None)]
     )
 
 

@@ -257,10 +257,22 @@ def _load_sdxl(hf: str):
                                                add_watermarker=False)
 
 
+def _referenced(pipe, case: dict, refs: Path) -> dict:
+    """Run one case through `pipe`, save its image and final latents in `refs`; its entry of cases.json."""
+    import numpy as np
+
+    result = _run_case(pipe, case, refs)
+    name = case["name"]
+    np.save(refs / f"{name}.image.npy", result["image"])
+    np.save(refs / f"{name}.final_latents.npy", result["final_latents"])
+    return {**case, "scheduler": result["scheduler"], "image": f"{name}.image.npy",
+            "final_latents": f"{name}.final_latents.npy", "noise_draws": result["noise_draws"],
+            "timesteps": result["timesteps"]}
+
+
 def sdxl_refs(spec: dict) -> None:
     """Each case through diffusers' StableDiffusionXLPipeline: image and final latents, both tokenizers' ids
     (the negative's None where the pipeline zeroes the unconditional states)."""
-    import numpy as np
 
     pipe = _load_sdxl(spec["hf"])
     pipe.set_progress_bar_config(disable=True)
@@ -274,20 +286,71 @@ def sdxl_refs(spec: dict) -> None:
     pipe.unet.register_forward_pre_hook(keep, with_kwargs=True)
     for case in spec["cases"]:
         seen.clear()
-        result = _run_case(pipe, case, refs)
-        name = case["name"]
-        np.save(refs / f"{name}.image.npy", result["image"])
-        np.save(refs / f"{name}.final_latents.npy", result["final_latents"])
+        entry = _referenced(pipe, case, refs)
         negative = case.get("negative_prompt")
         zeros = negative is None and case["guidance_scale"] > 1 and pipe.config.force_zeros_for_empty_prompt
-        index.append({**case, "scheduler": result["scheduler"], "image": f"{name}.image.npy",
-                      "final_latents": f"{name}.final_latents.npy", "noise_draws": result["noise_draws"],
-                      "timesteps": result["timesteps"], "zero_negative": bool(zeros), "time_ids": seen[0],
+        index.append({**entry, "zero_negative": bool(zeros), "time_ids": seen[0],
                       "prompt_ids": [_ids(pipe.tokenizer, case["prompt"]),
                                      _ids(pipe.tokenizer_2, case["prompt"])],
                       "negative_prompt_ids": [_ids(pipe.tokenizer, negative),
                                               _ids(pipe.tokenizer_2, negative)]})
     _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor, "cases": index})
+
+
+def make_sd3(spec: dict) -> None:
+    """A StableDiffusion3Pipeline of tiny random parts (two CLIP encoders with projections, a T5 encoder, an
+    SD3 transformer, a VAE with a shift factor), saved with save_pretrained."""
+    import diffusers
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    clip = [transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**spec[name]))
+            for name in ("text_encoder", "text_encoder_2")]
+    t5 = transformers.T5EncoderModel(transformers.T5Config(**spec["text_encoder_3"]))
+    transformer = diffusers.SD3Transformer2DModel(**spec["transformer"])
+    vae = diffusers.AutoencoderKL(**spec["vae"])
+    for seed, part in enumerate((*clip, t5, transformer, vae)):
+        _noisy_vectors(part, SEED + seed, spec["vector_noise"])
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"])
+    tokenizer_2 = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"], pad_token="!")
+    tokenizer_3 = transformers.T5TokenizerFast.from_pretrained(spec["tokenizer_3"])
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**spec["flow_scheduler"])
+    pipe = diffusers.StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae,
+                                              text_encoder=clip[0], tokenizer=tokenizer,
+                                              text_encoder_2=clip[1], tokenizer_2=tokenizer_2,
+                                              text_encoder_3=t5, tokenizer_3=tokenizer_3)
+    pipe.save_pretrained(spec["out"], safe_serialization=True)
+    parts = {"text_encoder": clip[0], "text_encoder_2": clip[1], "text_encoder_3": t5,
+             "transformer": transformer,
+             "vae": vae}
+    print(json.dumps({"parameters": {k: sum(p.numel() for p in v.parameters()) for k, v in parts.items()}}))
+
+
+def sd3_refs(spec: dict) -> None:
+    """Each case through diffusers' StableDiffusion3Pipeline (loaded with from_pretrained: every part's
+    load is checked by diffusers' own strict loading): image and final latents, the three tokenizers' ids
+    (T5's padded to the pipeline's max_sequence_length, 256)."""
+    import diffusers
+
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(spec["hf"])
+    pipe.set_progress_bar_config(disable=True)
+    refs = Path(spec["out"]) / "references"
+    index = []
+    for case in spec["cases"]:
+        entry = _referenced(pipe, case, refs)
+        negative = case.get("negative_prompt")
+        if negative is None and case["guidance_scale"] > 1:
+            negative = ""  # what the pipeline encodes for the unconditional row when none is given
+        tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)
+        lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)
+        index.append({**entry,
+                      "prompt_ids": [_ids(t, case["prompt"], n)
+                                     for t, n in zip(tokenizers, lengths, strict=True)],
+                      "negative_prompt_ids": [_ids(t, negative, n)
+                                              for t, n in zip(tokenizers, lengths, strict=True)]})
+    _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor,
+                                      "vae_shift_factor": pipe.vae.config.shift_factor, "cases": index})
 
 
 def _load_sd(hf: str):
@@ -351,13 +414,14 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
         steps.append(kwargs["latents"].numpy().copy())
         return kwargs
 
+    rescale = case.get("guidance_rescale", 0.0)  # an argument Stable Diffusion 3's pipeline does not take
     try:
         with torch.no_grad():
             image = pipe(case["prompt"], negative_prompt=case.get("negative_prompt"),
                          num_inference_steps=case["num_inference_steps"],
                          guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
-                         guidance_rescale=case.get("guidance_rescale", 0.0),
-                         output_type="np", callback_on_step_end=keep).images
+                         output_type="np", callback_on_step_end=keep,
+                         **({"guidance_rescale": rescale} if rescale else {})).images
     finally:
         if original is None:
             del module.randn_tensor
@@ -368,11 +432,11 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
             "scheduler": json.loads(pipe.scheduler.to_json_string())}
 
 
-def _ids(tokenizer, text: str | None) -> list[int] | None:
+def _ids(tokenizer, text: str | None, length: int | None = None) -> list[int] | None:
     if text is None:
         return None
-    return tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True
-                     ).input_ids
+    return tokenizer(text, padding="max_length", max_length=length or tokenizer.model_max_length,
+                     truncation=True).input_ids
 
 
 def sd_refs(spec: dict) -> None:
@@ -418,7 +482,7 @@ def draw_case_inputs(spec: dict) -> None:
 
 COMMANDS = {"make-bert": make_bert, "make-st": make_st, "st-refs": st_refs, "make-vits": make_vits,
             "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs, "make-sdxl": make_sdxl,
-            "sdxl-refs": sdxl_refs,
+            "sdxl-refs": sdxl_refs, "make-sd3": make_sd3, "sd3-refs": sd3_refs,
             "draw-case-inputs": draw_case_inputs}
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@
     python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
     python -m build.paradigms sd-bench                        # the benchmark UNet (88M parameters)
 
-Four folders as people have them (docs/paradigm-models.md says what each holds):
+Five folders as people have them (docs/paradigm-models.md says what each holds):
 - `st-minilm` (and `-cls`, `-nonorm`): a sentence-transformers folder with optimum's `onnx/model.onnx`;
 - `vits-tiny`: a transformers.js-style VITS folder (optimum's text-to-audio export);
 - `sd-tiny`: optimum's Stable Diffusion export (`model_index.json`, `text_encoder/`, `unet/`, ...);
-- `sdxl-tiny`: optimum's Stable Diffusion XL export (`text_encoder_2/`, `tokenizer_2/` beside those).
+- `sdxl-tiny`: optimum's Stable Diffusion XL export (`text_encoder_2/`, `tokenizer_2/` beside those);
+- `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
-StableDiffusionPipeline / StableDiffusionXLPipeline computed (torch, fp32) from the same weights.
+StableDiffusionPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline computed (torch, fp32) from
+the same weights.
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
 the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -145,6 +148,34 @@ def clip_tokenizer(out: Path) -> Path:
     config = {"tokenizer_class": "CLIPTokenizer", "model_max_length": CLIP_LENGTH, "do_lower_case": True,
               "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
               "pad_token": "<|endoftext|>", "errors": "replace"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+T5_WORDS = 400
+
+
+def t5_tokenizer(out: Path) -> Path:
+    """A unigram tokenizer in T5's conventions (tokenizer.json: <pad> 0, </s> 1, <unk> 2, "▁" word starts,
+    </s> after every text) over the standard library's words and letters: what Stable Diffusion 3's
+    tokenizer_3 is, small."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    out.mkdir(parents=True, exist_ok=True)
+    words = _words(T5_WORDS)
+    total = sum(words.values())
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -8.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,'-!?"]
+    pieces += [(f"▁{w}", math.log(n / total)) for w, n in words.items()]
+    tokenizer = Tokenizer(models.Unigram(pieces, unk_id=2))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    for special in ("<pad>", "</s>", "<unk>"):
+        tokenizer.add_special_tokens([special])
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "T5TokenizerFast", "model_max_length": 512, "eos_token": "</s>",
+              "pad_token": "<pad>", "unk_token": "<unk>", "extra_ids": 0, "additional_special_tokens": []}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -430,15 +461,20 @@ SDXL_TINY = {
 }
 
 
+def _plain_case(name: str, scheduler: dict, steps: int, guidance: float, negative: str | None,
+                seed: int) -> dict:
+    """A case of a scheduler that draws no noise, without guidance_rescale, as the reference environment
+    takes it."""
+    return {"name": name, "scheduler": scheduler, "num_inference_steps": steps, "guidance_scale": guidance,
+            "prompt": PROMPT, "negative_prompt": negative, "seed": seed, "latents": f"{name}.latents.npy",
+            "noise": None, "guidance_rescale": 0.0}
+
+
 def sdxl_cases() -> list[dict]:
-    cases = []
-    for seed, (name, cls, prediction, spacing, steps, guidance, negative) in enumerate(SDXL_CASES, 100):
-        scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
-                     "timestep_spacing": spacing}
-        cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
-                      "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
-                      "latents": f"{name}.latents.npy", "noise": None, "guidance_rescale": 0.0})
-    return cases
+    return [_plain_case(name, {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
+                               "timestep_spacing": spacing}, steps, guidance, negative, seed)
+            for seed, (name, cls, prediction, spacing, steps, guidance, negative)
+            in enumerate(SDXL_CASES, 100)]
 
 
 def make_sdxl_diffusers(out: Path) -> Path:
@@ -450,6 +486,51 @@ def make_sdxl_diffusers(out: Path) -> Path:
 
 
 
+
+
+# Stable Diffusion 3: two CLIP encoders with projections (their penultimate states side by side, zero-padded
+# to T5's width, then T5's states after them along the sequence; their pooled projections side by side), an
+# SD3 transformer, a flow-matching Euler scheduler, a VAE whose latents are shifted.
+SD3_TINY = {
+    "text_encoder": {**SD_SIZES["tiny"]["text_encoder"], "projection_dim": 16},
+    "text_encoder_2": SDXL_TINY["text_encoder_2"],
+    "text_encoder_3": {"d_model": 96, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+                       "relative_attention_num_buckets": 8, "pad_token_id": 0, "eos_token_id": 1,
+                       "decoder_start_token_id": 0},
+    "transformer": {"sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2,
+                    "attention_head_dim": 8,
+                    "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 32,
+                    "pooled_projection_dim": 16 + 24, "out_channels": 4, "pos_embed_max_size": 16},
+    "vae": {**SD_SIZES["tiny"]["vae"], "scaling_factor": 1.5305, "shift_factor": 0.0609,
+            "use_quant_conv": False, "use_post_quant_conv": False},
+    "flow_scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
+}
+
+
+# (name, shift, steps, guidance_scale, negative prompt)
+SD3_CASES = (
+    ("sd3-flow-shift3-cfg-neg", 3.0, 4, 5.0, NEGATIVE),
+    ("sd3-flow-shift3-cfg-empty", 3.0, 3, 7.0, None),
+    ("sd3-flow-shift1", 1.0, 4, 1.0, None),
+)
+
+
+def sd3_cases() -> list[dict]:
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", **SD3_TINY["flow_scheduler"]}
+    return [_plain_case(name, {**flow, "shift": shift}, steps, guidance, negative, seed)
+            for seed, (name, shift, steps, guidance, negative) in enumerate(SD3_CASES, 200)]
+
+
+def make_sd3_diffusers(out: Path) -> Path:
+    """A StableDiffusion3Pipeline of tiny random parts (save_pretrained), made in the export environment."""
+    with tempfile.TemporaryDirectory(prefix="ortpipe-t5-") as scratch:
+        t5 = t5_tokenizer(Path(scratch))
+        vocab = len(json.loads((t5 / "tokenizer.json").read_text())["model"]["vocab"])
+        return _with_clip_tokenizer("make-sd3", out, lambda ids: {
+            "text_encoder": {**SD3_TINY["text_encoder"], **ids},
+            "text_encoder_2": {**SD3_TINY["text_encoder_2"], **ids},
+            "text_encoder_3": {**SD3_TINY["text_encoder_3"], "vocab_size": vocab}, "tokenizer_3": str(t5),
+            **{k: SD3_TINY[k] for k in ("transformer", "vae", "flow_scheduler")}})
 
 
 # --- the named folders ---------------------------------------------------------------------------
@@ -464,6 +545,8 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
     "sd-tiny": lambda out: exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs"),
     "sdxl-tiny-diffusers": make_sdxl_diffusers,
+    "sd3-tiny-diffusers": make_sd3_diffusers,
+    "sd3-tiny": lambda out: exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs"),
     "sdxl-tiny": lambda out: exported_with_references(out, "sdxl-tiny-diffusers", sdxl_cases(), "sdxl-refs"),
     "sd-bench-diffusers": lambda out: make_sd_diffusers(out, "bench"),
     "sd-bench": lambda out: export_sd(get("sd-bench-diffusers"), out),

@@ -605,6 +605,67 @@ def generate_image_xl(folder: Path | str, scheduler_config: Mapping, steps: int,
     return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
 
 
+def flow_match_sigmas(config: Mapping, steps: int) -> np.ndarray:
+    """FlowMatchEulerDiscreteScheduler's sigmas (without dynamic shifting), then 0: training times evenly
+    spaced between the shifted table's ends (its table made in float32), each shifted, kept in float32."""
+    count, shift = config["num_train_timesteps"], np.float32(config.get("shift", 1.0))
+    table = np.linspace(1, count, count, dtype=np.float32)[::-1] / np.float32(count)
+    table = shift * table / (1 + (shift - 1) * table)
+    times = np.linspace(float(table[0]) * count, float(table[-1]) * count, steps)
+    sigmas = (float(shift) * (times / count) / (1 + (float(shift) - 1) * (times / count))).astype(np.float32)
+    return np.append(sigmas, np.float32(0.0))
+
+
+def encode_prompt_sd3(folder: Path, ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """StableDiffusion3Pipeline.encode_prompt's result by hand: both CLIP encoders' last layer but one side by
+    side, zero-padded on the last axis to T5's width, T5's states after them along the sequence; the CLIP
+    encoders' pooled projections side by side. `ids`: one row per tokenizer."""
+    clip, pooled = [], []
+    for k, encoder in enumerate(("text_encoder", "text_encoder_2")):
+        out = run(session(folder / encoder / "model.onnx"), {"input_ids": np.array([ids[k]], np.int64)})
+        layers = sorted((n for n in out if n.startswith("hidden_states.")),
+                        key=lambda n: int(n.split(".")[1]))
+        clip.append(out[layers[-2]])
+        pooled.append(out["text_embeds"])
+    t5 = run(session(folder / "text_encoder_3" / "model.onnx"),
+             {"input_ids": np.array([ids[2]], np.int64)})["last_hidden_state"]
+    joined = np.concatenate(clip, axis=-1)
+    joined = np.pad(joined, ((0, 0), (0, 0), (0, t5.shape[-1] - joined.shape[-1])))
+    return np.concatenate([joined, t5], axis=1), np.concatenate(pooled, axis=-1)
+
+
+def generate_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
+                       prompt_ids: Sequence[Sequence[int]],
+                       negative_prompt_ids: Sequence[Sequence[int]] | None,
+                       guidance_scale: float = 1.0) -> np.ndarray:
+    """The image StableDiffusion3Pipeline computes from the same initial `latents`, by hand: the conditioning
+    above, the transformer over [unconditional, conditional] rows with guidance, flow matching's Euler steps
+    (x + (sigma_next - sigma) * velocity), the VAE on the latents unscaled and shifted."""
+    folder = Path(folder)
+    guided = guidance_scale > 1
+    states, pooled = encode_prompt_sd3(folder, prompt_ids)
+    if guided:
+        negative = encode_prompt_sd3(folder, negative_prompt_ids)
+        states, pooled = np.concatenate([negative[0], states]), np.concatenate([negative[1], pooled])
+    sigmas = flow_match_sigmas(scheduler_config, steps)
+    transformer = session(folder / "transformer" / "model.onnx")
+    x = latents.astype(np.float32)
+    for i in range(steps):
+        batch = np.concatenate([x, x]) if guided else x
+        t = np.full((len(batch),), sigmas[i] * np.float32(scheduler_config["num_train_timesteps"]),
+                    np.float32)
+        output = run(transformer, {"hidden_states": batch, "timestep": t, "encoder_hidden_states": states,
+                                   "pooled_projections": pooled})["out_hidden_states"]
+        if guided:
+            uncond, cond = np.split(output, 2)
+            output = uncond + np.float32(guidance_scale) * (cond - uncond)
+        x = x + (sigmas[i + 1] - sigmas[i]) * output
+    vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
+    unscaled = (x / np.float32(vae["scaling_factor"]) + np.float32(vae["shift_factor"])).astype(np.float32)
+    decoded = run(session(folder / "vae_decoder" / "model.onnx"), {"latent_sample": unscaled})["sample"]
+    return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
+
+
 def with_scheduler(folder: Path | str, config: Mapping, out: Path | str) -> Path:
     """A copy of a diffusers folder whose scheduler/scheduler_config.json is `config` (the rest linked):
     how a user switches schedulers, and how a test runs one folder under every case's scheduler."""

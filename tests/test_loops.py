@@ -533,7 +533,8 @@ def test_image_kernels_follow_diffusers() -> None:
                            "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}},
      r"with text_encoder_2 without text_encoder \(a refiner\)"),
     ({"model_index.json": {"_class_name": "StableDiffusionPipeline"}},
-     "has model_index.json but not text_encoder/model.onnx, unet/model.onnx, vae_decoder/model.onnx"),
+     r"has model_index.json \(StableDiffusionPipeline\) but not text_encoder/model.onnx, unet/model.onnx, "
+     "vae_decoder/model.onnx"),
     ({"modules.json": [{"type": "sentence_transformers.models.Transformer", "path": ""},
                        {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"},
                        {"type": "sentence_transformers.models.Dense", "path": "2_Dense"}]},

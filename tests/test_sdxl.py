@@ -10,7 +10,6 @@ onnxruntime loop of tests/paradigm_refs.py, within the issue's 1e-3.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from build import paradigms
 
 import ortpipe
 from ortpipe.errors import ConfigError, GenerationError
+from tests import diffusers_folders as folders
 from tests import paradigm_refs as refs
 
 IMAGE_TOLERANCE = 1e-3
@@ -26,25 +26,14 @@ CASES = [case[0] for case in paradigms.SDXL_CASES]
 
 
 @pytest.fixture(scope="module")
-def sdxl_tiny() -> Path:
-    return paradigms.get("sdxl-tiny")
-
-
-@pytest.fixture(scope="module")
 def cases(sdxl_tiny: Path) -> dict[str, dict]:
-    index = json.loads((sdxl_tiny / "references" / "cases.json").read_text())
-    return {case["name"]: case for case in index["cases"]}
+    return folders.cases(sdxl_tiny)
 
 
 @pytest.fixture
 def folder(sdxl_tiny: Path, tmp_path: Path) -> Path:
     """sdxl-tiny without its references: a folder a test may change."""
-    return Path(shutil.copytree(sdxl_tiny, tmp_path / "sdxl", ignore=shutil.ignore_patterns("references")))
-
-
-def _scheduled(folder: Path, case: dict) -> Path:
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(case["scheduler"]))
-    return folder
+    return folders.copy(sdxl_tiny, tmp_path / "sdxl")
 
 
 def _request(case: dict) -> dict:
@@ -60,7 +49,7 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sdxl_tiny: Path, f
     case = cases[name]
     # the second tokenizer pads with "!": the encoders read different ids, so each session's own are used
     assert case["prompt_ids"][0] != case["prompt_ids"][1]
-    pipe = ortpipe.load(_scheduled(folder, case), threads=1)
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
     assert pipe.model.plan.config.metadata["model_type"] == "StableDiffusionXLPipeline"
     latents = np.load(sdxl_tiny / "references" / case["latents"])
     result = pipe.generate(case["prompt"], latents=latents, **_request(case))
@@ -85,7 +74,7 @@ def test_each_part_of_the_conditioning_makes_the_image(sdxl_tiny: Path, folder: 
     an image that matched diffusers without one of them would show that the case does not test it."""
     case = cases["sdxl-euler-eps-leading-cfg-zeros"]
     assert case["zero_negative"] and case["time_ids"][0] == [32.0, 32.0, 0.0, 0.0, 32.0, 32.0]
-    pipe = ortpipe.load(_scheduled(folder, case), threads=1)
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
     latents = np.load(sdxl_tiny / "references" / case["latents"])
     expected = np.load(sdxl_tiny / "references" / case["image"])
     encoded = pipe.generate(case["prompt"], latents=latents, force_zeros_for_empty_prompt=False,
@@ -126,29 +115,8 @@ def test_the_detected_config(sdxl_tiny: Path) -> None:
 
 @pytest.mark.slow
 def test_the_expanded_config_loads_the_same(folder: Path, cases: dict[str, dict]) -> None:
-    """`ortpipe inspect`'s v2 config of the detected folder, written as genai_config.json, makes the same
-    image."""
-    from ortpipe.config.expand import as_v2
-
-    case = cases["sdxl-euler-eps-leading-cfg-neg"]
-    detected = ortpipe.load(_scheduled(folder, case), threads=1)
-    before = detected.generate("a cube", num_steps=2, seed=3, negative_prompt="dark").image
-    (folder / "genai_config.json").write_text(json.dumps(as_v2(detected.config)))
-    written = ortpipe.load(folder, threads=1)
-    assert written.config.source == "v2"
-    assert written.config.pipeline.dataflow == detected.config.pipeline.dataflow
-    after = written.generate("a cube", num_steps=2, seed=3, negative_prompt="dark").image
-    assert np.array_equal(after, before)
-
-
-def _v2(folder: Path, edit) -> Path:  # noqa: ANN001 (a function changing the config)
-    from ortpipe.detect import detect_config
-    from ortpipe.folder import LocalFolder
-
-    config = detect_config(LocalFolder(folder))
-    edit(config)
-    (folder / "genai_config.json").write_text(json.dumps(config))
-    return folder
+    folders.scheduled(folder, cases["sdxl-euler-eps-leading-cfg-neg"])
+    folders.expanded_config_makes_the_same_image(folder, negative_prompt="dark")
 
 
 def _wire(config: dict, index: int, **change: object) -> None:
@@ -157,7 +125,7 @@ def _wire(config: dict, index: int, **change: object) -> None:
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda c: _wire(c, 0, **{"from": ["text_encoder.hidden_states.1"]}),
-     r'from must be "session.tensor" or a list of two or more of them \(joined along the last axis\)'),
+     r'from must be "session.tensor", a list of two or more of them \(joined along the last axis\)'),
     (lambda c: _wire(c, 0, **{"from": ["text_encoder.hidden_states.1", "text_encoder_2.hidden_states.9"]}),
      'Dataflow wire references output "hidden_states.9" but session "text_encoder_2" has no such output'),
     (lambda c: _wire(c, 0, **{"from": ["text_encoder.hidden_states.1", "unet.out_sample"]}),
@@ -177,7 +145,7 @@ def _wire(config: dict, index: int, **change: object) -> None:
 ])
 def test_configs_the_loop_cannot_run_are_refused_at_load(folder: Path, edit, message: str) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match=message):
-        ortpipe.load(_v2(folder, edit))
+        ortpipe.load(folders.with_v2(folder, edit))
 
 
 def test_folders_and_requests_sdxl_cannot_take_are_refused(folder: Path) -> None:

@@ -145,6 +145,8 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
     index = optional_json(folder, "model_index.json")
     kind = index.get("_class_name", "a diffusers pipeline")
     xl = _part(index, "text_encoder_2")
+    if _part(index, "transformer") and _part(index, "text_encoder_3"):
+        return _sd3(folder, index, kind)
     other = [part for part in ("transformer", "prior", "decoder", "image_encoder") if _part(index, part)]
     if other or (xl and not _part(index, "text_encoder")):
         found = ", ".join(other) or "text_encoder_2 without text_encoder (a refiner)"
@@ -155,13 +157,7 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
             "genai_config.json for this one"
         )
     parts = {**DIFFUSERS_PARTS, **({"text_encoder_2": "text_encoder_2/model.onnx"} if xl else {})}
-    missing = [file for file in parts.values() if not folder.exists(file)]
-    if missing:
-        raise ConfigError(
-            f"{folder.describe()} has model_index.json but not {', '.join(missing)}: export the "
-            "pipeline with optimum (optimum-cli export onnx --task text-to-image)"
-        )
-    sessions: dict[str, Any] = {name: {"file": file} for name, file in parts.items()}
+    sessions = _exported(folder, parts, kind)
     flow = [{"run": "text_encoder", "when": "init"}]
     wires = [{"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"}]
     generation: dict[str, Any] = {"loop": "denoising"}
@@ -188,6 +184,61 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
         "generation": generation,
         "metadata": {"model_type": kind, "detected_from": "model_index.json"},
     }
+
+
+SD3_PARTS = {
+    "text_encoder": "text_encoder/model.onnx",
+    "text_encoder_2": "text_encoder_2/model.onnx",
+    "text_encoder_3": "text_encoder_3/model.onnx",
+    "transformer": "transformer/model.onnx",
+    "vae_decoder": "vae_decoder/model.onnx",
+}
+T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
+
+
+def _sd3(folder: Folder, index: dict[str, Any], kind: Any) -> dict[str, Any]:
+    """optimum's export of a StableDiffusion3Pipeline: three text encoders, each with its tokenizer (T5's
+    rows 256 ids long), the CLIP encoders' penultimate states side by side, zero-padded to T5's width, then
+    T5's states after them along the sequence; their pooled projections side by side; the transformer's
+    steps; the VAE (its latents unscaled and shifted)."""
+    sessions = _exported(folder, SD3_PARTS, kind)
+    sessions["text_encoder_2"]["tokenizer"] = "tokenizer_2"
+    sessions["text_encoder_3"].update(tokenizer="tokenizer_3", max_length=T5_LENGTH)
+    sessions["transformer"]["inputs"] = {"sample": "hidden_states"}
+    clip = [_penultimate(folder, "text_encoder"), _penultimate(folder, "text_encoder_2")]
+    return {
+        "version": 2,
+        "pipeline": {
+            "sessions": sessions,
+            "flow": [*({"run": name, "when": "init"} for name in ("text_encoder", "text_encoder_2",
+                                                                  "text_encoder_3")),
+                     {"run": "transformer", "when": "step"}, {"run": "vae_decoder", "when": "final"}],
+            "dataflow": [
+                {"from": [clip, "text_encoder_3.last_hidden_state"],
+                 "to": "transformer.encoder_hidden_states"},
+                {"from": ["text_encoder.text_embeds", "text_encoder_2.text_embeds"],
+                 "to": "transformer.pooled_projections"},
+                {"from": "transformer.out_hidden_states", "to": "vae_decoder.latent_sample"},
+            ],
+            "output": {"session": "vae_decoder", "name": "sample", "as": "image"},
+            "preprocessing": {"text": {"tokenizer": "tokenizer"}},
+        },
+        # StableDiffusion3Pipeline's defaults
+        "generation": {"loop": "denoising", "num_steps": 28, "guidance_scale": 7.0},
+        "metadata": {"model_type": kind, "detected_from": "model_index.json"},
+    }
+
+
+def _exported(folder: Folder, parts: dict[str, str], kind: Any) -> dict[str, Any]:
+    """A session per part ({"file": its graph}); a ConfigError naming the graphs optimum's export would have
+    written and the folder lacks."""
+    missing = [file for file in parts.values() if not folder.exists(file)]
+    if missing:
+        raise ConfigError(
+            f"{folder.describe()} has model_index.json ({kind}) but not {', '.join(missing)}: export the "
+            "pipeline with optimum (optimum-cli export onnx --task text-to-image)"
+        )
+    return {name: {"file": file} for name, file in parts.items()}
 
 
 def _part(index: dict[str, Any], name: str) -> bool:

@@ -87,6 +87,7 @@ class Feed:
     source: str = ""  # FROM_OUTPUT / CARRIED: "session.output"
     dtype: str = "int64"
     parts: tuple[str, ...] = ()  # JOINED: the sources joined, in order
+    groups: tuple[int, ...] = ()  # JOINED: Wire.groups
 
 
 @dataclass(frozen=True)
@@ -524,7 +525,7 @@ def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None
     for w in config.pipeline.dataflow:
         if w.to_session == step.run and w.to_input == t.name:
             if w.more:
-                return Feed(t.name, JOINED, " + ".join(w.sources), t.dtype, w.sources)
+                return Feed(t.name, JOINED, " + ".join(w.sources), t.dtype, w.sources, w.groups)
             kind = CARRIED if w.from_session == step.run else FROM_OUTPUT
             return Feed(t.name, kind, f"{w.from_session}.{w.from_output}", t.dtype)
     return None

@@ -235,25 +235,38 @@ def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path)
         assert run["timings"]["steps"] == steps and run["finishReason"] == "done"
 
 
-def test_wasm_sdxl_images_equal_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:
-    """A Stable Diffusion XL folder (two tokenizers, joined encoder states, the size conditioning): guided
-    with zeroed unconditional states, with a negative prompt, and unguided; CPython's images within 1e-4."""
+# Stable Diffusion XL (two tokenizers, joined encoder states, the size conditioning): guided with zeroed
+# unconditional states, with a negative prompt, and unguided. Stable Diffusion 3 (three tokenizers, T5's
+# through tokenizers.js on its tokenizer.json, the grouped join of the encoders' states, flow matching, the
+# shifted VAE latents): guided with a negative prompt, and unguided.
+FAMILIES = {
+    "sdxl-tiny": [{"prompt": "a red cube", "numSteps": 3, "guidanceScale": 5.0, "seed": 4},
+                  {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 2, "guidanceScale": 6.0,
+                   "seed": 5},
+                  {"prompt": "a blue sphere", "numSteps": 2, "guidanceScale": 1.0, "seed": 6}],
+    "sd3-tiny": [{"prompt": "a red cube on a wooden table", "negativePrompt": "blurry", "numSteps": 3,
+                  "guidanceScale": 5.0, "seed": 4},
+                 {"prompt": "a blue sphere", "numSteps": 2, "guidanceScale": 1.0, "seed": 6}],
+}
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_wasm_sdxl_and_sd3_images_equal_cpython(page: Any, serve_model: Any, tmp_path: Path,
+                                                model: str) -> None:
+    """Each request's image in the browser is CPython's within 1e-4."""
     from build import paradigms
 
-    folder = Path(shutil.copytree(paradigms.get("sdxl-tiny"), tmp_path / "sdxl",
+    folder = Path(shutil.copytree(paradigms.get(model), tmp_path / model,
                                   ignore=shutil.ignore_patterns("references")))
-    requests = [{"prompt": "a red cube", "numSteps": 3, "guidanceScale": 5.0, "seed": 4},
-                {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 2, "guidanceScale": 6.0,
-                 "seed": 5},
-                {"prompt": "a blue sphere", "numSteps": 2, "guidanceScale": 1.0, "seed": 6}]
+    requests = FAMILIES[model]
     pipe = ortpipe.load(folder)
     expected = [pipe.generate(r["prompt"], negative_prompt=r.get("negativePrompt"), num_steps=r["numSteps"],
                               guidance_scale=r["guidanceScale"], seed=r["seed"]).image for r in requests]
-    serve_model("sdxl-tiny", folder)
-    got = in_page(page, "sdxl-tiny", [{"kind": "generate", "args": [r]} for r in requests])
+    serve_model(model, folder)
+    got = in_page(page, model, [{"kind": "generate", "args": [r]} for r in requests])
     for run, image in zip(got["runs"], expected, strict=True):
         data = np.array(run["data"], np.float32).reshape(run["dims"])
-        print(f"wasm SDXL image: max |browser - CPython| = {np.abs(data - image).max():.1e}")
+        print(f"wasm {model} image: max |browser - CPython| = {np.abs(data - image).max():.1e}")
         assert np.abs(data - image).max() <= WASM["image"]
 
 

@@ -56,7 +56,11 @@ def _staged(config: Config) -> dict[str, Any]:
 
 
 def _wire(w: Wire) -> dict[str, Any]:
-    source = list(w.sources) if w.more else w.source
+    source: Any = list(w.sources) if w.more else w.source
+    if w.groups:  # runs of sources: a list per run of several, a name per run of one
+        starts = [sum(w.groups[:i]) for i in range(len(w.groups))]
+        runs = [list(w.sources[a : a + n]) for a, n in zip(starts, w.groups, strict=True)]
+        source = [run if len(run) > 1 else run[0] for run in runs]
     out: dict[str, Any] = {"from": source, "to": f"{w.to_session}.{w.to_input}"}
     if w.stream:
         out["stream"] = True
@@ -101,6 +105,8 @@ def _session(s: SessionSpec) -> dict[str, Any]:
         out["optional"] = True
     if s.tokenizer is not None:
         out["tokenizer"] = s.tokenizer
+    if s.max_length is not None:
+        out["max_length"] = s.max_length
     return out
 
 

@@ -379,6 +379,7 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             "outputs",
             "dtype",
             "tokenizer",
+            "max_length",
         )
         file = s.get("file", str)
         if file is None:
@@ -397,8 +398,17 @@ def _sessions(sec: Section, folder: Folder, problems: Problems) -> dict[str, Ses
             outputs=_role_map(s, "outputs"),
             dtype=_dtype(s),
             tokenizer=_tokenizer_folder(s, "tokenizer"),
+            max_length=_session_length(s),
         )
     return sessions
+
+
+def _session_length(s: Section) -> int | None:
+    length = s.number("max_length", int, None, 1, 1 << 20)
+    if length is not None and "tokenizer" not in s.raw:
+        s.problems.add(f"{s.path}.max_length pads and truncates the rows of the session's own tokenizer: "
+                       "name it in tokenizer, or set preprocessing.text.max_length for every session")
+    return length
 
 
 def _tokenizer_folder(s: Section, key: str) -> str | None:
@@ -601,13 +611,20 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
         s = Section(item, f"pipeline.dataflow[{i}]", problems, nulls=False)
         s.allow("from", "to", "stream")
         joined = isinstance(s.raw, dict) and isinstance(s.raw.get("from"), list)
-        if joined:  # several sources joined along the last axis
+        groups: tuple[int, ...] = ()
+        if joined:  # several sources joined along the last axis, or groups of them along the sequence
             values = s.raw["from"]
-            if len(values) < 2 or not all(isinstance(v, str) for v in values):
-                problems.add(f'{s.path}.from must be "session.tensor" or a list of two or more of them '
-                             f"(joined along the last axis), found {quote(values)}")
+            runs = [v if isinstance(v, list) else [v] for v in values]
+            flat = [v for run in runs for v in run]
+            if len(flat) < 2 or not all(isinstance(v, str) for v in flat) or not all(runs):
+                problems.add(f'{s.path}.from must be "session.tensor", a list of two or more of them (joined '
+                             "along the last axis), or a list of such lists and names (each joined so, then "
+                             "joined along the sequence axis, zero-padded to the widest), found "
+                             f"{quote(values)}")
                 continue
-            sources = [_endpoint(s, "from", sessions, v) for v in values]
+            if any(isinstance(v, list) for v in values):
+                groups = tuple(len(run) for run in runs)
+            sources = [_endpoint(s, "from", sessions, v) for v in flat]
         else:
             sources = [_endpoint(s, "from", sessions)]
         to = _endpoint(s, "to", sessions)
@@ -620,7 +637,8 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
                 problems.add(f"{s.path}: a wire of joined sources cannot stream: drop stream")
                 continue
             (first, output), *rest = sources
-            wires.append(Wire(first, output, to[0], to[1], stream, tuple(f"{a}.{b}" for a, b in rest)))
+            more = tuple(f"{a}.{b}" for a, b in rest)
+            wires.append(Wire(first, output, to[0], to[1], stream, more, groups))
     return tuple(wires)
 
 

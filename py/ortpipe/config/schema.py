@@ -40,6 +40,7 @@ class SessionSpec:
     # the folder of the tokenizer whose ids this session's text inputs take (the loops that make no tokens);
     # None: preprocessing.text.tokenizer's
     tokenizer: str | None = None
+    max_length: int | None = None  # with its own tokenizer: its rows truncated and padded to this many ids
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class Wire:
     # more sources after the first ("session.output" each): the wire carries all of them joined along the
     # last axis, in order (two text encoders' states side by side)
     more: tuple[str, ...] = ()
+    # with groups, the sizes of consecutive runs of the sources: each run joined along the last axis, the
+    # runs then joined along axis 1 (the sequence), each zero-padded on its last axis to the widest
+    groups: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return f"{' + '.join(self.sources)} -> {self.to_session}.{self.to_input}"

@@ -9,6 +9,7 @@ expanded to the rows their encoder produced (docs/pipelines.md).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import GenerationError
 from ..plan import (
@@ -90,7 +91,9 @@ class FlowRun:
         return ids
 
     def _join_values(self) -> Work:
-        """The joined wires' values: their init outputs joined along the last axis (concat_last), in order."""
+        """The joined wires' values: their init outputs joined along the last axis (concat_last), in order;
+        with groups, each group so, then the groups along axis 1, each zero-padded on its last axis to the
+        widest (`pad`, concat1)."""
         for s in (*self.plan.step_phase, *self.plan.final_phase):
             for f in s.feeds:
                 if f.kind != JOINED or f.source in self.values:
@@ -101,11 +104,36 @@ class FlowRun:
                         f'Session "{s.session}" input "{f.input}" joins {", ".join(missing)}, which did not '
                         "run (a skipped optional session)"
                     )
-                value = self.values[f.parts[0]]
-                for part in f.parts[1:]:
-                    feeds = {"a": value, "b": self.values[part]}
-                    value = (yield Run(kernel("concat_last", f.dtype), feeds, ("y",), None, self.label))["y"]
-                self.values[f.source] = value
+                sizes = f.groups or (len(f.parts),)
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                runs = []
+                for start, size in zip(starts, sizes, strict=True):
+                    run = f.parts[start : start + size]
+                    runs.append((yield from self._join(run, "concat_last", f.dtype)))
+                if len(runs) > 1:
+                    runs = yield from self._padded(runs, f.dtype)
+                self.values[f.source] = yield from self._join(runs, "concat1", f.dtype)
+
+    def _join(self, parts: list[Any], how: str, dtype: str) -> Work:
+        """Values (or the names of stored ones) joined in order by the kernel `how`."""
+        values = [self.values[p] if isinstance(p, str) else p for p in parts]
+        value = values[0]
+        for other in values[1:]:
+            value = (yield Run(kernel(how, dtype), {"a": value, "b": other}, ("y",), None, self.label))["y"]
+        return value
+
+    def _padded(self, values: list[Handle], dtype: str) -> Work:
+        """Each value zero-padded at the end of its last axis to the widest."""
+        b = self.backend
+        width = max(b.shape(v)[-1] for v in values)
+        out = []
+        for v in values:
+            rank, gap = len(b.shape(v)), width - b.shape(v)[-1]
+            if gap:
+                pads = b.tensor([0] * (2 * rank - 1) + [gap], (2 * rank,), "int64")
+                v = (yield Run(kernel("pad", dtype), {"x": v, "pads": pads}, ("y",), None, self.label))["y"]
+            out.append(v)
+        return out
 
     def _tile_values(self) -> Work:
         """Init outputs made for one row (an encoder's states, a cross cache) repeated for every row

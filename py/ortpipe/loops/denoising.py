@@ -59,6 +59,7 @@ class DenoisingSetup:
     vae_dtype: str = "float32"  # the element type of the final step's latents input (the VAE's)
     time_ids_dtype: str | None = None  # the UNet takes time_ids (Stable Diffusion XL), of this type
     vae_scale: int = 8  # image pixels per latent (2 ** (the VAE's blocks - 1)), for time_ids
+    shift_factor: float = 0.0  # added to the final latents after the division (Stable Diffusion 3's VAE)
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -120,12 +121,16 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     scaling = vae.get("scaling_factor", DEFAULT_SCALING)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
         raise ConfigError(f"the VAE's scaling_factor must be a positive number, found {scaling!r}")
-    shifted = [key for key in ("latents_mean", "latents_std", "shift_factor") if vae.get(key) is not None]
+    shifted = [key for key in ("latents_mean", "latents_std") if vae.get(key) is not None]
     if shifted:
         raise ConfigError(
             f"the VAE's config.json sets {', '.join(shifted)}: ortpipe divides the final latents by "
-            "scaling_factor only (Stable Diffusion 1.x, 2.x and XL's VAEs), and does not shift them"
+            "scaling_factor and adds shift_factor (Stable Diffusion 1.x, 2.x, XL and 3's VAEs); per-channel "
+            "statistics are not applied"
         )
+    shift = vae.get("shift_factor") or 0.0
+    if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not math.isfinite(shift):
+        raise ConfigError(f"the VAE's shift_factor must be a number or null, found {shift!r}")
     time_ids = feeds.get("time_ids")
     vae_scale = 8
     if time_ids is not None:
@@ -146,6 +151,7 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         vae_dtype,
         time_ids.dtype if time_ids is not None else None,
         vae_scale,
+        float(shift),
     )
 
 
@@ -344,7 +350,8 @@ class DenoisingRequest(OutputRequest):
         b = self.backend
         scaled = yield Run(
             kernel("divide", self.setup.vae_dtype),
-            {"x": self.x, "d": b.tensor([self.setup.scaling_factor], (1,), "float32")},
+            {"x": self.x, "d": b.tensor([self.setup.scaling_factor], (1,), "float32"),
+             "s": b.tensor([self.setup.shift_factor], (1,), "float32")},
             ("y",),
             None,
             "final",

@@ -4,7 +4,8 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
-dpmsolver++ and sde-dpmsolver++ of order 1 to 3), for epsilon and v_prediction and the three timestep
+dpmsolver++ and sde-dpmsolver++ of order 1 to 3; FlowMatchEulerDiscrete's flow matching, whose
+output is a velocity), for epsilon and v_prediction and the three timestep
 spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv
 2206.00364; `use_exponential_sigmas`) for EulerDiscrete, Karras also for DPMSolverMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
@@ -41,6 +42,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "dpmsolver_multistep": "DPMSolverMultistepScheduler",
     "pndm": "PNDMScheduler",
     "ddpm": "DDPMScheduler",
+    "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
+    "flow_match_euler": "FlowMatchEulerDiscreteScheduler",
 }
 _BETAS = {
     "num_train_timesteps": 1000,
@@ -120,8 +123,26 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "lambda_min_clipped": -INF,
         "variance_type": None,
     },
+    # flow matching (Stable Diffusion 3): no betas; sigma runs from 1 (noise) to 0 along a straight line
+    "FlowMatchEulerDiscreteScheduler": {
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "use_dynamic_shifting": False,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "invert_sigmas": False,
+        "shift_terminal": None,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "time_shift_type": "exponential",  # read by the dynamic shifting only
+        "stochastic_sampling": False,
+    },
 }
 SCHEDULERS = tuple(DEFAULTS)
+FLOW = ("FlowMatchEulerDiscreteScheduler",)  # the classes without a beta schedule
 # The values of the fields this module follows, per class (None: any value of the right kind).
 _COMMON: dict[str, tuple[Any, ...] | None] = {
     "beta_schedule": ("linear", "scaled_linear"),
@@ -167,6 +188,16 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "variance_type": (None,),
         "lambda_min_clipped": (-INF,),
     },
+    "FlowMatchEulerDiscreteScheduler": {
+        "use_dynamic_shifting": (False,),  # its shift depends on the image's size (mu): not followed
+        "invert_sigmas": (False,),
+        "shift_terminal": (None,),
+        "use_karras_sigmas": (False,),
+        "use_exponential_sigmas": (False,),
+        "use_beta_sigmas": (False,),
+        "stochastic_sampling": (False,),
+        "time_shift_type": ("exponential", "linear"),
+    },
 }
 NUMBERS = (
     "num_train_timesteps",
@@ -209,7 +240,7 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
                 f"(it runs {', '.join(map(quote, allowed))})"
             )
     problems += _field_problems(config, wanted, where)
-    if not problems:
+    if not problems and wanted not in FLOW:
         problems += _schedule_problems(config, where)
     if problems:
         raise ConfigError(problems)
@@ -239,8 +270,11 @@ def _field_problems(config: Mapping[str, Any], wanted: str, where: str) -> list[
     if not isinstance(count, int) or isinstance(count, bool) or count < 2:
         problems.append(f"{where}: num_train_timesteps must be an integer of 2 or more, found {quote(count)}")
     for key in ("beta_start", "beta_end"):
-        if isinstance(config[key], (int, float)) and not 0 <= config[key] < 1:
+        if isinstance(config.get(key), (int, float)) and not 0 <= config[key] < 1:
             problems.append(f"{where}: {key} must be in [0, 1), found {quote(config[key])}")
+    shift = config.get("shift", 1.0)
+    if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not 0 < shift < INF:
+        problems.append(f"{where}: shift must be a positive number, found {quote(shift)}")
     return problems
 
 
@@ -714,6 +748,30 @@ def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
+def flow_match(config: Mapping[str, Any], steps: int) -> Schedule:
+    """Flow matching's Euler steps (FlowMatchEulerDiscreteScheduler without dynamic shifting): sigmas evenly
+    spaced in training time between the shifted schedule's ends, each shifted (s * sigma / (1 + (s - 1) *
+    sigma)), kept in float32 as diffusers keeps them, then 0; the model's output is the velocity, and a step
+    is x + (sigma_next - sigma) * output. The model's input is the latents unscaled; the initial noise is
+    not scaled either."""
+    count, shift = config["num_train_timesteps"], float(config["shift"])
+
+    def shifted32(sigma: float) -> float:  # the init's table, in float32 arithmetic as diffusers builds it
+        return _f32(_f32(shift * sigma) / _f32(1 + _f32((shift - 1) * sigma)))
+
+    sigma_max, sigma_min = shifted32(_f32(count / count)), shifted32(_f32(1 / count))
+    times = _linspace(sigma_max * count, sigma_min * count, steps)
+    sigmas = [_f32(shift * s / (1 + (shift - 1) * s)) for s in (t / count for t in times)]
+    timesteps = [_f32(s * count) for s in sigmas]
+    _distinct(timesteps, config)
+    sigmas.append(0.0)
+    out = [
+        _step(t, 1.0, (1.0, -sigmas[i]), x=1.0, output=_f32(sigmas[i + 1] - sigmas[i]))
+        for i, t in enumerate(timesteps)
+    ]
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
 def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
     """The schedule of `steps` steps for a config scheduler_config() made."""
     name = config["_class_name"]
@@ -732,13 +790,15 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
         schedule = lcm(config, steps)
     elif name == "PNDMScheduler":
         schedule = pndm(config, steps)
+    elif name in FLOW:
+        schedule = flow_match(config, steps)
     else:
         schedule = dpm_solver(config, steps)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
     if len(schedule.steps) != runs:
         raise GenerationError(
-            f"num_steps {steps} gives {name} with {config['timestep_spacing']} spacing "
-            f"{len(schedule.steps)} timesteps; choose another number of steps"
+            f"num_steps {steps} gives {name}{_spacing(config)} {len(schedule.steps)} timesteps; choose "
+            "another number of steps"
         )
     for i, step in enumerate(schedule.steps):  # clipping bounds may be infinite; nothing else may
         numbers = (schedule.init_noise_sigma, step.timestep, step.input_scale, *step.coefficients[:2],
@@ -756,6 +816,11 @@ def _distinct(timesteps: list[Any], config: Mapping[str, Any]) -> None:
     """diffusers runs repeated timesteps (or divides by zero on them): refuse the step count instead."""
     if len(set(timesteps)) != len(timesteps):
         raise GenerationError(
-            f"num_steps {len(timesteps)} gives {config['_class_name']} with "
-            f"{config['timestep_spacing']} spacing repeated timesteps; choose fewer steps"
+            f"num_steps {len(timesteps)} gives {config['_class_name']}{_spacing(config)} repeated "
+            "timesteps; choose fewer steps"
         )
+
+
+def _spacing(config: Mapping[str, Any]) -> str:
+    spacing = config.get("timestep_spacing")
+    return f" with {spacing} spacing" if spacing else ""

@@ -49,7 +49,11 @@ def loop_setup(plan: Plan, folder: Folder, tokenizer: Tokenizer | None,
         if found is None:
             raise ConfigError(f'sessions.{name}.tokenizer: {folder.describe(where)} holds no tokenizer '
                               "(tokenizer.json, or a CLIP or VITS tokenizer's vocab.json)")
-        sessions[name] = (found, text_setup(folder, where, found, length))
+        own_text = text_setup(folder, where, found, length)
+        fixed = plan.config.pipeline.sessions[name].max_length
+        if fixed is not None:  # diffusers' max_sequence_length: padded and truncated to exactly this
+            own_text = dataclasses.replace(own_text, max_length=fixed, pad_to_max=True)
+        sessions[name] = (found, own_text)
     return LoopSetup(setup, denoising_setup(plan, folder) if loop == "denoising" else None, sessions)
 
 

@@ -1,0 +1,146 @@
+"""Stable Diffusion 3 folders (issue 16): three text encoders with their own tokenizers (T5's rows 256 ids,
+padded), the CLIP encoders' penultimate states side by side, zero-padded to T5's width and joined with T5's
+along the sequence (a wire of grouped sources), their pooled projections side by side, an SD3 transformer
+stepped by flow matching's Euler scheduler, a VAE whose latents are unscaled and shifted; detected from
+optimum's export of a tiny random StableDiffusion3Pipeline (build/paradigms.py, sd3-tiny).
+
+Each case's image equals diffusers' StableDiffusion3Pipeline given the same initial latents, and the plain
+onnxruntime loop of tests/paradigm_refs.py, within the issue's 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from build import paradigms
+
+import ortpipe
+from ortpipe.errors import ConfigError
+from ortpipe.loops.schedulers import make_schedule
+from ortpipe.loops.text import encode_texts
+from tests import diffusers_folders as folders
+from tests import paradigm_refs as refs
+
+IMAGE_TOLERANCE = 1e-3
+CASES = [case[0] for case in paradigms.SD3_CASES]
+
+
+@pytest.fixture(scope="module")
+def cases(sd3_tiny: Path) -> dict[str, dict]:
+    return folders.cases(sd3_tiny)
+
+
+@pytest.fixture
+def folder(sd3_tiny: Path, tmp_path: Path) -> Path:
+    """sd3-tiny without its references: a folder a test may change."""
+    return folders.copy(sd3_tiny, tmp_path / "sd3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_images_equal_diffusers_and_the_plain_loop(name: str, sd3_tiny: Path, folder: Path,
+                                                   cases: dict[str, dict]) -> None:
+    case = cases[name]
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
+    schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"])
+    assert [s.timestep for s in schedule.steps] == case["timesteps"]  # float32 values, exactly diffusers'
+    latents = np.load(sd3_tiny / "references" / case["latents"])
+    guided = case["guidance_scale"] > 1
+    result = pipe.generate(case["prompt"], latents=latents, num_steps=case["num_inference_steps"],
+                           guidance_scale=case["guidance_scale"],
+                           negative_prompt=case["negative_prompt"] if guided else None)
+    assert result.finish_reason == "done" and result.timings.steps == len(case["timesteps"])
+    expected = np.load(sd3_tiny / "references" / case["image"])
+    plain = refs.generate_image_sd3(folder, case["scheduler"], case["num_inference_steps"], latents,
+                                    prompt_ids=case["prompt_ids"],
+                                    negative_prompt_ids=case["negative_prompt_ids"],
+                                    guidance_scale=case["guidance_scale"])
+    to_diffusers = float(np.abs(result.image - expected).max())
+    to_plain = float(np.abs(result.image - plain).max())
+    print(f"{name}: max |ortpipe - diffusers| = {to_diffusers:.2e}, |ortpipe - plain loop| = {to_plain:.2e}")
+    assert result.image.shape == expected.shape == (1, 32, 32, 3)
+    assert to_diffusers <= IMAGE_TOLERANCE and to_plain <= IMAGE_TOLERANCE
+    assert np.abs(plain - expected).max() <= IMAGE_TOLERANCE  # the plain loop is diffusers' computation
+
+
+@pytest.mark.slow
+def test_each_encoder_reads_its_own_tokenizers_ids(folder: Path, cases: dict[str, dict]) -> None:
+    """The rows ortpipe makes for each text encoder are the ids diffusers' pipeline gave it: CLIP's 77, the
+    second CLIP's padded with "!", T5's padded with <pad> to 256."""
+    case = cases["sd3-flow-shift3-cfg-neg"]
+    pipe = ortpipe.load(folder, threads=1)
+    loop = pipe.model.loop
+    made = {}
+    for name, (tokenizer, text) in loop.own.items():
+        (ids,) = encode_texts(tokenizer, [case["prompt"]], text.max_length)
+        made[name] = ids + [text.pad_id] * (text.max_length - len(ids))
+    (ids,) = encode_texts(pipe.model.tokenizer, [case["prompt"]], loop.text.max_length)
+    made["text_encoder"] = ids + [loop.text.pad_id] * (loop.text.max_length - len(ids))
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    expected = dict(zip(names, case["prompt_ids"], strict=True))
+    assert made == expected
+    assert len(expected["text_encoder_3"]) == 256 and expected["text_encoder_2"] != expected["text_encoder"]
+
+
+@pytest.mark.slow
+def test_the_vae_shift_makes_the_image(sd3_tiny: Path, folder: Path, cases: dict[str, dict]) -> None:
+    """The VAE's shift factor is applied: without it the image is far from diffusers'."""
+    case = cases["sd3-flow-shift1"]
+    vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
+    assert vae["shift_factor"] == 0.0609
+    (folder / "vae_decoder" / "config.json").write_text(json.dumps({**vae, "shift_factor": None}))
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
+    latents = np.load(sd3_tiny / "references" / case["latents"])
+    unshifted = pipe.generate(case["prompt"], latents=latents, num_steps=case["num_inference_steps"],
+                              guidance_scale=1.0).image
+    assert np.abs(unshifted - np.load(sd3_tiny / "references" / case["image"])).max() > 10 * IMAGE_TOLERANCE
+
+
+def test_the_detected_config(sd3_tiny: Path) -> None:
+    from ortpipe.detect import detect_config
+    from ortpipe.folder import LocalFolder
+
+    config = detect_config(LocalFolder(sd3_tiny))
+    sessions = config["pipeline"]["sessions"]
+    assert sessions["text_encoder_3"] == {"file": "text_encoder_3/model.onnx", "tokenizer": "tokenizer_3",
+                                          "max_length": 256}
+    assert sessions["transformer"]["inputs"] == {"sample": "hidden_states"}
+    assert config["pipeline"]["dataflow"][:2] == [
+        {"from": [["text_encoder.hidden_states.1", "text_encoder_2.hidden_states.2"],
+                  "text_encoder_3.last_hidden_state"], "to": "transformer.encoder_hidden_states"},
+        {"from": ["text_encoder.text_embeds", "text_encoder_2.text_embeds"],
+         "to": "transformer.pooled_projections"}]
+    assert config["generation"] == {"loop": "denoising", "num_steps": 28, "guidance_scale": 7.0}
+
+
+@pytest.mark.slow
+def test_the_expanded_config_loads_the_same(folder: Path) -> None:
+    folders.expanded_config_makes_the_same_image(folder, guidance_scale=4.0)
+
+
+def _scheduler(folder: Path, **fields: object) -> None:
+    path = folder / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda f: folders.with_v2(f, lambda c: c["pipeline"]["dataflow"][0].update(
+        {"from": [[], "text_encoder_3.x"]})),
+     "or a list of such lists and names"),
+    (lambda f: folders.with_v2(f, lambda c: c["pipeline"]["sessions"]["text_encoder"].update(max_length=10)),
+     "sessions.text_encoder.max_length pads and truncates the rows of the session's own tokenizer"),
+    (lambda f: folders.with_v2(f, lambda c: c["pipeline"]["sessions"]["text_encoder_3"].update(max_length=0)),
+     "sessions.text_encoder_3.max_length must be"),
+    (lambda f: _scheduler(f, use_dynamic_shifting=True),
+     "FlowMatchEulerDiscreteScheduler with use_dynamic_shifting True is not run by ortpipe"),
+    (lambda f: _scheduler(f, shift=0), "shift must be a positive number, found 0"),
+    (lambda f: (f / "text_encoder_3" / "model.onnx").unlink(),
+     r"has model_index.json \(StableDiffusion3Pipeline\) but not text_encoder_3/model.onnx"),
+])
+def test_what_the_loop_cannot_run_is_refused_at_load(folder: Path, edit, message: str) -> None:  # noqa: ANN001
+    edit(folder)
+    with pytest.raises(ConfigError, match=message):
+        ortpipe.load(folder)
