@@ -326,6 +326,9 @@ SD_CASES = (
     ("ddpm-eps-leading-cfg", "DDPMScheduler", "epsilon", "leading", 5, 7.5, NEGATIVE),
     ("ddpm-v-trailing-large", "DDPMScheduler", "v_prediction", "trailing", 4, 1.0, None),
     ("ddpm-eps-linspace-log", "DDPMScheduler", "epsilon", "linspace", 3, 1.0, None),
+    ("heun-eps-linspace", "HeunDiscreteScheduler", "epsilon", "linspace", 3, 1.0, None),
+    ("heun-v-leading-cfg", "HeunDiscreteScheduler", "v_prediction", "leading", 3, 5.0, NEGATIVE),
+    ("heun-karras-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -350,6 +353,7 @@ SD_CASE_FIELDS = {
     "pndm-eps-linspace-2": {"skip_prk_steps": True},
     "ddpm-v-trailing-large": {"variance_type": "fixed_large", "clip_sample": True},
     "ddpm-eps-linspace-log": {"variance_type": "fixed_small_log"},
+    "heun-karras-eps-trailing": {"use_karras_sigmas": True},
     "euler-exp-v-trailing-range": {"use_exponential_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},

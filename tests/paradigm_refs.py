@@ -482,8 +482,43 @@ class PNDM:
         return (a_prev / a) ** 0.5 * x - (a_prev - a) * combined / denominator
 
 
+class Heun:
+    """HeunDiscreteScheduler as diffusers writes it: every timestep but the first twice, the sigmas likewise;
+    an Euler step to the next sigma (keeping the slope, the step and the sample), then at that sigma the
+    average of the two slopes applied to the kept sample; the last run an Euler step to 0."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
+               use_beta_sigmas=(False,))
+        euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
+        self.config = config
+        self.timesteps = np.concatenate([euler.timesteps[:1], np.repeat(euler.timesteps[1:], 2)])
+        sigmas = euler.sigmas  # with the final 0
+        self.sigmas = np.concatenate([sigmas[:1], np.repeat(sigmas[1:-1], 2), sigmas[-1:]])
+        self.init_noise_sigma, self.noise_steps = euler.init_noise_sigma, []
+        self.kept: tuple[np.ndarray, float, np.ndarray] | None = None  # slope, step, sample
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x / (self.sigmas[i] ** 2 + 1) ** 0.5
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        limit = self.config.get("clip_sample_range", 1.0) if self.config.get("clip_sample") else np.inf
+        if self.kept is None:  # the Euler step
+            sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
+            x0 = np.clip(_x0_from_sigma(self.config, output, x, sigma), -limit, limit)
+            slope, dt = (x - x0) / sigma, sigma_next - sigma
+            self.kept = (slope, dt, x)
+            return x + slope * dt
+        sigma_next = self.sigmas[i]
+        x0 = np.clip(_x0_from_sigma(self.config, output, x, sigma_next), -limit, limit)
+        first, dt, sample = self.kept
+        self.kept = None
+        return sample + (first + (x - x0) / sigma_next) / 2 * dt
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
+    "HeunDiscreteScheduler": Heun,
     "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),
     "DDIMScheduler": DDIM,
     "DDPMScheduler": DDPM,

@@ -271,12 +271,14 @@ def test_wasm_sdxl_and_sd3_images_equal_cpython(page: Any, serve_model: Any, tmp
 
 
 @pytest.mark.parametrize(("case", "rescale"), [("dpm-sde-karras-eps-cfg", 0.5),
-                                               ("pndm-eps-leading-cfg", 0.0)])
+                                               ("pndm-eps-leading-cfg", 0.0),
+                                               ("heun-v-leading-cfg", 0.0)])
 def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path, tmp_path: Path,
                                              case: str, rescale: float) -> None:
     """DPM-Solver++ (2M) SDE with Karras sigmas, guided and rescaled, seeded; PNDM (PLMS, Stable Diffusion
-    1.x's own, its memory of past outputs): the schedule is the core's arithmetic and each step's noise the
-    core's generator, the same in Pyodide; the image is CPython's within 1e-4."""
+    1.x's own, its memory of past outputs); Heun (two UNet runs a timestep): the schedule is the core's
+    arithmetic and each step's noise the core's generator, the same in Pyodide; the image is CPython's within
+    1e-4."""
     from build import paradigms
 
     cases = {c["name"]: c for c in _json(paradigms.get("sd-tiny") / "references" / "cases.json")["cases"]}

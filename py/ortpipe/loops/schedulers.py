@@ -4,7 +4,7 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
-dpmsolver++ and sde-dpmsolver++ of order 1 to 3; FlowMatchEulerDiscrete's flow matching, whose
+dpmsolver++ and sde-dpmsolver++ of order 1 to 3, HeunDiscrete; FlowMatchEulerDiscrete's flow matching, whose
 output is a velocity), for epsilon and v_prediction and the three timestep
 spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv
 2206.00364; `use_exponential_sigmas`) for EulerDiscrete, Karras also for DPMSolverMultistep. A field whose
@@ -42,6 +42,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "dpmsolver_multistep": "DPMSolverMultistepScheduler",
     "pndm": "PNDMScheduler",
     "ddpm": "DDPMScheduler",
+    "heun_discrete": "HeunDiscreteScheduler",
+    "heun": "HeunDiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
     "flow_match_euler": "FlowMatchEulerDiscreteScheduler",
 }
@@ -123,6 +125,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "lambda_min_clipped": -INF,
         "variance_type": None,
     },
+    "HeunDiscreteScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "clip_sample": False,
+        "clip_sample_range": 1.0,
+        "timestep_spacing": "linspace",
+    },
     # flow matching (Stable Diffusion 3): no betas; sigma runs from 1 (noise) to 0 along a straight line
     "FlowMatchEulerDiscreteScheduler": {
         "num_train_timesteps": 1000,
@@ -187,6 +200,12 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "final_sigmas_type": ("zero", "sigma_min"),
         "variance_type": (None,),
         "lambda_min_clipped": (-INF,),
+    },
+    "HeunDiscreteScheduler": {
+        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False, True),
+        "use_beta_sigmas": (False,),
     },
     "FlowMatchEulerDiscreteScheduler": {
         "use_dynamic_shifting": (False,),  # its shift depends on the image's size (mu): not followed
@@ -468,28 +487,43 @@ def _sigma_to_t(sigma: float, logs: list[float]) -> float:
     wanted = math.log(max(sigma, 1e-10))
     at_or_below = [i for i, value in enumerate(logs) if value <= wanted]
     low = min(at_or_below[-1] if at_or_below else 0, len(logs) - 2)
+    if logs[low] == logs[low + 1]:  # two equal training sigmas: diffusers divides by zero (a NaN timestep)
+        return math.nan  # make_schedule refuses the schedule as not finite
     weight = min(max((logs[low] - wanted) / (logs[low] - logs[low + 1]), 0.0), 1.0)
     return (1 - weight) * low + weight * (low + 1)
 
 
-def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
+def _sigma_schedule(config: Mapping[str, Any], steps: int, spreads: bool) -> tuple[list[float], list[float],
+                                                                                     list[float]]:
+    """The spaced timesteps (float32), their sigmas (Karras or exponential ones when `spreads` and the config
+    asks, between the spaced ends or the config's sigma_min/sigma_max), and the training sigmas."""
     cumprod = alphas_cumprod(config)
     timesteps = [_f32(t) for t in spaced(config, steps)]
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
     sigmas = [_interp(t, table) for t in timesteps]
     spread = None
-    if not ancestral and config["use_karras_sigmas"]:
+    if spreads and config["use_karras_sigmas"]:
         spread = karras
-    elif not ancestral and config["use_exponential_sigmas"]:
+    elif spreads and config["use_exponential_sigmas"]:
         spread = exponential
     if spread:  # between the spaced ends, or the config's own
-        high, low = config["sigma_max"], config["sigma_min"]
+        high, low = config.get("sigma_max"), config.get("sigma_min")
         sigmas = spread(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
         timesteps = [_f32(t) for t in sigmas_to_t(sigmas, table)]
     _distinct(timesteps, config)
-    sigmas.append(table[0] if not ancestral and config["final_sigmas_type"] == "sigma_min" else 0.0)
+    return timesteps, sigmas, table
+
+
+def _init_sigma(config: Mapping[str, Any], sigmas: list[float]) -> float:
+    """The initial noise's scale: the largest sigma (linspace, trailing) or sqrt(sigma^2 + 1) (leading)."""
     top = max(sigmas)
-    init = top if config["timestep_spacing"] in ("linspace", "trailing") else (top * top + 1) ** 0.5
+    return top if config["timestep_spacing"] in ("linspace", "trailing") else (top * top + 1) ** 0.5
+
+
+def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
+    timesteps, sigmas, table = _sigma_schedule(config, steps, not ancestral)
+    sigmas.append(table[0] if not ancestral and config["final_sigmas_type"] == "sigma_min" else 0.0)
+    init = _init_sigma(config, sigmas)
     out = []
     for i, t in enumerate(timesteps):
         sigma, after = sigmas[i], sigmas[i + 1]
@@ -509,6 +543,29 @@ def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
             )
         )
     return Schedule(config["_class_name"], init, tuple(out))
+
+
+def heun(config: Mapping[str, Any], steps: int) -> Schedule:
+    """HeunDiscreteScheduler: 2 * steps - 1 model runs. Each timestep but the first is run twice: an Euler
+    step to the next sigma (its x0 kept), then, at that sigma, the average of the two slopes from the first
+    run's sample; the last run is an Euler step to 0. With x_mid the Euler step's result and s, s' the two
+    sigmas, the correction is x_mid + (s' - s) / (2 s') * (x0_first - x0_mid): linear in what the kernel
+    holds (derived from diffusers' sample + (d_first + d_mid) / 2 * (s' - s))."""
+    timesteps, sigmas, _ = _sigma_schedule(config, steps, True)
+    sigmas.append(0.0)
+    clip = config["clip_sample_range"] if config["clip_sample"] else INF
+    out = []
+    for j, t in enumerate(timesteps):
+        sigma, after = sigmas[j], sigmas[j + 1]
+        dt = after - sigma
+        euler_step = _step(t, 1 / (sigma * sigma + 1) ** 0.5, _x0_sigma(config, sigma), clip,
+                           x=1 + dt / sigma, from_x0=-dt / sigma)
+        out.append(euler_step)
+        if after > 0:  # the correction, run at the next timestep and sigma
+            half = dt / (2 * after)
+            out.append(_step(timesteps[j + 1], 1 / (after * after + 1) ** 0.5, _x0_sigma(config, after), clip,
+                             x=1.0, from_x0=-half, previous=half, remember=False))
+    return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
 
 def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
@@ -792,9 +849,12 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
         schedule = pndm(config, steps)
     elif name in FLOW:
         schedule = flow_match(config, steps)
+    elif name == "HeunDiscreteScheduler":
+        schedule = heun(config, steps)
     else:
         schedule = dpm_solver(config, steps)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
+    runs = 2 * steps - 1 if name == "HeunDiscreteScheduler" else runs  # every timestep but the first twice
     if len(schedule.steps) != runs:
         raise GenerationError(
             f"num_steps {steps} gives {name}{_spacing(config)} {len(schedule.steps)} timesteps; choose "
