@@ -197,10 +197,11 @@ def make_sd(spec: dict) -> None:
         vae.decoder.conv_out.weight.mul_(spec["vae_out_gain"])
         vae.decoder.conv_out.bias.mul_(spec["vae_out_gain"])
     tokenizer = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"])
-    scheduler = diffusers.EulerDiscreteScheduler.from_config(spec["scheduler"])
-    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                                             unet=unet, scheduler=scheduler, safety_checker=None,
-                                             feature_extractor=None, requires_safety_checker=False)
+    cls = spec["scheduler"].get("_class_name", "EulerDiscreteScheduler")
+    scheduler = getattr(diffusers, cls).from_config(spec["scheduler"])
+    pipeline = getattr(diffusers, spec.get("pipeline", "StableDiffusionPipeline"))
+    pipe = pipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(spec["out"], safe_serialization=True)
     print(json.dumps({"parameters": {name: sum(p.numel() for p in part.parameters())
                                      for name, part in (("text_encoder", text_encoder), ("unet", unet),
@@ -353,7 +354,7 @@ def sd3_refs(spec: dict) -> None:
                                       "vae_shift_factor": pipe.vae.config.shift_factor, "cases": index})
 
 
-def _load_sd(hf: str):
+def _load_sd(hf: str, pipeline: str = "StableDiffusionPipeline"):
     import diffusers
     import transformers
 
@@ -367,9 +368,8 @@ def _load_sd(hf: str):
     }
     tokenizer = transformers.CLIPTokenizer.from_pretrained(hf, subfolder="tokenizer")
     scheduler = diffusers.EulerDiscreteScheduler.from_pretrained(hf, subfolder="scheduler")
-    return diffusers.StableDiffusionPipeline(**parts, tokenizer=tokenizer, scheduler=scheduler,
-                                             safety_checker=None, feature_extractor=None,
-                                             requires_safety_checker=False)
+    options = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    return getattr(diffusers, pipeline)(**parts, tokenizer=tokenizer, scheduler=scheduler, **options)
 
 
 class _GivenNoise:
@@ -417,11 +417,14 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
     rescale = case.get("guidance_rescale", 0.0)  # an argument Stable Diffusion 3's pipeline does not take
     try:
         with torch.no_grad():
-            image = pipe(case["prompt"], negative_prompt=case.get("negative_prompt"),
-                         num_inference_steps=case["num_inference_steps"],
+            # arguments that some pipelines do not take (a latent consistency model's: negative_prompt), given
+            # only when set
+            optional = {"guidance_rescale": rescale} if rescale else {}
+            if case.get("negative_prompt") is not None:  # "" is a negative prompt, unlike None
+                optional["negative_prompt"] = case["negative_prompt"]
+            image = pipe(case["prompt"], num_inference_steps=case["num_inference_steps"],
                          guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
-                         output_type="np", callback_on_step_end=keep,
-                         **({"guidance_rescale": rescale} if rescale else {})).images
+                         output_type="np", callback_on_step_end=keep, **optional).images
     finally:
         if original is None:
             del module.randn_tensor
@@ -440,25 +443,28 @@ def _ids(tokenizer, text: str | None, length: int | None = None) -> list[int] | 
 
 
 def sd_refs(spec: dict) -> None:
-    """Each case through diffusers' StableDiffusionPipeline: image (float, before uint8) and final latents."""
-    import numpy as np
-
-    pipe = _load_sd(spec["hf"])
+    """Each case through diffusers' StableDiffusionPipeline (or the spec's pipeline class): image (float,
+    before uint8) and final latents; for a UNet that takes its guidance embedded (a latent consistency
+    model's), the embedding the pipeline handed it (`guidance_embedding`)."""
+    pipe = _load_sd(spec["hf"], spec.get("pipeline", "StableDiffusionPipeline"))
     pipe.set_progress_bar_config(disable=True)
-    folder = Path(spec["out"])
-    refs = folder / "references"
+    refs = Path(spec["out"]) / "references"
+    embedded = pipe.unet.config.time_cond_proj_dim is not None
+    seen: list = []
+
+    def keep(_module, _args, kwargs):
+        seen.append(kwargs["timestep_cond"].numpy()[0].tolist())
+
+    if embedded:
+        pipe.unet.register_forward_pre_hook(keep, with_kwargs=True)
     index = []
     for case in spec["cases"]:
-        result = _run_case(pipe, case, refs)
-        name = case["name"]
-        np.save(refs / f"{name}.image.npy", result["image"])
-        np.save(refs / f"{name}.final_latents.npy", result["final_latents"])
+        seen.clear()
+        entry = _referenced(pipe, case, refs)
         negative = case.get("negative_prompt")
-        if negative is None and case["guidance_scale"] > 1:
+        if negative is None and case["guidance_scale"] > 1 and not embedded:
             negative = ""  # what diffusers feeds the unconditional row when no negative prompt is given
-        index.append({**case, "scheduler": result["scheduler"],
-                      "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
-                      "noise_draws": result["noise_draws"], "timesteps": result["timesteps"],
+        index.append({**entry, **({"guidance_embedding": seen[0]} if embedded else {}),
                       "prompt_ids": _ids(pipe.tokenizer, case["prompt"]),
                       "negative_prompt_ids": _ids(pipe.tokenizer, negative)})
     _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor, "cases": index})

@@ -3,15 +3,16 @@
     python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
     python -m build.paradigms sd-bench                        # the benchmark UNet (88M parameters)
 
-Five folders as people have them (docs/paradigm-models.md says what each holds):
+Six folders as people have them (docs/paradigm-models.md says what each holds):
 - `st-minilm` (and `-cls`, `-nonorm`): a sentence-transformers folder with optimum's `onnx/model.onnx`;
 - `vits-tiny`: a transformers.js-style VITS folder (optimum's text-to-audio export);
 - `sd-tiny`: optimum's Stable Diffusion export (`model_index.json`, `text_encoder/`, `unet/`, ...);
+- `lcm-tiny`: the same of a latent consistency model (its UNet takes the guidance embedded);
 - `sdxl-tiny`: optimum's Stable Diffusion XL export (`text_encoder_2/`, `tokenizer_2/` beside those);
 - `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
-StableDiffusionPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline computed (torch, fp32) from
-the same weights.
+StableDiffusionPipeline, LatentConsistencyModelPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline
+computed (torch, fp32) from the same weights.
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
 the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
@@ -436,13 +437,36 @@ def export_sd(hf: Path, out: Path) -> Path:
     return _optimum(hf, out, "text-to-image")
 
 
-def exported_with_references(out: Path, torch_folder: str, cases: list[dict], refs: str) -> Path:
+def exported_with_references(out: Path, torch_folder: str, cases: list[dict], refs: str, **spec: str) -> Path:
     """optimum's export of the built diffusers folder `torch_folder`, with each case's initial latents and
-    the reference environment's images (its command `refs`)."""
+    the reference environment's images (its command `refs`, given `spec` too)."""
     export_sd(get(torch_folder), out)
     _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": [1, 4, 8, 8]})
-    _reference_env(refs, {"hf": str(get(torch_folder)), "out": str(out), "cases": cases})
+    _reference_env(refs, {"hf": str(get(torch_folder)), "out": str(out), "cases": cases, **spec})
     return out
+
+
+# A latent consistency model: sd-tiny's parts, its UNet taking the guidance scale embedded (timestep_cond,
+# time_cond_proj_dim wide), LCMScheduler, diffusers' LatentConsistencyModelPipeline (no unconditional row).
+LCM_PIPELINE = "LatentConsistencyModelPipeline"
+LCM_SCHEDULER = {"_class_name": "LCMScheduler", **SCHEDULER_BASE, "prediction_type": "epsilon",
+                 "timestep_spacing": "leading"}
+LCM_CASES = (("lcm-embedded-1", 1, 8.5), ("lcm-embedded-4", 4, 8.5), ("lcm-embedded-2-g1", 2, 1.0))
+
+
+def make_lcm_diffusers(out: Path) -> Path:
+    sizes = SD_SIZES["tiny"]
+    return _with_clip_tokenizer("make-sd", out, lambda ids: {
+        "text_encoder": {**sizes["text_encoder"], **ids}, "unet": {**sizes["unet"], "time_cond_proj_dim": 32},
+        "vae": sizes["vae"], "vae_out_gain": sizes["vae_out_gain"], "scheduler": LCM_SCHEDULER,
+        "pipeline": LCM_PIPELINE})
+
+
+def lcm_cases() -> list[dict]:
+    """The last step adds no noise: a one-step case is compared with diffusers directly."""
+    return [{**_plain_case(name, LCM_SCHEDULER, steps, guidance, None, seed),
+             "noise": f"{name}.noise.npy" if steps > 1 else None}
+            for seed, (name, steps, guidance) in enumerate(LCM_CASES, 300)]
 
 
 # Stable Diffusion XL: two text encoders (the second with a projection, its tokenizer padding with "!"), a
@@ -548,6 +572,9 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "vits-tiny": make_vits,
     "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
     "sd-tiny": lambda out: exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs"),
+    "lcm-tiny-diffusers": make_lcm_diffusers,
+    "lcm-tiny": lambda out: exported_with_references(out, "lcm-tiny-diffusers", lcm_cases(), "sd-refs",
+                                                     pipeline=LCM_PIPELINE),
     "sdxl-tiny-diffusers": make_sdxl_diffusers,
     "sd3-tiny-diffusers": make_sd3_diffusers,
     "sd3-tiny": lambda out: exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs"),

@@ -30,6 +30,7 @@ MODEL_FIXTURES = {
 PARADIGM_FIXTURES = {
     "st_minilm": "st-minilm", "st_minilm_cls": "st-minilm-cls", "st_minilm_nonorm": "st-minilm-nonorm",
     "vits_tiny": "vits-tiny", "sd_tiny": "sd-tiny", "sdxl_tiny": "sdxl-tiny", "sd3_tiny": "sd3-tiny",
+    "lcm_tiny": "lcm-tiny",
 }
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 
 import ortpipe
+from ortpipe.loops.denoising import Noise
+from ortpipe.loops.schedulers import make_schedule
 
 
 def cases(folder: Path) -> dict[str, dict]:
@@ -53,3 +55,16 @@ def expanded_config_makes_the_same_image(folder: Path, **request: object) -> Non
     assert written.config.source == "v2" and detected.config.source == "detected"
     assert written.config.pipeline == detected.config.pipeline
     assert np.array_equal(written.generate("a cube", num_steps=2, seed=3, **request).image, before)
+
+
+def ortpipe_noise(pipe: ortpipe.Pipeline, case: dict, seed: int, latents: bool) -> tuple:
+    """The initial latents (when not given) and the per-step noise ortpipe draws from `seed`, as the plain
+    loop takes them: noise[i] for step i (zeros where a step adds none)."""
+    schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"])
+    noise = Noise(pipe.model.backend, seed)
+    first = None if latents else pipe.run(noise.draw((1, 4, 8, 8)))
+    steps = np.zeros((len(schedule.steps), 1, 4, 8, 8), np.float32)
+    for i, step in enumerate(schedule.steps):
+        if step.noise:
+            steps[i] = pipe.run(noise.draw((1, 4, 8, 8)))
+    return first, steps

@@ -546,13 +546,15 @@ def encode_prompt(folder: Path, ids: Sequence[int]) -> np.ndarray:
 def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
                    prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
                    guidance_scale: float = 1.0, guidance_rescale: float = 0.0,
-                   noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   noise: np.ndarray | None = None,
+                   timestep_cond: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(image [batch, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionPipeline
     computes them from the same initial `latents` (before scaling by init_noise_sigma).
 
     Guidance above 1 runs the UNet on [unconditional, conditional] in one batch; `guidance_rescale` mixes
     in the guided output rescaled to the conditional one's standard deviation (arXiv 2305.08891, 3.4);
-    `noise[i]` is the noise that step i of an ancestral, LCM or SDE scheduler adds.
+    `noise[i]` is the noise that step i of an ancestral, LCM or SDE scheduler adds; `timestep_cond`, the
+    guidance embedding a latent consistency model's UNet takes (guidance_scale then stays 1: no CFG).
     """
     folder = Path(folder)
     guided = guidance_scale > 1
@@ -569,6 +571,8 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
         batch = np.concatenate([x, x]) if guided else x
         feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
                  "timestep": np.array(t, dtype=np.float32), "encoder_hidden_states": embeddings}
+        if timestep_cond is not None:
+            feeds["timestep_cond"] = timestep_cond
         output = run(unet, feeds)["out_sample"].astype(np.float64)
         if guided:
             uncond, cond = np.split(output, 2)
@@ -699,6 +703,20 @@ def generate_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int
     unscaled = (x / np.float32(vae["scaling_factor"]) + np.float32(vae["shift_factor"])).astype(np.float32)
     decoded = run(session(folder / "vae_decoder" / "model.onnx"), {"latent_sample": unscaled})["sample"]
     return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
+
+
+def guidance_embedding(scale: float, width: int) -> np.ndarray:
+    """LatentConsistencyModelPipeline.get_guidance_scale_embedding in float32 numpy: sinusoids of
+    (scale - 1) * 1000 at width / 2 geometric frequencies from 1 to 1 / 10000, sines then cosines."""
+    half = width // 2
+    w = np.float32(scale - 1) * np.float32(1000.0)
+    exponents = np.arange(half, dtype=np.float32) * -(np.float32(np.log(10000.0)) / (half - 1))
+    # exp rounded from float64: torch's float32 exp is correctly rounded there, numpy's may be an ulp off,
+    # and the angles reach thousands of radians (an ulp of a frequency moves a sine by ~1e-4)
+    frequencies = np.exp(exponents.astype(np.float64)).astype(np.float32)
+    angles = (w * frequencies).astype(np.float32)
+    embedding = np.concatenate([np.sin(angles), np.cos(angles)]).astype(np.float32)
+    return np.pad(embedding, (0, width % 2))[None, :]
 
 
 def with_scheduler(folder: Path | str, config: Mapping, out: Path | str) -> Path:

@@ -23,8 +23,7 @@ from build import paradigms
 
 import ortpipe
 from ortpipe.errors import ConfigError, GenerationError
-from ortpipe.loops.denoising import Noise
-from ortpipe.loops.schedulers import make_schedule
+from tests import diffusers_folders as folders
 from tests import paradigm_refs as refs
 
 EMBEDDING_TOLERANCE, WAVEFORM_TOLERANCE, IMAGE_TOLERANCE = 1e-5, 1e-4, 1e-3
@@ -200,19 +199,6 @@ def _case_request(case: dict) -> dict:
             "guidance_rescale": case["guidance_rescale"]}
 
 
-def _ortpipe_noise(pipe: ortpipe.Pipeline, case: dict, seed: int, latents: bool) -> tuple:
-    """The initial latents (when not given) and the per-step noise ortpipe draws from `seed`, as the plain
-    loop takes them: noise[i] for step i (zeros where a step adds none)."""
-    schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"])
-    noise = Noise(pipe.model.backend, seed)
-    first = None if latents else pipe.run(noise.draw((1, 4, 8, 8)))
-    steps = np.zeros((len(schedule.steps), 1, 4, 8, 8), np.float32)
-    for i, step in enumerate(schedule.steps):
-        if step.noise:
-            steps[i] = pipe.run(noise.draw((1, 4, 8, 8)))
-    return first, steps
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SD_CASES)
 def test_images_equal_diffusers_and_the_plain_loop(name: str, sd_tiny: Path, sd_copy: Path,
@@ -223,7 +209,7 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sd_tiny: Path, sd_
     result = pipe.generate(case["prompt"], latents=latents, seed=7, **_case_request(case))
     # one UNet run a timestep of diffusers' schedule (PNDM's PLMS runs its second timestep twice)
     assert result.finish_reason == "done" and result.timings.steps == len(case["timesteps"])
-    _, noise = _ortpipe_noise(pipe, case, 7, latents=True)
+    _, noise = folders.ortpipe_noise(pipe, case, 7, latents=True)
     plain, _ = refs.generate_image(sd_copy, case["scheduler"], case["num_inference_steps"], latents,
                                    prompt_ids=case["prompt_ids"],
                                    negative_prompt_ids=case["negative_prompt_ids"],
@@ -261,7 +247,7 @@ def test_a_seed_makes_the_latents_and_the_noise(sd_copy: Path, sd_cases: dict[st
     case = sd_cases["euler_a-eps-leading"]
     pipe = ortpipe.load(_with_scheduler(sd_copy, case["scheduler"]), threads=1)
     result = pipe.generate(case["prompt"], seed=11, **_case_request(case))
-    first, noise = _ortpipe_noise(pipe, case, 11, latents=False)
+    first, noise = folders.ortpipe_noise(pipe, case, 11, latents=False)
     plain, _ = refs.generate_image(sd_copy, case["scheduler"], case["num_inference_steps"], first,
                                    prompt_ids=case["prompt_ids"], noise=noise)
     assert np.abs(result.image - plain).max() <= IMAGE_TOLERANCE

@@ -184,7 +184,8 @@ def test_a_client_that_leaves_mid_image_frees_its_row(sd_tiny: Path) -> None:
         client = server.client(max_retries=0)
         long = {"seed": 1, "num_inference_steps": 1000}
         with pytest.raises(openai.APITimeoutError):
-            client.with_options(timeout=1.0).images.generate(model="sd", prompt="a", extra_body=long)
+            # 3 s: started well before its client leaves, on a loaded machine too (1000 steps take 20 s)
+            client.with_options(timeout=3.0).images.generate(model="sd", prompt="a", extra_body=long)
         until(lambda: server.metrics()["ortpipe_batch_rows"] == 0, timeout=5)
         got = client.images.generate(model="sd", prompt="a", extra_body={"seed": 1, "num_inference_steps": 2})
         assert len(got.data) == 1

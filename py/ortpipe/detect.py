@@ -172,6 +172,8 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
         ]
         zeros = index.get("force_zeros_for_empty_prompt", True)  # the pipeline's default
         generation.update(guidance_scale=5.0, force_zeros_for_empty_prompt=zeros is True)
+    if kind == "LatentConsistencyModelPipeline":  # its defaults; its UNet takes the guidance embedded
+        generation.update(guidance_scale=8.5, num_steps=4)
     return {
         "version": 2,
         "pipeline": {

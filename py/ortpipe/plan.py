@@ -37,8 +37,9 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
 LOOP = "loop"
 STREAM = "stream:"  # a LOOP feed of rows streamed from an earlier stage: "stream:SESSION.OUTPUT"
 DENOISING_ROLES = ("sample", "timestep")
-# a step input the denoising loop feeds when the graph has it: Stable Diffusion XL's size conditioning
-DENOISING_OPTIONAL = ("time_ids",)
+# step inputs the denoising loop feeds when the graph has them: Stable Diffusion XL's size conditioning, a
+# latent consistency model's guidance embedding
+DENOISING_OPTIONAL = ("time_ids", "timestep_cond")
 # JOINED: init sessions' outputs joined along the last axis (a wire of several sources, Feed.parts), computed
 # once the init phase has run; Feed.source names the joined value
 JOINED = "joined"

@@ -238,8 +238,11 @@ def test_wasm_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path)
 # Stable Diffusion XL (two tokenizers, joined encoder states, the size conditioning): guided with zeroed
 # unconditional states, with a negative prompt, and unguided. Stable Diffusion 3 (three tokenizers, T5's
 # through tokenizers.js on its tokenizer.json, the grouped join of the encoders' states, flow matching, the
-# shifted VAE latents): guided with a negative prompt, and unguided.
+# shifted VAE latents): guided with a negative prompt, and unguided. A latent consistency model (its guidance
+# embedded, LCM's noise from the core's generator): seeded, 4 steps and 1.
 FAMILIES = {
+    "lcm-tiny": [{"prompt": "a red cube", "numSteps": 4, "guidanceScale": 8.5, "seed": 4},
+                 {"prompt": "a blue sphere", "numSteps": 1, "guidanceScale": 3.0, "seed": 6}],
     "sdxl-tiny": [{"prompt": "a red cube", "numSteps": 3, "guidanceScale": 5.0, "seed": 4},
                   {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 2, "guidanceScale": 6.0,
                    "seed": 5},
@@ -251,7 +254,7 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("model", FAMILIES)
-def test_wasm_sdxl_and_sd3_images_equal_cpython(page: Any, serve_model: Any, tmp_path: Path,
+def test_wasm_sdxl_sd3_lcm_images_equal_cpython(page: Any, serve_model: Any, tmp_path: Path,
                                                 model: str) -> None:
     """Each request's image in the browser is CPython's within 1e-4."""
     from build import paradigms

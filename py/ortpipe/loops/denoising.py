@@ -32,7 +32,7 @@ from ..jsonfile import optional_json
 from ..outputs import OutputRequest, Progress, finish_outputs
 from ..plan import FROM_OUTPUT, JOINED, LOOP, Plan
 from ..sampling.sampler import generator
-from .schedulers import Schedule, scheduler_config
+from .schedulers import Schedule, f32, scheduler_config
 from .text import TextSetup, text_inputs
 
 SCHEDULER_FILE = "scheduler/scheduler_config.json"
@@ -60,6 +60,9 @@ class DenoisingSetup:
     time_ids_dtype: str | None = None  # the UNet takes time_ids (Stable Diffusion XL), of this type
     vae_scale: int = 8  # image pixels per latent (2 ** (the VAE's blocks - 1)), for time_ids
     shift_factor: float = 0.0  # added to the final latents after the division (Stable Diffusion 3's VAE)
+    # the UNet takes its guidance as an embedding (timestep_cond: a latent consistency model's), of this
+    # type and width; such a UNet runs one row, without classifier-free guidance
+    guidance_embedding: tuple[str, int] | None = None
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -131,6 +134,9 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     shift = vae.get("shift_factor") or 0.0
     if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not math.isfinite(shift):
         raise ConfigError(f"the VAE's shift_factor must be a number or null, found {shift!r}")
+    embedding = feeds.get("timestep_cond")
+    embedded = _guidance_embedding(step.session, sig.input(embedding.input), embedding.dtype,
+                                   unet) if embedding else None
     time_ids = feeds.get("time_ids")
     vae_scale = 8
     if time_ids is not None:
@@ -152,7 +158,33 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         time_ids.dtype if time_ids is not None else None,
         vae_scale,
         float(shift),
+        embedded,
     )
+
+
+def _guidance_embedding(session: str, info: Any, dtype: str, unet: dict[str, Any]) -> tuple[str, int]:
+    """The type and width of a UNet's timestep_cond input: its graph's last dim, else its config.json's
+    time_cond_proj_dim; a ConfigError when neither tells it."""
+    fixed = info.rank == 2 and isinstance(info.shape[-1], int)
+    width = info.shape[-1] if fixed else unet.get("time_cond_proj_dim")
+    if info.rank != 2 or not dtype.startswith("float") or not isinstance(width, int) or width < 4:
+        raise ConfigError(
+            f'session "{session}" input "{info.name}" is {dtype} {list(info.shape)}: the denoising loop '
+            "makes a latent consistency model's guidance embedding, float [batch, width] (width 4 or more), "
+            "its width the graph's last dim or time_cond_proj_dim of the config.json beside the graph"
+        )
+    return dtype, width
+
+
+def guidance_embedding(scale: float, width: int) -> list[float]:
+    """diffusers' get_guidance_scale_embedding of w = scale - 1 (sinusoids of w * 1000 at `width` // 2
+    frequencies, sines then cosines, a 0 after them for an odd width), each operation rounded to float32 as
+    torch computes it there."""
+    half = width // 2
+    w = f32(f32(scale - 1) * 1000.0)
+    step = f32(f32(math.log(10000.0)) / (half - 1))  # width 4 or more: half - 1 is not 0
+    angles = [f32(w * f32(math.exp(f32(k * -step)))) for k in range(half)]
+    return [f32(math.sin(a)) for a in angles] + [f32(math.cos(a)) for a in angles] + [0.0] * (width % 2)
 
 
 def _time_ids_scale(session: str, info: Any, dtype: str, vae: dict[str, Any]) -> int:
@@ -228,7 +260,8 @@ class DenoisingRequest(OutputRequest):
         super().__init__(plan)
         self.backend, self.setup, self.schedule = backend, setup, schedule
         self.guidance, self.guidance_rescale = guidance  # guidance_scale, guidance_rescale
-        self.guided = self.guidance > 1  # diffusers: guidance 1 or less runs no unconditional row
+        # diffusers: guidance 1 or less runs no unconditional row; a guidance embedding runs none either
+        self.guided = self.guidance > 1 and setup.guidance_embedding is None
         self.noise = Noise(backend, seed)
         self.latents = latents
         self.shape = _latent_shape(setup, latents, backend)
@@ -268,6 +301,10 @@ class DenoisingRequest(OutputRequest):
             yield from self._zero_unconditional()
         if self.setup.time_ids_dtype is not None:
             self.flow.loop_inputs["time_ids"] = self._time_ids()
+        if self.setup.guidance_embedding is not None:
+            dtype, width = self.setup.guidance_embedding
+            values = guidance_embedding(self.guidance, width)
+            self.flow.loop_inputs["timestep_cond"] = b.tensor(values, (1, width), dtype)
         latents = self.latents
         if latents is None:
             latents = yield from self.noise.draw(self.shape, "init")

@@ -335,7 +335,7 @@ class Schedule:
     steps: tuple[Step, ...]
 
 
-def _f32(x: float) -> float:
+def f32(x: float) -> float:
     """x rounded to float32, as diffusers keeps its timesteps."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
@@ -498,7 +498,7 @@ def _sigma_schedule(config: Mapping[str, Any], steps: int, spreads: bool) -> tup
     """The spaced timesteps (float32), their sigmas (Karras or exponential ones when `spreads` and the config
     asks, between the spaced ends or the config's sigma_min/sigma_max), and the training sigmas."""
     cumprod = alphas_cumprod(config)
-    timesteps = [_f32(t) for t in spaced(config, steps)]
+    timesteps = [f32(t) for t in spaced(config, steps)]
     table = [((1 - a) / a) ** 0.5 for a in cumprod]
     sigmas = [_interp(t, table) for t in timesteps]
     spread = None
@@ -509,7 +509,7 @@ def _sigma_schedule(config: Mapping[str, Any], steps: int, spreads: bool) -> tup
     if spread:  # between the spaced ends, or the config's own
         high, low = config.get("sigma_max"), config.get("sigma_min")
         sigmas = spread(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
-        timesteps = [_f32(t) for t in sigmas_to_t(sigmas, table)]
+        timesteps = [f32(t) for t in sigmas_to_t(sigmas, table)]
     _distinct(timesteps, config)
     return timesteps, sigmas, table
 
@@ -814,16 +814,16 @@ def flow_match(config: Mapping[str, Any], steps: int) -> Schedule:
     count, shift = config["num_train_timesteps"], float(config["shift"])
 
     def shifted32(sigma: float) -> float:  # the init's table, in float32 arithmetic as diffusers builds it
-        return _f32(_f32(shift * sigma) / _f32(1 + _f32((shift - 1) * sigma)))
+        return f32(f32(shift * sigma) / f32(1 + f32((shift - 1) * sigma)))
 
-    sigma_max, sigma_min = shifted32(_f32(count / count)), shifted32(_f32(1 / count))
+    sigma_max, sigma_min = shifted32(f32(count / count)), shifted32(f32(1 / count))
     times = _linspace(sigma_max * count, sigma_min * count, steps)
-    sigmas = [_f32(shift * s / (1 + (shift - 1) * s)) for s in (t / count for t in times)]
-    timesteps = [_f32(s * count) for s in sigmas]
+    sigmas = [f32(shift * s / (1 + (shift - 1) * s)) for s in (t / count for t in times)]
+    timesteps = [f32(s * count) for s in sigmas]
     _distinct(timesteps, config)
     sigmas.append(0.0)
     out = [
-        _step(t, 1.0, (1.0, -sigmas[i]), x=1.0, output=_f32(sigmas[i + 1] - sigmas[i]))
+        _step(t, 1.0, (1.0, -sigmas[i]), x=1.0, output=f32(sigmas[i + 1] - sigmas[i]))
         for i, t in enumerate(timesteps)
     ]
     return Schedule(config["_class_name"], 1.0, tuple(out))

@@ -143,19 +143,7 @@ def output_request(
         rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids)
         return SinglePassRequest(plan, backend, rows, setup.text, inputs)
     rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids, setup.own)
-    guided = settings["guidance_scale"] > 1
-    if guided and setup.denoising.batch_fixed:
-        raise GenerationError(
-            f'session "{setup.denoising.session}" runs one row at a time: guidance needs two; '
-            "set guidance_scale to 1 or less"
-        )
-    if settings["negative_prompt"] is not None and not guided:
-        raise GenerationError("negative_prompt is used by guidance: raise guidance_scale above 1, or drop it")
-    if settings["guidance_rescale"] > 0 and not guided:
-        raise GenerationError("guidance_rescale rescales guidance: raise guidance_scale above 1, or drop it")
-    if given.get("force_zeros_for_empty_prompt") is not None and not guided:
-        raise GenerationError("force_zeros_for_empty_prompt sets the unconditional row of guidance: raise "
-                              "guidance_scale above 1, or drop it")
+    guided = _guided(setup.denoising, settings, given)
     # diffusers' StableDiffusionXLPipeline: no negative prompt and force_zeros_for_empty_prompt make the
     # unconditional row's text states zeros; else its text is the negative prompt, or ""
     zeros = guided and settings["negative_prompt"] is None and settings["force_zeros_for_empty_prompt"]
@@ -179,6 +167,33 @@ def output_request(
         own,
         zeros,
     )
+
+
+def _guided(setup: DenoisingSetup, settings: dict[str, Any], given: dict[str, Any]) -> bool:
+    """Whether the request runs classifier-free guidance (an unconditional row); a GenerationError for what
+    only guidance reads, given without it."""
+    if setup.guidance_embedding is not None:
+        unread = [k for k in ("negative_prompt", "guidance_rescale", "force_zeros_for_empty_prompt")
+                  if given.get(k)]
+        if unread:
+            raise GenerationError(
+                f'session "{setup.session}" takes guidance_scale as an embedding (timestep_cond, a latent '
+                f"consistency model's) and runs no unconditional row: drop {', '.join(unread)}"
+            )
+    guided = settings["guidance_scale"] > 1 and setup.guidance_embedding is None
+    if guided and setup.batch_fixed:
+        raise GenerationError(
+            f'session "{setup.session}" runs one row at a time: guidance needs two; '
+            "set guidance_scale to 1 or less"
+        )
+    if settings["negative_prompt"] is not None and not guided:
+        raise GenerationError("negative_prompt is used by guidance: raise guidance_scale above 1, or drop it")
+    if settings["guidance_rescale"] > 0 and not guided:
+        raise GenerationError("guidance_rescale rescales guidance: raise guidance_scale above 1, or drop it")
+    if given.get("force_zeros_for_empty_prompt") is not None and not guided:
+        raise GenerationError("force_zeros_for_empty_prompt sets the unconditional row of guidance: raise "
+                              "guidance_scale above 1, or drop it")
+    return guided
 
 
 def _codebook_request(
