@@ -157,7 +157,7 @@ def test_folders_and_requests_sdxl_cannot_take_are_refused(folder: Path) -> None
     layers = json.loads((folder / "text_encoder_2" / "config.json").read_text())
     (folder / "text_encoder_2" / "config.json").write_text(json.dumps({**layers, "num_hidden_layers": None}))
     with pytest.raises(ConfigError,
-                       match="gives no num_hidden_layers: Stable Diffusion XL reads text_encoder_2's"):
+                       match="gives no num_hidden_layers: the pipeline reads text_encoder_2's last layer"):
         ortpipe.load(folder)
     (folder / "text_encoder_2" / "config.json").write_text(json.dumps(layers))
     vae = json.loads((folder / "vae_decoder" / "config.json").read_text())

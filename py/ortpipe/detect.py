@@ -256,8 +256,8 @@ def _penultimate(folder: Folder, encoder: str) -> str:
     layers = optional_json(folder, file).get("num_hidden_layers")
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise ConfigError(
-            f"{folder.describe(file)} gives no num_hidden_layers: Stable Diffusion XL reads {encoder}'s last "
-            "layer but one (hidden_states.N); write a genai_config.json naming it"
+            f"{folder.describe(file)} gives no num_hidden_layers: the pipeline reads {encoder}'s last layer "
+            "but one (hidden_states.N); write a genai_config.json naming it"
         )
     return f"{encoder}.hidden_states.{layers - 1}"
 

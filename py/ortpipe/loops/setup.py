@@ -174,7 +174,7 @@ def _guided(setup: DenoisingSetup, settings: dict[str, Any], given: dict[str, An
     only guidance reads, given without it."""
     if setup.guidance_embedding is not None:
         unread = [k for k in ("negative_prompt", "guidance_rescale", "force_zeros_for_empty_prompt")
-                  if given.get(k)]
+                  if given.get(k) not in (None, 0, False)]  # "" is a negative prompt
         if unread:
             raise GenerationError(
                 f'session "{setup.session}" takes guidance_scale as an embedding (timestep_cond, a latent '
@@ -190,7 +190,7 @@ def _guided(setup: DenoisingSetup, settings: dict[str, Any], given: dict[str, An
         raise GenerationError("negative_prompt is used by guidance: raise guidance_scale above 1, or drop it")
     if settings["guidance_rescale"] > 0 and not guided:
         raise GenerationError("guidance_rescale rescales guidance: raise guidance_scale above 1, or drop it")
-    if given.get("force_zeros_for_empty_prompt") is not None and not guided:
+    if given.get("force_zeros_for_empty_prompt") and not guided:  # false zeroes nothing either way
         raise GenerationError("force_zeros_for_empty_prompt sets the unconditional row of guidance: raise "
                               "guidance_scale above 1, or drop it")
     return guided

@@ -105,11 +105,12 @@ def text_inputs(
     mask as an int64 tensor (what pooling reads; None without rows). A session in `own` (one with its own
     tokenizer) takes its rows there instead, as inputs named "session.input"."""
     inputs, mask = {}, None
+    shared = _padded(rows, setup) if rows else {}  # the rows of every session without its own tokenizer
     for s in plan.init_steps:
         session_rows, session_setup = (own or {}).get(s.session, (rows, setup))
         if not session_rows:
             continue
-        values = _padded(session_rows, session_setup)
+        values = _padded(session_rows, session_setup) if s.session in (own or {}) else shared
         shape = (len(session_rows), len(values["input_ids"]) // len(session_rows))
         spec = plan.config.pipeline.sessions[s.session]
         names = {spec.inputs.get(role, role): role for role in ROLES}
@@ -118,7 +119,7 @@ def text_inputs(
                 key = f"{s.session}.{f.input}" if s.session in (own or {}) else f.input
                 inputs[key] = backend.tensor(values[names[f.input]], shape, f.dtype)
     if rows:
-        flat = _padded(rows, setup)["attention_mask"]
+        flat = shared["attention_mask"]
         mask = backend.tensor(flat, (len(rows), len(flat) // len(rows)), "int64")
     return inputs, mask
 
