@@ -330,6 +330,9 @@ SD_CASES = (
     ("heun-eps-linspace", "HeunDiscreteScheduler", "epsilon", "linspace", 3, 1.0, None),
     ("heun-v-leading-cfg", "HeunDiscreteScheduler", "v_prediction", "leading", 3, 5.0, NEGATIVE),
     ("heun-karras-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 1.0, None),
+    ("kdpm2-eps-linspace", "KDPM2DiscreteScheduler", "epsilon", "linspace", 3, 1.0, None),
+    ("kdpm2-v-leading-cfg", "KDPM2DiscreteScheduler", "v_prediction", "leading", 3, 5.0, NEGATIVE),
+    ("kdpm2-karras-eps-trailing", "KDPM2DiscreteScheduler", "epsilon", "trailing", 4, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -355,6 +358,7 @@ SD_CASE_FIELDS = {
     "ddpm-v-trailing-large": {"variance_type": "fixed_large", "clip_sample": True},
     "ddpm-eps-linspace-log": {"variance_type": "fixed_small_log"},
     "heun-karras-eps-trailing": {"use_karras_sigmas": True},
+    "kdpm2-karras-eps-trailing": {"use_karras_sigmas": True},
     "euler-exp-v-trailing-range": {"use_exponential_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},

@@ -516,9 +516,50 @@ class Heun:
         return sample + (first + (x - x0) / sigma_next) / 2 * dt
 
 
+class KDPM2:
+    """KDPM2DiscreteScheduler as diffusers writes it (its sigmas in float32): every step but the last an
+    Euler step to the geometric mean of its sigma and the next, keeping the sample, then a run at that
+    middle sigma (its timestep interpolated in log sigma) whose slope carries the kept sample to the next
+    sigma; the last an Euler step to 0. Karras timesteps rounded."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
+               use_beta_sigmas=(False,))
+        euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
+        self.config = config
+        sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
+        middles = np.sqrt(sigmas[:-1] * sigmas[1:])  # the last: 0
+        cumprod = alphas_cumprod(config)
+        table = ((1 - cumprod) / cumprod) ** 0.5
+        ticks = euler.timesteps.round() if config.get("use_karras_sigmas") else euler.timesteps
+        between = sigma_to_t(middles[:-1], table).astype(np.float32).astype(np.float64)
+        self.timesteps = np.concatenate([ticks[:1], np.stack([between, ticks[1:]], axis=1).ravel()])
+        # the sigma of each run: s0, then (middle, sigma) pairs; what each step moves between
+        self.inputs = np.concatenate([sigmas[:1], np.stack([middles[:-1], sigmas[1:-1]], axis=1).ravel()])
+        self.sigmas, self.middles = sigmas, middles
+        top = sigmas.max()
+        exact = config["timestep_spacing"] in ("linspace", "trailing")
+        self.init_noise_sigma, self.noise_steps = (top if exact else (top**2 + 1) ** 0.5), []
+        self.kept: np.ndarray | None = None
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x / (self.inputs[i] ** 2 + 1) ** 0.5
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        j = (i + 1) // 2  # the step this run belongs to
+        if self.kept is None:  # the Euler step to the middle sigma
+            sigma, middle = self.sigmas[j], self.middles[j]
+            self.kept = x
+            return x + (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma * (middle - sigma)
+        sigma, middle, after = self.sigmas[j - 1], self.middles[j - 1], self.sigmas[j]
+        sample, self.kept = self.kept, None
+        return sample + (x - _x0_from_sigma(self.config, output, x, middle)) / middle * (after - sigma)
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
     "HeunDiscreteScheduler": Heun,
+    "KDPM2DiscreteScheduler": KDPM2,
     "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),
     "DDIMScheduler": DDIM,
     "DDPMScheduler": DDPM,

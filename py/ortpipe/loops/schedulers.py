@@ -4,10 +4,11 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
-dpmsolver++ and sde-dpmsolver++ of order 1 to 3, HeunDiscrete; FlowMatchEulerDiscrete's flow matching, whose
-output is a velocity), for epsilon and v_prediction and the three timestep
-spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv
-2206.00364; `use_exponential_sigmas`) for EulerDiscrete, Karras also for DPMSolverMultistep. A field whose
+dpmsolver++ and sde-dpmsolver++ of order 1 to 3, HeunDiscrete, KDPM2Discrete; FlowMatchEulerDiscrete's flow
+matching, whose output is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv
+2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv 2206.00364;
+`use_exponential_sigmas`) for EulerDiscrete, HeunDiscrete and KDPM2Discrete, Karras also for
+DPMSolverMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -44,6 +45,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "ddpm": "DDPMScheduler",
     "heun_discrete": "HeunDiscreteScheduler",
     "heun": "HeunDiscreteScheduler",
+    "k_dpm_2_discrete": "KDPM2DiscreteScheduler",
+    "kdpm2": "KDPM2DiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
     "flow_match_euler": "FlowMatchEulerDiscreteScheduler",
 }
@@ -136,6 +139,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "clip_sample_range": 1.0,
         "timestep_spacing": "linspace",
     },
+    "KDPM2DiscreteScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "timestep_spacing": "linspace",
+    },
     # flow matching (Stable Diffusion 3): no betas; sigma runs from 1 (noise) to 0 along a straight line
     "FlowMatchEulerDiscreteScheduler": {
         "num_train_timesteps": 1000,
@@ -202,6 +214,12 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "lambda_min_clipped": (-INF,),
     },
     "HeunDiscreteScheduler": {
+        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False, True),
+        "use_beta_sigmas": (False,),
+    },
+    "KDPM2DiscreteScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
@@ -336,8 +354,11 @@ class Schedule:
 
 
 def f32(x: float) -> float:
-    """x rounded to float32, as diffusers keeps its timesteps."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
+    """x rounded to float32, as diffusers keeps its timesteps (past float32's range: infinite, as a cast)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(INF, x)
 
 
 def _linspace(start: float, stop: float, count: int) -> list[float]:
@@ -565,6 +586,31 @@ def heun(config: Mapping[str, Any], steps: int) -> Schedule:
             half = dt / (2 * after)
             out.append(_step(timesteps[j + 1], 1 / (after * after + 1) ** 0.5, _x0_sigma(config, after), clip,
                              x=1.0, from_x0=-half, previous=half, remember=False))
+    return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
+
+
+def kdpm2(config: Mapping[str, Any], steps: int) -> Schedule:
+    """KDPM2DiscreteScheduler: 2 * steps - 1 model runs. Each step but the last is an Euler step to the
+    geometric mean si of its sigma s and the next s' (x0 kept), then a run there whose slope carries the first
+    run's sample to s'; the last is an Euler step to 0. With x_mid the first step's result, the second is
+    (s' x_mid + (si - s) x0_first - (s' - s) x0_mid) / si: linear in what the kernel holds (from diffusers'
+    sample + (x_mid - x0_mid) / si * (s' - s)). Karras timesteps are rounded, as diffusers rounds them."""
+    timesteps, sigmas, table = _sigma_schedule(config, steps, True)
+    if config["use_karras_sigmas"]:  # rounded; diffusers runs a repeated one as any other (by step index)
+        timesteps = [float(round(t)) for t in timesteps]  # numpy's round: half to even, as Python's
+    sigmas = [f32(s) for s in sigmas] + [0.0]  # diffusers keeps them in float32
+    logs = [math.log(s) if s > 0 else -INF for s in table]
+    out = []
+    for j, t in enumerate(timesteps):
+        sigma, after = sigmas[j], sigmas[j + 1]
+        middle = (sigma * after) ** 0.5  # 0 before the last sigma, 0
+        dt = middle - sigma
+        out.append(_step(t, 1 / (sigma * sigma + 1) ** 0.5, _x0_sigma(config, sigma), x=1 + dt / sigma,
+                         from_x0=-dt / sigma))
+        if middle > 0:
+            out.append(_step(f32(_sigma_to_t(middle, logs)), 1 / (middle * middle + 1) ** 0.5,
+                             _x0_sigma(config, middle), x=after / middle, from_x0=-(after - sigma) / middle,
+                             previous=(middle - sigma) / middle, remember=False))
     return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
 
@@ -829,6 +875,20 @@ def flow_match(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
+MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
+    "EulerDiscreteScheduler": lambda config, steps: euler(config, steps, ancestral=False),
+    "EulerAncestralDiscreteScheduler": lambda config, steps: euler(config, steps, ancestral=True),
+    "DDIMScheduler": ddim,
+    "DDPMScheduler": ddpm,
+    "LCMScheduler": lcm,
+    "PNDMScheduler": pndm,
+    "DPMSolverMultistepScheduler": dpm_solver,
+    "HeunDiscreteScheduler": heun,
+    "KDPM2DiscreteScheduler": kdpm2,
+    "FlowMatchEulerDiscreteScheduler": flow_match,
+}
+
+
 def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
     """The schedule of `steps` steps for a config scheduler_config() made."""
     name = config["_class_name"]
@@ -837,24 +897,10 @@ def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
             f"num_steps {steps} is more than the scheduler's num_train_timesteps "
             f"{config['num_train_timesteps']}"
         )
-    if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler"):
-        schedule = euler(config, steps, ancestral=name == "EulerAncestralDiscreteScheduler")
-    elif name == "DDIMScheduler":
-        schedule = ddim(config, steps)
-    elif name == "DDPMScheduler":
-        schedule = ddpm(config, steps)
-    elif name == "LCMScheduler":
-        schedule = lcm(config, steps)
-    elif name == "PNDMScheduler":
-        schedule = pndm(config, steps)
-    elif name in FLOW:
-        schedule = flow_match(config, steps)
-    elif name == "HeunDiscreteScheduler":
-        schedule = heun(config, steps)
-    else:
-        schedule = dpm_solver(config, steps)
+    schedule = MAKERS[name](config, steps)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
-    runs = 2 * steps - 1 if name == "HeunDiscreteScheduler" else runs  # every timestep but the first twice
+    if name in ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler"):
+        runs = 2 * steps - 1  # two runs a step, but the last
     if len(schedule.steps) != runs:
         raise GenerationError(
             f"num_steps {steps} gives {name}{_spacing(config)} {len(schedule.steps)} timesteps; choose "
