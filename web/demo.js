@@ -28,7 +28,10 @@ async function init() {
   for (const name of models ?? []) {
     $('models').append(new Option(`models/${name}/`));
   }
-  if (models?.length && !$('model-url').value) $('model-url').value = `models/${models[0]}/`;
+  // the first bundled model, unless the field holds a URL or is being typed into (a value set between the
+  // typist's select-all and their text would have the text appended to it)
+  const field = $('model-url');
+  if (models?.length && !field.value && document.activeElement !== field) field.value = `models/${models[0]}/`;
 }
 
 async function json(url) {

@@ -213,6 +213,27 @@ def test_config_errors_reach_the_page_as_messages(page: Any) -> None:
     assert "Traceback" not in error["message"]
 
 
+@pytest.mark.parametrize("typing", [False, True])
+def test_the_demo_page_fills_its_model_field_only_when_nobody_types_in_it(page: Any, typing: bool) -> None:
+    """The page's start fills an empty model field with the first bundled model when its list arrives, but
+    not while the field has the focus: a value set between a typist's select-all and their text had the text
+    appended to it ("models/v2/models/vits-tiny/", seen once in CI from Playwright's fill)."""
+    held: list[Any] = []
+    page.route("**/models/index.json", lambda route: held.append(route))
+    page.goto("/")
+    for _ in range(200):  # the list is asked for once the page's start has begun
+        if held:
+            break
+        page.wait_for_timeout(25)
+    assert held, "the page did not ask for models/index.json"
+    if typing:
+        page.focus("#model-url")
+    held[0].continue_()
+    page.wait_for_function("() => document.querySelectorAll('#models option').length > 0")
+    value = page.input_value("#model-url")
+    assert value == ("" if typing else page.eval_on_selector("#models option", "(o) => o.value"))
+
+
 def test_demo_page_streams_a_generation(page: Any, requests_seen: list[str], models: dict[str, Path]) -> None:
     expected = ortpipe.load(models["v2"]).generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS).tokens
     page.goto("/")
