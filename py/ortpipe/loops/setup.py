@@ -85,12 +85,10 @@ def _rows(
 ) -> list[list[int]] | None:
     """The request's token rows: its text or its ids; None when no session reads text (`own`: sessions that
     read their own tokenizer's, not these)."""
-    if own and (prompt is None) == (prompt_ids is None):
-        raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
-    if own and prompt_ids is not None:
+    if own and (prompt is None or prompt_ids is not None):
         raise GenerationError(
             f"session{'s' if len(own) > 1 else ''} {', '.join(own)} read{'' if len(own) > 1 else 's'} "
-            "the ids of another tokenizer (sessions.NAME.tokenizer): pass the prompt as text"
+            "the ids of another tokenizer (sessions.NAME.tokenizer): pass the prompt as text, not prompt_ids"
         )
     if not reads_text(plan, own):
         if own:
