@@ -9,6 +9,8 @@ noise and scheduler steps, and turning a VAE's output into an image.
   core computes each step's coefficients from the scheduler's config (py/ortpipe/loops/schedulers.py); the
   kernel applies classifier-free guidance, the prediction of the clean latents, the update of the latents
   and the scaling (and repetition, for guidance) of the next UNet input.
+- `image_latents`: image-to-image's first latents, a draw of a VAE encoder's latent distribution, scaled
+  and noised to the first step's level.
 - `divide`, `vae_image`, `rgba8`: the final latents divided by the VAE's scaling factor (plus its shift);
   the VAE's [-1, 1] output as a [0, 1] image [batch, height, width, 3]; that image as RGBA bytes.
 
@@ -152,6 +154,28 @@ def denoise_init(elem: int) -> onnx.GraphProto:
     inputs = [_latents("latents"), _tensor("coefficients", F32, [2]), _tensor("repeats", I64, [4])]
     outputs = [_latents("x"), _latents("sample", elem, "rows")]  # rows: the batch, twice with guidance
     return helper.make_graph(n.nodes, "denoise_init", inputs, outputs)
+
+
+def image_latents(elem: int) -> onnx.GraphProto:
+    """parameters [batch, 2c, h, w] (a VAE encoder's latent distribution: mean, then log variance, along the
+    channels), sample_noise and noise float32 [batch, c, h, w], coefficients [scaling, shift, a, b] -> the
+    first latents of image-to-image: z = (mean + exp(logvar / 2) * sample_noise - shift) * scaling (a draw
+    of the distribution, its log variance clipped to [-30, 20], as diffusers' DiagonalGaussianDistribution
+    keeps it), then a * z + b * noise (the scheduler's add_noise at the first step run)."""
+    n = _Nodes("")
+    params = n.op("Cast", "parameters", to=F32)
+    half = n.op("Div", n.op("Shape", params, start=1, end=2), n.const([2], I64))
+    mean = n.op("Slice", params, n.const([0], I64), half, n.const([1], I64))
+    logvar = n.op("Slice", params, half, n.const([INT64_MAX], I64), n.const([1], I64))
+    clipped = n.op("Clip", logvar, n.const(-30.0, F32), n.const(20.0, F32))
+    std = n.op("Exp", n.op("Mul", clipped, n.const(0.5, F32)))
+    draw = n.op("Add", mean, n.op("Mul", std, "sample_noise"))
+    coefficient = [n.op("Gather", "coefficients", n.const(k, I64)) for k in range(4)]
+    z = n.op("Mul", n.op("Sub", draw, coefficient[1]), coefficient[0])
+    n.op("Add", n.op("Mul", z, coefficient[2]), n.op("Mul", "noise", coefficient[3]), out="latents")
+    inputs = [_tensor("parameters", elem, ["batch", "twice_channels", "height", "width"]),
+              _latents("sample_noise"), _latents("noise"), _tensor("coefficients", F32, [4])]
+    return helper.make_graph(n.nodes, "image_latents", inputs, [_latents("latents")])
 
 
 def _row_std(n: _Nodes, x: str) -> str:
@@ -302,6 +326,7 @@ LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]
     "pool_lasttoken": (pool_lasttoken, FLOATS),
     "l2_normalize": (l2_normalize, ("float32",)),
     "normal": (normal, ("float32",)),
+    "image_latents": (image_latents, FLOATS),  # the VAE encoder's type
     "denoise_init": (denoise_init, FLOATS),  # the UNet's type: its sample in, its output out
     "denoise_step": (denoise_step, FLOATS),
     "divide": (divide, FLOATS),  # the VAE's type

@@ -10,6 +10,7 @@ environments fails on a missing or unexpected weight (PITFALLS: transformers 5 r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -391,10 +392,26 @@ class _GivenNoise:
         return sample
 
 
-def _run_case(pipe, case: dict, folder: Path) -> dict:
-    """One StableDiffusionPipeline call with the case's scheduler, initial latents and per-step noise."""
+@contextlib.contextmanager
+def _noise_in(module_name: str, given: _GivenNoise):
+    """`module_name`'s randn_tensor replaced by `given` inside the block (a scheduler's module that never
+    draws noise may have none: it has `given` until the block ends)."""
     import importlib
 
+    module = importlib.import_module(module_name)
+    original = getattr(module, "randn_tensor", None)
+    module.randn_tensor = given
+    try:
+        yield given
+    finally:
+        if original is None:
+            del module.randn_tensor
+        else:
+            module.randn_tensor = original
+
+
+def _run_case(pipe, case: dict, folder: Path) -> dict:
+    """One StableDiffusionPipeline call with the case's scheduler, initial latents and per-step noise."""
     import diffusers
     import numpy as np
     import torch
@@ -405,9 +422,6 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
     latents = np.load(folder / case["latents"])
     noise = np.load(folder / case["noise"]) if case.get("noise") else None
     given = _GivenNoise(noise)
-    module = importlib.import_module(cls.__module__)
-    original = getattr(module, "randn_tensor", None)  # a scheduler that never draws noise has none
-    module.randn_tensor = given
     steps: list[np.ndarray] = []
 
     def keep(_pipe, _step, _t, kwargs):
@@ -415,21 +429,15 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
         return kwargs
 
     rescale = case.get("guidance_rescale", 0.0)  # an argument Stable Diffusion 3's pipeline does not take
-    try:
-        with torch.no_grad():
-            # arguments that some pipelines do not take (a latent consistency model's: negative_prompt), given
-            # only when set
-            optional = {"guidance_rescale": rescale} if rescale else {}
-            if case.get("negative_prompt") is not None:  # "" is a negative prompt, unlike None
-                optional["negative_prompt"] = case["negative_prompt"]
-            image = pipe(case["prompt"], num_inference_steps=case["num_inference_steps"],
-                         guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
-                         output_type="np", callback_on_step_end=keep, **optional).images
-    finally:
-        if original is None:
-            del module.randn_tensor
-        else:
-            module.randn_tensor = original
+    with _noise_in(cls.__module__, given), torch.no_grad():
+        # arguments that some pipelines do not take (a latent consistency model's: negative_prompt), given
+        # only when set
+        optional = {"guidance_rescale": rescale} if rescale else {}
+        if case.get("negative_prompt") is not None:  # "" is a negative prompt, unlike None
+            optional["negative_prompt"] = case["negative_prompt"]
+        image = pipe(case["prompt"], num_inference_steps=case["num_inference_steps"],
+                     guidance_scale=case["guidance_scale"], latents=torch.from_numpy(latents),
+                     output_type="np", callback_on_step_end=keep, **optional).images
     return {"image": image.astype(np.float32), "final_latents": steps[-1], "noise_draws": given.calls,
             "timesteps": [float(t) for t in pipe.scheduler.timesteps],
             "scheduler": json.loads(pipe.scheduler.to_json_string())}
@@ -470,6 +478,84 @@ def sd_refs(spec: dict) -> None:
     _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor, "cases": index})
 
 
+def img2img_refs(spec: dict) -> None:
+    """Each image-to-image case through diffusers' StableDiffusionImg2ImgPipeline (sd_refs' parts) from the
+    init image references/<spec["init_image"]>: its noises drawn here from torch.Generator().manual_seed(case
+    seed) and given to diffusers in place of its own draws: the encoder's sample (`encode_noise`), the noise
+    the pipeline adds at the first retained timestep (`add_noise`), and the scheduler's per-step noise
+    (`noise`, one row per retained UNet run of a scheduler that draws, else none); each consumed exactly.
+    Writes references/img2img.json: per case its image (float, before uint8), final latents, the
+    timesteps the pipeline ran (diffusers' schedule from `begin_index` on) and the tokenizer's ids."""
+    import diffusers
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    pipe = _load_sd(spec["hf"], "StableDiffusionImg2ImgPipeline")
+    pipe.set_progress_bar_config(disable=True)
+    refs = Path(spec["out"]) / "references"
+    with Image.open(refs / spec["init_image"]) as opened:
+        init = opened.copy()
+    if init.mode != "RGB":
+        raise RuntimeError(f"the init image is {init.mode}, not RGB")
+    shape = spec["latent_shape"]
+    index = []
+    for case in spec["cases"]:
+        name, steps, strength = case["name"], case["num_inference_steps"], case["strength"]
+        cls = getattr(diffusers, case["scheduler"]["_class_name"])
+        pipe.scheduler = cls.from_config(case["scheduler"])  # a probe: how many runs the pipeline keeps
+        pipe.scheduler.set_timesteps(steps)
+        runs = len(pipe.get_timesteps(steps, strength, "cpu")[0])
+        pipe.scheduler = cls.from_config(case["scheduler"])
+        gen = torch.Generator().manual_seed(case["seed"])
+        drawn = {"encode_noise": torch.randn(shape, generator=gen).numpy(),
+                 "add_noise": torch.randn(shape, generator=gen).numpy()}
+        if case["noisy"]:
+            drawn["noise"] = torch.randn([runs, *shape], generator=gen).numpy()
+        files = {key: f"{name}.{key}.npy" for key in drawn}
+        for key, value in drawn.items():
+            np.save(refs / files[key], value)
+        givens = {"encode_noise": _GivenNoise(drawn["encode_noise"][None]),
+                  "add_noise": _GivenNoise(drawn["add_noise"][None]),
+                  "noise": _GivenNoise(drawn.get("noise"))}
+        ran: list[float] = []
+        latents: list[np.ndarray] = []
+
+        def keep(_pipe, _step, t, kwargs, ran=ran, latents=latents):
+            ran.append(float(t))
+            latents.append(kwargs["latents"].numpy().copy())
+            return kwargs
+
+        optional = {} if case["negative_prompt"] is None else {"negative_prompt": case["negative_prompt"]}
+        with (_noise_in("diffusers.models.autoencoders.vae", givens["encode_noise"]),
+              _noise_in(type(pipe).__module__, givens["add_noise"]),
+              _noise_in(cls.__module__, givens["noise"]), torch.no_grad()):
+            image = pipe(case["prompt"], image=init, strength=strength, num_inference_steps=steps,
+                         guidance_scale=case["guidance_scale"], output_type="np", callback_on_step_end=keep,
+                         **optional).images
+        for key, given in givens.items():
+            wanted = 0 if given.noise is None else len(given.noise)
+            if given.calls != wanted:
+                raise RuntimeError(f"{name}: {given.calls} draws of {key}, {wanted} given")
+        if len(ran) != runs:
+            raise RuntimeError(f"{name}: {len(ran)} UNet runs, {runs} expected")
+        np.save(refs / f"{name}.image.npy", image.astype(np.float32))
+        np.save(refs / f"{name}.final_latents.npy", latents[-1])
+        negative = case["negative_prompt"]
+        if negative is None and case["guidance_scale"] > 1:
+            negative = ""  # what diffusers feeds the unconditional row when no negative prompt is given
+        index.append({**{k: v for k, v in case.items() if k != "noisy"},
+                      "scheduler": json.loads(pipe.scheduler.to_json_string()),
+                      "init_image": spec["init_image"], **files, "noise": files.get("noise"),
+                      "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
+                      "timesteps": ran, "begin_index": len(pipe.scheduler.timesteps) - len(ran),
+                      "noise_draws": givens["noise"].calls,
+                      "prompt_ids": _ids(pipe.tokenizer, case["prompt"]),
+                      "negative_prompt_ids": _ids(pipe.tokenizer, negative)})
+    _write_json(refs / "img2img.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor,
+                                        "init_image": spec["init_image"], "cases": index})
+
+
 def draw_case_inputs(spec: dict) -> None:
     """Initial latents and per-step noise for each case, from torch.Generator().manual_seed(case seed)."""
     import numpy as np
@@ -489,7 +575,7 @@ def draw_case_inputs(spec: dict) -> None:
 COMMANDS = {"make-bert": make_bert, "make-st": make_st, "st-refs": st_refs, "make-vits": make_vits,
             "vits-refs": vits_refs, "make-sd": make_sd, "sd-refs": sd_refs, "make-sdxl": make_sdxl,
             "sdxl-refs": sdxl_refs, "make-sd3": make_sd3, "sd3-refs": sd3_refs,
-            "draw-case-inputs": draw_case_inputs}
+            "img2img-refs": img2img_refs, "draw-case-inputs": draw_case_inputs}
 
 if __name__ == "__main__":
     COMMANDS[sys.argv[1]](_spec(sys.argv[2]))

@@ -12,7 +12,8 @@ Six folders as people have them (docs/paradigm-models.md says what each holds):
 - `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
 StableDiffusionPipeline, LatentConsistencyModelPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline
-computed (torch, fp32) from the same weights.
+computed (torch, fp32) from the same weights; sd-tiny's also what StableDiffusionImg2ImgPipeline made of its
+`references/init.png` (`img2img.json`).
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
 the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
@@ -30,10 +31,12 @@ import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -450,6 +453,72 @@ def exported_with_references(out: Path, torch_folder: str, cases: list[dict], re
     return out
 
 
+# Image to image (diffusers' StableDiffusionImg2ImgPipeline) over sd-tiny: the init image encoded, noised to
+# the first timestep `strength` keeps, denoised over the rest of the schedule.
+# (name, scheduler class, prediction_type, timestep_spacing, steps, strength, guidance_scale, negative prompt)
+IMG2IMG_CASES = (
+    ("i2i-pndm-eps-leading-cfg", "PNDMScheduler", "epsilon", "leading", 5, 0.6, 7.5, NEGATIVE),
+    ("i2i-euler-eps-leading", "EulerDiscreteScheduler", "epsilon", "leading", 4, 0.75, 1.0, None),
+    ("i2i-euler_a-eps-leading-cfg-empty", "EulerAncestralDiscreteScheduler", "epsilon", "leading", 5, 0.8,
+     7.5, ""),
+    ("i2i-ddim-v-linspace-cfg-noneg", "DDIMScheduler", "v_prediction", "linspace", 6, 0.5, 7.5, None),
+    ("i2i-dpm-eps-trailing-cfg", "DPMSolverMultistepScheduler", "epsilon", "trailing", 6, 0.7, 7.5, NEGATIVE),
+    ("i2i-heun-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 0.5, 1.0, None),
+    ("i2i-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 0.6, 1.0, None),
+    ("i2i-euler-eps-linspace-full", "EulerDiscreteScheduler", "epsilon", "linspace", 3, 1.0, 1.0, None),
+)
+IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True}}  # Stable Diffusion 1.x's
+IMG2IMG_INIT = "init.png"
+
+
+def img2img_cases() -> list[dict]:
+    """The image-to-image cases as the reference environment takes them; their noises are drawn there."""
+    cases = []
+    for seed, (name, cls, prediction, spacing, steps, strength, guidance, negative) in enumerate(
+            IMG2IMG_CASES, 400):
+        scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
+                     "timestep_spacing": spacing, **IMG2IMG_FIELDS.get(name, {})}
+        cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
+                      "strength": strength, "guidance_scale": guidance, "prompt": PROMPT,
+                      "negative_prompt": negative, "seed": seed, "noisy": cls in NOISY_SCHEDULERS})
+    return cases
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def init_image(path: Path, size: int = 32) -> Path:
+    """The image-to-image cases' init image, an 8-bit RGB PNG written byte by byte (the same bytes each
+    build): a smooth gradient, a red square off the centre, and a fine fixed ripple over both."""
+    rows = bytearray()
+    for y in range(size):
+        rows.append(0)  # filter type 0: the row as it is
+        for x in range(size):
+            if 10 <= x < 22 and 6 <= y < 18:
+                pixel = (220, 50, 40)
+            else:
+                pixel = (40 + 6 * x, 60 + 5 * y, 210 - 3 * x - 2 * y)
+            ripple = (7 * x + 13 * y) % 9 - 4
+            rows += bytes(max(0, min(255, value + ripple)) for value in pixel)
+    header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)  # 8 bits, truecolour, no interlace
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
+                     + _png_chunk(b"IDAT", zlib.compress(bytes(rows), 9)) + _png_chunk(b"IEND", b""))
+    return path
+
+
+def make_sd_tiny(out: Path) -> Path:
+    """optimum's export of sd-tiny-diffusers with the text-to-image references (cases.json) and the
+    image-to-image ones (img2img.json, from references/init.png)."""
+    exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs")
+    init_image(out / "references" / IMG2IMG_INIT)
+    _reference_env("img2img-refs", {"hf": str(get("sd-tiny-diffusers")), "out": str(out),
+                                    "init_image": IMG2IMG_INIT, "cases": img2img_cases(),
+                                    "latent_shape": [1, 4, 8, 8]})
+    return out
+
+
 # A latent consistency model: sd-tiny's parts, its UNet taking the guidance scale embedded (timestep_cond,
 # time_cond_proj_dim wide), LCMScheduler, diffusers' LatentConsistencyModelPipeline (no unconditional row).
 LCM_PIPELINE = "LatentConsistencyModelPipeline"
@@ -575,7 +644,7 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "vits-hf": make_vits_hf,
     "vits-tiny": make_vits,
     "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
-    "sd-tiny": lambda out: exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs"),
+    "sd-tiny": make_sd_tiny,
     "lcm-tiny-diffusers": make_lcm_diffusers,
     "lcm-tiny": lambda out: exported_with_references(out, "lcm-tiny-diffusers", lcm_cases(), "sd-refs",
                                                      pipeline=LCM_PIPELINE),

@@ -9,6 +9,8 @@ single_pass and denoising loops are tested against (issue 16).
   The schedulers are numpy ports of diffusers 0.42's (`make_scheduler`): Euler, Euler ancestral, DDIM
   (eta 0), LCM and DPM-Solver++ multistep (orders 1-2), with epsilon and v_prediction and the three
   timestep spacings. The ancestral and LCM schedulers take their per-step noise as an argument.
+- `image_to_image`: StableDiffusionImg2ImgPipeline over the same folder: the VAE encoder's latents of an
+  image, noised to the first timestep that `strength` keeps, then the same loop from there on.
 """
 
 from __future__ import annotations
@@ -181,8 +183,18 @@ def _x0_from_alpha(config: Mapping, output: np.ndarray, x: np.ndarray, alpha_pro
     raise ValueError(f"prediction_type {config['prediction_type']!r}")
 
 
+def _noised_by_alpha(cumprod: np.ndarray, t: int, sample: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """The forward process of the alpha (variance-preserving) schedulers at training timestep t."""
+    return cumprod[t] ** 0.5 * sample + (1 - cumprod[t]) ** 0.5 * noise
+
+
 class Euler:
-    """EulerDiscreteScheduler (s_churn 0) and, with `ancestral`, EulerAncestralDiscreteScheduler."""
+    """EulerDiscreteScheduler (s_churn 0) and, with `ancestral`, EulerAncestralDiscreteScheduler.
+
+    Every scheduler here has `order` (UNet runs per step, what an image-to-image start index is counted
+    in) and `add_noise(sample, noise, i)`: the sample noised to the level of run i of the schedule."""
+
+    order = 1
 
     def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
         _check(config, interpolation_type=("linear",), use_karras_sigmas=(False, True),
@@ -213,6 +225,9 @@ class Euler:
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x / (self.sigmas[i] ** 2 + 1) ** 0.5
 
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return sample + self.sigmas[i] * noise
+
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
         derivative = (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma
@@ -226,6 +241,8 @@ class Euler:
 class DDIM:
     """DDIMScheduler with eta 0 (no noise)."""
 
+    order = 1
+
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, thresholding=(False,))
         self.config, self.steps = config, steps
@@ -236,6 +253,9 @@ class DDIM:
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return _noised_by_alpha(self.cumprod, self.timesteps[i], sample, noise)
 
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         t = self.timesteps[i]
@@ -257,6 +277,8 @@ class DDPM:
     """DDPMScheduler over a spaced schedule, fixed variances (small or large): noise at every timestep
     above 0."""
 
+    order = 1
+
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, thresholding=(False,), variance_type=("fixed_small", "fixed_small_log", "fixed_large"))
         self.config, self.steps = config, steps
@@ -275,6 +297,9 @@ class DDPM:
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return _noised_by_alpha(self.cumprod, self.timesteps[i], sample, noise)
 
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         t = self.timesteps[i]
@@ -299,6 +324,8 @@ class DDPM:
 class LCM:
     """LCMScheduler: the timesteps are a subset of its `original_inference_steps` schedule (no spacing)."""
 
+    order = 1
+
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, thresholding=(False,), clip_sample=(False,))
         self.config, self.steps = config, steps
@@ -313,6 +340,9 @@ class LCM:
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
 
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return _noised_by_alpha(self.cumprod, self.timesteps[i], sample, noise)
+
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         t = self.timesteps[i]
         prev = self.timesteps[i + 1] if i + 1 < self.steps else t
@@ -326,7 +356,12 @@ class LCM:
 
 
 class DPMSolverMultistep:
-    """DPMSolverMultistepScheduler, algorithm dpmsolver++ of order 1 or 2 (midpoint or heun), no noise."""
+    """DPMSolverMultistepScheduler, algorithm dpmsolver++ of order 1 or 2 (midpoint or heun), no noise.
+
+    Started at a later run (image to image), its order warms up again from there (it counts the outputs
+    it has been given), while its lower orders at the end still look at the whole schedule's length."""
+
+    order = 1
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, algorithm_type=("dpmsolver++", "sde-dpmsolver++"), solver_order=(2, 1, 3),
@@ -361,6 +396,10 @@ class DPMSolverMultistep:
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        alpha, sigma = self._alpha_sigma_lambda(self.sigmas[i])[:2]
+        return alpha * sample + sigma * noise
 
     @staticmethod
     def _alpha_sigma_lambda(sigma: float) -> tuple[float, float, float]:
@@ -431,7 +470,14 @@ class DPMSolverMultistep:
 
 class PNDM:
     """PNDMScheduler with skip_prk_steps (PLMS): the second timestep run twice, a linear multistep
-    combination of the past noise predictions (`ets`) in a DDIM-like update."""
+    combination of the past noise predictions (`ets`) in a DDIM-like update.
+
+    What it does at a run follows from how many runs it has made (diffusers' `counter`), not from where
+    the run is in the schedule: started part-way (image to image), its first run there steps as the
+    schedule's first does, and its second averages the two outputs and steps again from the first run's
+    sample, though the second timestep then is not the first's repeat."""
+
+    order = 1
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, skip_prk_steps=(True,), set_alpha_to_one=(False, True))
@@ -451,13 +497,20 @@ class PNDM:
         self.init_noise_sigma, self.noise_steps = 1.0, []
         self.ets: list[np.ndarray] = []
         self.first_sample: np.ndarray | None = None
+        self.start: int | None = None  # the first run made
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
 
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return _noised_by_alpha(self.cumprod, self.timesteps[i], sample, noise)
+
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         t = int(self.timesteps[i])
-        if i == 1:  # the repeated timestep: from the first run's sample, the two outputs averaged
+        if self.start is None:
+            self.start = i
+        made = i - self.start  # runs made before this one
+        if made == 1:  # the repeated timestep: from the first run's sample, the two outputs averaged
             at, previous = t + self.ratio, t
             combined, x = (output + self.ets[-1]) / 2, self.first_sample
         else:
@@ -472,7 +525,7 @@ class PNDM:
                 combined = (23 * e[0] - 16 * e[1] + 5 * e[2]) / 12
             else:
                 combined = (55 * e[0] - 59 * e[1] + 37 * e[2] - 9 * e[3]) / 24
-            if i == 0:
+            if made == 0:
                 self.first_sample = x
         a = self.cumprod[at]
         a_prev = self.cumprod[previous] if previous >= 0 else self.final
@@ -487,6 +540,8 @@ class Heun:
     an Euler step to the next sigma (keeping the slope, the step and the sample), then at that sigma the
     average of the two slopes applied to the kept sample; the last run an Euler step to 0."""
 
+    order = 2
+
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
                use_beta_sigmas=(False,))
@@ -500,6 +555,9 @@ class Heun:
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x / (self.sigmas[i] ** 2 + 1) ** 0.5
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return sample + self.sigmas[i] * noise
 
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         limit = self.config.get("clip_sample_range", 1.0) if self.config.get("clip_sample") else np.inf
@@ -521,6 +579,8 @@ class KDPM2:
     Euler step to the geometric mean of its sigma and the next, keeping the sample, then a run at that
     middle sigma (its timestep interpolated in log sigma) whose slope carries the kept sample to the next
     sigma; the last an Euler step to 0. Karras timesteps rounded."""
+
+    order = 2
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
@@ -544,6 +604,11 @@ class KDPM2:
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x / (self.inputs[i] ** 2 + 1) ** 0.5
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        """At the noise level diffusers gives run i: its sigmas after the first each twice (the middle
+        sigmas are not among them)."""
+        return sample + self.sigmas[(i + 1) // 2] * noise
 
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         j = (i + 1) // 2  # the step this run belongs to
@@ -584,6 +649,54 @@ def encode_prompt(folder: Path, ids: Sequence[int]) -> np.ndarray:
                {"input_ids": np.array([ids], dtype=np.int64)})["last_hidden_state"]
 
 
+def _conditioning(folder: Path, prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None,
+                  guided: bool) -> np.ndarray:
+    """The text encoder's states of the prompt, after the negative prompt's when guided (one batch)."""
+    embeddings = encode_prompt(folder, prompt_ids)
+    if guided:
+        embeddings = np.concatenate([encode_prompt(folder, negative_prompt_ids), embeddings])
+    return embeddings
+
+
+def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, start: int = 0,
+             guidance_scale: float = 1.0, guidance_rescale: float = 0.0, noise: np.ndarray | None = None,
+             timestep_cond: np.ndarray | None = None) -> np.ndarray:
+    """The latents (float64, each step's result rounded to float32) after the UNet and `scheduler` ran from
+    run `start` of its schedule to the end from latents `x`; `noise[k]` is the noise of run start + k."""
+    guided = guidance_scale > 1
+    drawing = [i for i in scheduler.noise_steps if i >= start]
+    if drawing and noise is None:
+        raise ValueError(f"{scheduler.config['_class_name']} adds noise at steps {drawing}: give `noise`")
+    unet = session(folder / "unet" / "model.onnx")
+    for i in range(start, len(scheduler.timesteps)):
+        batch = np.concatenate([x, x]) if guided else x
+        feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
+                 "timestep": np.array(scheduler.timesteps[i], dtype=np.float32),
+                 "encoder_hidden_states": embeddings}
+        if timestep_cond is not None:
+            feeds["timestep_cond"] = timestep_cond
+        output = run(unet, feeds)["out_sample"].astype(np.float64)
+        if guided:
+            uncond, cond = np.split(output, 2)
+            output = uncond + guidance_scale * (cond - uncond)
+            if guidance_rescale > 0:  # per row, over every latent value, unbiased (torch.std's default)
+                axes = tuple(range(1, output.ndim))
+                cond_std = cond.std(axis=axes, ddof=1, keepdims=True)
+                ratio = cond_std / output.std(axis=axes, ddof=1, keepdims=True)
+                output = guidance_rescale * output * ratio + (1 - guidance_rescale) * output
+        step_noise = noise[i - start].astype(np.float64) if i in scheduler.noise_steps else None
+        x = scheduler.step(output, i, x, step_noise).astype(np.float32).astype(np.float64)
+    return x
+
+
+def _decode(folder: Path, x: np.ndarray) -> np.ndarray:
+    """The VAE decoder's image [batch, height, width, 3] in [0, 1] (before uint8) of latents x."""
+    scaling = json.loads((folder / "vae_decoder" / "config.json").read_text())["scaling_factor"]
+    decoded = run(session(folder / "vae_decoder" / "model.onnx"),
+                  {"latent_sample": (x / scaling).astype(np.float32)})["sample"]
+    return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
+
+
 def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
                    prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
                    guidance_scale: float = 1.0, guidance_rescale: float = 0.0,
@@ -598,38 +711,66 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
     guidance embedding a latent consistency model's UNet takes (guidance_scale then stays 1: no CFG).
     """
     folder = Path(folder)
-    guided = guidance_scale > 1
-    embeddings = encode_prompt(folder, prompt_ids)
-    if guided:
-        embeddings = np.concatenate([encode_prompt(folder, negative_prompt_ids), embeddings])
+    embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
     scheduler = make_scheduler(scheduler_config, steps)
-    if scheduler.noise_steps and noise is None:
-        raise ValueError(f"{scheduler_config['_class_name']} adds noise at steps {scheduler.noise_steps}: "
-                         "give `noise`")
-    unet = session(folder / "unet" / "model.onnx")
-    x = latents.astype(np.float64) * scheduler.init_noise_sigma
-    for i, t in enumerate(scheduler.timesteps):
-        batch = np.concatenate([x, x]) if guided else x
-        feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
-                 "timestep": np.array(t, dtype=np.float32), "encoder_hidden_states": embeddings}
-        if timestep_cond is not None:
-            feeds["timestep_cond"] = timestep_cond
-        output = run(unet, feeds)["out_sample"].astype(np.float64)
-        if guided:
-            uncond, cond = np.split(output, 2)
-            output = uncond + guidance_scale * (cond - uncond)
-            if guidance_rescale > 0:  # per row, over every latent value, unbiased (torch.std's default)
-                axes = tuple(range(1, output.ndim))
-                cond_std = cond.std(axis=axes, ddof=1, keepdims=True)
-                ratio = cond_std / output.std(axis=axes, ddof=1, keepdims=True)
-                output = guidance_rescale * output * ratio + (1 - guidance_rescale) * output
-        step_noise = noise[i].astype(np.float64) if i in scheduler.noise_steps else None
-        x = scheduler.step(output, i, x, step_noise).astype(np.float32).astype(np.float64)
-    scaling = json.loads((folder / "vae_decoder" / "config.json").read_text())["scaling_factor"]
-    decoded = run(session(folder / "vae_decoder" / "model.onnx"),
-                  {"latent_sample": (x / scaling).astype(np.float32)})["sample"]
-    image = np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1)
-    return image.astype(np.float32), x.astype(np.float32)
+    x = _denoise(folder, scheduler, latents.astype(np.float64) * scheduler.init_noise_sigma, embeddings,
+                 guidance_scale=guidance_scale, guidance_rescale=guidance_rescale, noise=noise,
+                 timestep_cond=timestep_cond)
+    return _decode(folder, x), x.astype(np.float32)
+
+
+def strength_start(scheduler, steps: int, strength: float) -> int:
+    """The first run of the schedule that image to image keeps: the last int(steps * strength) steps of
+    `steps` are kept, each `scheduler.order` runs."""
+    kept = min(int(steps * strength), steps)
+    if kept < 1:
+        raise ValueError(f"strength {strength} keeps no step of {steps}")
+    return (steps - kept) * scheduler.order
+
+
+def encode_image(folder: Path | str, image: np.ndarray, encode_noise: np.ndarray) -> np.ndarray:
+    """The scaled latents [1, 4, height / f, width / f] of a uint8 RGB image [height, width, 3]: its pixels
+    to [-1, 1] (x / 255 * 2 - 1, float32), the VAE encoder's mean and log variance (clamped to [-30, 20]), a
+    sample mean + exp(logvar / 2) * `encode_noise`, times the VAE's scaling factor."""
+    folder = Path(folder)
+    config = json.loads((folder / "vae_encoder" / "config.json").read_text())
+    factor = 2 ** (len(config["block_out_channels"]) - 1)
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"expected a uint8 RGB image [height, width, 3], got {image.dtype} {image.shape}")
+    if image.shape[0] % factor or image.shape[1] % factor:  # diffusers would resize it first
+        raise ValueError(f"image sides {image.shape[:2]} are not multiples of the VAE's factor {factor}")
+    if config.get("shift_factor"):  # Stable Diffusion's image-to-image pipeline only scales
+        raise ValueError("a VAE with a shift factor is not written by hand here")
+    pixels = (image.astype(np.float32) / np.float32(255.0)) * np.float32(2.0) - np.float32(1.0)
+    parameters = run(session(folder / "vae_encoder" / "model.onnx"),
+                     {"sample": pixels.transpose(2, 0, 1)[None].copy()})["latent_parameters"]
+    mean, logvar = np.split(parameters, 2, axis=1)
+    std = np.exp(np.float32(0.5) * np.clip(logvar, np.float32(-30.0), np.float32(20.0)))
+    return (mean + std * encode_noise.astype(np.float32)) * np.float32(config["scaling_factor"])
+
+
+def image_to_image(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float,
+                   image: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray,
+                   prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
+                   guidance_scale: float = 1.0,
+                   noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(image [1, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionImg2ImgPipeline
+    computes them from the uint8 RGB `image` [height, width, 3] with the same noises.
+
+    The image's latents (`encode_image`, with `encode_noise`) are noised with `add_noise` to the level of
+    the first run `strength` keeps (`strength_start`; not scaled by init_noise_sigma), then the UNet and
+    scheduler run from there to the end of the `steps` schedule, with guidance as in generate_image;
+    `noise[k]` is the noise of the k-th run kept of a scheduler that draws at each step.
+    """
+    folder = Path(folder)
+    embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
+    scheduler = make_scheduler(scheduler_config, steps)
+    start = strength_start(scheduler, steps, strength)
+    latents = encode_image(folder, image, encode_noise).astype(np.float64)
+    x = scheduler.add_noise(latents, add_noise.astype(np.float64), start)
+    x = x.astype(np.float32).astype(np.float64)  # diffusers' latents are float32
+    x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale, noise=noise)
+    return _decode(folder, x), x.astype(np.float32)
 
 
 def encode_prompt_xl(folder: Path, ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -30,14 +30,24 @@ def _step(coefficients: tuple[float, ...], x: np.ndarray, output: np.ndarray, no
     return after, x0
 
 
-def _compare(config: dict, steps: int, rng: np.random.Generator) -> float:
+def _compare(config: dict, steps: int, rng: np.random.Generator, strength: float | None = None) -> float:
+    """The largest difference of the latents after a step, relative to their largest, over the schedule;
+    with `strength`, image-to-image's part of it, from the latents the port's add_noise makes."""
     port = refs.make_scheduler(config, steps)
-    schedule = make_schedule(scheduler_config(config, None, "test"), steps)
-    assert [s.timestep for s in schedule.steps] == [float(t) for t in port.timesteps]
-    assert schedule.init_noise_sigma == pytest.approx(port.init_noise_sigma, rel=1e-12)
+    schedule = make_schedule(scheduler_config(config, None, "test"), steps, strength)
+    start = 0 if strength is None else refs.strength_start(port, steps, strength)
+    assert [s.timestep for s in schedule.steps] == [float(t) for t in port.timesteps[start:]]
     x = rng.normal(size=8) * 5
+    if strength is None:
+        assert schedule.init_noise_sigma == pytest.approx(port.init_noise_sigma, rel=1e-12)
+    else:  # the clean latents noised to the first step's level (a, b in float32 where diffusers keeps them)
+        clean, noise = x, rng.normal(size=8)
+        x = port.add_noise(clean, noise, start)
+        a, b = schedule.noised
+        assert np.abs(a * clean + b * noise - x).max() <= 1e-6 * np.abs(x).max()
     ours, previous, worst = x.copy(), (np.zeros(8),) * 3, 0.0
-    for i, step in enumerate(schedule.steps):
+    for k, step in enumerate(schedule.steps):
+        i = start + k
         assert step.input_scale == pytest.approx(port.scale_model_input(np.ones(1), i)[0], rel=1e-12)
         assert not step.noise or i in port.noise_steps
         output, noise = rng.normal(size=8), rng.normal(size=8)
@@ -64,6 +74,28 @@ def test_schedules_equal_the_numpy_ports(sd_tiny: Path) -> None:
         worst = max(worst, _compare({**ddim, "clip_sample": True, "clip_sample_range": 0.5}, steps, rng))
     print(f"max relative difference of the latents after every step: {worst:.1e}")
     assert worst < 1e-12
+
+
+@pytest.mark.slow
+def test_image_to_image_schedules_equal_the_numpy_ports(sd_tiny: Path) -> None:
+    """Entered part-way at every strength: the steps from there (DPM-Solver's and PNDM's multistep starts
+    counted from there) and the add_noise of the first, for each scheduler that builds one."""
+    rng = np.random.default_rng(1)
+    cases = json.loads((sd_tiny / "references" / "cases.json").read_text())["cases"]
+    worst, compared = 0.0, 0
+    for case in cases:
+        if case["scheduler"]["_class_name"] in ("LCMScheduler", "FlowMatchEulerDiscreteScheduler"):
+            continue
+        for spacing in ("linspace", "leading", "trailing"):
+            config = {**case["scheduler"], "timestep_spacing": spacing}
+            for steps in (2, 5, 11, 20):
+                for strength in (0.3, 0.5, 0.75, 1.0):
+                    if int(steps * strength) < 1:
+                        continue
+                    worst = max(worst, _compare(config, steps, rng, strength))
+                    compared += 1
+    print(f"{compared} image-to-image schedules, max relative difference of the latents: {worst:.1e}")
+    assert worst < 1e-6
 
 
 def test_a_class_name_switches_the_scheduler_and_defaults_fill_the_rest() -> None:

@@ -213,6 +213,7 @@ async function makeOutputs(model, { maxNewTokens, ...options }) {
       seed: Number($('image-seed').value),
     });
     if ($('negative-prompt').value && options.guidanceScale > 1) options.negativePrompt = $('negative-prompt').value;
+    if (options.images) options.strength = Number($('strength').value); // image-to-image
   }
   options.onProgress = ({ step, steps }) => showProgress(step / steps, `Step ${step} of ${steps}`);
   let result;

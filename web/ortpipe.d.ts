@@ -117,6 +117,8 @@ export interface GenerateOptions {
   guidanceRescale?: number;
   /** What the image should not show (the unconditional row's text). */
   negativePrompt?: string;
+  /** Image-to-image: how far the image is noised, 0 to 1 (the last int(num_steps * strength) steps run; 1 keeps nothing of it). */
+  strength?: number;
   /** With guidance and no negative prompt: the unconditional row's text states are zeros, the text encoders run on the prompt alone (diffusers' Stable Diffusion XL folders say so in model_index.json). */
   forceZerosForEmptyPrompt?: boolean;
   /** Speculative decoding with drafts looked up in the prompt and the text so far, at most this many tokens a step (transformers' name); 0 turns it off. */

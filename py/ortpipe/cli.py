@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PATH",
-        help="an image for the pipeline's vision session (repeatable; one image_token each in the prompt)",
+        help="an image for the pipeline's vision session (repeatable; one image_token each in the prompt), "
+        "or the one image image-to-image starts from (a denoising folder with an image encoder; --strength)",
     )
     run.add_argument(
         "--audio",

@@ -133,6 +133,7 @@ DIFFUSERS_PARTS = {
     "unet": "unet/model.onnx",
     "vae_decoder": "vae_decoder/model.onnx",
 }
+VAE_ENCODER = "vae_encoder/model.onnx"  # optimum's export of the VAE's encoder (image-to-image)
 GRAPH_FILES = ("onnx/model.onnx", "model.onnx")
 
 
@@ -159,6 +160,9 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
     parts = {**DIFFUSERS_PARTS, **({"text_encoder_2": "text_encoder_2/model.onnx"} if xl else {})}
     sessions = _exported(folder, parts, kind)
     flow = [{"run": "text_encoder", "when": "init"}]
+    if folder.exists(VAE_ENCODER):  # image-to-image: run on the request's image, when it gives one
+        sessions["vae_encoder"] = {"file": VAE_ENCODER, "outputs": {"latent_parameters": "latent_parameters"}}
+        flow.append({"run": "vae_encoder", "when": "init", "optional": True})
     wires = [{"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"}]
     generation: dict[str, Any] = {"loop": "denoising"}
     if xl:

@@ -353,10 +353,10 @@ class Model:
         waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs.
         A single_pass or denoising folder makes an OutputRequest (loops/setup.py)."""
         if self.loop is not None:
-            if messages is not None or images or audios:
+            if messages is not None or audios or (images and self.loop.denoising is None):
                 raise GenerationError(
-                    "messages, images and audios are for the autoregressive loop; this folder's loop is "
-                    f'"{self.config.generation.loop}"'
+                    "messages, images and audios are for the autoregressive loop (an image also for "
+                    f'image-to-image); this folder\'s loop is "{self.config.generation.loop}"'
                 )
 
             check_inputs(self.plan, {k: v for k, v in (inputs or {}).items() if k != "latents"}, self.backend)
@@ -368,6 +368,7 @@ class Model:
                 prompt,
                 prompt_ids,
                 inputs,
+                list(images or []),
                 max_new_tokens=max_new_tokens,
                 max_length=max_length,
                 **settings,

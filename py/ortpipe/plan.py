@@ -35,6 +35,7 @@ KV_PAST, FROM_OUTPUT, CARRIED, FROM_REQUEST, EMPTY = (
 # input ("sample") and timestep ("timestep") for its step session, its final latents ("latents") for a final
 # session wired to the step session's output.
 LOOP = "loop"
+PHASES = ("init", "step", "final")  # the order flow steps run in
 STREAM = "stream:"  # a LOOP feed of rows streamed from an earlier stage: "stream:SESSION.OUTPUT"
 DENOISING_ROLES = ("sample", "timestep")
 # step inputs the denoising loop feeds when the graph has them: Stable Diffusion XL's size conditioning, a
@@ -576,8 +577,11 @@ def _check_joined(config: Config, plan: Plan, problems: Problems) -> None:
 def _same_name_output(
     config: Config, step: FlowStep, flow: list[FlowStep], sigs: dict[str, Signature], t: TensorInfo
 ) -> Feed | None:
-    """Dataflow auto-matching: another session's output of the same name (its own: carried state)."""
-    producers = [s.run for s in flow if t.name in sigs[s.run].output_names]
+    """Dataflow auto-matching: another session's output of the same name (its own: carried state), of a
+    session that runs before it (an init session reads no step or final session's output)."""
+    phase = PHASES.index(step.when) if step.when in PHASES else len(PHASES)
+    producers = [s.run for s in flow if t.name in sigs[s.run].output_names
+                 and (s.run == step.run or s.when not in PHASES or PHASES.index(s.when) <= phase)]
     if not producers:
         return _cross_cache(config, step, sigs, t)
     others = [p for p in producers if p != step.run]

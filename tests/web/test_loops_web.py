@@ -300,6 +300,39 @@ def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_fol
     assert np.abs(data - expected).max() <= WASM["image"]
 
 
+def test_wasm_image_to_image_equals_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:
+    """Image-to-image (the PNG decoded by the worker, the VAE encoder in the init phase, the image_latents
+    kernel, the schedule entered at strength's step): PNDM guided and DPM-Solver++ unguided, each the image
+    CPython makes within 1e-4."""
+    from build import paradigms
+
+    source = paradigms.get("sd-tiny")
+    folder = Path(shutil.copytree(source, tmp_path / "sd-img2img",
+                                  ignore=shutil.ignore_patterns("references")))
+    index = _json(source / "references" / "img2img.json")
+    cases = {c["scheduler"]["_class_name"]: c for c in index["cases"]}
+    shutil.copy(source / "references" / cases["PNDMScheduler"]["init_image"], folder / "init.png")
+    requests = [("PNDMScheduler", {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 5,
+                                   "guidanceScale": 6.0, "strength": 0.6, "seed": 3}),
+                ("DPMSolverMultistepScheduler", {"prompt": "a blue sphere", "numSteps": 6,
+                                                 "guidanceScale": 1.0, "strength": 0.7, "seed": 4})]
+    for name, request in requests:
+        (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(cases[name]["scheduler"]))
+        expected = ortpipe.load(folder).generate(
+            request["prompt"], images=[folder / "init.png"], negative_prompt=request.get("negativePrompt"),
+            num_steps=request["numSteps"], guidance_scale=request["guidanceScale"],
+            strength=request["strength"], seed=request["seed"])
+        model = f"img2img-{name}"
+        serve_model(model, folder)
+        given = {**request, "images": [f"models/{model}/init.png"]}
+        (run,) = in_page(page, model, [{"kind": "generate", "args": [given]}])["runs"]
+        data = np.array(run["data"], np.float32).reshape(run["dims"])
+        assert run["timings"]["steps"] == expected.timings.steps < request["numSteps"] + 1
+        difference = float(np.abs(data - expected.image).max())
+        print(f"wasm image-to-image {name}: max |browser - CPython| = {difference:.1e}")
+        assert difference <= WASM["image"]
+
+
 def test_webgpu_outputs_equal_cpython_within_tolerance(page: Any, serve_model: Any, st_minilm: Path,
                                                        vits_tiny: Path, sd_folder: Path) -> None:
     serve_model("st-minilm", st_minilm)

@@ -334,6 +334,18 @@ SETTINGS: tuple[Setting, ...] = (
         loops=DENOISING_LOOP,
     ),
     Setting(
+        "strength",
+        "float",
+        0.8,
+        "image-to-image: how far the image is noised, 0 to 1 (the last int(num_steps * strength) steps run; "
+        "1 keeps nothing of it)",
+        low=0.0,
+        low_open=True,
+        high=1.0,
+        v2="strength",
+        loops=DENOISING_LOOP,
+    ),
+    Setting(
         "force_zeros_for_empty_prompt",
         "bool",
         False,

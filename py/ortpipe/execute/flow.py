@@ -36,7 +36,7 @@ from .work import Backend, Handle, Run, RunAll, Work, kernel
 
 class FlowRun:
     def __init__(self, plan: Plan, backend: Backend, batch: int, max_length: int,
-                 inputs: dict[str, Handle] | None = None):
+                 inputs: dict[str, Handle] | None = None, keep: tuple[str, ...] = ()):
         self.plan, self.backend, self.batch = plan, backend, batch
         self.inputs = dict(inputs or {})
         self.position = 0  # positions the step phase has consumed
@@ -48,6 +48,7 @@ class FlowRun:
         read |= {part for s in steps for f in s.feeds if f.kind == JOINED for part in f.parts}
         read |= {o.source for o in plan.config.pipeline.outputs}  # what the request returns
         read |= set(plan.config.pipeline.exported)  # what later stages read
+        read |= set(keep)  # what the loop reads itself ("session.output")
         # each session's outputs that a later step reads: only these are kept
         self._read_later = {s.session: [o for o in s.outputs if f"{s.session}.{o}" in read] for s in steps}
         self.values: dict[str, Handle] = {}

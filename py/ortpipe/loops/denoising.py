@@ -30,7 +30,9 @@ from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..folder import Folder
 from ..jsonfile import optional_json
 from ..outputs import OutputRequest, Progress, finish_outputs
-from ..plan import FROM_OUTPUT, JOINED, LOOP, Plan
+from ..plan import FROM_OUTPUT, FROM_REQUEST, JOINED, LOOP, Plan
+from ..preprocess import sizes
+from ..preprocess.request import Image
 from ..sampling.sampler import generator
 from .schedulers import Schedule, f32, scheduler_config
 from .text import TextSetup, text_inputs
@@ -39,6 +41,22 @@ SCHEDULER_FILE = "scheduler/scheduler_config.json"
 DEFAULT_SCALING = 0.18215  # diffusers' AutoencoderKL scaling_factor
 LATENT_RANK = 4
 TIME_IDS = 6  # Stable Diffusion XL's size conditioning: original height, width, crop top, left, target h, w
+LATENT_PARAMETERS = "latent_parameters"  # an image-to-image encoder's output role (sessions.NAME.outputs)
+
+
+@dataclass(frozen=True)
+class ImageEncoder:
+    """An init session that turns the request's image into a latent distribution (a VAE encoder): image-to-
+    image starts from a draw of it."""
+
+    session: str
+    input: str  # its pixels input, float [1, 3, height, width] in [-1, 1]
+    dtype: str
+    output: str  # its latent distribution [1, 2 * channels, h, w]: mean, then log variance
+    output_dtype: str
+    scaling_factor: float
+    shift_factor: float
+    scale: int  # image pixels per latent
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class DenoisingSetup:
     # the UNet takes its guidance as an embedding (timestep_cond: a latent consistency model's), of this
     # type and width; such a UNet runs one row, without classifier-free guidance
     guidance_embedding: tuple[str, int] | None = None
+    encoder: ImageEncoder | None = None  # image-to-image's, when the flow has one
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -121,19 +140,7 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
             f'session "{final.session}" input "{latents_feed.input}" is {vae_dtype}: the denoising '
             "loop hands float32 or float16 latents to its final steps"
         )
-    scaling = vae.get("scaling_factor", DEFAULT_SCALING)
-    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
-        raise ConfigError(f"the VAE's scaling_factor must be a positive number, found {scaling!r}")
-    shifted = [key for key in ("latents_mean", "latents_std") if vae.get(key) is not None]
-    if shifted:
-        raise ConfigError(
-            f"the VAE's config.json sets {', '.join(shifted)}: ortpipe divides the final latents by "
-            "scaling_factor and adds shift_factor (Stable Diffusion 1.x, 2.x, XL and 3's VAEs); per-channel "
-            "statistics are not applied"
-        )
-    shift = vae.get("shift_factor") or 0.0
-    if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not math.isfinite(shift):
-        raise ConfigError(f"the VAE's shift_factor must be a number or null, found {shift!r}")
+    scaling, shift = _vae_factors(vae)
     embedding = feeds.get("timestep_cond")
     embedded = _guidance_embedding(step.session, sig.input(embedding.input), embedding.dtype,
                                    unet) if embedding else None
@@ -159,7 +166,73 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         vae_scale,
         float(shift),
         embedded,
+        _image_encoder(plan, folder, shape[0]),
     )
+
+
+def _vae_factors(vae: dict[str, Any]) -> tuple[float, float]:
+    """A VAE config.json's (scaling_factor, shift_factor); a ConfigError for values ortpipe does not apply."""
+    scaling = vae.get("scaling_factor", DEFAULT_SCALING)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
+        raise ConfigError(f"the VAE's scaling_factor must be a positive number, found {scaling!r}")
+    shifted = [key for key in ("latents_mean", "latents_std") if vae.get(key) is not None]
+    if shifted:
+        raise ConfigError(
+            f"the VAE's config.json sets {', '.join(shifted)}: ortpipe divides the final latents by "
+            "scaling_factor and adds shift_factor (Stable Diffusion 1.x, 2.x, XL and 3's VAEs); per-channel "
+            "statistics are not applied"
+        )
+    shift = vae.get("shift_factor") or 0.0
+    if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not math.isfinite(shift):
+        raise ConfigError(f"the VAE's shift_factor must be a number or null, found {shift!r}")
+    return float(scaling), float(shift)
+
+
+def _image_encoder(plan: Plan, folder: Folder, channels: int | None) -> ImageEncoder | None:
+    """The init session whose outputs name the role latent_parameters (image-to-image's encoder), or None;
+    a ConfigError for one the loop cannot use (`channels`: the UNet's latent channels, when known)."""
+    sessions = plan.config.pipeline.sessions
+    found = [s for s in plan.init_steps if LATENT_PARAMETERS in sessions[s.session].outputs]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ConfigError(
+            f"sessions {', '.join(s.session for s in found)} each name a {LATENT_PARAMETERS} output: "
+            "image-to-image starts from one encoder's"
+        )
+    (step,) = found
+    spec, sig = sessions[step.session], plan.signatures[step.session]
+    output = spec.outputs[LATENT_PARAMETERS]
+    requested = [f.input for f in step.feeds if f.kind == FROM_REQUEST]
+    name = spec.inputs.get("image") or (requested[0] if len(requested) == 1 else None)
+    info, out = sig.input(name) if name else None, sig.output(output)
+    problems = []
+    fits = info is not None and info.rank == LATENT_RANK and info.dtype.startswith("float")
+    if not fits or (isinstance(info.shape[1], int) and info.shape[1] != 3):
+        problems.append(
+            f'session "{step.session}" takes {_described(sig.inputs)}: an image-to-image encoder takes one '
+            "request input, float pixels [1, 3, height, width] (name it in "
+            f"sessions.{step.session}.inputs.image)"
+        )
+    wide = out is not None and isinstance(out.shape[1], int) and channels and out.shape[1] != 2 * channels
+    if out is None or out.rank != LATENT_RANK or not out.dtype.startswith("float") or wide:
+        problems.append(
+            f'sessions.{step.session}.outputs.{LATENT_PARAMETERS} is "{output}", but session '
+            f'"{step.session}" gives {_described(sig.outputs)}: it names the latent distribution, float '
+            f"[1, 2 * channels, height, width] (mean, then log variance; the UNet's {channels or 'latent'} "
+            "channels)"
+        )
+    if problems:
+        raise ConfigError(problems)
+    vae = config_beside(folder, spec.file)
+    scaling, shift = _vae_factors(vae)
+    blocks = vae.get("block_out_channels")
+    scale = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
+    return ImageEncoder(step.session, info.name, info.dtype, output, out.dtype, scaling, shift, scale)
+
+
+def _described(tensors: Any) -> str:
+    return ", ".join(f'"{t.name}" {t.dtype} {list(t.shape)}' for t in tensors) or "nothing"
 
 
 def _guidance_embedding(session: str, info: Any, dtype: str, unet: dict[str, Any]) -> tuple[str, int]:
@@ -256,6 +329,7 @@ class DenoisingRequest(OutputRequest):
         inputs: dict[str, Handle] | None = None,
         own: dict[str, tuple[list[list[int]], TextSetup]] | None = None,
         zeros: bool = False,
+        image: Image | None = None,
     ):
         super().__init__(plan)
         self.backend, self.setup, self.schedule = backend, setup, schedule
@@ -264,10 +338,13 @@ class DenoisingRequest(OutputRequest):
         self.guided = self.guidance > 1 and setup.guidance_embedding is None
         self.noise = Noise(backend, seed)
         self.latents = latents
-        self.shape = _latent_shape(setup, latents, backend)
+        self.image = image  # image-to-image's (schedule.noised is set then)
+        self.shape = _image_shape(setup, image, backend) if image else _latent_shape(setup, latents, backend)
         self.zeros = zeros  # the unconditional row's text states are zeros (force_zeros_for_empty_prompt)
         text_feeds, _ = text_inputs(plan, backend, rows, text, own) if rows or own else ({}, None)
-        self.flow = FlowRun(plan, backend, 1, 0, {**text_feeds, **(inputs or {})})
+        encoder = setup.encoder
+        keep = (f"{encoder.session}.{encoder.output}",) if encoder and image else ()
+        self.flow = FlowRun(plan, backend, 1, 0, {**text_feeds, **(inputs or {})}, keep)
         self.x: Handle = None
         self.sample: Handle = None
         self.memory: list[Handle] = []  # the x0 of the last three steps that keep theirs, latest first
@@ -294,7 +371,11 @@ class DenoisingRequest(OutputRequest):
         return Progress(self.step, len(self.schedule.steps))
 
     def _start(self) -> Work:
-        """The text encoder, the first latents and the first UNet input."""
+        """The init phase (the text encoders; the image's encoder for image-to-image), the first latents and
+        the first UNet input."""
+        encoder = self.setup.encoder
+        if self.image is not None and encoder is not None:
+            self.flow.inputs[f"{encoder.session}.{encoder.input}"] = yield from self._pixels(encoder)
         yield from self.flow.run_init([])
         b = self.backend
         if self.zeros:
@@ -305,17 +386,17 @@ class DenoisingRequest(OutputRequest):
             dtype, width = self.setup.guidance_embedding
             values = guidance_embedding(self.guidance, width)
             self.flow.loop_inputs["timestep_cond"] = b.tensor(values, (1, width), dtype)
-        latents = self.latents
-        if latents is None:
+        latents, sigma = self.latents, self.schedule.init_noise_sigma
+        if self.image is not None and encoder is not None:
+            latents, sigma = (yield from self._image_latents(encoder)), 1.0
+        elif latents is None:
             latents = yield from self.noise.draw(self.shape, "init")
         first = self.schedule.steps[0]
         out = yield Run(
             kernel("denoise_init", self.setup.sample_dtype),
             {
                 "latents": latents,
-                "coefficients": b.tensor(
-                    [self.schedule.init_noise_sigma, first.input_scale], (2,), "float32"
-                ),
+                "coefficients": b.tensor([sigma, first.input_scale], (2,), "float32"),
                 "repeats": self.repeats,
             },
             ("x", "sample"),
@@ -323,6 +404,34 @@ class DenoisingRequest(OutputRequest):
             "init",
         )
         self.x, self.sample = out["x"], out["sample"]
+
+    def _pixels(self, encoder: ImageEncoder) -> Work:
+        """The request's uint8 image [height, width, 3] as the encoder's pixels [1, 3, height, width] in
+        [-1, 1] (diffusers' x / 255 * 2 - 1)."""
+        b = self.backend
+        image, height, width = self.image
+        crop = sizes.whole(height, width)
+        out = yield Run(kernel("normalize", encoder.dtype), {
+            "image": image, "pads": b.tensor(list(crop.pads), (6,), "int64"),
+            "starts": b.tensor(list(crop.starts), (2,), "int64"),
+            "ends": b.tensor(list(crop.ends), (2,), "int64"),
+            "scale": b.tensor([1 / 255], (1,), "float64"), "mean": b.tensor([0.5] * 3, (3,), "float32"),
+            "std": b.tensor([0.5] * 3, (3,), "float32")}, ("pixel_values",), None, "init")
+        return out["pixel_values"]
+
+    def _image_latents(self, encoder: ImageEncoder) -> Work:
+        """A draw of the encoder's latent distribution, scaled, noised to the first step's level: diffusers'
+        noise draws in its order (the distribution's sample, then add_noise's)."""
+        b = self.backend
+        sample_noise = yield from self.noise.draw(self.shape, "init")
+        noise = yield from self.noise.draw(self.shape, "init")
+        signal, level = self.schedule.noised or (1.0, 0.0)
+        out = yield Run(kernel("image_latents", encoder.output_dtype), {
+            "parameters": self.flow.values[f"{encoder.session}.{encoder.output}"],
+            "sample_noise": sample_noise, "noise": noise,
+            "coefficients": b.tensor([encoder.scaling_factor, encoder.shift_factor, signal, level], (4,),
+                                     "float32")}, ("latents",), None, "init")
+        return out["latents"]
 
     def _zero_unconditional(self) -> Work:
         """A row of zeros in front of each init output the step reads (the text encoders ran on the prompt
@@ -427,6 +536,38 @@ def _latent_shape(setup: DenoisingSetup, latents: Handle | None, backend: Backen
             "sample_size and in_channels: pass latents"
         )
     return (1, *setup.latent_shape)
+
+
+def _image_shape(setup: DenoisingSetup, image: Image, backend: Backend) -> tuple[int, ...]:
+    """The latents' shape of image-to-image: the image's size over the VAE's pixels per latent; a
+    GenerationError for an image the encoder cannot take."""
+    encoder = setup.encoder
+    if encoder is None:
+        raise GenerationError(
+            "this folder has no image encoder, so it does not run image-to-image: drop the image (a "
+            f"diffusers folder needs vae_encoder/model.onnx; a config names its output sessions.NAME.outputs."
+            f"{LATENT_PARAMETERS})"
+        )
+    handle, height, width = image
+    channels = backend.shape(handle)[-1]
+    if channels != 3:
+        raise GenerationError(f"image-to-image takes an RGB image; this one has {channels} channels")
+    scale = encoder.scale
+    if height < scale or width < scale:
+        raise GenerationError(f"the image is {height}x{width} pixels: image-to-image needs at least {scale}")
+    if height % scale or width % scale:
+        fit = f"{height // scale * scale}x{width // scale * scale}"
+        raise GenerationError(
+            f"the image is {height}x{width} pixels, but image-to-image takes sides that are multiples of "
+            f"{scale} (pixels per latent): resize or crop it, e.g. to {fit} (height x width)"
+        )
+    channels = setup.latent_shape[0]
+    if channels is None:
+        raise GenerationError(
+            f'session "{setup.session}" leaves the latents\' channels open and its config.json has no '
+            "in_channels: image-to-image cannot tell them"
+        )
+    return (1, channels, height // scale, width // scale)
 
 
 def _timestep(b: Backend, setup: DenoisingSetup, t: float, rows: int) -> Handle:

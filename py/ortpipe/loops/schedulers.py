@@ -344,6 +344,9 @@ class Step:
     coefficients: tuple[float, ...]  # x0_from_x ... from_previous3_x0, in denoise_step's order
     noise: bool  # the step adds fresh noise
     remember: bool = True  # its x0 joins the memory the next steps read (previous_x0 ...)
+    # image-to-image starting here: clean latents z noised to this step's level are a * z + b * noise
+    # (the scheduler's add_noise); None where a start here is not built
+    noised: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -351,6 +354,9 @@ class Schedule:
     name: str
     init_noise_sigma: float  # the initial latents are standard normal noise times this
     steps: tuple[Step, ...]
+    # image-to-image: the steps are the schedule's last ones, and the first latents are the image's
+    # latents z noised as a * z + b * noise (noised's (a, b)); None: from noise alone (init_noise_sigma)
+    noised: tuple[float, float] | None = None
 
 
 def f32(x: float) -> float:
@@ -477,9 +483,21 @@ def _step(
     previous2: float = 0.0,
     previous3: float = 0.0,
     remember: bool = True,
+    noised: tuple[float, float] | None = None,
 ) -> Step:
     coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous, previous2, previous3)
-    return Step(timestep, scale, coefficients, noise != 0.0, remember)
+    return Step(timestep, scale, coefficients, noise != 0.0, remember, noised)
+
+
+def _noised_sigma(sigma: float) -> tuple[float, float]:
+    """add_noise of the sigma schedulers: z + sigma * noise (sigma in float32, as diffusers keeps it)."""
+    return 1.0, f32(sigma)
+
+
+def _noised_alpha(alpha_prod: float) -> tuple[float, float]:
+    """add_noise of the alpha schedulers: sqrt(alpha_prod) z + sqrt(1 - alpha_prod) noise."""
+    a = f32(alpha_prod)
+    return a**0.5, (1.0 - a) ** 0.5
 
 
 def exponential(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
@@ -561,6 +579,7 @@ def euler(config: Mapping[str, Any], steps: int, ancestral: bool) -> Schedule:
                 x=1 + dt / sigma,
                 from_x0=-dt / sigma,
                 noise=noise,
+                noised=_noised_sigma(sigmas[i]),
             )
         )
     return Schedule(config["_class_name"], init, tuple(out))
@@ -580,7 +599,7 @@ def heun(config: Mapping[str, Any], steps: int) -> Schedule:
         sigma, after = sigmas[j], sigmas[j + 1]
         dt = after - sigma
         euler_step = _step(t, 1 / (sigma * sigma + 1) ** 0.5, _x0_sigma(config, sigma), clip,
-                           x=1 + dt / sigma, from_x0=-dt / sigma)
+                           x=1 + dt / sigma, from_x0=-dt / sigma, noised=_noised_sigma(sigma))
         out.append(euler_step)
         if after > 0:  # the correction, run at the next timestep and sigma
             half = dt / (2 * after)
@@ -606,7 +625,7 @@ def kdpm2(config: Mapping[str, Any], steps: int) -> Schedule:
         middle = (sigma * after) ** 0.5  # 0 before the last sigma, 0
         dt = middle - sigma
         out.append(_step(t, 1 / (sigma * sigma + 1) ** 0.5, _x0_sigma(config, sigma), x=1 + dt / sigma,
-                         from_x0=-dt / sigma))
+                         from_x0=-dt / sigma, noised=_noised_sigma(sigma)))
         if middle > 0:
             out.append(_step(f32(_sigma_to_t(middle, logs)), 1 / (middle * middle + 1) ** 0.5,
                              _x0_sigma(config, middle), x=after / middle, from_x0=-(after - sigma) / middle,
@@ -639,6 +658,7 @@ def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
                 x=direction * eps[0],
                 from_x0=a_prev**0.5,
                 output=direction * eps[1],
+                noised=_noised_alpha(a),
             )
         )
     return Schedule(config["_class_name"], 1.0, tuple(out))
@@ -662,7 +682,7 @@ def ddpm(config: Mapping[str, Any], steps: int) -> Schedule:
             small = max((1 - a_prev) / (1 - a) * (1 - kept), 1e-20)
             noise = (1 - kept) ** 0.5 if config["variance_type"] == "fixed_large" else small**0.5
         out.append(_step(float(t), 1.0, _x0_alpha(config, a), clip, x=kept**0.5 * (1 - a_prev) / (1 - a),
-                         from_x0=a_prev**0.5 * (1 - kept) / (1 - a), noise=noise))
+                         from_x0=a_prev**0.5 * (1 - kept) / (1 - a), noise=noise, noised=_noised_alpha(a)))
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
@@ -732,22 +752,27 @@ def _dpm_timesteps(config: Mapping[str, Any], steps: int, table: list[float]
     return timesteps, sigmas
 
 
-def _dpm_order(config: Mapping[str, Any], i: int, steps: int) -> int:
-    """The solver's order at step i: lower at the start, and at the end as the config says."""
+def _dpm_order(config: Mapping[str, Any], i: int, steps: int, begin: int = 0) -> int:
+    """The solver's order at step i: lower at the start (the first run is step `begin`), and at the end as
+    the config says."""
     few = config["lower_order_final"] and steps < 15
     if i == steps - 1 and (config["euler_at_final"] or few or config["final_sigmas_type"] == "zero"):
         return 1
-    order = min(config["solver_order"], i + 1)  # the steps behind it so far
+    order = min(config["solver_order"], i - begin + 1)  # the steps run before it so far
     return min(order, 2) if i == steps - 2 and few else order
 
 
-def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
+def dpm_solver(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
+    """DPMSolverMultistepScheduler; `begin`: the first step run (image-to-image), where its lower-order start
+    counts from."""
     table = [((1 - a) / a) ** 0.5 for a in alphas_cumprod(config)]
     timesteps, sigmas = _dpm_timesteps(config, steps, table)
     sde = config["algorithm_type"] == "sde-dpmsolver++"
     lambdas = [_alpha_sigma_lambda(s)[2] for s in sigmas]
     out = []
     for i, t in enumerate(timesteps):
+        if i < begin:
+            continue
         alpha_s, sigma_s, lambda_s = _alpha_sigma_lambda(sigmas[i])
         alpha_t, sigma_t, lambda_t = _alpha_sigma_lambda(sigmas[i + 1])
         x0 = (
@@ -761,9 +786,10 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
             noise = sigma_t * (1.0 - decay * decay) ** 0.5
         else:
             ratio, from_x0, noise = sigma_t / sigma_s, -alpha_t * (decay - 1.0), 0.0
-        order = _dpm_order(config, i, steps)
+        order = _dpm_order(config, i, steps, begin)
+        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
         if order == 1:
-            out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0, noise=noise))
+            out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0, noise=noise, noised=noised))
             continue
         if abs(lambda_t - lambda_s) < 1e-6:  # Karras sigmas ending at sigma_min, then sigma_min again
             if order == 3 or config["solver_type"] == "heun":  # diffusers divides by zero: a NaN image
@@ -777,7 +803,7 @@ def dpm_solver(config: Mapping[str, Any], steps: int) -> Schedule:
             behind = lambdas[i - order + 1 : i + 2]  # the steps behind, this one and the next
             weights = _multistep_weights(config, order, behind, alpha_t)
         out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0 + weights[0], previous=weights[1],
-                         previous2=weights[2], noise=noise))
+                         previous2=weights[2], noise=noise, noised=noised))
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
@@ -812,13 +838,14 @@ def _multistep_weights(config: Mapping[str, Any], order: int, lambdas: list[floa
 PLMS = {1: (1.0,), 2: (1.5, -0.5), 3: (23 / 12, -16 / 12, 5 / 12), 4: (55 / 24, -59 / 24, 37 / 24, -9 / 24)}
 
 
-def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
+def pndm(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
     """PNDMScheduler with skip_prk_steps (PLMS), as Stable Diffusion 1.x's folders carry it: steps + 1 UNet
     runs (the second timestep twice: the second run averages its output with the first's and restarts from
     the first run's sample), each a DDIM-like step of a linear multistep combination of the past outputs.
 
     The kernel's x0 is the guided output itself here (x0_from_output 1), so the memory holds past outputs;
-    the second run's is left out of it, as diffusers keeps it out of its `ets`."""
+    the second run's is left out of it, as diffusers keeps it out of its `ets`. `begin`: the first run
+    (image-to-image): the multistep start counts from there, as diffusers' counter does."""
     cumprod = alphas_cumprod(config)
     count = config["num_train_timesteps"]
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
@@ -828,7 +855,7 @@ def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
     v = config["prediction_type"] == "v_prediction"
     out: list[Step] = []
     first: tuple[float, float] = (1.0, 0.0)  # the first run: x_1 = first[0] * x_0 + first[1] * output_0
-    for i, t in enumerate(timesteps):
+    for i, t in enumerate(timesteps[begin:]):
         at, previous = (t + ratio, t) if i == 1 else (t, t - ratio)
         a = _alpha(cumprod, at, config, steps)
         a_prev = cumprod[previous] if previous >= 0 else final
@@ -839,12 +866,14 @@ def pndm(config: Mapping[str, Any], steps: int) -> Schedule:
         scale = drop * (a**0.5 if v else 1.0)
         if i == 1:  # from the first run's sample x_0 = (x - first[1] * output_0) / first[0], outputs averaged
             step = _step(float(t), 1.0, (0.0, 1.0), x=from_x / first[0], from_x0=-scale * 0.5,
-                         previous=-from_x * first[1] / first[0] - scale * 0.5, remember=False)
+                         previous=-from_x * first[1] / first[0] - scale * 0.5, remember=False,
+                         noised=_noised_alpha(_alpha(cumprod, t, config, steps)))
         else:  # the outputs so far, the second run's left out: 1 at the first run, i after it
             weights = (*PLMS[min(max(i, 1), 4)], 0.0, 0.0, 0.0)[:4]
             past = [-scale * w for w in weights]
             step = _step(float(t), 1.0, (0.0, 1.0), x=from_x, from_x0=past[0], previous=past[1],
-                         previous2=past[2], previous3=past[3])
+                         previous2=past[2], previous3=past[3],
+                         noised=_noised_alpha(_alpha(cumprod, t, config, steps)))
         if i == 0:
             first = (from_x, -scale)
         out.append(step)
@@ -889,8 +918,38 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 }
 
 
-def make_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
-    """The schedule of `steps` steps for a config scheduler_config() made."""
+# The classes whose steps start at a begin index for image-to-image: the steps from there (the others'
+# steps are the whole schedule's last ones as they are)
+BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm}
+ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler")  # two runs a timestep: diffusers' order 2
+
+
+def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None) -> Schedule:
+    """The schedule of `steps` steps for a config scheduler_config() made; with `strength`, image-to-image's
+    (diffusers' StableDiffusionImg2ImgPipeline): the last int(steps * strength) of the steps, run from the
+    image's latents noised to the first of them."""
+    schedule = _whole_schedule(config, steps)
+    if strength is None:
+        return schedule
+    name = config["_class_name"]
+    kept = min(int(steps * strength), steps)
+    if kept < 1:
+        raise GenerationError(
+            f"strength {strength} of num_steps {steps} runs no step (int(num_steps * strength) is 0): raise "
+            "strength or num_steps"
+        )
+    begin = (steps - kept) * (2 if name in ORDER_2 else 1)
+    first = schedule.steps[begin]
+    if first.noised is None:
+        raise GenerationError(
+            f"image-to-image with {name} is not built (it runs text-to-image): use another scheduler, e.g. "
+            "EulerDiscreteScheduler, DDIMScheduler, PNDMScheduler or DPMSolverMultistepScheduler"
+        )
+    picked = BEGUN[name](config, steps, begin).steps if name in BEGUN else schedule.steps[begin:]
+    return Schedule(name, 1.0, tuple(picked), first.noised)
+
+
+def _whole_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
     name = config["_class_name"]
     if steps > config["num_train_timesteps"]:
         raise GenerationError(

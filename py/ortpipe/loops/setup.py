@@ -16,6 +16,7 @@ from ..execute.work import Handle
 from ..folder import Folder
 from ..jsonfile import quote
 from ..plan import Plan
+from ..preprocess.request import Image
 from ..sampling.settings import check_setting, settings_for
 from ..tokenizer import Tokenizer
 from .codebooks import CodebookRequest
@@ -121,9 +122,11 @@ def output_request(
     prompt: Any = None,
     prompt_ids: Any = None,
     inputs: dict[str, Handle] | None = None,
+    images: list[Image] | None = None,
     **given: Any,
 ) -> Any:
-    """A request of the folder's single_pass or denoising loop."""
+    """A request of the folder's single_pass or denoising loop (`images`: image-to-image's one image; Model
+    refuses them for the other loops)."""
     if plan.config.generation.codebooks is not None:
         return _codebook_request(plan, backend, setup, tokenizer, prompt, prompt_ids, inputs, given)
     inputs = dict(inputs or {})
@@ -142,6 +145,7 @@ def output_request(
         return SinglePassRequest(plan, backend, rows, setup.text, inputs)
     rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids, setup.own)
     guided = _guided(setup.denoising, settings, given)
+    image = _image(setup.denoising, images or [], latents, inputs, given)
     # diffusers' StableDiffusionXLPipeline: no negative prompt and force_zeros_for_empty_prompt make the
     # unconditional row's text states zeros; else its text is the negative prompt, or ""
     zeros = guided and settings["negative_prompt"] is None and settings["force_zeros_for_empty_prompt"]
@@ -150,7 +154,8 @@ def output_request(
         rows = encode_texts(tokenizer, unconditional, setup.text.max_length) + rows
     own = {name: (encode_texts(own_tokenizer, [*unconditional, prompt], own_text.max_length), own_text)
            for name, (own_tokenizer, own_text) in setup.own.items()}
-    schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"])
+    strength = settings["strength"] if image is not None else None
+    schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"], strength)
     return DenoisingRequest(
         plan,
         backend,
@@ -164,7 +169,29 @@ def output_request(
         inputs,
         own,
         zeros,
+        image,
     )
+
+
+def _image(setup: DenoisingSetup, images: list[Image], latents: Any, inputs: dict[str, Handle],
+           given: dict[str, Any]) -> Image | None:
+    """Image-to-image's image, or None; a GenerationError for what does not go with it."""
+    encoder = setup.encoder
+    names = (encoder.input, f"{encoder.session}.{encoder.input}") if encoder is not None else ()
+    if any(k in names for k in inputs):
+        raise GenerationError(
+            f'session "{encoder.session}" encodes image-to-image\'s image: pass the image (images=[...]), '
+            f'not inputs["{encoder.input}"]'
+        )
+    if not images:
+        if given.get("strength") is not None:
+            raise GenerationError("strength is image-to-image's: pass an image, or drop strength")
+        return None
+    if len(images) > 1:
+        raise GenerationError(f"image-to-image starts from one image; {len(images)} were given")
+    if latents is not None:
+        raise GenerationError("give an image (image-to-image) or latents (text-to-image), not both")
+    return images[0]
 
 
 def _guided(setup: DenoisingSetup, settings: dict[str, Any], given: dict[str, Any]) -> bool:
