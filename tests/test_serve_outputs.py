@@ -177,7 +177,106 @@ def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
         refused(server.url, "/v1/embeddings", {"model": "m", "input": "a"}, 404, None, "is an image model")
 
 
+def form(fields: list[tuple[str, str | tuple[str, bytes]]]) -> tuple[bytes, str]:
+    """A multipart/form-data body of text fields and (filename, bytes) files, and its content type."""
+    boundary = "ortpipe-test-boundary"
+    parts = []
+    for name, value in fields:
+        if isinstance(value, tuple):
+            head = f'Content-Disposition: form-data; name="{name}"; filename="{value[0]}"\r\n' \
+                   "Content-Type: image/png"
+            parts.append(head.encode() + b"\r\n\r\n" + value[1])
+        else:
+            parts.append(f'Content-Disposition: form-data; name="{name}"\r\n\r\n{value}'.encode())
+    body = b"".join(b"--" + boundary.encode() + b"\r\n" + p + b"\r\n" for p in parts)
+    return body + b"--" + boundary.encode() + b"--\r\n", f"multipart/form-data; boundary={boundary}"
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+        assert image.format == "PNG" and image.mode == "RGB"
+        return np.asarray(image)
+
+
+def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path: Path) -> None:
+    """POST /v1/images/edits through the `openai` client's images.edit (multipart: the PNG as a file,
+    numbers as form text, diffusers' strength through extra_body) gives the images `pipe.generate` makes from
+    the same file (itself checked against diffusers' img2img pipeline in test_image_to_image.py)."""
+    from PIL import Image
+
+    init = sd_tiny / "references" / "init.png"
+    pipe = ortpipe.load(sd_tiny, threads=1)
+    settings = {"num_steps": 4, "guidance_scale": 2.0, "negative_prompt": "blurry", "strength": 0.6}
+
+    def expected(seed: int, **changed: Any) -> np.ndarray:
+        image = pipe.generate("a red cube", images=[init], seed=seed, **{**settings, **changed}).image[0]
+        return np.round(image * 255).astype(np.uint8)
+
+    extra = {"seed": 5, "num_inference_steps": 4, "guidance_scale": 2.0, "negative_prompt": "blurry",
+             "strength": 0.6}
+    odd = io.BytesIO()
+    Image.new("RGB", (36, 32), (10, 200, 30)).save(odd, "PNG")
+    with served(sd_tiny, max_batch=2) as server:
+        client = server.client()
+        with init.open("rb") as file:
+            got = client.images.edit(model="sd", image=file, prompt="a red cube", n=2, size="32x32",
+                                     extra_body=extra)
+        assert len(got.data) == 2 and got.size == "32x32" and got.output_format == "png"
+        first = png_pixels(got.data[0].b64_json)
+        assert np.array_equal(first, expected(5))
+        assert np.array_equal(png_pixels(got.data[1].b64_json), expected(6)), "image i draws from seed + i"
+        weaker = client.images.edit(model="sd", image=("init.png", init.read_bytes(), "image/png"),
+                                    prompt="a red cube", extra_body={**extra, "strength": 0.3})
+        assert np.array_equal(png_pixels(weaker.data[0].b64_json), expected(5, strength=0.3))
+        assert not np.array_equal(png_pixels(weaker.data[0].b64_json), first), "strength reaches the loop"
+
+        png = ("init.png", init.read_bytes())
+        base = [("model", "m"), ("prompt", "a"), ("image", png)]
+        for fields, status, param, words in [
+            ([("model", "m"), ("prompt", "a")], 400, "image", "Missing required parameter"),
+            ([*base, ("image[]", png)], 400, "image", "2 images were sent"),
+            ([*base, ("mask", png)], 400, "mask", "inpainting is not built"),
+            ([*base, ("input_fidelity", "high")], 400, "input_fidelity", "send 'strength'"),
+            ([*base, ("size", "64x64")], 400, "size", "keeps the image's size, 32x32"),
+            ([*base, ("strength", "0")], 400, "strength", "redraws nothing"),
+            ([*base, ("strength", "1.5")], 400, "strength", "maximum value"),
+            ([*base, ("strength", "much")], 400, "strength", "expected a decimal"),
+            ([*base, ("n", "two")], 400, "n", "expected an integer"),
+            ([*base, ("n", "1"), ("n", "2")], 400, "n", "given 2 times"),
+            ([("model", "m"), ("prompt", ("p.txt", b"a")), ("image", png)], 400, "prompt", "not a file"),
+
+            ([*base, ("colour", "red")], 400, "colour", "Unrecognized request argument"),
+            ([*base, ("response_format", "url")], 400, "response_format", "it makes 'b64_json'"),
+            ([("model", "m"), ("prompt", "a"), ("image", ("x.png", b"not a png"))], 400, "image",
+             "is not an image Pillow can decode"),
+            ([("model", "m"), ("prompt", "a"), ("image", ("odd.png", odd.getvalue()))], 400, None,
+             "multiples of 8 (4 pixels per latent times 2"),
+
+        ]:
+            body, kind = form(fields)
+            status_got, text = raw(server.url, "POST", "/v1/images/edits", body, {"content-type": kind})
+            error = json.loads(text)["error"]
+            assert status_got == status and error["param"] == param and words in error["message"], error
+        refused(server.url, "/v1/images/edits", {"model": "m", "prompt": "a"}, 400, None,
+                "takes multipart/form-data")
+        body, kind = form(base)
+        status_got, text = raw(server.url, "POST", "/v1/images/edits", body[:-12], {"content-type": kind})
+        assert status_got == 400 and "does not end with its boundary" in json.loads(text)["error"]["message"]
+
+
+def test_an_edit_on_a_folder_without_an_image_encoder_says_so(sd_tiny: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(sd_tiny, tmp_path / "sd", ignore=shutil.ignore_patterns("vae_encoder")))
+    body, kind = form([("model", "m"), ("prompt", "a"),
+                       ("image", ("init.png", (sd_tiny / "references" / "init.png").read_bytes()))])
+    with served(folder) as server:
+        status, text = raw(server.url, "POST", "/v1/images/edits", body, {"content-type": kind})
+    assert status == 400 and "has no image encoder" in json.loads(text)["error"]["message"]
+
+
 def test_a_client_that_leaves_mid_image_frees_its_row(sd_tiny: Path) -> None:
+
     """An image of 1000 slowed steps is left by its client (a timeout): its row is freed at the next step and
     the next request is answered at once."""
     with served(sd_tiny, max_batch=1, delay=0.02) as server:

@@ -82,6 +82,9 @@ class DenoisingSetup:
     # type and width; such a UNet runs one row, without classifier-free guidance
     guidance_embedding: tuple[str, int] | None = None
     encoder: ImageEncoder | None = None  # image-to-image's, when the flow has one
+    # the latents' sides the step session takes are multiples of this: a UNet's 2 ** (its down blocks - 1)
+    # (its upsampled features are joined to the skipped ones), a transformer's patch_size
+    latent_multiple: int = 1
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -167,7 +170,19 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         float(shift),
         embedded,
         _image_encoder(plan, folder, shape[0]),
+        _latent_multiple(unet),
     )
+
+
+def _latent_multiple(unet: dict[str, Any]) -> int:
+    """What the step session's latent sides are multiples of, from its config.json (1 when it says
+    nothing): 2 ** (down blocks - 1) for a UNet, patch_size for a transformer."""
+    blocks, patch = unet.get("down_block_types"), unet.get("patch_size")
+    if isinstance(blocks, list) and blocks:
+        return 2 ** (len(blocks) - 1)
+    if isinstance(patch, int) and not isinstance(patch, bool) and patch > 0:
+        return patch
+    return 1
 
 
 def _vae_factors(vae: dict[str, Any]) -> tuple[float, float]:
@@ -529,6 +544,12 @@ def _latent_shape(setup: DenoisingSetup, latents: Handle | None, backend: Backen
                 f"latents must be float32 [1, {channels or 'channels'}, height, width], found "
                 f"{dtype} {list(shape)}"
             )
+        multiple = setup.latent_multiple
+        if shape[2] % multiple or shape[3] % multiple:
+            raise GenerationError(
+                f'latents of {shape[2]}x{shape[3]} (height x width) do not fit session "{setup.session}": it '
+                f"takes sides that are multiples of {multiple} (its config.json's down blocks or patch size)"
+            )
         return shape
     if None in setup.latent_shape:
         raise GenerationError(
@@ -552,22 +573,27 @@ def _image_shape(setup: DenoisingSetup, image: Image, backend: Backend) -> tuple
     channels = backend.shape(handle)[-1]
     if channels != 3:
         raise GenerationError(f"image-to-image takes an RGB image; this one has {channels} channels")
-    scale = encoder.scale
+    scale = encoder.scale * setup.latent_multiple
     if height < scale or width < scale:
         raise GenerationError(f"the image is {height}x{width} pixels: image-to-image needs at least {scale}")
     if height % scale or width % scale:
         fit = f"{height // scale * scale}x{width // scale * scale}"
+        why = f"{encoder.scale} pixels per latent"
+        if setup.latent_multiple > 1:
+            why += f' times {setup.latent_multiple}: session "{setup.session}" takes latent sides that are ' \
+                   f"multiples of {setup.latent_multiple}"
         raise GenerationError(
             f"the image is {height}x{width} pixels, but image-to-image takes sides that are multiples of "
-            f"{scale} (pixels per latent): resize or crop it, e.g. to {fit} (height x width)"
+            f"{scale} ({why}): resize or crop it, e.g. to {fit} (height x width)"
         )
+
     channels = setup.latent_shape[0]
     if channels is None:
         raise GenerationError(
             f'session "{setup.session}" leaves the latents\' channels open and its config.json has no '
             "in_channels: image-to-image cannot tell them"
         )
-    return (1, channels, height // scale, width // scale)
+    return (1, channels, height // encoder.scale, width // encoder.scale)
 
 
 def _timestep(b: Backend, setup: DenoisingSetup, t: float, rows: int) -> Handle:

@@ -30,7 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from .engine import Delta, Engine, Failed, Finished, Job, Made, NotReady, QueueFull
-from .outputs import OutputQuery, parse_embeddings, parse_images, parse_speech
+from .forms import boundary_of, parse_form
+from .outputs import OutputQuery, parse_embeddings, parse_image_edit, parse_images, parse_speech
 from .protocol import Completion, InvalidRequest, Reply, error_body, parse_chat, parse_text
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -57,6 +58,7 @@ def create_app(engine: Engine, model_dir: str | Path, api_key: str | None = None
               Route("/v1/embeddings", api.embeddings, methods=["POST"]),
               Route("/v1/audio/speech", api.speech, methods=["POST"]),
               Route("/v1/images/generations", api.images, methods=["POST"]),
+              Route("/v1/images/edits", api.image_edits, methods=["POST"]),
               Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.one_model),
               Route("/health", api.health), Route("/metrics", api.metrics)]
     middleware = [Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
@@ -93,12 +95,15 @@ class Api:
     async def images(self, request: Request) -> Any:
         return await self._complete(request, parse_images, "img", "images")
 
+    async def image_edits(self, request: Request) -> Any:
+        return await self._complete(request, parse_image_edit, "img", "images", _form_body)
+
     async def _complete(self, request: Request, parse: Callable[[Any], Completion | OutputQuery],
-                        prefix: str, endpoint: str) -> Any:
+                        prefix: str, endpoint: str, read: Callable[[Request], Any] | None = None) -> Any:
         engine = self.engine
         try:
             engine.check_endpoint(endpoint)  # before the body: a model that does not answer here says so
-            completion = parse(await _json_body(request))
+            completion = parse(await (read or _json_body)(request))
             job = Job(f"{prefix}-{uuid.uuid4().hex[:24]}", completion, asyncio.get_running_loop())
             engine.submit(job)
         except InvalidRequest as e:
@@ -265,7 +270,7 @@ async def _event(send: Send, data: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
-async def _json_body(request: Request) -> Any:
+async def _body(request: Request) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large()
@@ -274,7 +279,20 @@ async def _json_body(request: Request) -> Any:
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise _too_large()
+    return bytes(body)
+
+
+async def _form_body(request: Request) -> Any:
+    """A multipart/form-data body's fields and files (the content type checked before the body is read)."""
+    content_type = request.headers.get("content-type", "")
+    boundary_of(content_type)
+    return parse_form(content_type, await _body(request))
+
+
+async def _json_body(request: Request) -> Any:
+    body = await _body(request)
     try:
+
         return json.loads(body)
     except (ValueError, RecursionError):
         raise InvalidRequest(

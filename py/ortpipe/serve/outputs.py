@@ -4,6 +4,7 @@
     /v1/audio/speech           an "audio" output (VITS, a decoder with a final vocoder, stages ending in a
                                vocoder)
     /v1/images/generations     an "image" output (a denoising folder)
+    /v1/images/edits           the same from an uploaded image (image-to-image: a folder with a VAE encoder)
 
 A server serves one folder, so it answers the endpoint of the folder's outputs (`served`) and refuses the
 others naming the one it answers. Parameters follow the OpenAI API reference for each endpoint; what the
@@ -18,7 +19,10 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 - images: `prompt`, `n` (1 to 10; with a seed, image i draws from seed + i), `size` auto or the model's
   own, `response_format` b64_json (there are no files to give URLs of), `output_format` png; beside them,
   as vLLM and diffusers servers take them through `extra_body`: `seed`, `num_inference_steps`,
-  `guidance_scale`, `guidance_rescale` and `negative_prompt`.
+  `guidance_scale`, `guidance_rescale` and `negative_prompt`;
+- edits: OpenAI's multipart form (forms.py): one `image` file, `prompt`, `n`, `size` auto or the image's;
+  the extras above and `strength` (diffusers' name). `mask` (inpainting) and `input_fidelity` are refused.
+
 
 `OutputRow` runs a checked query on the engine thread, one advance of the core's request per engine step
 (a batch of texts, a denoising step), so a long image does not hold back the other clients.
@@ -27,14 +31,16 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 from __future__ import annotations
 
 import base64
+import math
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GenerationError
 from ..loops.denoising import config_beside
+from .forms import Form, Upload
 from .protocol import IGNORED, InvalidRequest, _check_names, _decimal, _integer, _type_error, _unsupported
 
 PCM_RATE = 24000  # OpenAI's `pcm`: 24 kHz, 16-bit signed little-endian, mono
@@ -47,8 +53,9 @@ ENDPOINTS = {
     "completions": "POST /v1/chat/completions and POST /v1/completions",
     "embeddings": "POST /v1/embeddings",
     "speech": "POST /v1/audio/speech",
-    "images": "POST /v1/images/generations",
+    "images": "POST /v1/images/generations and POST /v1/images/edits",
 }
+
 OUTPUT_KINDS = {"embedding": "embeddings", "audio": "speech", "image": "images"}
 KINDS = {
     "completions": "a text",
@@ -118,7 +125,8 @@ def image_size(pipe: Any) -> tuple[int, int] | None:
 class OutputQuery:
     """A checked request of one of the output endpoints."""
 
-    endpoint: str  # "embeddings", "speech" or "images"
+    endpoint: str  # "embeddings", "speech" or "images" (an edit too: its image in `images`)
+
     model: str
     texts: tuple[str, ...]  # the inputs to embed, or the one text to speak or draw
     encoding: str = "float"  # embeddings: float or base64
@@ -127,6 +135,7 @@ class OutputQuery:
     count: int = 1  # images: n
     size: tuple[int, int] | None = None  # images: (width, height) asked for (None: auto)
     settings: dict[str, Any] = field(default_factory=dict)  # images: seed, num_steps, guidance_scale, ...
+    images: tuple[Any, ...] = ()  # edits: the image to start from, uint8 [h, w, 3]
 
 
 def _text(value: Any, name: str, limit: int | None = None) -> str:
@@ -228,28 +237,113 @@ def parse_speech(body: Any) -> OutputQuery:
 
 
 IMAGE_EXTRAS = {"seed", "num_inference_steps", "guidance_scale", "guidance_rescale", "negative_prompt"}
+IMAGE_NAMES = {"model", "prompt", "n", "size", "response_format", "quality", "background", "output_format",
+               "output_compression", "partial_images", "stream"}
 
 
 def parse_images(body: Any) -> OutputQuery:
-    body = _check_names(
-        body,
-        {
-            "model",
-            "prompt",
-            "n",
-            "size",
-            "response_format",
-            "quality",
-            "style",
-            "background",
-            "output_format",
-            "output_compression",
-            "partial_images",
-            "stream",
-        }
-        | IMAGE_EXTRAS
-        | IGNORED,
+    return _image_query(_check_names(body, IMAGE_NAMES | {"style"} | IMAGE_EXTRAS | IGNORED))
+
+
+# the edit form's text fields that are numbers and booleans (a form sends every value as text)
+FORM_INTEGERS = {"n", "seed", "num_inference_steps", "output_compression", "partial_images"}
+FORM_DECIMALS = {"guidance_scale", "guidance_rescale", "strength"}
+
+
+def parse_image_edit(form: Form) -> OutputQuery:
+    """POST /v1/images/edits: OpenAI's multipart form (`image` or `image[]` files, `prompt`, ...) as an
+    image-to-image query; `strength` (diffusers' name, default the folder's) rides beside the extras."""
+    body, uploads = _form_fields(form)
+    edit = _check_names(
+        body, IMAGE_NAMES | {"mask", "input_fidelity", "strength"} | IMAGE_EXTRAS | IGNORED
     )
+    if body.get("mask") is not None:
+        raise _unsupported("mask", "is not served: inpainting is not built; this server edits the whole "
+                                   "image (image-to-image, its change set by 'strength')")
+    if body.get("input_fidelity") is not None:
+        raise _unsupported("input_fidelity", "is not served: send 'strength' (0 to 1, how much of the "
+                                             "image is redrawn) instead")
+    image = _upload_image(uploads)
+
+    height, width = image.shape[:2]
+    size = body.get("size")
+    if size not in (None, "auto") and size != f"{width}x{height}":
+        raise InvalidRequest(
+            f"Invalid value for 'size': {size!r}. An edit keeps the image's size, {width}x{height}: send "
+            f"'{width}x{height}' or 'auto'.",
+            "size",
+            "invalid_value",
+        )
+    query = _image_query({**edit, "size": None})
+    settings = dict(query.settings)
+    if body.get("strength") is not None:
+        settings["strength"] = _decimal(body["strength"], "strength", 0.0, 1.0)
+        if settings["strength"] == 0:
+            raise InvalidRequest(
+                "Invalid 'strength': 0 redraws nothing. Expected a value in (0, 1].", "strength",
+                "invalid_value",
+            )
+    return replace(query, size=(width, height), settings=settings, images=(image,))
+
+
+def _form_fields(form: Form) -> tuple[dict[str, Any], list[Upload]]:
+    """A form's fields as a JSON body would hold them, and its image files."""
+    body: dict[str, Any] = {}
+    uploads: list[Upload] = []
+    for name, values in form.fields.items():
+        if name in ("image", "image[]"):
+            for value in values:
+                if not isinstance(value, Upload):
+                    raise _type_error("image", "a file", value)
+                uploads.append(value)
+            continue
+        if len(values) > 1:
+            raise InvalidRequest(f"The form field '{name}' is given {len(values)} times: send it once.", name)
+        value = values[0]
+        if isinstance(value, Upload) and name != "mask":
+            raise _type_error(name, "a form field (text), not a file", value)
+        body[name] = _form_value(name, value)
+    return body, uploads
+
+
+def _upload_image(uploads: list[Upload]) -> Any:
+    """The one uploaded image, decoded to uint8 [h, w, 3]."""
+    if not uploads:
+        raise InvalidRequest("Missing required parameter: 'image'.", "image", "missing_required_parameter")
+    if len(uploads) > 1:
+        raise InvalidRequest(
+            f"Invalid 'image': {len(uploads)} images were sent; this model edits one image at a time.",
+            "image",
+            "invalid_value",
+        )
+    from ..targets.cpython.media import decode_image_bytes  # the server runs the CPython target
+
+    try:
+        return decode_image_bytes(uploads[0].data, uploads[0].filename or "image")
+    except GenerationError as e:
+        raise InvalidRequest(f"Invalid 'image': {e}.", "image", "invalid_image") from None
+
+
+def _form_value(name: str, value: Any) -> Any:
+    """A form field as the JSON value its parameter takes (text that is not one stays text, so the
+    parameter's check names the type)."""
+    if not isinstance(value, str):
+        return value
+    if name in FORM_INTEGERS and re.fullmatch(r"[+-]?[0-9]{1,18}", value.strip()):
+        return int(value)
+    if name in FORM_DECIMALS:
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    if name == "stream" and value in ("true", "false"):
+        return value == "true"
+    return value
+
+
+def _image_query(body: dict[str, Any]) -> OutputQuery:
+    """The parameters images and edits share, checked."""
     if "prompt" not in body:
         raise InvalidRequest("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
     prompt = _text(body["prompt"], "prompt", 32000)
@@ -297,7 +391,8 @@ def parse_images(body: Any) -> OutputQuery:
 
 def check_query(pipe: Any, query: OutputQuery) -> None:
     """What the loaded model decides about a query, before it runs."""
-    if query.endpoint == "images" and query.size is not None:
+    if query.endpoint == "images" and query.size is not None and not query.images:  # an edit's: its image's
+
         made = image_size(pipe)
         if made is None:
             raise InvalidRequest(
@@ -348,7 +443,10 @@ class OutputRow:
         settings = dict(q.settings)
         if "seed" in settings:
             settings["seed"] += i
+        if q.images:
+            settings["images"] = list(q.images)
         return self.pipe.request(q.texts[0], **settings)
+
 
     def step(self) -> bool:
         """Advance the query once; True when it is done."""

@@ -30,18 +30,29 @@ def decode_image(path: str | os.PathLike[str]) -> np.ndarray:
 
     Transparent pixels are laid over white, as transformers' convert_to_rgb does.
     """
+    file = _existing(path, "image")
+
+    return _decoded(file, str(file))
+
+
+def decode_image_bytes(data: bytes, name: str) -> np.ndarray:
+    """An image file's bytes (an upload named `name`) as uint8 [h, w, 3] RGB, as decode_image reads."""
+    return _decoded(io.BytesIO(data), name)
+
+
+def _decoded(source: Any, name: str) -> np.ndarray:
     try:
         from PIL import Image, ImageOps
     except ImportError as e:
         raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
-    file = _existing(path, "image")
     try:
-        with Image.open(file) as opened:
+        with Image.open(source) as opened:
             image = ImageOps.exif_transpose(opened)
             image.load()
     except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise GenerationError(f"{file} is not an image Pillow can decode: {e}") from e
+        raise GenerationError(f"{name} is not an image Pillow can decode: {e}") from e
     if "A" in image.getbands() or "transparency" in image.info:
+
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
