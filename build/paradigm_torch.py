@@ -479,9 +479,10 @@ def sd_refs(spec: dict) -> None:
 
 
 def img2img_refs(spec: dict) -> None:
-    """Each image-to-image case through diffusers' StableDiffusionImg2ImgPipeline (sd_refs' parts) from the
-    init image references/<spec["init_image"]>: its noises drawn here from torch.Generator().manual_seed(case
-    seed) and given to diffusers in place of its own draws: the encoder's sample (`encode_noise`), the noise
+    """Each image-to-image case through diffusers' spec["pipeline"] (StableDiffusionImg2ImgPipeline of
+    sd_refs' parts, or StableDiffusion3Img2ImgPipeline) from the init image references/<spec["init_image"]>:
+    its noises drawn here from torch.Generator().manual_seed(case seed) and given to diffusers in place of
+    its own draws: the encoder's sample (`encode_noise`), the noise
     the pipeline adds at the first retained timestep (`add_noise`), and the scheduler's per-step noise
     (`noise`, one row per retained UNet run of a scheduler that draws, else none); each consumed exactly.
     Writes references/img2img.json: per case its image (float, before uint8), final latents, the
@@ -491,7 +492,10 @@ def img2img_refs(spec: dict) -> None:
     import torch
     from PIL import Image
 
-    pipe = _load_sd(spec["hf"], "StableDiffusionImg2ImgPipeline")
+    sd3 = spec["pipeline"] == "StableDiffusion3Img2ImgPipeline"
+    # Stable Diffusion 3's parts load with diffusers' own strict from_pretrained (as sd3_refs loads them)
+    pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if sd3
+            else _load_sd(spec["hf"], spec["pipeline"]))
     pipe.set_progress_bar_config(disable=True)
     refs = Path(spec["out"]) / "references"
     with Image.open(refs / spec["init_image"]) as opened:
@@ -549,11 +553,23 @@ def img2img_refs(spec: dict) -> None:
                       "init_image": spec["init_image"], **files, "noise": files.get("noise"),
                       "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
                       "timesteps": ran, "begin_index": len(pipe.scheduler.timesteps) - len(ran),
-                      "noise_draws": givens["noise"].calls,
-                      "prompt_ids": _ids(pipe.tokenizer, case["prompt"]),
-                      "negative_prompt_ids": _ids(pipe.tokenizer, negative)})
+                      "noise_draws": givens["noise"].calls, "pipeline": spec["pipeline"],
+                      **_prompt_ids(pipe, case["prompt"], negative, sd3)})
     _write_json(refs / "img2img.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor,
                                         "init_image": spec["init_image"], "cases": index})
+
+
+def _prompt_ids(pipe, prompt: str, negative: str | None, sd3: bool) -> dict:
+    """The tokenizers' ids of a case's prompt and negative prompt: Stable Diffusion's one row, or Stable
+    Diffusion 3's three (T5's padded to the pipeline's max_sequence_length, 256)."""
+    if not sd3:
+        return {"prompt_ids": _ids(pipe.tokenizer, prompt),
+                "negative_prompt_ids": _ids(pipe.tokenizer, negative)}
+    tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)
+    lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)
+    return {key: None if text is None else [_ids(t, text, n)
+                                            for t, n in zip(tokenizers, lengths, strict=True)]
+            for key, text in (("prompt_ids", prompt), ("negative_prompt_ids", negative))}
 
 
 def draw_case_inputs(spec: dict) -> None:

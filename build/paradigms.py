@@ -12,8 +12,10 @@ Six folders as people have them (docs/paradigm-models.md says what each holds):
 - `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
 StableDiffusionPipeline, LatentConsistencyModelPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline
-computed (torch, fp32) from the same weights; sd-tiny's also what StableDiffusionImg2ImgPipeline made of its
-`references/init.png` (`img2img.json`).
+computed (torch, fp32) from the same weights; sd-tiny's and sd3-tiny's also what
+StableDiffusionImg2ImgPipeline and StableDiffusion3Img2ImgPipeline made of their `references/init.png`
+(`img2img.json`).
+
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
 the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
@@ -512,10 +514,15 @@ def make_sd_tiny(out: Path) -> Path:
     """optimum's export of sd-tiny-diffusers with the text-to-image references (cases.json) and the
     image-to-image ones (img2img.json, from references/init.png)."""
     exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs")
+    return with_img2img_references(out, "sd-tiny-diffusers", img2img_cases(),
+                                   "StableDiffusionImg2ImgPipeline")
+
+
+def with_img2img_references(out: Path, torch_folder: str, cases: list[dict], pipeline: str) -> Path:
+    """references/init.png and diffusers' image-to-image `pipeline` on each case (img2img.json)."""
     init_image(out / "references" / IMG2IMG_INIT)
-    _reference_env("img2img-refs", {"hf": str(get("sd-tiny-diffusers")), "out": str(out),
-                                    "init_image": IMG2IMG_INIT, "cases": img2img_cases(),
-                                    "latent_shape": [1, 4, 8, 8]})
+    _reference_env("img2img-refs", {"hf": str(get(torch_folder)), "out": str(out), "pipeline": pipeline,
+                                    "init_image": IMG2IMG_INIT, "cases": cases, "latent_shape": [1, 4, 8, 8]})
     return out
 
 
@@ -622,6 +629,30 @@ def sd3_cases() -> list[dict]:
             for seed, (name, shift, steps, guidance, negative) in enumerate(SD3_CASES, 200)]
 
 
+# Stable Diffusion 3's image to image (StableDiffusion3Img2ImgPipeline): steps - int(steps - steps *
+# strength) steps kept (5 at 0.75 of 6: the float product; Stable Diffusion's pipeline would keep 4).
+# (name, shift, steps, strength, guidance_scale, negative prompt)
+SD3_IMG2IMG_CASES = (
+    ("sd3-i2i-shift3-cfg-neg", 3.0, 6, 0.75, 5.0, NEGATIVE),
+    ("sd3-i2i-shift1", 1.0, 4, 0.6, 1.0, None),
+    ("sd3-i2i-shift3-full", 3.0, 3, 1.0, 1.0, None),
+)
+
+
+def sd3_img2img_cases() -> list[dict]:
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", **SD3_TINY["flow_scheduler"]}
+    return [{"name": name, "scheduler": {**flow, "shift": shift}, "num_inference_steps": steps,
+             "strength": strength, "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative,
+             "seed": seed, "noisy": False}
+            for seed, (name, shift, steps, strength, guidance, negative) in enumerate(SD3_IMG2IMG_CASES, 500)]
+
+
+def make_sd3_tiny(out: Path) -> Path:
+    exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs")
+    return with_img2img_references(out, "sd3-tiny-diffusers", sd3_img2img_cases(),
+                                   "StableDiffusion3Img2ImgPipeline")
+
+
 def make_sd3_diffusers(out: Path) -> Path:
     """A StableDiffusion3Pipeline of tiny random parts (save_pretrained), made in the export environment."""
     with tempfile.TemporaryDirectory(prefix="ortpipe-t5-") as scratch:
@@ -650,7 +681,8 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
                                                      pipeline=LCM_PIPELINE),
     "sdxl-tiny-diffusers": make_sdxl_diffusers,
     "sd3-tiny-diffusers": make_sd3_diffusers,
-    "sd3-tiny": lambda out: exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs"),
+    "sd3-tiny": make_sd3_tiny,
+
     "sdxl-tiny": lambda out: exported_with_references(out, "sdxl-tiny-diffusers", sdxl_cases(), "sdxl-refs"),
     "sd-bench-diffusers": lambda out: make_sd_diffusers(out, "bench"),
     "sd-bench": lambda out: export_sd(get("sd-bench-diffusers"), out),

@@ -731,7 +731,7 @@ def strength_start(scheduler, steps: int, strength: float) -> int:
 def encode_image(folder: Path | str, image: np.ndarray, encode_noise: np.ndarray) -> np.ndarray:
     """The scaled latents [1, 4, height / f, width / f] of a uint8 RGB image [height, width, 3]: its pixels
     to [-1, 1] (x / 255 * 2 - 1, float32), the VAE encoder's mean and log variance (clamped to [-30, 20]), a
-    sample mean + exp(logvar / 2) * `encode_noise`, times the VAE's scaling factor."""
+    sample mean + exp(logvar / 2) * `encode_noise`, minus the VAE's shift factor, times its scaling factor."""
     folder = Path(folder)
     config = json.loads((folder / "vae_encoder" / "config.json").read_text())
     factor = 2 ** (len(config["block_out_channels"]) - 1)
@@ -739,14 +739,14 @@ def encode_image(folder: Path | str, image: np.ndarray, encode_noise: np.ndarray
         raise ValueError(f"expected a uint8 RGB image [height, width, 3], got {image.dtype} {image.shape}")
     if image.shape[0] % factor or image.shape[1] % factor:  # diffusers would resize it first
         raise ValueError(f"image sides {image.shape[:2]} are not multiples of the VAE's factor {factor}")
-    if config.get("shift_factor"):  # Stable Diffusion's image-to-image pipeline only scales
-        raise ValueError("a VAE with a shift factor is not written by hand here")
     pixels = (image.astype(np.float32) / np.float32(255.0)) * np.float32(2.0) - np.float32(1.0)
     parameters = run(session(folder / "vae_encoder" / "model.onnx"),
                      {"sample": pixels.transpose(2, 0, 1)[None].copy()})["latent_parameters"]
     mean, logvar = np.split(parameters, 2, axis=1)
     std = np.exp(np.float32(0.5) * np.clip(logvar, np.float32(-30.0), np.float32(20.0)))
-    return (mean + std * encode_noise.astype(np.float32)) * np.float32(config["scaling_factor"])
+    shift = np.float32(config.get("shift_factor") or 0.0)  # Stable Diffusion 3's VAE shifts before scaling
+    return (mean + std * encode_noise.astype(np.float32) - shift) * np.float32(config["scaling_factor"])
+
 
 
 def image_to_image(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float,
@@ -863,15 +863,22 @@ def generate_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int
     above, the transformer over [unconditional, conditional] rows with guidance, flow matching's Euler steps
     (x + (sigma_next - sigma) * velocity), the VAE on the latents unscaled and shifted."""
     folder = Path(folder)
+    sigmas = flow_match_sigmas(scheduler_config, steps)
+    return _flow_denoise(folder, scheduler_config, sigmas, latents.astype(np.float32), 0, prompt_ids,
+                         negative_prompt_ids, guidance_scale)[0]
+
+
+def _flow_denoise(folder: Path, scheduler_config: Mapping, sigmas: np.ndarray, x: np.ndarray, start: int,
+                  prompt_ids: Sequence[Sequence[int]], negative_prompt_ids: Sequence[Sequence[int]] | None,
+                  guidance_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """generate_image_sd3's loop from step `start` on, and its VAE: (image, final latents)."""
     guided = guidance_scale > 1
     states, pooled = encode_prompt_sd3(folder, prompt_ids)
     if guided:
         negative = encode_prompt_sd3(folder, negative_prompt_ids)
         states, pooled = np.concatenate([negative[0], states]), np.concatenate([negative[1], pooled])
-    sigmas = flow_match_sigmas(scheduler_config, steps)
     transformer = session(folder / "transformer" / "model.onnx")
-    x = latents.astype(np.float32)
-    for i in range(steps):
+    for i in range(start, len(sigmas) - 1):
         batch = np.concatenate([x, x]) if guided else x
         t = np.full((len(batch),), sigmas[i] * np.float32(scheduler_config["num_train_timesteps"]),
                     np.float32)
@@ -884,10 +891,36 @@ def generate_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int
     vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
     unscaled = (x / np.float32(vae["scaling_factor"]) + np.float32(vae["shift_factor"])).astype(np.float32)
     decoded = run(session(folder / "vae_decoder" / "model.onnx"), {"latent_sample": unscaled})["sample"]
-    return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
+    return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32), x
+
+
+def flow_strength_start(steps: int, strength: float) -> int:
+    """The first step StableDiffusion3Img2ImgPipeline runs: int(max(steps - steps * strength, 0)), the
+    float product (StableDiffusionImg2ImgPipeline's rounds the steps kept down instead)."""
+    return int(max(steps - min(steps * strength, steps), 0))
+
+
+def image_to_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float,
+                       image: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray,
+                       prompt_ids: Sequence[Sequence[int]],
+                       negative_prompt_ids: Sequence[Sequence[int]] | None = None,
+                       guidance_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(image, final latents) as StableDiffusion3Img2ImgPipeline computes them from the uint8 RGB `image`
+    with the same noises: its latents (encode_image: the VAE's shift subtracted before scaling) noised by
+    flow matching's scale_noise at the first step run, sigma * noise + (1 - sigma) * latents, then the
+    flow loop from there."""
+    folder = Path(folder)
+    sigmas = flow_match_sigmas(scheduler_config, steps)
+    start = flow_strength_start(steps, strength)
+    latents = encode_image(folder, image, encode_noise)
+    sigma = sigmas[start]
+    x = (sigma * add_noise.astype(np.float32) + (np.float32(1.0) - sigma) * latents).astype(np.float32)
+    return _flow_denoise(folder, scheduler_config, sigmas, x, start, prompt_ids, negative_prompt_ids,
+                         guidance_scale)
 
 
 def guidance_embedding(scale: float, width: int) -> np.ndarray:
+
     """LatentConsistencyModelPipeline.get_guidance_scale_embedding in float32 numpy: sinusoids of
     (scale - 1) * 1000 at width / 2 geometric frequencies from 1 to 1 / 10000, sines then cosines."""
     half = width // 2

@@ -66,8 +66,83 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sd3_tiny: Path, fo
     assert np.abs(plain - expected).max() <= IMAGE_TOLERANCE  # the plain loop is diffusers' computation
 
 
+# --- image to image ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def img2img_cases(sd3_tiny: Path) -> dict[str, dict]:
+    return {c["name"]: c for c in json.loads((sd3_tiny / "references" / "img2img.json").read_text())["cases"]}
+
+
+def _pixels(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def _plain_img2img(folder: Path, case: dict, image: np.ndarray, encode_noise: np.ndarray,
+                   add_noise: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return refs.image_to_image_sd3(folder, case["scheduler"], case["num_inference_steps"], case["strength"],
+                                   image, encode_noise=encode_noise, add_noise=add_noise,
+                                   prompt_ids=case["prompt_ids"],
+                                   negative_prompt_ids=case["negative_prompt_ids"],
+                                   guidance_scale=case["guidance_scale"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [case[0] for case in paradigms.SD3_IMG2IMG_CASES])
+def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, sd3_tiny: Path, folder: Path,
+                                                            img2img_cases: dict[str, dict]) -> None:
+    """StableDiffusion3Img2ImgPipeline's rule: the last steps - int(steps - steps * strength) steps (the
+    float product: 5 of 6 at 0.75, where Stable Diffusion's pipeline keeps 4), the image's latents shifted,
+    scaled and noised by scale_noise. The plain loop given diffusers' two draws equals diffusers; ortpipe,
+    from its seed, equals the plain loop given ortpipe's draws."""
+    from tests.test_image_to_image import ortpipe_draws
+
+    case = img2img_cases[name]
+    references = sd3_tiny / "references"
+    init = references / case["init_image"]
+    expected = np.load(references / case["image"])
+    start = refs.flow_strength_start(case["num_inference_steps"], case["strength"])
+    assert start == case["begin_index"]
+    plain, latents = _plain_img2img(sd3_tiny, case, _pixels(init), np.load(references / case["encode_noise"]),
+                                    np.load(references / case["add_noise"]))
+    to_diffusers = float(np.abs(plain - expected).max())
+    drift = float(np.abs(latents - np.load(references / case["final_latents"])).max())
+
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
+    guided = case["guidance_scale"] > 1
+    result = pipe.generate(case["prompt"], images=[init], seed=7, num_steps=case["num_inference_steps"],
+                           strength=case["strength"], guidance_scale=case["guidance_scale"],
+                           negative_prompt=case["negative_prompt"] if guided else None)
+    setup = pipe.model.loop.denoising
+    assert setup.latent_multiple == 2  # the transformer's patch_size: an image's sides are multiples of 8
+
+    schedule = make_schedule(setup.scheduler, case["num_inference_steps"], case["strength"])
+
+    assert [s.timestep for s in schedule.steps] == case["timesteps"]  # float32 values, exactly diffusers'
+    assert result.timings.steps == len(case["timesteps"])
+    sample, added, _ = ortpipe_draws(pipe, case, 7)
+    mine, _ = _plain_img2img(folder, case, _pixels(init), sample, added)
+    to_plain = float(np.abs(result.image - mine).max())
+    print(f"{name}: max |plain loop - diffusers| = {to_diffusers:.2e} (final latents {drift:.1e}), "
+          f"|ortpipe - plain loop with ortpipe's draws| = {to_plain:.2e}")
+    assert expected.shape == result.image.shape == (1, 32, 32, 3)
+    assert to_diffusers <= IMAGE_TOLERANCE and drift <= 1e-5 and to_plain <= IMAGE_TOLERANCE
+    # the draws matter: each zeroed moves the image far off (at strength 1 the image is all noise)
+    changes = {"added noise zeroed": (sample, 0 * added)}
+    if case["strength"] < 1:
+        changes["encode noise zeroed"] = (np.zeros_like(sample), added)
+    for what, (e1, e2) in changes.items():
+
+        other, _ = _plain_img2img(folder, case, _pixels(init), e1, e2)
+        assert np.abs(other - result.image).max() > 10 * IMAGE_TOLERANCE, what
+
+
 @pytest.mark.slow
 def test_each_encoder_reads_its_own_tokenizers_ids(folder: Path, cases: dict[str, dict]) -> None:
+
     """The rows ortpipe makes for each text encoder are the ids diffusers' pipeline gave it: CLIP's 77, the
     second CLIP's padded with "!", T5's padded with <pad> to 256."""
     case = cases["sd3-flow-shift3-cfg-neg"]

@@ -159,10 +159,7 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
         )
     parts = {**DIFFUSERS_PARTS, **({"text_encoder_2": "text_encoder_2/model.onnx"} if xl else {})}
     sessions = _exported(folder, parts, kind)
-    flow = [{"run": "text_encoder", "when": "init"}]
-    if folder.exists(VAE_ENCODER):  # image-to-image: run on the request's image, when it gives one
-        sessions["vae_encoder"] = {"file": VAE_ENCODER, "outputs": {"latent_parameters": "latent_parameters"}}
-        flow.append({"run": "vae_encoder", "when": "init", "optional": True})
+    flow = [{"run": "text_encoder", "when": "init"}, *_vae_encoder(folder, sessions)]
     wires = [{"from": "text_encoder.last_hidden_state", "to": "unet.encoder_hidden_states"}]
     generation: dict[str, Any] = {"loop": "denoising"}
     if xl:
@@ -202,6 +199,15 @@ SD3_PARTS = {
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
 
 
+def _vae_encoder(folder: Folder, sessions: dict[str, Any]) -> list[dict[str, Any]]:
+    """optimum's VAE encoder, when the folder has one: a session whose output is the latent distribution
+    (image-to-image's), and its optional init step (run on the request's image, when it gives one)."""
+    if not folder.exists(VAE_ENCODER):
+        return []
+    sessions["vae_encoder"] = {"file": VAE_ENCODER, "outputs": {"latent_parameters": "latent_parameters"}}
+    return [{"run": "vae_encoder", "when": "init", "optional": True}]
+
+
 def _sd3(folder: Folder, index: dict[str, Any], kind: Any) -> dict[str, Any]:
     """optimum's export of a StableDiffusion3Pipeline: three text encoders, each with its tokenizer (T5's
     rows 256 ids long), the CLIP encoders' penultimate states side by side, zero-padded to T5's width, then
@@ -218,7 +224,9 @@ def _sd3(folder: Folder, index: dict[str, Any], kind: Any) -> dict[str, Any]:
             "sessions": sessions,
             "flow": [*({"run": name, "when": "init"} for name in ("text_encoder", "text_encoder_2",
                                                                   "text_encoder_3")),
+                     *_vae_encoder(folder, sessions),
                      {"run": "transformer", "when": "step"}, {"run": "vae_decoder", "when": "final"}],
+
             "dataflow": [
                 {"from": [clip, "text_encoder_3.last_hidden_state"],
                  "to": "transformer.encoder_hidden_states"},

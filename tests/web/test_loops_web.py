@@ -302,22 +302,31 @@ def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_fol
 
 def test_wasm_image_to_image_equals_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:
     """Image-to-image (the PNG decoded by the worker, the VAE encoder in the init phase, the image_latents
-    kernel, the schedule entered at strength's step): PNDM guided and DPM-Solver++ unguided, each the image
-    CPython makes within 1e-4."""
+    kernel, the schedule entered at strength's step): Stable Diffusion with PNDM guided and DPM-Solver++
+    unguided, Stable Diffusion 3 (flow matching) guided, each the image CPython makes within 1e-4."""
     from build import paradigms
 
-    source = paradigms.get("sd-tiny")
-    folder = Path(shutil.copytree(source, tmp_path / "sd-img2img",
-                                  ignore=shutil.ignore_patterns("references")))
-    index = _json(source / "references" / "img2img.json")
-    cases = {c["scheduler"]["_class_name"]: c for c in index["cases"]}
-    shutil.copy(source / "references" / cases["PNDMScheduler"]["init_image"], folder / "init.png")
-    requests = [("PNDMScheduler", {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 5,
-                                   "guidanceScale": 6.0, "strength": 0.6, "seed": 3}),
-                ("DPMSolverMultistepScheduler", {"prompt": "a blue sphere", "numSteps": 6,
-                                                 "guidanceScale": 1.0, "strength": 0.7, "seed": 4})]
-    for name, request in requests:
+    guided = {"prompt": "a red cube", "negativePrompt": "blurry"}
+    requests = [
+        ("sd-tiny", "PNDMScheduler",
+         {**guided, "numSteps": 5, "guidanceScale": 6.0, "strength": 0.6, "seed": 3}),
+
+        ("sd-tiny", "DPMSolverMultistepScheduler",
+         {"prompt": "a blue sphere", "numSteps": 6, "guidanceScale": 1.0, "strength": 0.7, "seed": 4}),
+        ("sd3-tiny", "FlowMatchEulerDiscreteScheduler",
+         {**guided, "numSteps": 6, "guidanceScale": 5.0, "strength": 0.75, "seed": 5}),
+    ]
+    for source_name, name, request in requests:
+        source = paradigms.get(source_name)
+        folder = tmp_path / f"{source_name}-img2img"
+        if not folder.exists():
+            shutil.copytree(source, folder, ignore=shutil.ignore_patterns("references"))
+        index = _json(source / "references" / "img2img.json")
+        cases = {c["scheduler"]["_class_name"]: c for c in index["cases"]}
+
+        shutil.copy(source / "references" / cases[name]["init_image"], folder / "init.png")
         (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(cases[name]["scheduler"]))
+
         expected = ortpipe.load(folder).generate(
             request["prompt"], images=[folder / "init.png"], negative_prompt=request.get("negativePrompt"),
             num_steps=request["numSteps"], guidance_scale=request["guidanceScale"],

@@ -897,8 +897,9 @@ def flow_match(config: Mapping[str, Any], steps: int) -> Schedule:
     timesteps = [f32(s * count) for s in sigmas]
     _distinct(timesteps, config)
     sigmas.append(0.0)
-    out = [
-        _step(t, 1.0, (1.0, -sigmas[i]), x=1.0, output=f32(sigmas[i + 1] - sigmas[i]))
+    out = [  # noised: scale_noise's sigma * noise + (1 - sigma) * z, in float32 as diffusers computes it
+        _step(t, 1.0, (1.0, -sigmas[i]), x=1.0, output=f32(sigmas[i + 1] - sigmas[i]),
+              noised=(f32(1.0 - sigmas[i]), sigmas[i]))
         for i, t in enumerate(timesteps)
     ]
     return Schedule(config["_class_name"], 1.0, tuple(out))
@@ -924,20 +925,31 @@ BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm}
 ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler")  # two runs a timestep: diffusers' order 2
 
 
+def kept_steps(name: str, steps: int, strength: float) -> int:
+    """How many of `steps` steps image-to-image at `strength` runs, by the rule of the pipelines of
+    scheduler class `name`: the flow-matching classes' (Stable Diffusion 3's and Flux's image-to-image
+    pipelines) keep steps - int(steps - steps * strength), the others' int(steps * strength)."""
+    if name in FLOW:
+
+        return steps - int(max(steps - min(steps * strength, steps), 0))
+    return min(int(steps * strength), steps)
+
+
 def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None) -> Schedule:
     """The schedule of `steps` steps for a config scheduler_config() made; with `strength`, image-to-image's
-    (diffusers' StableDiffusionImg2ImgPipeline): the last int(steps * strength) of the steps, run from the
-    image's latents noised to the first of them."""
+    (diffusers' StableDiffusionImg2ImgPipeline, StableDiffusion3Img2ImgPipeline): the last kept_steps() of
+    the steps, run from the image's latents noised to the first of them."""
     schedule = _whole_schedule(config, steps)
     if strength is None:
         return schedule
     name = config["_class_name"]
-    kept = min(int(steps * strength), steps)
+    kept = kept_steps(name, steps, strength)
     if kept < 1:
         raise GenerationError(
             f"strength {strength} of num_steps {steps} runs no step (int(num_steps * strength) is 0): raise "
             "strength or num_steps"
         )
+
     begin = (steps - kept) * (2 if name in ORDER_2 else 1)
     first = schedule.steps[begin]
     if first.noised is None:
