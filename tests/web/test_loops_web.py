@@ -438,7 +438,8 @@ def test_demo_page_plays_speech_and_shows_an_image(page: Any, serve_model: Any, 
         page.select_option("#device", "wasm")
         page.fill("#prompt", prompt)
         page.click("#generate")
-        page.wait_for_selector("#output[data-finish-reason], #error:not(:empty)", timeout=120_000)
+        page.wait_for_selector("#output[data-finish-reason], #error:not(:empty)", state="attached",
+                           timeout=120_000)
         assert page.text_content("#error") == ""
         if "vits" in model:
             duration = page.eval_on_selector("#media audio", """async (audio) => {
@@ -457,7 +458,46 @@ def test_demo_page_plays_speech_and_shows_an_image(page: Any, serve_model: Any, 
         page.evaluate("() => delete document.getElementById('output').dataset.finishReason")
 
 
+def test_demo_page_edits_an_image(page: Any, serve_model: Any, sd_folder: Path) -> None:
+    """The demo page's image field and Strength box on a denoising folder: image-to-image, the canvas the
+    pixels CPython makes of the same request (uint8, within one level of rounding)."""
+    from build import paradigms
+
+    init = paradigms.get("sd-tiny") / "references" / "init.png"
+    serve_model("sd-tiny", sd_folder)
+    expected = ortpipe.load(sd_folder).generate("a blue cube", images=[init], strength=0.5, num_steps=4,
+                                                guidance_scale=3.0, negative_prompt="blurry", seed=6)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.goto("/")
+    page.fill("#model-url", "models/sd-tiny/")
+    page.select_option("#device", "wasm")
+    page.click("#load")  # the denoising fields show once the folder is loaded
+    page.wait_for_selector("#denoising:not([hidden]), #error:not(:empty)", timeout=120_000)
+    assert page.text_content("#error") == ""
+    page.fill("#prompt", "a blue cube")
+    page.set_input_files("#images", [str(init)])
+
+    for field, value in (("#num-steps", "4"), ("#guidance-scale", "3"), ("#negative-prompt", "blurry"),
+                         ("#image-seed", "6"), ("#strength", "0.5")):
+        page.fill(field, value)
+    page.click("#generate")
+    page.wait_for_selector("#output[data-finish-reason], #error:not(:empty)", state="attached",
+                           timeout=120_000)
+    assert page.text_content("#error") == ""
+    assert page.is_visible("#strength") and page.text_content("#status").startswith("2 steps")
+    pixels = page.eval_on_selector("#media canvas", """(c) => Array.from(
+      c.getContext('2d').getImageData(0, 0, c.width, c.height).data)""")
+    shown = np.array(pixels, np.int32).reshape(32, 32, 4)
+    made = np.round(expected.image[0] * 255).astype(np.int32)
+    assert expected.timings.steps == 2 and (shown[..., 3] == 255).all()
+    assert np.abs(shown[..., :3] - made).max() <= 1
+    assert not page.is_visible("#output")  # the image alone: no empty text box under it
+
+    page.screenshot(path=str(SCREENSHOTS / "demo-image-to-image.png"), full_page=True)
+
+
 def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
+
     """The detected MusicGen folder in the browser: transformers' codes and audio (within 1e-4), with and
     without guidance; seeded sampling gives CPython's codes."""
     from build import musicgen
