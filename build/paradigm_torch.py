@@ -238,7 +238,7 @@ def make_sdxl(spec: dict) -> None:
                                                         ("vae", vae))}}))
 
 
-def _load_sdxl(hf: str):
+def _load_sdxl(hf: str, pipeline: str = "StableDiffusionXLPipeline"):
     import diffusers
     import transformers
 
@@ -255,8 +255,7 @@ def _load_sdxl(hf: str):
     tokenizers = {name: transformers.CLIPTokenizer.from_pretrained(hf, subfolder=name)
                   for name in ("tokenizer", "tokenizer_2")}
     scheduler = diffusers.EulerDiscreteScheduler.from_pretrained(hf, subfolder="scheduler")
-    return diffusers.StableDiffusionXLPipeline(**parts, **tokenizers, scheduler=scheduler,
-                                               add_watermarker=False)
+    return getattr(diffusers, pipeline)(**parts, **tokenizers, scheduler=scheduler, add_watermarker=False)
 
 
 def _referenced(pipe, case: dict, refs: Path) -> dict:
@@ -492,10 +491,10 @@ def img2img_refs(spec: dict) -> None:
     import torch
     from PIL import Image
 
-    sd3 = spec["pipeline"] == "StableDiffusion3Img2ImgPipeline"
+    kind = spec["pipeline"]
     # Stable Diffusion 3's parts load with diffusers' own strict from_pretrained (as sd3_refs loads them)
-    pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if sd3
-            else _load_sd(spec["hf"], spec["pipeline"]))
+    pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if kind == SD3_IMG2IMG
+            else _load_sdxl(spec["hf"], kind) if kind == SDXL_IMG2IMG else _load_sd(spec["hf"], kind))
     pipe.set_progress_bar_config(disable=True)
     refs = Path(spec["out"]) / "references"
     with Image.open(refs / spec["init_image"]) as opened:
@@ -504,7 +503,14 @@ def img2img_refs(spec: dict) -> None:
         raise RuntimeError(f"the init image is {init.mode}, not RGB")
     shape = spec["latent_shape"]
     index = []
+    seen: list = []  # Stable Diffusion XL: the size conditioning the pipeline hands its UNet, each call
+    if kind == SDXL_IMG2IMG:
+        def keep_time_ids(_module, _args, kwargs):
+            seen.append(kwargs["added_cond_kwargs"]["time_ids"].numpy().tolist())
+
+        pipe.unet.register_forward_pre_hook(keep_time_ids, with_kwargs=True)
     for case in spec["cases"]:
+        seen.clear()
         name, steps, strength = case["name"], case["num_inference_steps"], case["strength"]
         cls = getattr(diffusers, case["scheduler"]["_class_name"])
         pipe.scheduler = cls.from_config(case["scheduler"])  # a probe: how many runs the pipeline keeps
@@ -546,27 +552,38 @@ def img2img_refs(spec: dict) -> None:
         np.save(refs / f"{name}.image.npy", image.astype(np.float32))
         np.save(refs / f"{name}.final_latents.npy", latents[-1])
         negative = case["negative_prompt"]
-        if negative is None and case["guidance_scale"] > 1:
+        zeros = negative is None and case["guidance_scale"] > 1 and kind == SDXL_IMG2IMG \
+            and pipe.config.force_zeros_for_empty_prompt  # the unconditional states zeroed, no text
+        if negative is None and case["guidance_scale"] > 1 and not zeros:
             negative = ""  # what diffusers feeds the unconditional row when no negative prompt is given
-        index.append({**{k: v for k, v in case.items() if k != "noisy"},
+        index.append({**{k: v for k, v in case.items() if k != "noisy"}, "zero_negative": bool(zeros),
                       "scheduler": json.loads(pipe.scheduler.to_json_string()),
                       "init_image": spec["init_image"], **files, "noise": files.get("noise"),
                       "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
                       "timesteps": ran, "begin_index": len(pipe.scheduler.timesteps) - len(ran),
                       "noise_draws": givens["noise"].calls, "pipeline": spec["pipeline"],
-                      **_prompt_ids(pipe, case["prompt"], negative, sd3)})
+                      **({"time_ids": seen[0]} if seen else {}),
+                      **_prompt_ids(pipe, case["prompt"], negative, kind)})
     _write_json(refs / "img2img.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor,
                                         "init_image": spec["init_image"], "cases": index})
 
 
-def _prompt_ids(pipe, prompt: str, negative: str | None, sd3: bool) -> dict:
-    """The tokenizers' ids of a case's prompt and negative prompt: Stable Diffusion's one row, or Stable
-    Diffusion 3's three (T5's padded to the pipeline's max_sequence_length, 256)."""
-    if not sd3:
+SD3_IMG2IMG = "StableDiffusion3Img2ImgPipeline"
+SDXL_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
+
+
+def _prompt_ids(pipe, prompt: str, negative: str | None, kind: str) -> dict:
+    """The tokenizers' ids of a case's prompt and negative prompt: Stable Diffusion's one row, Stable
+    Diffusion XL's two, or Stable Diffusion 3's three (T5's padded to the pipeline's max_sequence_length,
+    256)."""
+    if kind not in (SD3_IMG2IMG, SDXL_IMG2IMG):
         return {"prompt_ids": _ids(pipe.tokenizer, prompt),
                 "negative_prompt_ids": _ids(pipe.tokenizer, negative)}
-    tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)
-    lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)
+    if kind == SDXL_IMG2IMG:  # each tokenizer's own length (77)
+        tokenizers, lengths = (pipe.tokenizer, pipe.tokenizer_2), (None, None)
+    else:
+        tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)
+        lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)
     return {key: None if text is None else [_ids(t, text, n)
                                             for t, n in zip(tokenizers, lengths, strict=True)]
             for key, text in (("prompt_ids", prompt), ("negative_prompt_ids", negative))}

@@ -12,9 +12,9 @@ Six folders as people have them (docs/paradigm-models.md says what each holds):
 - `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
 StableDiffusionPipeline, LatentConsistencyModelPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline
-computed (torch, fp32) from the same weights; sd-tiny's and sd3-tiny's also what
-StableDiffusionImg2ImgPipeline and StableDiffusion3Img2ImgPipeline made of their `references/init.png`
-(`img2img.json`).
+computed (torch, fp32) from the same weights; sd-tiny's, sdxl-tiny's and sd3-tiny's also what
+StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline and StableDiffusion3Img2ImgPipeline made of
+their `references/init.png` (`img2img.json`).
 
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
@@ -578,6 +578,33 @@ def _plain_case(name: str, scheduler: dict, steps: int, guidance: float, negativ
             "noise": None, "guidance_rescale": 0.0}
 
 
+# Stable Diffusion XL's image to image (StableDiffusionXLImg2ImgPipeline, no aesthetic score: a base model's)
+# (name, scheduler class, prediction_type, timestep_spacing, steps, strength, guidance_scale, negative prompt)
+SDXL_IMG2IMG_CASES = (
+    ("sdxl-i2i-euler-eps-leading-cfg-zeros", "EulerDiscreteScheduler", "epsilon", "leading", 5, 0.6, 5.0,
+     None),
+    ("sdxl-i2i-dpm-v-trailing-cfg-neg", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 6, 0.75,
+     5.0, NEGATIVE),
+    ("sdxl-i2i-euler_a-eps-leading", "EulerAncestralDiscreteScheduler", "epsilon", "leading", 4, 1.0, 1.0,
+     None),
+)
+
+
+def sdxl_img2img_cases() -> list[dict]:
+    return [{"name": name, "scheduler": {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
+                                         "timestep_spacing": spacing},
+             "num_inference_steps": steps, "strength": strength, "guidance_scale": guidance, "prompt": PROMPT,
+             "negative_prompt": negative, "seed": seed, "noisy": cls in NOISY_SCHEDULERS}
+            for seed, (name, cls, prediction, spacing, steps, strength, guidance, negative)
+            in enumerate(SDXL_IMG2IMG_CASES, 600)]
+
+
+def make_sdxl_tiny(out: Path) -> Path:
+    exported_with_references(out, "sdxl-tiny-diffusers", sdxl_cases(), "sdxl-refs")
+    return with_img2img_references(out, "sdxl-tiny-diffusers", sdxl_img2img_cases(),
+                                   "StableDiffusionXLImg2ImgPipeline")
+
+
 def sdxl_cases() -> list[dict]:
     return [_plain_case(name, {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
                                "timestep_spacing": spacing}, steps, guidance, negative, seed)
@@ -683,7 +710,7 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "sd3-tiny-diffusers": make_sd3_diffusers,
     "sd3-tiny": make_sd3_tiny,
 
-    "sdxl-tiny": lambda out: exported_with_references(out, "sdxl-tiny-diffusers", sdxl_cases(), "sdxl-refs"),
+    "sdxl-tiny": make_sdxl_tiny,
     "sd-bench-diffusers": lambda out: make_sd_diffusers(out, "bench"),
     "sd-bench": lambda out: export_sd(get("sd-bench-diffusers"), out),
 }

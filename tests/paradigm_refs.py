@@ -660,9 +660,10 @@ def _conditioning(folder: Path, prompt_ids: Sequence[int], negative_prompt_ids: 
 
 def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, start: int = 0,
              guidance_scale: float = 1.0, guidance_rescale: float = 0.0, noise: np.ndarray | None = None,
-             timestep_cond: np.ndarray | None = None) -> np.ndarray:
+             timestep_cond: np.ndarray | None = None, added: Arrays | None = None) -> np.ndarray:
     """The latents (float64, each step's result rounded to float32) after the UNet and `scheduler` ran from
-    run `start` of its schedule to the end from latents `x`; `noise[k]` is the noise of run start + k."""
+    run `start` of its schedule to the end from latents `x`; `noise[k]` is the noise of run start + k;
+    `added`: more UNet inputs, the same each run (Stable Diffusion XL's text_embeds and time_ids)."""
     guided = guidance_scale > 1
     drawing = [i for i in scheduler.noise_steps if i >= start]
     if drawing and noise is None:
@@ -675,7 +676,7 @@ def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, 
                  "encoder_hidden_states": embeddings}
         if timestep_cond is not None:
             feeds["timestep_cond"] = timestep_cond
-        output = run(unet, feeds)["out_sample"].astype(np.float64)
+        output = run(unet, {**feeds, **(added or {})})["out_sample"].astype(np.float64)
         if guided:
             uncond, cond = np.split(output, 2)
             output = uncond + guidance_scale * (cond - uncond)
@@ -796,7 +797,22 @@ def generate_image_xl(folder: Path | str, scheduler_config: Mapping, steps: int,
     conditioning (the image's size in pixels as original and target size, the crop corner at 0, 0), the UNet
     over [unconditional, conditional] rows with guidance, the scheduler's step, the VAE."""
     folder = Path(folder)
-    guided = guidance_scale > 1
+    states, added = _xl_conditioning(folder, latents.shape, prompt_ids, negative_prompt_ids,
+                                     guidance_scale > 1, zero_negative)
+    scheduler = make_scheduler(scheduler_config, steps)
+    if scheduler.noise_steps:
+        raise ValueError("this loop takes the deterministic schedulers only")
+    x = latents.astype(np.float64) * scheduler.init_noise_sigma
+    x = _denoise(folder, scheduler, x, states, guidance_scale=guidance_scale, added=added)
+    return _decode(folder, x)
+
+
+def _xl_conditioning(folder: Path, shape: Sequence[int], prompt_ids: Sequence[Sequence[int]],
+                     negative_prompt_ids: Sequence[Sequence[int]] | None, guided: bool,
+                     zero_negative: bool) -> tuple[np.ndarray, Arrays]:
+    """Stable Diffusion XL's UNet conditioning for latents of `shape`: the encoders' states (the
+    unconditional rows first when guided: zeros with `zero_negative`), and text_embeds and time_ids (the
+    image's size in pixels as original and target size, the crop corner at 0, 0)."""
     states, pooled = encode_prompt_xl(folder, prompt_ids)
     if guided:
         negative = ((np.zeros_like(states), np.zeros_like(pooled)) if zero_negative
@@ -804,26 +820,31 @@ def generate_image_xl(folder: Path | str, scheduler_config: Mapping, steps: int,
         states, pooled = np.concatenate([negative[0], states]), np.concatenate([negative[1], pooled])
     vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
     pixels = 2 ** (len(vae["block_out_channels"]) - 1)  # diffusers' vae_scale_factor
-    height, width = latents.shape[2] * pixels, latents.shape[3] * pixels
+    height, width = shape[2] * pixels, shape[3] * pixels
     time_ids = np.array([[height, width, 0, 0, height, width]] * len(states), np.float32)
+    return states, {"text_embeds": pooled, "time_ids": time_ids}
+
+
+def image_to_image_xl(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float,
+                      image: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray,
+                      prompt_ids: Sequence[Sequence[int]],
+                      negative_prompt_ids: Sequence[Sequence[int]] | None = None,
+                      guidance_scale: float = 1.0, zero_negative: bool = False,
+                      noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(image, final latents) as StableDiffusionXLImg2ImgPipeline (a base model's: no aesthetic score)
+    computes them: image_to_image's start, the draw and add_noise, with Stable Diffusion XL's conditioning
+    (its size conditioning the image's size)."""
+    folder = Path(folder)
     scheduler = make_scheduler(scheduler_config, steps)
-    if scheduler.noise_steps:
-        raise ValueError("this loop takes the deterministic schedulers only")
-    unet = session(folder / "unet" / "model.onnx")
-    x = latents.astype(np.float64) * scheduler.init_noise_sigma
-    for i, t in enumerate(scheduler.timesteps):
-        batch = np.concatenate([x, x]) if guided else x
-        feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
-                 "timestep": np.array(t, dtype=np.float32), "encoder_hidden_states": states,
-                 "text_embeds": pooled, "time_ids": time_ids}
-        output = run(unet, feeds)["out_sample"].astype(np.float64)
-        if guided:
-            uncond, cond = np.split(output, 2)
-            output = uncond + guidance_scale * (cond - uncond)
-        x = scheduler.step(output, i, x, None).astype(np.float32).astype(np.float64)
-    decoded = run(session(folder / "vae_decoder" / "model.onnx"),
-                  {"latent_sample": (x / vae["scaling_factor"]).astype(np.float32)})["sample"]
-    return np.clip(decoded / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 1).astype(np.float32)
+    start = strength_start(scheduler, steps, strength)
+    latents = encode_image(folder, image, encode_noise).astype(np.float64)
+    x = scheduler.add_noise(latents, add_noise.astype(np.float64), start)
+    x = x.astype(np.float32).astype(np.float64)  # diffusers' latents are float32
+    states, added = _xl_conditioning(folder, x.shape, prompt_ids, negative_prompt_ids, guidance_scale > 1,
+                                     zero_negative)
+    x = _denoise(folder, scheduler, x, states, start=start, guidance_scale=guidance_scale, noise=noise,
+                 added=added)
+    return _decode(folder, x), x.astype(np.float32)
 
 
 def flow_match_sigmas(config: Mapping, steps: int) -> np.ndarray:

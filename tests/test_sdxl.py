@@ -67,8 +67,59 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sdxl_tiny: Path, f
     assert np.abs(plain - expected).max() <= IMAGE_TOLERANCE  # the plain loop is diffusers' computation
 
 
+@pytest.fixture(scope="module")
+def img2img_cases(sdxl_tiny: Path) -> dict[str, dict]:
+    index = json.loads((sdxl_tiny / "references" / "img2img.json").read_text())
+    return {c["name"]: c for c in index["cases"]}
+
+
 @pytest.mark.slow
-def test_each_part_of_the_conditioning_makes_the_image(sdxl_tiny: Path, folder: Path,
+@pytest.mark.parametrize("name", [case[0] for case in paradigms.SDXL_IMG2IMG_CASES])
+def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, sdxl_tiny: Path, folder: Path,
+                                                            img2img_cases: dict[str, dict]) -> None:
+    """StableDiffusionXLImg2ImgPipeline (a base model's: no aesthetic score): the plain loop given
+    diffusers' draws equals diffusers (its size conditioning the image's size, as the pipeline handed its
+    UNet); ortpipe, from its seed, equals the plain loop given ortpipe's draws."""
+    from PIL import Image
+
+    from tests.test_image_to_image import ortpipe_draws
+
+    case = img2img_cases[name]
+    references = sdxl_tiny / "references"
+    init = references / case["init_image"]
+    with Image.open(init) as opened:
+        pixels = np.asarray(opened.convert("RGB"))
+    assert case["time_ids"][-1] == [32, 32, 0, 0, 32, 32]
+    given = {"prompt_ids": case["prompt_ids"], "negative_prompt_ids": case["negative_prompt_ids"],
+             "guidance_scale": case["guidance_scale"], "zero_negative": case["zero_negative"]}
+    steps, strength = case["num_inference_steps"], case["strength"]
+    plain, latents = refs.image_to_image_xl(
+        sdxl_tiny, case["scheduler"], steps, strength, pixels, **given,
+        encode_noise=np.load(references / case["encode_noise"]),
+        add_noise=np.load(references / case["add_noise"]),
+
+        noise=np.load(references / case["noise"]) if case["noise"] else None)
+    expected = np.load(references / case["image"])
+    to_diffusers = float(np.abs(plain - expected).max())
+    final = np.load(references / case["final_latents"])
+    drift = float(np.abs(latents - final).max() / np.abs(final).max())  # relative to the largest
+
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
+    result = pipe.generate(case["prompt"], images=[init], seed=8, strength=strength, **_request(case))
+    assert result.timings.steps == len(case["timesteps"])
+    sample, added, noise = ortpipe_draws(pipe, case, 8)
+    mine, _ = refs.image_to_image_xl(folder, case["scheduler"], steps, strength, pixels, **given,
+                                     encode_noise=sample, add_noise=added, noise=noise)
+    to_plain = float(np.abs(result.image - mine).max())
+    print(f"{name}: max |plain loop - diffusers| = {to_diffusers:.2e} (final latents relative {drift:.1e}), "
+          f"|ortpipe - plain loop with ortpipe's draws| = {to_plain:.2e}")
+    assert expected.shape == result.image.shape == (1, 32, 32, 3)
+    assert to_diffusers <= IMAGE_TOLERANCE and drift <= 1e-5 and to_plain <= IMAGE_TOLERANCE
+
+
+@pytest.mark.slow
+def test_each_part_of_the_conditioning_makes_the_image(
+sdxl_tiny: Path, folder: Path,
                                                        cases: dict[str, dict]) -> None:
     """The zeroed unconditional row, the size conditioning and the pooled projection each change the image:
     an image that matched diffusers without one of them would show that the case does not test it."""

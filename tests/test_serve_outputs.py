@@ -216,8 +216,9 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
 
     extra = {"seed": 5, "num_inference_steps": 4, "guidance_scale": 2.0, "negative_prompt": "blurry",
              "strength": 0.6}
-    odd = io.BytesIO()
+    odd, huge = io.BytesIO(), io.BytesIO()
     Image.new("RGB", (36, 32), (10, 200, 30)).save(odd, "PNG")
+    Image.new("1", (4100, 8)).save(huge, "PNG")  # 4100 pixels wide in a few hundred bytes
     with served(sd_tiny, max_batch=2) as server:
         client = server.client()
         with init.open("rb") as file:
@@ -251,7 +252,10 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
             ([*base, ("response_format", "url")], 400, "response_format", "it makes 'b64_json'"),
             ([("model", "m"), ("prompt", "a"), ("image", ("x.png", b"not a png"))], 400, "image",
              "is not an image Pillow can decode"),
+            ([("model", "m"), ("prompt", "a"), ("image", ("huge.png", huge.getvalue()))], 400, "image",
+             "huge.png is 4100x8 pixels: images of up to 4096 pixels a side are taken"),
             ([("model", "m"), ("prompt", "a"), ("image", ("odd.png", odd.getvalue()))], 400, None,
+
              "multiples of 8 (4 pixels per latent times 2"),
 
         ]:

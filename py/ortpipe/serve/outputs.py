@@ -47,6 +47,7 @@ PCM_RATE = 24000  # OpenAI's `pcm`: 24 kHz, 16-bit signed little-endian, mono
 MAX_INPUTS = 2048  # OpenAI: an embeddings input array holds at most 2048 items
 MAX_SPEECH_CHARS = 4096  # OpenAI: the most characters of speech input
 MAX_IMAGES = 10  # OpenAI: n of 1 to 10
+MAX_EDIT_SIDE = 4096  # the largest side of an image to edit, in pixels (checked before it is decoded)
 EMBED_BATCH = 32  # texts in one run of the model
 
 ENDPOINTS = {
@@ -319,7 +320,8 @@ def _upload_image(uploads: list[Upload]) -> Any:
     from ..targets.cpython.media import decode_image_bytes  # the server runs the CPython target
 
     try:
-        return decode_image_bytes(uploads[0].data, uploads[0].filename or "image")
+        return decode_image_bytes(uploads[0].data, uploads[0].filename or "image", MAX_EDIT_SIDE)
+
     except GenerationError as e:
         raise InvalidRequest(f"Invalid 'image': {e}.", "image", "invalid_image") from None
 

@@ -35,24 +35,32 @@ def decode_image(path: str | os.PathLike[str]) -> np.ndarray:
     return _decoded(file, str(file))
 
 
-def decode_image_bytes(data: bytes, name: str) -> np.ndarray:
-    """An image file's bytes (an upload named `name`) as uint8 [h, w, 3] RGB, as decode_image reads."""
-    return _decoded(io.BytesIO(data), name)
+def decode_image_bytes(data: bytes, name: str, max_side: int | None = None) -> np.ndarray:
+    """An image file's bytes (an upload named `name`) as uint8 [h, w, 3] RGB, as decode_image reads; an
+    image with a side over `max_side` pixels is refused from its header, before its pixels are decoded."""
+    return _decoded(io.BytesIO(data), name, max_side)
 
 
-def _decoded(source: Any, name: str) -> np.ndarray:
+def _decoded(source: Any, name: str, max_side: int | None = None) -> np.ndarray:
     try:
         from PIL import Image, ImageOps
     except ImportError as e:
         raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
+    too_large = None
     try:
         with Image.open(source) as opened:
-            image = ImageOps.exif_transpose(opened)
-            image.load()
+            if max_side is not None and max(opened.size) > max_side:
+                too_large = opened.size
+            else:
+                image = ImageOps.exif_transpose(opened)
+                image.load()
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise GenerationError(f"{name} is not an image Pillow can decode: {e}") from e
+    if too_large is not None:
+        width, height = too_large
+        raise GenerationError(f"{name} is {width}x{height} pixels: images of up to {max_side} pixels a side "
+                              "are taken")
     if "A" in image.getbands() or "transparency" in image.info:
-
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
