@@ -514,14 +514,15 @@ def img2img_refs(spec: dict) -> None:
         name, steps, strength = case["name"], case["num_inference_steps"], case["strength"]
         cls = getattr(diffusers, case["scheduler"]["_class_name"])
         pipe.scheduler = cls.from_config(case["scheduler"])  # a probe: how many runs the pipeline keeps
-        pipe.scheduler.set_timesteps(steps)
-        runs = len(pipe.get_timesteps(steps, strength, "cpu")[0])
+        lcm = kind == LCM_IMG2IMG  # its scheduler makes the schedule of the strength, run whole
+        pipe.scheduler.set_timesteps(steps, **({"strength": strength} if lcm else {}))
+        runs = steps if lcm else len(pipe.get_timesteps(steps, strength, "cpu")[0])
         pipe.scheduler = cls.from_config(case["scheduler"])
         gen = torch.Generator().manual_seed(case["seed"])
         drawn = {"encode_noise": torch.randn(shape, generator=gen).numpy(),
                  "add_noise": torch.randn(shape, generator=gen).numpy()}
-        if case["noisy"]:
-            drawn["noise"] = torch.randn([runs, *shape], generator=gen).numpy()
+        if case["noisy"]:  # LCM adds none after its last step
+            drawn["noise"] = torch.randn([runs - 1 if lcm else runs, *shape], generator=gen).numpy()
         files = {key: f"{name}.{key}.npy" for key in drawn}
         for key, value in drawn.items():
             np.save(refs / files[key], value)
@@ -554,7 +555,7 @@ def img2img_refs(spec: dict) -> None:
         negative = case["negative_prompt"]
         zeros = negative is None and case["guidance_scale"] > 1 and kind == SDXL_IMG2IMG \
             and pipe.config.force_zeros_for_empty_prompt  # the unconditional states zeroed, no text
-        if negative is None and case["guidance_scale"] > 1 and not zeros:
+        if negative is None and case["guidance_scale"] > 1 and not zeros and not lcm:
             negative = ""  # what diffusers feeds the unconditional row when no negative prompt is given
         index.append({**{k: v for k, v in case.items() if k != "noisy"}, "zero_negative": bool(zeros),
                       "scheduler": json.loads(pipe.scheduler.to_json_string()),
@@ -569,6 +570,7 @@ def img2img_refs(spec: dict) -> None:
 
 
 SD3_IMG2IMG = "StableDiffusion3Img2ImgPipeline"
+LCM_IMG2IMG = "LatentConsistencyModelImg2ImgPipeline"  # the guidance embedded: no unconditional row
 SDXL_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
 
 

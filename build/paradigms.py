@@ -12,10 +12,10 @@ Six folders as people have them (docs/paradigm-models.md says what each holds):
 - `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
 Each holds `references/`: what sentence-transformers, transformers' VitsModel or diffusers'
 StableDiffusionPipeline, LatentConsistencyModelPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline
-computed (torch, fp32) from the same weights; sd-tiny's, sdxl-tiny's and sd3-tiny's also what
-StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline and StableDiffusion3Img2ImgPipeline made of
-their `references/init.png` (`img2img.json`).
-
+computed (torch, fp32) from the same weights; each image folder's also what diffusers' image-to-image
+pipeline of its kind (StableDiffusionImg2ImgPipeline, LatentConsistencyModelImg2ImgPipeline,
+StableDiffusionXLImg2ImgPipeline, StableDiffusion3Img2ImgPipeline) made of its `references/init.png`
+(`img2img.json`).
 
 The torch work runs in two virtualenvs this module creates on first use (torch pinned, see hfmodels):
 the export environment (optimum-onnx, transformers 4.57, diffusers 0.39; $ORTPIPE_PARADIGMS_EXPORT_VENV)
@@ -542,6 +542,24 @@ def make_lcm_diffusers(out: Path) -> Path:
         "pipeline": LCM_PIPELINE})
 
 
+# LatentConsistencyModelImg2ImgPipeline: every step of the schedule LCMScheduler picks from the first
+# int(original_inference_steps * strength) of its original timesteps. (name, steps, strength, guidance_scale)
+LCM_IMG2IMG_CASES = (("lcm-i2i-4", 4, 0.6, 8.5), ("lcm-i2i-2-g1", 2, 0.3, 1.0))
+
+
+def lcm_img2img_cases() -> list[dict]:
+    return [{"name": name, "scheduler": LCM_SCHEDULER, "num_inference_steps": steps, "strength": strength,
+             "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": None, "seed": seed,
+             "noisy": True}
+            for seed, (name, steps, strength, guidance) in enumerate(LCM_IMG2IMG_CASES, 700)]
+
+
+def make_lcm_tiny(out: Path) -> Path:
+    exported_with_references(out, "lcm-tiny-diffusers", lcm_cases(), "sd-refs", pipeline=LCM_PIPELINE)
+    return with_img2img_references(out, "lcm-tiny-diffusers", lcm_img2img_cases(),
+                                   "LatentConsistencyModelImg2ImgPipeline")
+
+
 def lcm_cases() -> list[dict]:
     """The last step adds no noise: a one-step case is compared with diffusers directly."""
     return [{**_plain_case(name, LCM_SCHEDULER, steps, guidance, None, seed),
@@ -618,9 +636,6 @@ def make_sdxl_diffusers(out: Path) -> Path:
         "text_encoder": {**SDXL_TINY["text_encoder"], **ids},
         "text_encoder_2": {**SDXL_TINY["text_encoder_2"], **ids}, "unet": SDXL_TINY["unet"],
         "vae": SDXL_TINY["vae"]})
-
-
-
 
 
 # Stable Diffusion 3: two CLIP encoders with projections (their penultimate states side by side, zero-padded
@@ -704,12 +719,10 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
     "sd-tiny": make_sd_tiny,
     "lcm-tiny-diffusers": make_lcm_diffusers,
-    "lcm-tiny": lambda out: exported_with_references(out, "lcm-tiny-diffusers", lcm_cases(), "sd-refs",
-                                                     pipeline=LCM_PIPELINE),
+    "lcm-tiny": make_lcm_tiny,
     "sdxl-tiny-diffusers": make_sdxl_diffusers,
     "sd3-tiny-diffusers": make_sd3_diffusers,
     "sd3-tiny": make_sd3_tiny,
-
     "sdxl-tiny": make_sdxl_tiny,
     "sd-bench-diffusers": lambda out: make_sd_diffusers(out, "bench"),
     "sd-bench": lambda out: export_sd(get("sd-bench-diffusers"), out),

@@ -326,13 +326,17 @@ class LCM:
 
     order = 1
 
-    def __init__(self, config: Mapping, steps: int) -> None:
+    def __init__(self, config: Mapping, steps: int, strength: float = 1.0) -> None:
+        """`strength`: image-to-image's schedule, picked from the first int(original * strength) of the
+        original schedule's timesteps (set_timesteps(strength=...), as LatentConsistencyModelImg2ImgPipeline
+        calls it)."""
         _check(config, thresholding=(False,), clip_sample=(False,))
         self.config, self.steps = config, steps
         self.cumprod = alphas_cumprod(config)
         self.final = 1.0 if config.get("set_alpha_to_one", True) else self.cumprod[0]
         original = config.get("original_inference_steps", 50)
-        origin = (np.arange(1, original + 1) * (config["num_train_timesteps"] // original) - 1)[::-1]
+        kept = int(original * strength)
+        origin = (np.arange(1, kept + 1) * (config["num_train_timesteps"] // original) - 1)[::-1]
         self.timesteps = origin[np.floor(np.linspace(0, len(origin), steps, endpoint=False)).astype(np.int64)]
         self.init_noise_sigma = 1.0
         self.noise_steps = list(range(steps - 1))  # no noise after the last step
@@ -634,11 +638,14 @@ SCHEDULERS = {
 }
 
 
-def make_scheduler(config: Mapping, steps: int):
-    """A scheduler of SCHEDULERS from a diffusers scheduler_config.json (its `_class_name` and fields)."""
+def make_scheduler(config: Mapping, steps: int, strength: float | None = None):
+    """A scheduler of SCHEDULERS from a diffusers scheduler_config.json (its `_class_name` and fields);
+    `strength` for LCM's image-to-image schedule (the others enter theirs part-way: strength_start)."""
     name = config["_class_name"]
     if name not in SCHEDULERS:
         raise ValueError(f"scheduler {name!r} is not written by hand here; known: {', '.join(SCHEDULERS)}")
+    if strength is not None and name == "LCMScheduler":
+        return LCM(config, steps, strength)
     return SCHEDULERS[name](config, steps)
 
 
@@ -722,7 +729,9 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
 
 def strength_start(scheduler, steps: int, strength: float) -> int:
     """The first run of the schedule that image to image keeps: the last int(steps * strength) steps of
-    `steps` are kept, each `scheduler.order` runs."""
+    `steps` are kept, each `scheduler.order` runs (LCM: its schedule made with the strength, all of it)."""
+    if isinstance(scheduler, LCM):
+        return 0
     kept = min(int(steps * strength), steps)
     if kept < 1:
         raise ValueError(f"strength {strength} keeps no step of {steps}")
@@ -749,13 +758,13 @@ def encode_image(folder: Path | str, image: np.ndarray, encode_noise: np.ndarray
     return (mean + std * encode_noise.astype(np.float32) - shift) * np.float32(config["scaling_factor"])
 
 
-
 def image_to_image(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float,
                    image: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray,
                    prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
-                   guidance_scale: float = 1.0,
-                   noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   guidance_scale: float = 1.0, noise: np.ndarray | None = None,
+                   timestep_cond: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(image [1, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionImg2ImgPipeline
+    (LatentConsistencyModelImg2ImgPipeline with LCMScheduler and `timestep_cond`, the guidance embedded)
     computes them from the uint8 RGB `image` [height, width, 3] with the same noises.
 
     The image's latents (`encode_image`, with `encode_noise`) are noised with `add_noise` to the level of
@@ -765,12 +774,13 @@ def image_to_image(folder: Path | str, scheduler_config: Mapping, steps: int, st
     """
     folder = Path(folder)
     embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
-    scheduler = make_scheduler(scheduler_config, steps)
+    scheduler = make_scheduler(scheduler_config, steps, strength)
     start = strength_start(scheduler, steps, strength)
     latents = encode_image(folder, image, encode_noise).astype(np.float64)
     x = scheduler.add_noise(latents, add_noise.astype(np.float64), start)
     x = x.astype(np.float32).astype(np.float64)  # diffusers' latents are float32
-    x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale, noise=noise)
+    x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale, noise=noise,
+                 timestep_cond=timestep_cond)
     return _decode(folder, x), x.astype(np.float32)
 
 
@@ -941,7 +951,6 @@ def image_to_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int
 
 
 def guidance_embedding(scale: float, width: int) -> np.ndarray:
-
     """LatentConsistencyModelPipeline.get_guidance_scale_embedding in float32 numpy: sinusoids of
     (scale - 1) * 1000 at width / 2 geometric frequencies from 1 to 1 / 10000, sines then cosines."""
     half = width // 2

@@ -159,7 +159,6 @@ def test_requests_image_to_image_does_not_take_are_refused(sd_tiny: Path, folder
                             r"pixels "
                             r'per latent times 2: session "unet" takes latent sides that are multiples of 2\)'
                             r".* 24x32"),
-
         ({"images": [init, init]}, "starts from one image; 2 were given"),
         ({"images": [init], "latents": latents}, "not both"),
         ({"strength": 0.5}, "strength is image-to-image's: pass an image"),
@@ -190,7 +189,6 @@ def test_latent_sides_are_multiples_of_what_the_unet_takes(sd_tiny: Path, folder
     image = pipe.generate("a red cube", images=[wide], strength=0.5, num_steps=2, seed=1).image
     assert image.shape == (1, 32, 40, 3) and np.isfinite(image).all()  # latents 8 x 10
     with pytest.raises(GenerationError, match=r"latents of 8x9 \(height x width\) do not fit session"):
-
         pipe.generate("a red cube", latents=np.zeros((1, 4, 8, 9), np.float32), num_steps=2)
     unet = ort.InferenceSession(str(folder / "unet" / "model.onnx"))
     feeds = {"sample": np.zeros((1, 4, 8, 9), np.float32), "timestep": np.array(1, np.float32),
@@ -198,19 +196,6 @@ def test_latent_sides_are_multiples_of_what_the_unet_takes(sd_tiny: Path, folder
     feeds = {i.name: feeds[i.name] for i in unet.get_inputs()}
     with pytest.raises(Exception, match="Non concat axis dimensions must match"):
         unet.run(None, feeds)
-
-
-def test_schedulers_without_an_image_to_image_start_are_refused(sd_tiny: Path, folder: Path,
-
-                                                                 cases: dict[str, dict]) -> None:
-    case = next(iter(cases.values()))
-    kept = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "prediction_type",
-            "timestep_spacing")
-    lcm = {"_class_name": "LCMScheduler", **{k: v for k, v in case["scheduler"].items() if k in kept}}
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(lcm))
-    pipe = ortpipe.load(folder, threads=1)
-    with pytest.raises(GenerationError, match="image-to-image with LCMScheduler is not built"):
-        pipe.generate("a red cube", images=[_init(sd_tiny, case)], num_steps=4)
 
 
 def test_a_folder_without_an_encoder_refuses_an_image(sd_tiny: Path, folder: Path,

@@ -64,6 +64,58 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, lcm_tiny: Path, fo
         assert np.abs(result.image - expected).max() <= IMAGE_TOLERANCE
 
 
+@pytest.mark.parametrize("name", [case[0] for case in paradigms.LCM_IMG2IMG_CASES])
+def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, lcm_tiny: Path, folder: Path) -> None:
+    """LatentConsistencyModelImg2ImgPipeline: LCMScheduler picks its steps from the first
+    int(original_inference_steps * strength) of its original timesteps and runs them all, from the image's
+    latents noised to the first. The plain loop given diffusers' draws equals diffusers; ortpipe, from its
+    seed, equals the plain loop given ortpipe's draws."""
+    import json
+
+    from PIL import Image
+
+    from tests.test_image_to_image import ortpipe_draws
+
+    index = json.loads((lcm_tiny / "references" / "img2img.json").read_text())
+    case = {c["name"]: c for c in index["cases"]}[name]
+    references = lcm_tiny / "references"
+    init = references / case["init_image"]
+    with Image.open(init) as opened:
+        pixels = np.asarray(opened.convert("RGB"))
+    steps, strength = case["num_inference_steps"], case["strength"]
+    scheduler = refs.make_scheduler(case["scheduler"], steps, strength)
+    assert list(scheduler.timesteps) == case["timesteps"] and case["begin_index"] == 0
+    assert case["noise_draws"] == steps - 1
+    embedding = refs.guidance_embedding(case["guidance_scale"], 32)
+    given = {"prompt_ids": case["prompt_ids"], "timestep_cond": embedding}
+    plain, _ = refs.image_to_image(lcm_tiny, case["scheduler"], steps, strength, pixels, **given,
+                                   encode_noise=np.load(references / case["encode_noise"]),
+                                   add_noise=np.load(references / case["add_noise"]),
+                                   noise=np.load(references / case["noise"]))
+    to_diffusers = float(np.abs(plain - np.load(references / case["image"])).max())
+
+    pipe = ortpipe.load(folder, threads=1)
+    result = pipe.generate(case["prompt"], images=[init], seed=9, num_steps=steps, strength=strength,
+                           guidance_scale=case["guidance_scale"])
+    assert result.timings.steps == steps
+    sample, added, noise = ortpipe_draws(pipe, case, 9)
+    mine, _ = refs.image_to_image(folder, case["scheduler"], steps, strength, pixels, **given,
+                                  encode_noise=sample, add_noise=added, noise=noise[: steps - 1])
+    to_plain = float(np.abs(result.image - mine).max())
+    print(f"{name}: max |plain loop - diffusers| = {to_diffusers:.2e}, "
+          f"|ortpipe - plain loop with ortpipe's draws| = {to_plain:.2e}")
+    assert to_diffusers <= IMAGE_TOLERANCE and to_plain <= IMAGE_TOLERANCE
+
+
+def test_image_to_image_with_too_little_strength_for_the_steps_is_refused(lcm_tiny: Path,
+                                                                         folder: Path) -> None:
+    pipe = ortpipe.load(folder, threads=1)
+    init = lcm_tiny / "references" / "init.png"
+    refusal = "strength 0.05 leaves LCMScheduler 2 of its original_inference_steps 50 timesteps, fewer than"
+    with pytest.raises(GenerationError, match=refusal + " num_steps 4"):
+        pipe.generate("a red cube", images=[init], num_steps=4, strength=0.05)
+
+
 def test_the_guidance_embedding_is_what_diffusers_hands_its_unet(cases: dict[str, dict]) -> None:
     for case in cases.values():
         reference = np.array(case["guidance_embedding"], np.float32)

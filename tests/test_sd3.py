@@ -119,9 +119,7 @@ def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, sd3_tiny:
                            negative_prompt=case["negative_prompt"] if guided else None)
     setup = pipe.model.loop.denoising
     assert setup.latent_multiple == 2  # the transformer's patch_size: an image's sides are multiples of 8
-
     schedule = make_schedule(setup.scheduler, case["num_inference_steps"], case["strength"])
-
     assert [s.timestep for s in schedule.steps] == case["timesteps"]  # float32 values, exactly diffusers'
     assert result.timings.steps == len(case["timesteps"])
     sample, added, _ = ortpipe_draws(pipe, case, 7)
@@ -136,14 +134,12 @@ def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, sd3_tiny:
     if case["strength"] < 1:
         changes["encode noise zeroed"] = (np.zeros_like(sample), added)
     for what, (e1, e2) in changes.items():
-
         other, _ = _plain_img2img(folder, case, _pixels(init), e1, e2)
         assert np.abs(other - result.image).max() > 10 * IMAGE_TOLERANCE, what
 
 
 @pytest.mark.slow
 def test_each_encoder_reads_its_own_tokenizers_ids(folder: Path, cases: dict[str, dict]) -> None:
-
     """The rows ortpipe makes for each text encoder are the ids diffusers' pipeline gave it: CLIP's 77, the
     second CLIP's padded with "!", T5's padded with <pad> to 256."""
     case = cases["sd3-flow-shift3-cfg-neg"]

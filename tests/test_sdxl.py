@@ -97,7 +97,6 @@ def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, sdxl_tiny
         sdxl_tiny, case["scheduler"], steps, strength, pixels, **given,
         encode_noise=np.load(references / case["encode_noise"]),
         add_noise=np.load(references / case["add_noise"]),
-
         noise=np.load(references / case["noise"]) if case["noise"] else None)
     expected = np.load(references / case["image"])
     to_diffusers = float(np.abs(plain - expected).max())

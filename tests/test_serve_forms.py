@@ -42,7 +42,6 @@ def test_fields_and_files_parse_back_to_what_the_client_encoded() -> None:
          "does not end with its boundary"),
         ("multipart/form-data; boundary=b",
          b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\nx\r\n--b--", "a part has no blank line"),
-
         ("multipart/form-data; boundary=b", b"--b\r\nContent-Type: text/plain\r\n\r\nx\r\n--b--",
          "a part is not form-data"),
         ("multipart/form-data; boundary=b", b"--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--",

@@ -247,7 +247,6 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
             ([*base, ("n", "two")], 400, "n", "expected an integer"),
             ([*base, ("n", "1"), ("n", "2")], 400, "n", "given 2 times"),
             ([("model", "m"), ("prompt", ("p.txt", b"a")), ("image", png)], 400, "prompt", "not a file"),
-
             ([*base, ("colour", "red")], 400, "colour", "Unrecognized request argument"),
             ([*base, ("response_format", "url")], 400, "response_format", "it makes 'b64_json'"),
             ([("model", "m"), ("prompt", "a"), ("image", ("x.png", b"not a png"))], 400, "image",
@@ -255,9 +254,7 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
             ([("model", "m"), ("prompt", "a"), ("image", ("huge.png", huge.getvalue()))], 400, "image",
              "huge.png is 4100x8 pixels: images of up to 4096 pixels a side are taken"),
             ([("model", "m"), ("prompt", "a"), ("image", ("odd.png", odd.getvalue()))], 400, None,
-
              "multiples of 8 (4 pixels per latent times 2"),
-
         ]:
             body, kind = form(fields)
             status_got, text = raw(server.url, "POST", "/v1/images/edits", body, {"content-type": kind})
@@ -280,7 +277,6 @@ def test_an_edit_on_a_folder_without_an_image_encoder_says_so(sd_tiny: Path, tmp
 
 
 def test_a_client_that_leaves_mid_image_frees_its_row(sd_tiny: Path) -> None:
-
     """An image of 1000 slowed steps is left by its client (a timeout): its row is freed at the next step and
     the next request is answered at once."""
     with served(sd_tiny, max_batch=1, delay=0.02) as server:

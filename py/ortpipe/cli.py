@@ -30,7 +30,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, _interrupt)  # from here on, Ctrl-C is a KeyboardInterrupt
         return int(args.func(args) or 0)
     except ConfigError as e:
-
         print(f"ortpipe: {args.model}: {e}", file=sys.stderr)
         return 2
     except GenerationError as e:

@@ -226,7 +226,6 @@ def _sd3(folder: Folder, index: dict[str, Any], kind: Any) -> dict[str, Any]:
                                                                   "text_encoder_3")),
                      *_vae_encoder(folder, sessions),
                      {"run": "transformer", "when": "step"}, {"run": "vae_decoder", "when": "final"}],
-
             "dataflow": [
                 {"from": [clip, "text_encoder_3.last_hidden_state"],
                  "to": "transformer.encoder_hidden_states"},

@@ -78,7 +78,6 @@ def load_model(
     f16: bool = True,
     config: Config | None = None,
 ) -> Work:
-
     """Load a model folder (genai_config.json v1 or v2, or a detected export): the config, one
     `Open` per session the flow runs (every session, for a plugin's loop), the plan, the tokenizer
     and the chat template. `profile`: a device profile layered over the config's sessions

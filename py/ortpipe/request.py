@@ -167,7 +167,6 @@ class Request:
         generator itself (a batch row) calls it after each step. Tokens after a stop string get no
         chunk: they are not the request's (the generator takes them back)."""
         if self.timings.new_tokens == 0:
-
             self.timings.prefill_ms = elapsed
         else:
             self.timings.decode_ms += elapsed

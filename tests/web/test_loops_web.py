@@ -310,11 +310,12 @@ def test_wasm_image_to_image_equals_cpython(page: Any, serve_model: Any, tmp_pat
     requests = [
         ("sd-tiny", "PNDMScheduler",
          {**guided, "numSteps": 5, "guidanceScale": 6.0, "strength": 0.6, "seed": 3}),
-
         ("sd-tiny", "DPMSolverMultistepScheduler",
          {"prompt": "a blue sphere", "numSteps": 6, "guidanceScale": 1.0, "strength": 0.7, "seed": 4}),
         ("sd3-tiny", "FlowMatchEulerDiscreteScheduler",
          {**guided, "numSteps": 6, "guidanceScale": 5.0, "strength": 0.75, "seed": 5}),
+        ("lcm-tiny", "LCMScheduler",  # the guidance embedded; noise added after each step but the last
+         {"prompt": "a red cube", "numSteps": 4, "guidanceScale": 8.5, "strength": 0.6, "seed": 6}),
     ]
     for source_name, name, request in requests:
         source = paradigms.get(source_name)
@@ -323,10 +324,8 @@ def test_wasm_image_to_image_equals_cpython(page: Any, serve_model: Any, tmp_pat
             shutil.copytree(source, folder, ignore=shutil.ignore_patterns("references"))
         index = _json(source / "references" / "img2img.json")
         cases = {c["scheduler"]["_class_name"]: c for c in index["cases"]}
-
         shutil.copy(source / "references" / cases[name]["init_image"], folder / "init.png")
         (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(cases[name]["scheduler"]))
-
         expected = ortpipe.load(folder).generate(
             request["prompt"], images=[folder / "init.png"], negative_prompt=request.get("negativePrompt"),
             num_steps=request["numSteps"], guidance_scale=request["guidanceScale"],
@@ -476,7 +475,6 @@ def test_demo_page_edits_an_image(page: Any, serve_model: Any, sd_folder: Path) 
     assert page.text_content("#error") == ""
     page.fill("#prompt", "a blue cube")
     page.set_input_files("#images", [str(init)])
-
     for field, value in (("#num-steps", "4"), ("#guidance-scale", "3"), ("#negative-prompt", "blurry"),
                          ("#image-seed", "6"), ("#strength", "0.5")):
         page.fill(field, value)
@@ -492,12 +490,10 @@ def test_demo_page_edits_an_image(page: Any, serve_model: Any, sd_folder: Path) 
     assert expected.timings.steps == 2 and (shown[..., 3] == 255).all()
     assert np.abs(shown[..., :3] - made).max() <= 1
     assert not page.is_visible("#output")  # the image alone: no empty text box under it
-
     page.screenshot(path=str(SCREENSHOTS / "demo-image-to-image.png"), full_page=True)
 
 
 def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:
-
     """The detected MusicGen folder in the browser: transformers' codes and audio (within 1e-4), with and
     without guidance; seeded sampling gives CPython's codes."""
     from build import musicgen

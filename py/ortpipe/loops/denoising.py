@@ -586,7 +586,6 @@ def _image_shape(setup: DenoisingSetup, image: Image, backend: Backend) -> tuple
             f"the image is {height}x{width} pixels, but image-to-image takes sides that are multiples of "
             f"{scale} ({why}): resize or crop it, e.g. to {fit} (height x width)"
         )
-
     channels = setup.latent_shape[0]
     if channels is None:
         raise GenerationError(

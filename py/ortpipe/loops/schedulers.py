@@ -686,7 +686,10 @@ def ddpm(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
-def lcm(config: Mapping[str, Any], steps: int) -> Schedule:
+def lcm(config: Mapping[str, Any], steps: int, strength: float = 1.0) -> Schedule:
+    """LCMScheduler's steps: `steps` timesteps evenly picked from its original_inference_steps schedule;
+    image-to-image (LatentConsistencyModelImg2ImgPipeline) picks them from the schedule's first
+    int(original_inference_steps * strength) timesteps, the lowest ones, and runs them all."""
     original = config["original_inference_steps"]
     if steps > original:
         raise GenerationError(
@@ -696,7 +699,12 @@ def lcm(config: Mapping[str, Any], steps: int) -> Schedule:
     cumprod = alphas_cumprod(config)
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
     count = config["num_train_timesteps"]
-    origin = [(i + 1) * (count // original) - 1 for i in range(original)][::-1]
+    origin = [(i + 1) * (count // original) - 1 for i in range(int(original * strength))][::-1]
+    if len(origin) < steps:
+        raise GenerationError(
+            f"strength {strength} leaves LCMScheduler {len(origin)} of its original_inference_steps "
+            f"{original} timesteps, fewer than num_steps {steps}: raise strength or lower num_steps"
+        )
     stride = len(origin) / steps  # numpy.linspace(0, len, steps, endpoint=False), floored
     timesteps = [origin[int(math.floor(i * stride))] for i in range(steps)]
     clip = config["clip_sample_range"] if config["clip_sample"] else INF
@@ -719,6 +727,7 @@ def lcm(config: Mapping[str, Any], steps: int) -> Schedule:
                 x=keep * c_skip,
                 from_x0=keep * c_out,
                 noise=0.0 if last else (1 - a_prev) ** 0.5,
+                noised=_noised_alpha(a),
             )
         )
     return Schedule(config["_class_name"], 1.0, tuple(out))
@@ -923,6 +932,8 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 # steps are the whole schedule's last ones as they are)
 BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm}
 ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler")  # two runs a timestep: diffusers' order 2
+# The classes whose image-to-image schedule is another one, made from (config, steps, strength), run whole
+SHORTENED = {"LCMScheduler": lcm}
 
 
 def kept_steps(name: str, steps: int, strength: float) -> int:
@@ -930,7 +941,6 @@ def kept_steps(name: str, steps: int, strength: float) -> int:
     scheduler class `name`: the flow-matching classes' (Stable Diffusion 3's and Flux's image-to-image
     pipelines) keep steps - int(steps - steps * strength), the others' int(steps * strength)."""
     if name in FLOW:
-
         return steps - int(max(steps - min(steps * strength, steps), 0))
     return min(int(steps * strength), steps)
 
@@ -938,37 +948,34 @@ def kept_steps(name: str, steps: int, strength: float) -> int:
 def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None) -> Schedule:
     """The schedule of `steps` steps for a config scheduler_config() made; with `strength`, image-to-image's
     (diffusers' StableDiffusionImg2ImgPipeline, StableDiffusion3Img2ImgPipeline): the last kept_steps() of
-    the steps, run from the image's latents noised to the first of them."""
-    schedule = _whole_schedule(config, steps)
+    the steps, run from the image's latents noised to the first of them; LCMScheduler's (SHORTENED), all the
+    steps of the schedule it makes with the strength."""
+    schedule = _whole_schedule(config, steps, strength if config["_class_name"] in SHORTENED else None)
     if strength is None:
         return schedule
     name = config["_class_name"]
+    if name in SHORTENED:  # every step of a schedule the strength shortened, from its first
+        return Schedule(name, 1.0, schedule.steps, schedule.steps[0].noised)
     kept = kept_steps(name, steps, strength)
     if kept < 1:
         raise GenerationError(
             f"strength {strength} of num_steps {steps} runs no step (int(num_steps * strength) is 0): raise "
             "strength or num_steps"
         )
-
     begin = (steps - kept) * (2 if name in ORDER_2 else 1)
     first = schedule.steps[begin]
-    if first.noised is None:
-        raise GenerationError(
-            f"image-to-image with {name} is not built (it runs text-to-image): use another scheduler, e.g. "
-            "EulerDiscreteScheduler, DDIMScheduler, PNDMScheduler or DPMSolverMultistepScheduler"
-        )
     picked = BEGUN[name](config, steps, begin).steps if name in BEGUN else schedule.steps[begin:]
     return Schedule(name, 1.0, tuple(picked), first.noised)
 
 
-def _whole_schedule(config: Mapping[str, Any], steps: int) -> Schedule:
+def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None) -> Schedule:
     name = config["_class_name"]
     if steps > config["num_train_timesteps"]:
         raise GenerationError(
             f"num_steps {steps} is more than the scheduler's num_train_timesteps "
             f"{config['num_train_timesteps']}"
         )
-    schedule = MAKERS[name](config, steps)
+    schedule = MAKERS[name](config, steps) if strength is None else SHORTENED[name](config, steps, strength)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
     if name in ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler"):
         runs = 2 * steps - 1  # two runs a step, but the last

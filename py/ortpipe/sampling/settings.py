@@ -71,7 +71,6 @@ def check_combination(s: SearchSettings) -> None:
     if s.num_beams > 1 and s.logprobs is not None:
         raise GenerationError("beam search does not give logprobs; set num_beams 1 or drop logprobs")
     if s.num_return_sequences > s.num_beams:
-
         raise GenerationError(
             f"num_return_sequences ({s.num_return_sequences}) needs as many beams; raise "
             f"num_beams to at least {s.num_return_sequences} (sampling returns one sequence)"

@@ -292,7 +292,6 @@ async def _form_body(request: Request) -> Any:
 async def _json_body(request: Request) -> Any:
     body = await _body(request)
     try:
-
         return json.loads(body)
     except (ValueError, RecursionError):
         raise InvalidRequest(

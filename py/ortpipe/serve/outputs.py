@@ -23,7 +23,6 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 - edits: OpenAI's multipart form (forms.py): one `image` file, `prompt`, `n`, `size` auto or the image's;
   the extras above and `strength` (diffusers' name). `mask` (inpainting) and `input_fidelity` are refused.
 
-
 `OutputRow` runs a checked query on the engine thread, one advance of the core's request per engine step
 (a batch of texts, a denoising step), so a long image does not hold back the other clients.
 """
@@ -56,7 +55,6 @@ ENDPOINTS = {
     "speech": "POST /v1/audio/speech",
     "images": "POST /v1/images/generations and POST /v1/images/edits",
 }
-
 OUTPUT_KINDS = {"embedding": "embeddings", "audio": "speech", "image": "images"}
 KINDS = {
     "completions": "a text",
@@ -127,7 +125,6 @@ class OutputQuery:
     """A checked request of one of the output endpoints."""
 
     endpoint: str  # "embeddings", "speech" or "images" (an edit too: its image in `images`)
-
     model: str
     texts: tuple[str, ...]  # the inputs to embed, or the one text to speak or draw
     encoding: str = "float"  # embeddings: float or base64
@@ -265,7 +262,6 @@ def parse_image_edit(form: Form) -> OutputQuery:
         raise _unsupported("input_fidelity", "is not served: send 'strength' (0 to 1, how much of the "
                                              "image is redrawn) instead")
     image = _upload_image(uploads)
-
     height, width = image.shape[:2]
     size = body.get("size")
     if size not in (None, "auto") and size != f"{width}x{height}":
@@ -321,7 +317,6 @@ def _upload_image(uploads: list[Upload]) -> Any:
 
     try:
         return decode_image_bytes(uploads[0].data, uploads[0].filename or "image", MAX_EDIT_SIDE)
-
     except GenerationError as e:
         raise InvalidRequest(f"Invalid 'image': {e}.", "image", "invalid_image") from None
 
@@ -394,7 +389,6 @@ def _image_query(body: dict[str, Any]) -> OutputQuery:
 def check_query(pipe: Any, query: OutputQuery) -> None:
     """What the loaded model decides about a query, before it runs."""
     if query.endpoint == "images" and query.size is not None and not query.images:  # an edit's: its image's
-
         made = image_size(pipe)
         if made is None:
             raise InvalidRequest(
@@ -448,7 +442,6 @@ class OutputRow:
         if q.images:
             settings["images"] = list(q.images)
         return self.pipe.request(q.texts[0], **settings)
-
 
     def step(self) -> bool:
         """Advance the query once; True when it is done."""

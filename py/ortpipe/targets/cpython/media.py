@@ -31,7 +31,6 @@ def decode_image(path: str | os.PathLike[str]) -> np.ndarray:
     Transparent pixels are laid over white, as transformers' convert_to_rgb does.
     """
     file = _existing(path, "image")
-
     return _decoded(file, str(file))
 
 
