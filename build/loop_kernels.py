@@ -11,6 +11,8 @@ noise and scheduler steps, and turning a VAE's output into an image.
   and the scaling (and repetition, for guidance) of the next UNet input.
 - `image_latents`: image-to-image's first latents, a draw of a VAE encoder's latent distribution, scaled
   and noised to the first step's level.
+- `inpaint_mask`, `inpaint_blend`: inpainting's mask at the latents' size, and the blend after each step of
+  a UNet of the latents' channels (the kept region back to the image's latents, noised to the next step).
 - `divide`, `vae_image`, `rgba8`: the final latents divided by the VAE's scaling factor (plus its shift);
   the VAE's [-1, 1] output as a [0, 1] image [batch, height, width, 3]; that image as RGBA bytes.
 
@@ -178,6 +180,45 @@ def image_latents(elem: int) -> onnx.GraphProto:
     return helper.make_graph(n.nodes, "image_latents", inputs, [_latents("latents")])
 
 
+def inpaint_mask(_: int) -> onnx.GraphProto:
+    """mask_image uint8 [height, width, 3], stride int64 [1] (the VAE's pixels per latent) -> mask float32
+    [1, 1, height / stride, width / stride]: 1 where the image is repainted. As diffusers' inpainting
+    pipeline makes it: the image's luminance as Pillow's convert("L") rounds it ((19595 R + 38470 G + 7471 B
+    + 32768) >> 16), binarized at 0.5 (L / 255 >= 0.5: L >= 128), then resized to the latents' size by
+    torch's nearest interpolation (the first pixel of each stride x stride block)."""
+    n = _Nodes("")
+    starts, ends = n.const([0, 0], I64), n.const([INT64_MAX, INT64_MAX], I64)
+    steps = n.op("Concat", "stride", "stride", axis=0)
+    picked = n.op("Cast", n.op("Slice", "mask_image", starts, ends, n.const([0, 1], I64), steps), to=I64)
+    weighted = n.op("Mul", picked, n.const([19595, 38470, 7471], I64))
+    luminance = n.op("Div", n.op("Add", n.op("ReduceSum", weighted, n.const([2], I64), keepdims=0),
+                                 n.const(32768, I64)), n.const(65536, I64))
+    repaint = n.op("Cast", n.op("GreaterOrEqual", luminance, n.const(128, I64)), to=F32)
+    n.op("Unsqueeze", repaint, n.const([0, 1], I64), out="mask")
+    inputs = [_tensor("mask_image", TensorProto.UINT8, ["height", "width", 3]), _tensor("stride", I64, [1])]
+    return helper.make_graph(n.nodes, "inpaint_mask", inputs,
+                             [_tensor("mask", F32, [1, 1, "latent_height", "latent_width"])])
+
+
+def inpaint_blend(elem: int) -> onnx.GraphProto:
+    """After a step of inpainting with a UNet of the latents' channels (diffusers' blend): x (the step's
+    latents), image_latents z (the image's clean latents), noise (the first latents' noise), mask [1, 1, h, w]
+    (1: repaint), coefficients [a, b, next_input_scale] (the next step's add_noise level; 1, 0 after the
+    last) -> x_blended = (1 - mask) * (a * z + b * noise) + mask * x, and the next UNet input (scaled,
+    repeated for guidance)."""
+    n = _Nodes("")
+    c = [n.op("Gather", "coefficients", n.const(k, I64)) for k in range(3)]
+    kept = n.op("Add", n.op("Mul", "image_latents", c[0]), n.op("Mul", "noise", c[1]))
+    keep = n.op("Sub", n.const(1.0, F32), "mask")
+    x = n.op("Add", n.op("Mul", keep, kept), n.op("Mul", "mask", "x"), out="x_blended")
+    n.op("Cast", n.op("Tile", n.op("Mul", x, c[2]), "repeats"), to=elem, out="sample")
+    inputs = [_latents("x"), _latents("image_latents"), _latents("noise"),
+              _tensor("mask", F32, [1, 1, "height", "width"]), _tensor("coefficients", F32, [3]),
+              _tensor("repeats", I64, [4])]
+    return helper.make_graph(n.nodes, "inpaint_blend", inputs,
+                             [_latents("x_blended"), _latents("sample", elem, "rows")])
+
+
 def _row_std(n: _Nodes, x: str) -> str:
     """The unbiased standard deviation of each row of latents [batch, channels, height, width]:
     [batch, 1, 1, 1]."""
@@ -327,6 +368,8 @@ LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]
     "l2_normalize": (l2_normalize, ("float32",)),
     "normal": (normal, ("float32",)),
     "image_latents": (image_latents, FLOATS),  # the VAE encoder's type
+    "inpaint_mask": (inpaint_mask, ("uint8",)),
+    "inpaint_blend": (inpaint_blend, FLOATS),  # the UNet's type
     "denoise_init": (denoise_init, FLOATS),  # the UNet's type: its sample in, its output out
     "denoise_step": (denoise_step, FLOATS),
     "divide": (divide, FLOATS),  # the VAE's type

@@ -485,22 +485,17 @@ def img2img_refs(spec: dict) -> None:
     the pipeline adds at the first retained timestep (`add_noise`), and the scheduler's per-step noise
     (`noise`, one row per retained UNet run of a scheduler that draws, else none); each consumed exactly.
     Writes references/img2img.json: per case its image (float, before uint8), final latents, the
-    timesteps the pipeline ran (diffusers' schedule from `begin_index` on) and the tokenizer's ids."""
+    timesteps the pipeline ran (diffusers' schedule from `begin_index` on) and the tokenizer's ids.
+    StableDiffusionInpaintPipeline (spec["mask_image"] beside): the encoder draws twice, the image's sample
+    and the masked image's (`masked_noise`), and the file is references/inpaint.json."""
     import diffusers
     import numpy as np
     import torch
-    from PIL import Image
 
     kind = spec["pipeline"]
-    # Stable Diffusion 3's parts load with diffusers' own strict from_pretrained (as sd3_refs loads them)
-    pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if kind == SD3_IMG2IMG
-            else _load_sdxl(spec["hf"], kind) if kind == SDXL_IMG2IMG else _load_sd(spec["hf"], kind))
-    pipe.set_progress_bar_config(disable=True)
+    pipe, init, masking = _img2img_pipeline(spec)
     refs = Path(spec["out"]) / "references"
-    with Image.open(refs / spec["init_image"]) as opened:
-        init = opened.copy()
-    if init.mode != "RGB":
-        raise RuntimeError(f"the init image is {init.mode}, not RGB")
+    inpaint = kind == INPAINT
     shape = spec["latent_shape"]
     index = []
     seen: list = []  # Stable Diffusion XL: the size conditioning the pipeline hands its UNet, each call
@@ -521,12 +516,15 @@ def img2img_refs(spec: dict) -> None:
         gen = torch.Generator().manual_seed(case["seed"])
         drawn = {"encode_noise": torch.randn(shape, generator=gen).numpy(),
                  "add_noise": torch.randn(shape, generator=gen).numpy()}
+        if inpaint:  # the masked image's encoding, which a UNet of the latents' channels does not read
+            drawn["masked_noise"] = torch.randn(shape, generator=gen).numpy()
         if case["noisy"]:  # LCM adds none after its last step
             drawn["noise"] = torch.randn([runs - 1 if lcm else runs, *shape], generator=gen).numpy()
         files = {key: f"{name}.{key}.npy" for key in drawn}
         for key, value in drawn.items():
             np.save(refs / files[key], value)
-        givens = {"encode_noise": _GivenNoise(drawn["encode_noise"][None]),
+        encoded = [drawn["encode_noise"], *([drawn["masked_noise"]] if inpaint else [])]
+        givens = {"encode_noise": _GivenNoise(np.stack(encoded)),
                   "add_noise": _GivenNoise(drawn["add_noise"][None]),
                   "noise": _GivenNoise(drawn.get("noise"))}
         ran: list[float] = []
@@ -543,7 +541,7 @@ def img2img_refs(spec: dict) -> None:
               _noise_in(cls.__module__, givens["noise"]), torch.no_grad()):
             image = pipe(case["prompt"], image=init, strength=strength, num_inference_steps=steps,
                          guidance_scale=case["guidance_scale"], output_type="np", callback_on_step_end=keep,
-                         **optional).images
+                         **optional, **masking).images
         for key, given in givens.items():
             wanted = 0 if given.noise is None else len(given.noise)
             if given.calls != wanted:
@@ -560,16 +558,40 @@ def img2img_refs(spec: dict) -> None:
         index.append({**{k: v for k, v in case.items() if k != "noisy"}, "zero_negative": bool(zeros),
                       "scheduler": json.loads(pipe.scheduler.to_json_string()),
                       "init_image": spec["init_image"], **files, "noise": files.get("noise"),
+                      **({"mask_image": spec["mask_image"]} if inpaint else {}),
                       "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
                       "timesteps": ran, "begin_index": len(pipe.scheduler.timesteps) - len(ran),
                       "noise_draws": givens["noise"].calls, "pipeline": spec["pipeline"],
                       **({"time_ids": seen[0]} if seen else {}),
                       **_prompt_ids(pipe, case["prompt"], negative, kind)})
-    _write_json(refs / "img2img.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor,
-                                        "init_image": spec["init_image"], "cases": index})
+    _write_json(refs / ("inpaint.json" if inpaint else "img2img.json"),
+                {"vae_scaling_factor": pipe.vae.config.scaling_factor, "init_image": spec["init_image"],
+                 "cases": index})
+
+
+def _img2img_pipeline(spec: dict):
+    """(the pipeline of spec["pipeline"], the init image, the call's mask_image argument: inpainting's)."""
+    import diffusers
+    from PIL import Image
+
+    kind = spec["pipeline"]
+    # Stable Diffusion 3's parts load with diffusers' own strict from_pretrained (as sd3_refs loads them)
+    pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if kind == SD3_IMG2IMG
+            else _load_sdxl(spec["hf"], kind) if kind == SDXL_IMG2IMG else _load_sd(spec["hf"], kind))
+    pipe.set_progress_bar_config(disable=True)
+    refs = Path(spec["out"]) / "references"
+    with Image.open(refs / spec["init_image"]) as opened:
+        init = opened.copy()
+    if init.mode != "RGB":
+        raise RuntimeError(f"the init image is {init.mode}, not RGB")
+    if kind != INPAINT:
+        return pipe, init, {}
+    with Image.open(refs / spec["mask_image"]) as opened:
+        return pipe, init, {"mask_image": opened.copy()}
 
 
 SD3_IMG2IMG = "StableDiffusion3Img2ImgPipeline"
+INPAINT = "StableDiffusionInpaintPipeline"
 LCM_IMG2IMG = "LatentConsistencyModelImg2ImgPipeline"  # the guidance embedded: no unconditional row
 SDXL_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
 

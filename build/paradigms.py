@@ -510,19 +510,69 @@ def init_image(path: Path, size: int = 32) -> Path:
     return path
 
 
+def mask_image(path: Path, size: int = 32) -> Path:
+    """The inpainting cases' mask, an 8-bit RGB PNG written byte by byte: white (repaint) over a rectangle
+    that cuts the init image's red square, black elsewhere; one row of greys 127 and 128 and a colour on
+    the pixels diffusers' nearest resize picks (every 4th), where the luminance threshold decides."""
+    rows = bytearray()
+    for y in range(size):
+        rows.append(0)
+        for x in range(size):
+            pixel = (255, 255, 255) if 14 <= x < 30 and 4 <= y < 20 else (0, 0, 0)
+            if y == 24:
+                pixel = ((127, 127, 127), (128, 128, 128), (200, 60, 90), (90, 200, 60))[x // 4 % 4]
+            rows += bytes(pixel)
+    header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
+                     + _png_chunk(b"IDAT", zlib.compress(bytes(rows), 9)) + _png_chunk(b"IEND", b""))
+    return path
+
+
+# Inpainting (diffusers' StableDiffusionInpaintPipeline) over sd-tiny, whose UNet takes the latents' 4
+# channels: after each step the kept region goes back to the image's latents noised to the next step.
+# (name, scheduler class, prediction_type, timestep_spacing, steps, strength, guidance_scale, negative prompt)
+INPAINT_CASES = (
+    ("inp-euler-eps-leading-cfg", "EulerDiscreteScheduler", "epsilon", "leading", 4, 1.0, 7.5, NEGATIVE),
+    ("inp-ddim-v-linspace", "DDIMScheduler", "v_prediction", "linspace", 5, 0.6, 1.0, None),
+    ("inp-dpm-eps-trailing-cfg", "DPMSolverMultistepScheduler", "epsilon", "trailing", 6, 0.75, 7.5, None),
+    ("inp-euler_a-eps-leading", "EulerAncestralDiscreteScheduler", "epsilon", "leading", 4, 1.0, 1.0, None),
+    ("inp-pndm-eps-leading-cfg", "PNDMScheduler", "epsilon", "leading", 5, 1.0, 7.5, NEGATIVE),
+    ("inp-heun-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 0.5, 1.0, None),
+    ("inp-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 1.0, 1.0, None),
+)
+INPAINT_MASK = "mask.png"
+
+
+def inpaint_cases() -> list[dict]:
+    return [{"name": name, "scheduler": {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
+                                         "timestep_spacing": spacing,
+                                         **({"skip_prk_steps": True} if cls == "PNDMScheduler" else {})},
+             "num_inference_steps": steps, "strength": strength, "guidance_scale": guidance, "prompt": PROMPT,
+             "negative_prompt": negative, "seed": seed, "noisy": cls in NOISY_SCHEDULERS}
+            for seed, (name, cls, prediction, spacing, steps, strength, guidance, negative)
+            in enumerate(INPAINT_CASES, 800)]
+
+
 def make_sd_tiny(out: Path) -> Path:
-    """optimum's export of sd-tiny-diffusers with the text-to-image references (cases.json) and the
-    image-to-image ones (img2img.json, from references/init.png)."""
+    """optimum's export of sd-tiny-diffusers with the text-to-image references (cases.json), the
+    image-to-image ones (img2img.json, from references/init.png) and the inpainting ones (inpaint.json,
+    references/mask.png beside)."""
     exported_with_references(out, "sd-tiny-diffusers", sd_cases(), "sd-refs")
-    return with_img2img_references(out, "sd-tiny-diffusers", img2img_cases(),
-                                   "StableDiffusionImg2ImgPipeline")
+    with_img2img_references(out, "sd-tiny-diffusers", img2img_cases(), "StableDiffusionImg2ImgPipeline")
+    mask_image(out / "references" / INPAINT_MASK)
+    return with_img2img_references(out, "sd-tiny-diffusers", inpaint_cases(),
+                                   "StableDiffusionInpaintPipeline", mask_image=INPAINT_MASK)
 
 
-def with_img2img_references(out: Path, torch_folder: str, cases: list[dict], pipeline: str) -> Path:
-    """references/init.png and diffusers' image-to-image `pipeline` on each case (img2img.json)."""
+def with_img2img_references(out: Path, torch_folder: str, cases: list[dict], pipeline: str,
+                            **spec: str) -> Path:
+    """references/init.png and diffusers' image-to-image `pipeline` on each case (img2img.json; an
+    inpainting pipeline's, given `mask_image`: inpaint.json)."""
     init_image(out / "references" / IMG2IMG_INIT)
     _reference_env("img2img-refs", {"hf": str(get(torch_folder)), "out": str(out), "pipeline": pipeline,
-                                    "init_image": IMG2IMG_INIT, "cases": cases, "latent_shape": [1, 4, 8, 8]})
+                                    "init_image": IMG2IMG_INIT, "cases": cases, "latent_shape": [1, 4, 8, 8],
+                                    **spec})
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -667,10 +667,12 @@ def _conditioning(folder: Path, prompt_ids: Sequence[int], negative_prompt_ids: 
 
 def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, start: int = 0,
              guidance_scale: float = 1.0, guidance_rescale: float = 0.0, noise: np.ndarray | None = None,
-             timestep_cond: np.ndarray | None = None, added: Arrays | None = None) -> np.ndarray:
+             timestep_cond: np.ndarray | None = None, added: Arrays | None = None,
+             after: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """The latents (float64, each step's result rounded to float32) after the UNet and `scheduler` ran from
     run `start` of its schedule to the end from latents `x`; `noise[k]` is the noise of run start + k;
-    `added`: more UNet inputs, the same each run (Stable Diffusion XL's text_embeds and time_ids)."""
+    `added`: more UNet inputs, the same each run (Stable Diffusion XL's text_embeds and time_ids);
+    `after(i, x)`: the latents after run i's step (inpainting's blend)."""
     guided = guidance_scale > 1
     drawing = [i for i in scheduler.noise_steps if i >= start]
     if drawing and noise is None:
@@ -694,6 +696,8 @@ def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, 
                 output = guidance_rescale * output * ratio + (1 - guidance_rescale) * output
         step_noise = noise[i - start].astype(np.float64) if i in scheduler.noise_steps else None
         x = scheduler.step(output, i, x, step_noise).astype(np.float32).astype(np.float64)
+        if after is not None:
+            x = after(i, x)
     return x
 
 
@@ -781,6 +785,49 @@ def image_to_image(folder: Path | str, scheduler_config: Mapping, steps: int, st
     x = x.astype(np.float32).astype(np.float64)  # diffusers' latents are float32
     x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale, noise=noise,
                  timestep_cond=timestep_cond)
+    return _decode(folder, x), x.astype(np.float32)
+
+
+def inpaint_mask(mask: np.ndarray, factor: int) -> np.ndarray:
+    """StableDiffusionInpaintPipeline's mask at the latents' size, [1, 1, h / factor, w / factor]: Pillow's
+    luminance of the uint8 RGB mask over 255, binarized at 0.5, resized by nearest interpolation (torch's
+    picks the first pixel of each factor x factor block)."""
+    from PIL import Image
+
+    luminance = np.asarray(Image.fromarray(mask).convert("L")).astype(np.float32) / np.float32(255.0)
+    binary = (luminance >= 0.5).astype(np.float32)
+    return binary[::factor, ::factor][None, None]
+
+
+def inpaint(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float, image: np.ndarray,
+            mask: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray, prompt_ids: Sequence[int],
+            negative_prompt_ids: Sequence[int] | None = None, guidance_scale: float = 1.0,
+            noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(image, final latents) as StableDiffusionInpaintPipeline computes them with a UNet of the latents'
+    channels: at strength 1 the first latents are the noise times init_noise_sigma, else the image's latents
+    noised as image_to_image's; after each step the region the mask keeps (black) is set back to the
+    image's latents noised by add_noise to the next run's level (clean after the last run)."""
+    folder = Path(folder)
+    embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
+    scheduler = make_scheduler(scheduler_config, steps)
+    latents = encode_image(folder, image, encode_noise).astype(np.float64)
+    e = add_noise.astype(np.float64)
+    if strength == 1.0:
+        start, x = 0, e * scheduler.init_noise_sigma
+    else:
+        start = strength_start(scheduler, steps, strength)
+        x = scheduler.add_noise(latents, e, start)
+    x = x.astype(np.float32).astype(np.float64)
+    config = json.loads((folder / "vae_encoder" / "config.json").read_text())
+    repaint = inpaint_mask(mask, 2 ** (len(config["block_out_channels"]) - 1)).astype(np.float64)
+    last = len(scheduler.timesteps) - 1
+
+    def blend(i: int, x: np.ndarray) -> np.ndarray:
+        kept = latents if i == last else scheduler.add_noise(latents, e, i + 1).astype(np.float32)
+        return ((1 - repaint) * kept + repaint * x).astype(np.float32).astype(np.float64)
+
+    x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale, noise=noise,
+                 after=blend)
     return _decode(folder, x), x.astype(np.float32)
 
 

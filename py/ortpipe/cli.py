@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
         "or the one image image-to-image starts from (a denoising folder with an image encoder; --strength)",
     )
     run.add_argument(
+        "--mask",
+        metavar="PATH",
+        help="inpainting: an image of --image's size, white where it is repainted, black where it is kept "
+        "(--strength defaults to 1 then: the repainted region from noise alone)",
+    )
+    run.add_argument(
         "--audio",
         action="append",
         default=[],
@@ -261,6 +267,7 @@ def _run(args: argparse.Namespace) -> int:
         inputs=read_inputs(args.input) or None,
         images=args.image,
         audios=args.audio,
+        mask=args.mask,
         **_settings(args),
     )
     trace = Trace() if args.trace or args.verbose else None

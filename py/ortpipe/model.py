@@ -345,12 +345,15 @@ class Model:
         inputs: dict[str, Handle] | None = None,
         images: list[Image] | None = None,
         audios: list[Handle] | None = None,
+        mask: Image | None = None,
         **settings: Any,
     ) -> Work:
         """A Request for what the caller asks (work: images and audio are preprocessed by kernels).
         `images`: decoded uint8 [h, w, 3] images with their height and width; `audios`: float32
         waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs.
         A single_pass or denoising folder makes an OutputRequest (loops/setup.py)."""
+        if mask is not None and (self.loop is None or self.loop.denoising is None):
+            raise GenerationError("a mask is inpainting's: it goes with an image to a denoising folder")
         if self.loop is not None:
             if messages is not None or audios or (images and self.loop.denoising is None):
                 raise GenerationError(
@@ -368,6 +371,7 @@ class Model:
                 prompt_ids,
                 inputs,
                 list(images or []),
+                mask,
                 max_new_tokens=max_new_tokens,
                 max_length=max_length,
                 **settings,

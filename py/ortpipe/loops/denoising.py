@@ -345,6 +345,7 @@ class DenoisingRequest(OutputRequest):
         own: dict[str, tuple[list[list[int]], TextSetup]] | None = None,
         zeros: bool = False,
         image: Image | None = None,
+        mask: Image | None = None,
     ):
         super().__init__(plan)
         self.backend, self.setup, self.schedule = backend, setup, schedule
@@ -354,6 +355,9 @@ class DenoisingRequest(OutputRequest):
         self.noise = Noise(backend, seed)
         self.latents = latents
         self.image = image  # image-to-image's (schedule.noised is set then)
+        # inpainting's mask (1: repaint) at the latents' size, the image's clean latents and the first
+        # latents' noise, which the blend after each step reads
+        self.mask, self.inpaint = mask, None
         self.shape = _image_shape(setup, image, backend) if image else _latent_shape(setup, latents, backend)
         self.zeros = zeros  # the unconditional row's text states are zeros (force_zeros_for_empty_prompt)
         text_feeds, _ = text_inputs(plan, backend, rows, text, own) if rows or own else ({}, None)
@@ -402,7 +406,9 @@ class DenoisingRequest(OutputRequest):
             values = guidance_embedding(self.guidance, width)
             self.flow.loop_inputs["timestep_cond"] = b.tensor(values, (1, width), dtype)
         latents, sigma = self.latents, self.schedule.init_noise_sigma
-        if self.image is not None and encoder is not None:
+        if self.mask is not None and encoder is not None:
+            latents, sigma = yield from self._inpaint_start(encoder)
+        elif self.image is not None and encoder is not None:
             latents, sigma = (yield from self._image_latents(encoder)), 1.0
         elif latents is None:
             latents = yield from self.noise.draw(self.shape, "init")
@@ -434,19 +440,41 @@ class DenoisingRequest(OutputRequest):
             "std": b.tensor([0.5] * 3, (3,), "float32")}, ("pixel_values",), None, "init")
         return out["pixel_values"]
 
-    def _image_latents(self, encoder: ImageEncoder) -> Work:
-        """A draw of the encoder's latent distribution, scaled, noised to the first step's level: diffusers'
-        noise draws in its order (the distribution's sample, then add_noise's)."""
+    def _image_latents(self, encoder: ImageEncoder, draws: tuple[Handle, Handle] | None = None,
+                       noised: tuple[float, float] | None = None) -> Work:
+        """A draw of the encoder's latent distribution, scaled, noised to the first step's level (or as
+        `noised` says): diffusers' noise draws in its order (the distribution's sample, then add_noise's),
+        or the given `draws`."""
         b = self.backend
-        sample_noise = yield from self.noise.draw(self.shape, "init")
-        noise = yield from self.noise.draw(self.shape, "init")
-        signal, level = self.schedule.noised or (1.0, 0.0)
+        if draws is None:
+            sample_noise = yield from self.noise.draw(self.shape, "init")
+            noise = yield from self.noise.draw(self.shape, "init")
+        else:
+            sample_noise, noise = draws
+        signal, level = noised or self.schedule.noised or (1.0, 0.0)
         out = yield Run(kernel("image_latents", encoder.output_dtype), {
             "parameters": self.flow.values[f"{encoder.session}.{encoder.output}"],
             "sample_noise": sample_noise, "noise": noise,
             "coefficients": b.tensor([encoder.scaling_factor, encoder.shift_factor, signal, level], (4,),
                                      "float32")}, ("latents",), None, "init")
         return out["latents"]
+
+    def _inpaint_start(self, encoder: ImageEncoder) -> Work:
+        """Inpainting's first latents and what its blend reads (diffusers' StableDiffusionInpaintPipeline):
+        the image's clean latents z, the noise e, the mask at the latents' size; the first latents are e
+        times the initial sigma at strength 1 (schedule.noised None), else z noised to the first step."""
+        b = self.backend
+        sample_noise = yield from self.noise.draw(self.shape, "init")
+        draws = sample_noise, (yield from self.noise.draw(self.shape, "init"))
+        clean = yield from self._image_latents(encoder, draws, (1.0, 0.0))
+        mask, height, width = self.mask
+        made = yield Run(kernel("inpaint_mask", "uint8"), {
+            "mask_image": mask, "stride": b.tensor([height // self.shape[2]], (1,), "int64")},
+            ("mask",), None, "init")
+        self.inpaint = (clean, draws[1], made["mask"])
+        if self.schedule.noised is None:
+            return draws[1], self.schedule.init_noise_sigma
+        return (yield from self._image_latents(encoder, draws)), 1.0
 
     def _zero_unconditional(self) -> Work:
         """A row of zeros in front of each init output the step reads (the text encoders ran on the prompt
@@ -505,6 +533,22 @@ class DenoisingRequest(OutputRequest):
         self.x, self.sample = made["x_next"], made["sample"]
         if step.remember:
             self.memory = [made["x0"], *self.memory[:2]]
+        if self.inpaint is not None:
+            yield from self._blend(label, following)
+
+    def _blend(self, label: str, following: float) -> Work:
+        """Inpainting with a UNet of the latents' channels: the region kept goes back to the image's
+        latents, noised to the next step's level (its add_noise; clean after the last step)."""
+        b, steps = self.backend, self.schedule.steps
+        clean, noise, mask = self.inpaint
+        ahead = steps[self.step + 1].noised if self.step + 1 < len(steps) else (1.0, 0.0)
+        if ahead is None:  # schedulers.py gives every step a level
+            raise GenerationError(f"{self.schedule.name} step {self.step + 2} has no add_noise level")
+        made = yield Run(kernel("inpaint_blend", self.setup.sample_dtype), {
+            "x": self.x, "image_latents": clean, "noise": noise, "mask": mask,
+            "coefficients": b.tensor([*ahead, following], (3,), "float32"), "repeats": self.repeats},
+            ("x_blended", "sample"), None, label)
+        self.x, self.sample = made["x_blended"], made["sample"]
 
     def _finish(self) -> Work:
         """The final latents over the VAE's scaling factor into the final phase; the named outputs."""

@@ -603,8 +603,11 @@ def heun(config: Mapping[str, Any], steps: int) -> Schedule:
         out.append(euler_step)
         if after > 0:  # the correction, run at the next timestep and sigma
             half = dt / (2 * after)
+            # noised: diffusers' add_noise after this run's predecessor (inpainting's blend) reads the
+            # run's sigma in its interleaved sigmas, here the next one
             out.append(_step(timesteps[j + 1], 1 / (after * after + 1) ** 0.5, _x0_sigma(config, after), clip,
-                             x=1.0, from_x0=-half, previous=half, remember=False))
+                             x=1.0, from_x0=-half, previous=half, remember=False,
+                             noised=_noised_sigma(after)))
     return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
 
@@ -629,7 +632,8 @@ def kdpm2(config: Mapping[str, Any], steps: int) -> Schedule:
         if middle > 0:
             out.append(_step(f32(_sigma_to_t(middle, logs)), 1 / (middle * middle + 1) ** 0.5,
                              _x0_sigma(config, middle), x=after / middle, from_x0=-(after - sigma) / middle,
-                             previous=(middle - sigma) / middle, remember=False))
+                             previous=(middle - sigma) / middle, remember=False,
+                             noised=_noised_sigma(after)))  # diffusers' add_noise: its sigmas, not the mean
     return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
 

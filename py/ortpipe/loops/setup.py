@@ -123,10 +123,11 @@ def output_request(
     prompt_ids: Any = None,
     inputs: dict[str, Handle] | None = None,
     images: list[Image] | None = None,
+    mask: Image | None = None,
     **given: Any,
 ) -> Any:
-    """A request of the folder's single_pass or denoising loop (`images`: image-to-image's one image; Model
-    refuses them for the other loops)."""
+    """A request of the folder's single_pass or denoising loop (`images`: image-to-image's one image, with
+    `mask` inpainting's; Model refuses them for the other loops)."""
     if plan.config.generation.codebooks is not None:
         return _codebook_request(plan, backend, setup, tokenizer, prompt, prompt_ids, inputs, given)
     inputs = dict(inputs or {})
@@ -146,6 +147,8 @@ def output_request(
     rows = _rows(plan, tokenizer, setup.text, prompt, prompt_ids, setup.own)
     guided = _guided(setup.denoising, settings, given)
     image = _image(setup.denoising, images or [], latents, inputs, given)
+    if mask is not None:
+        _check_mask(setup.denoising, image, mask, backend)
     # diffusers' StableDiffusionXLPipeline: no negative prompt and force_zeros_for_empty_prompt make the
     # unconditional row's text states zeros; else its text is the negative prompt, or ""
     zeros = guided and settings["negative_prompt"] is None and settings["force_zeros_for_empty_prompt"]
@@ -155,6 +158,9 @@ def output_request(
     own = {name: (encode_texts(own_tokenizer, [*unconditional, prompt], own_text.max_length), own_text)
            for name, (own_tokenizer, own_text) in setup.own.items()}
     strength = settings["strength"] if image is not None else None
+    if mask is not None:  # StableDiffusionInpaintPipeline's default strength is 1: from noise alone
+        strength = given["strength"] if given.get("strength") is not None else 1.0
+        strength = None if strength == 1.0 else strength
     schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"], strength)
     return DenoisingRequest(
         plan,
@@ -170,7 +176,32 @@ def output_request(
         own,
         zeros,
         image,
+        mask,
     )
+
+
+def _check_mask(setup: DenoisingSetup, image: Image | None, mask: Image, backend: Any) -> None:
+    """A GenerationError for a mask inpainting cannot take."""
+    if image is None:
+        raise GenerationError("a mask says which part of an image to repaint: pass the image (images=[...])")
+    if (mask[1], mask[2]) != (image[1], image[2]):
+        raise GenerationError(
+            f"the mask is {mask[1]}x{mask[2]} pixels and the image {image[1]}x{image[2]} (height x width): "
+            "give a mask of the image's size"
+        )
+    if backend.shape(mask[0])[-1] != 3:
+        raise GenerationError("the mask must be an RGB image (white repaints, black keeps)")
+    name = setup.scheduler["_class_name"]
+    if name in ("LCMScheduler", "FlowMatchEulerDiscreteScheduler"):
+        raise GenerationError(
+            f"inpainting with {name} is not built (diffusers' StableDiffusionInpaintPipeline runs the "
+            "other schedulers): use another scheduler or drop the mask"
+        )
+    if setup.time_ids_dtype is not None:
+        raise GenerationError(
+            "inpainting is built for Stable Diffusion 1.x and 2.x folders (StableDiffusionInpaintPipeline); "
+            "Stable Diffusion XL's inpainting pipeline is not: drop the mask"
+        )
 
 
 def _image(setup: DenoisingSetup, images: list[Image], latents: Any, inputs: dict[str, Handle],

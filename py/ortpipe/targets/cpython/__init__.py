@@ -137,12 +137,15 @@ class Pipeline:
         images: list[Any] | None = None,
         audios: list[Any] | None = None,
         inputs: dict[str, Any] | None = None,
+        mask: Any = None,
         **options: Any,
     ) -> Request:
         """A request to drive (`drive`): `prompt`, `prompt_ids` or `messages`; `images`: paths or uint8
         [h, w, 3] arrays; `audios`: .wav paths or float32 mono arrays at the feature extractor's rate;
-        `inputs`: arrays for named session inputs."""
+        `inputs`: arrays for named session inputs; `mask`: inpainting's, a path or uint8 [h, w, 3] array of
+        the image's size (white repaints, black keeps)."""
         decoded = [_image(i) for i in _listed(images, "images")]
+        masked = None if mask is None else _image(mask)
         waves = [_waveform(a, self.model) for a in _listed(audios, "audios")]
         if inputs is not None and (
             not isinstance(inputs, dict)
@@ -157,6 +160,7 @@ class Pipeline:
                 images=[(d, d.shape[0], d.shape[1]) for d in decoded],
                 audios=waves,
                 inputs=inputs,
+                mask=None if masked is None else (masked, masked.shape[0], masked.shape[1]),
                 **options,
             )
         )
