@@ -216,7 +216,8 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
 
     extra = {"seed": 5, "num_inference_steps": 4, "guidance_scale": 2.0, "negative_prompt": "blurry",
              "strength": 0.6}
-    odd, huge = io.BytesIO(), io.BytesIO()
+    odd, huge, opaque_half = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    Image.new("RGBA", (16, 32), (0, 0, 0, 255)).save(opaque_half, "PNG")
     Image.new("RGB", (36, 32), (10, 200, 30)).save(odd, "PNG")
     Image.new("1", (4100, 8)).save(huge, "PNG")  # 4100 pixels wide in a few hundred bytes
     with served(sd_tiny, max_batch=2) as server:
@@ -238,7 +239,10 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
         for fields, status, param, words in [
             ([("model", "m"), ("prompt", "a")], 400, "image", "Missing required parameter"),
             ([*base, ("image[]", png)], 400, "image", "2 images were sent"),
-            ([*base, ("mask", png)], 400, "mask", "inpainting is not built"),
+            ([*base, ("mask", png)], 400, "mask", "has no alpha channel: the region to edit is its fully"),
+            ([*base, ("mask", ("m.png", opaque_half.getvalue()))], 400, "mask",
+             "it is 16x32 pixels, the image"),
+            ([*base, ("mask", "m")], 400, "mask", "expected a file"),
             ([*base, ("input_fidelity", "high")], 400, "input_fidelity", "send 'strength'"),
             ([*base, ("size", "64x64")], 400, "size", "keeps the image's size, 32x32"),
             ([*base, ("strength", "0")], 400, "strength", "redraws nothing"),
@@ -265,6 +269,35 @@ def test_image_edits_equal_the_pipelines_image_to_image(sd_tiny: Path, tmp_path:
         body, kind = form(base)
         status_got, text = raw(server.url, "POST", "/v1/images/edits", body[:-12], {"content-type": kind})
         assert status_got == 400 and "does not end with its boundary" in json.loads(text)["error"]["message"]
+
+
+def test_an_edit_with_a_mask_is_inpainting(sd_tiny: Path) -> None:
+    """OpenAI's mask (fully transparent pixels: the region to edit) through the client's images.edit: the
+    image pipe.generate inpaints with the same region as its mask (white repaints), at strength 1 (the
+    default with a mask) and at 0.6."""
+    from PIL import Image
+
+    references = sd_tiny / "references"
+    init, drawn = references / "init.png", references / "mask.png"
+    with Image.open(drawn) as opened:
+        repaint = np.asarray(opened.convert("L")) >= 128
+    alpha = np.where(repaint, 0, 255).astype(np.uint8)
+    mask = io.BytesIO()
+    Image.fromarray(np.dstack([np.full((32, 32, 3), 90, np.uint8), alpha]), "RGBA").save(mask, "PNG")
+    pipe = ortpipe.load(sd_tiny, threads=1)
+    with served(sd_tiny) as server:
+        client = server.client()
+        for strength in (None, 0.6):
+            extra = {"seed": 3, "num_inference_steps": 4, **({"strength": strength} if strength else {})}
+            got = client.images.edit(model="sd", image=("init.png", init.read_bytes(), "image/png"),
+                                     mask=("mask.png", mask.getvalue(), "image/png"), prompt="a red cube",
+                                     extra_body=extra)
+            expected = pipe.generate("a red cube", images=[init], mask=drawn, seed=3, num_steps=4,
+                                     strength=strength)
+            assert np.array_equal(png_pixels(got.data[0].b64_json),
+                                  np.round(expected.image[0] * 255).astype(np.uint8)), strength
+            plain = pipe.generate("a red cube", images=[init], seed=3, num_steps=4, strength=strength or 1.0)
+            assert np.abs(plain.image - expected.image).max() > 1e-2  # the mask made another image
 
 
 def test_an_edit_on_a_folder_without_an_image_encoder_says_so(sd_tiny: Path, tmp_path: Path) -> None:

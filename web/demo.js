@@ -61,6 +61,7 @@ async function ensureLoaded() {
   }
   loadedKey = `${url}|${device}|${dtype}`;
   $('denoising').hidden = pipe.info.loop !== 'denoising';
+  $('mask-field').hidden = pipe.info.loop !== 'denoising';
   $('token-options').hidden = pipe.info.loop !== 'autoregressive';
   $('settings').hidden = pipe.info.loop !== 'autoregressive';
 
@@ -214,6 +215,7 @@ async function makeOutputs(model, { maxNewTokens, ...options }) {
     });
     if ($('negative-prompt').value && options.guidanceScale > 1) options.negativePrompt = $('negative-prompt').value;
     if (options.images) options.strength = Number($('strength').value); // image-to-image
+    if ($('mask').files.length) options.mask = $('mask').files[0]; // inpainting (refused without an image)
   }
   options.onProgress = ({ step, steps }) => showProgress(step / steps, `Step ${step} of ${steps}`);
   let result;

@@ -62,6 +62,9 @@ export interface GenerateOptions {
    * be fetched or decoded.
    */
   images?: ImageSource[];
+  /** Inpainting (a denoising folder with a VAE encoder): an image of the one in `images`' size, white where
+   * it is repainted, black where it is kept; `strength` defaults to 1 with it. */
+  mask?: ImageSource;
   /** A denoising folder's initial latents (as diffusers' `latents=`): float32 [1, channels, height, width]. */
   latents?: { data: Float32Array | number[]; dims: number[] };
   /** Tensors for named graph inputs (as CPython's `inputs=`), e.g. a plugin's features; the element type
@@ -235,7 +238,7 @@ export class OrtpipeError extends Error {
 }
 
 /** The settings of every turn of a chat; they default to the model's genai_config.json. */
-export type ChatOptions = Omit<GenerateOptions, 'prompt' | 'promptIds' | 'messages' | 'images' | 'maxNewTokens'>;
+export type ChatOptions = Omit<GenerateOptions, 'prompt' | 'promptIds' | 'messages' | 'images' | 'mask' | 'maxNewTokens'>;
 
 export class Pipeline {
   readonly info: PipelineInfo;

@@ -360,6 +360,7 @@ const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase()
 function pythonOptions(options) {
   const named = Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
   if (Array.isArray(named.images)) named.images = named.images.map(absoluteImageUrl);
+  if (named.mask !== undefined && named.mask !== null) named.mask = absoluteImageUrl(named.mask);
   // a draft model folder is a URL relative to the page, as the model's is
   if (typeof named.draft_model === 'string' && named.draft_model) named.draft_model = folderUrl(named.draft_model);
   return named;

@@ -143,10 +143,13 @@ async function run(id, kind, options) {
 async function generate(id, options, interrupted) {
   if (!worker) throw new Error('no model is loaded');
   interruptedEarly = interrupted;
-  const { images, latents, inputs, ...settings } = options;
+  const { images, mask, latents, inputs, ...settings } = options;
   const tensors = images ? await imageTensors(images) : null;
+  // inpainting's mask, decoded as images are (a value of the wrong kind is refused there)
+  const masked = mask === undefined || mask === null ? undefined : (await imageTensors([mask]))[0];
   const named = inputs || latents ? inputTensors({ ...inputs, ...(latents ? { latents } : {}) }) : undefined;
-  const task = worker.task('generate', JSON.stringify({ ...settings, interrupted: interruptedEarly }), tensors, named);
+  const json = JSON.stringify({ ...settings, interrupted: interruptedEarly });
+  const task = worker.task('generate', json, tensors, named, masked);
   return withOutputs(await pump(task, id));
 }
 

@@ -341,6 +341,55 @@ def test_wasm_image_to_image_equals_cpython(page: Any, serve_model: Any, tmp_pat
         assert difference <= WASM["image"]
 
 
+def test_wasm_inpainting_equals_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:
+    """Inpainting in the browser (the mask decoded by the worker beside the image, the inpaint_mask and
+    inpaint_blend kernels): Euler from noise (strength 1, guided) and DDIM at strength 0.6, each the image
+    CPython makes within 1e-4; a mask of the wrong kind is refused."""
+    from build import paradigms
+
+    source = paradigms.get("sd-tiny")
+    folder = Path(shutil.copytree(source, tmp_path / "sd-inpaint",
+                                  ignore=shutil.ignore_patterns("references")))
+    for name in ("init.png", "mask.png"):
+        shutil.copy(source / "references" / name, folder / name)
+    cases = {c["name"]: c for c in _json(source / "references" / "inpaint.json")["cases"]}
+    for case, request in [
+        ("inp-euler-eps-leading-cfg", {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 4,
+                                       "guidanceScale": 6.0, "seed": 3}),
+        ("inp-ddim-v-linspace", {"prompt": "a red cube", "numSteps": 5, "guidanceScale": 1.0,
+                                 "strength": 0.6, "seed": 4}),
+    ]:
+        (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(cases[case]["scheduler"]))
+        expected = ortpipe.load(folder).generate(
+            request["prompt"], images=[folder / "init.png"], mask=folder / "mask.png",
+            negative_prompt=request.get("negativePrompt"), num_steps=request["numSteps"],
+            guidance_scale=request["guidanceScale"], strength=request.get("strength"), seed=request["seed"])
+        model = f"inpaint-{case}"
+        serve_model(model, folder)
+        given = {**request, "images": [f"models/{model}/init.png"], "mask": f"models/{model}/mask.png"}
+        (run,) = in_page(page, model, [{"kind": "generate", "args": [given]}])["runs"]
+        data = np.array(run["data"], np.float32).reshape(run["dims"])
+        difference = float(np.abs(data - expected.image).max())
+        print(f"wasm inpainting {case}: max |browser - CPython| = {difference:.1e}")
+        assert run["timings"]["steps"] == expected.timings.steps and difference <= WASM["image"]
+    errors = page.evaluate("""async (model) => {
+      const {load} = await import('./ortpipe.js');
+      const sd = await load(model, {device: 'wasm'});
+      const errors = [];
+      for (const mask of [42, `${model}mask.png`]) {
+        try {
+          const images = mask === 42 ? {images: [`${model}init.png`]} : {};
+          await sd.generate({prompt: 'x', numSteps: 2, mask, ...images});
+          errors.push(null);
+        } catch (e) { errors.push(e.name + ': ' + e.message); }
+      }
+      sd.dispose();
+      return errors;
+    }""", "models/inpaint-inp-ddim-v-linspace/")
+    assert errors[0].startswith("GenerationError") and "URL, Blob, ImageBitmap or ImageData" in errors[0]
+    assert errors[1].startswith("GenerationError: a mask says which part of an image to repaint")
+
+
 def test_webgpu_outputs_equal_cpython_within_tolerance(page: Any, serve_model: Any, st_minilm: Path,
                                                        vits_tiny: Path, sd_folder: Path) -> None:
     serve_model("st-minilm", st_minilm)
@@ -491,6 +540,25 @@ def test_demo_page_edits_an_image(page: Any, serve_model: Any, sd_folder: Path) 
     assert np.abs(shown[..., :3] - made).max() <= 1
     assert not page.is_visible("#output")  # the image alone: no empty text box under it
     page.screenshot(path=str(SCREENSHOTS / "demo-image-to-image.png"), full_page=True)
+
+    # the mask field: inpainting (white repainted), the strength box's 0.5 with it
+    mask = init.with_name("mask.png")
+    inpainted = ortpipe.load(sd_folder).generate("a blue cube", images=[init], mask=mask, strength=0.5,
+                                                 num_steps=4, guidance_scale=3.0, negative_prompt="blurry",
+                                                 seed=6)
+    page.evaluate("() => { delete document.getElementById('output').dataset.finishReason; "
+                  "document.getElementById('media').replaceChildren(); }")
+    page.set_input_files("#mask", [str(mask)])
+    page.click("#generate")
+    page.wait_for_selector("#output[data-finish-reason], #error:not(:empty)", state="attached",
+                           timeout=120_000)
+    assert page.text_content("#error") == ""
+    pixels = page.eval_on_selector("#media canvas", """(c) => Array.from(
+      c.getContext('2d').getImageData(0, 0, c.width, c.height).data)""")
+    shown = np.array(pixels, np.int32).reshape(32, 32, 4)[..., :3]
+    assert np.abs(shown - np.round(inpainted.image[0] * 255).astype(np.int32)).max() <= 1
+    assert np.abs(inpainted.image - expected.image).max() > 1e-2  # the mask made another image
+    page.screenshot(path=str(SCREENSHOTS / "demo-inpainting.png"), full_page=True)
 
 
 def test_wasm_musicgen_equals_transformers(page: Any, serve_model: Any) -> None:

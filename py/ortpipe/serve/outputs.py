@@ -21,7 +21,9 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
   as vLLM and diffusers servers take them through `extra_body`: `seed`, `num_inference_steps`,
   `guidance_scale`, `guidance_rescale` and `negative_prompt`;
 - edits: OpenAI's multipart form (forms.py): one `image` file, `prompt`, `n`, `size` auto or the image's;
-  the extras above and `strength` (diffusers' name). `mask` (inpainting) and `input_fidelity` are refused.
+  the extras above and `strength` (diffusers' name); `mask`, OpenAI's (a PNG whose fully transparent
+  pixels are the region to edit), makes it inpainting (strength 1 unless given). `input_fidelity` is
+  refused.
 
 `OutputRow` runs a checked query on the engine thread, one advance of the core's request per engine step
 (a batch of texts, a denoising step), so a long image does not hold back the other clients.
@@ -134,6 +136,7 @@ class OutputQuery:
     size: tuple[int, int] | None = None  # images: (width, height) asked for (None: auto)
     settings: dict[str, Any] = field(default_factory=dict)  # images: seed, num_steps, guidance_scale, ...
     images: tuple[Any, ...] = ()  # edits: the image to start from, uint8 [h, w, 3]
+    mask: Any = None  # edits: inpainting's mask, uint8 [h, w, 3], white where it repaints
 
 
 def _text(value: Any, name: str, limit: int | None = None) -> str:
@@ -249,20 +252,18 @@ FORM_DECIMALS = {"guidance_scale", "guidance_rescale", "strength"}
 
 
 def parse_image_edit(form: Form) -> OutputQuery:
-    """POST /v1/images/edits: OpenAI's multipart form (`image` or `image[]` files, `prompt`, ...) as an
-    image-to-image query; `strength` (diffusers' name, default the folder's) rides beside the extras."""
+    """POST /v1/images/edits: OpenAI's multipart form (`image` or `image[]` files, `prompt`, `mask`, ...)
+    as an image-to-image or inpainting query; `strength` (diffusers' name) rides beside the extras."""
     body, uploads = _form_fields(form)
     edit = _check_names(
         body, IMAGE_NAMES | {"mask", "input_fidelity", "strength"} | IMAGE_EXTRAS | IGNORED
     )
-    if body.get("mask") is not None:
-        raise _unsupported("mask", "is not served: inpainting is not built; this server edits the whole "
-                                   "image (image-to-image, its change set by 'strength')")
     if body.get("input_fidelity") is not None:
         raise _unsupported("input_fidelity", "is not served: send 'strength' (0 to 1, how much of the "
                                              "image is redrawn) instead")
     image = _upload_image(uploads)
     height, width = image.shape[:2]
+    mask = None if body.get("mask") is None else _upload_mask(body["mask"], (height, width))
     size = body.get("size")
     if size not in (None, "auto") and size != f"{width}x{height}":
         raise InvalidRequest(
@@ -280,7 +281,28 @@ def parse_image_edit(form: Form) -> OutputQuery:
                 "Invalid 'strength': 0 redraws nothing. Expected a value in (0, 1].", "strength",
                 "invalid_value",
             )
-    return replace(query, size=(width, height), settings=settings, images=(image,))
+    return replace(query, size=(width, height), settings=settings, images=(image,), mask=mask)
+
+
+def _upload_mask(upload: Any, size: tuple[int, int]) -> Any:
+    """OpenAI's mask (a PNG of the image's size whose fully transparent pixels are the region to edit) as
+    the core's: uint8 RGB, white where it repaints, black where it keeps."""
+    from ..targets.cpython.media import mask_from_alpha  # the server runs the CPython target
+
+    if not isinstance(upload, Upload):
+        raise _type_error("mask", "a file", upload)
+    try:
+        mask = mask_from_alpha(upload.data, upload.filename or "mask", MAX_EDIT_SIDE)
+    except GenerationError as e:
+        raise InvalidRequest(f"Invalid 'mask': {e}.", "mask", "invalid_image") from None
+    if mask.shape[:2] != size:
+        raise InvalidRequest(
+            f"Invalid 'mask': it is {mask.shape[1]}x{mask.shape[0]} pixels, the image {size[1]}x{size[0]}: "
+            "send a mask of the image's size.",
+            "mask",
+            "invalid_value",
+        )
+    return mask
 
 
 def _form_fields(form: Form) -> tuple[dict[str, Any], list[Upload]]:
@@ -441,6 +463,8 @@ class OutputRow:
             settings["seed"] += i
         if q.images:
             settings["images"] = list(q.images)
+        if q.mask is not None:
+            settings["mask"] = q.mask
         return self.pipe.request(q.texts[0], **settings)
 
     def step(self) -> bool:

@@ -604,13 +604,13 @@ class Worker:
         self.outputs: list[dict[str, Any]] = []  # the last result's named outputs, for take_outputs
 
     def task(self, kind: str, options: str, images: JsProxy | None = None,
-             tensors: JsProxy | None = None) -> Task:
-        """A Task for the worker's message `kind` with its JSON `options` (and decoded images, and named
-        tensors: a denoising request's latents)."""
-        return Task(self._work(kind, json.loads(options), images, tensors), self.driver)
+             tensors: JsProxy | None = None, mask: JsProxy | None = None) -> Task:
+        """A Task for the worker's message `kind` with its JSON `options` (and decoded images, named
+        tensors: a denoising request's latents, and inpainting's decoded mask)."""
+        return Task(self._work(kind, json.loads(options), images, tensors, mask), self.driver)
 
     def _work(self, kind: str, options: dict[str, Any], images: JsProxy | None,
-              tensors: JsProxy | None) -> Work:
+              tensors: JsProxy | None, mask: JsProxy | None = None) -> Work:
         if kind == "load":
             folder = RemoteFolder(self.bridge, options["url"])
             self.driver = Driver(self.bridge, folder, options["device"])
@@ -621,6 +621,8 @@ class Worker:
             decoded = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
             if tensors:
                 options["inputs"] = {name: Tensor(t) for name, t in tensors.object_entries()}
+            if mask:
+                options["mask"] = (Tensor(mask), *tuple(mask.dims)[:2])
             return self._generate(options, decoded)
         if kind == "embed":
             return self._embed(options)

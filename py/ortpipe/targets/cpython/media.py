@@ -40,6 +40,34 @@ def decode_image_bytes(data: bytes, name: str, max_side: int | None = None) -> n
     return _decoded(io.BytesIO(data), name, max_side)
 
 
+def mask_from_alpha(data: bytes, name: str, max_side: int | None = None) -> np.ndarray:
+    """An OpenAI image-edit mask (an image with an alpha channel whose fully transparent pixels are the
+    region to edit) as an inpainting mask: uint8 RGB, white (255) where alpha is 0, black elsewhere."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            if max_side is not None and max(opened.size) > max_side:
+                too_large = opened.size
+            else:
+                too_large = None
+                alpha = "A" in opened.getbands() or "transparency" in opened.info
+                rgba = np.asarray(opened.convert("RGBA")) if alpha else None
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise GenerationError(f"{name} is not an image Pillow can decode: {e}") from e
+    if too_large is not None:
+        raise GenerationError(f"{name} is {too_large[0]}x{too_large[1]} pixels: images of up to {max_side} "
+                              "pixels a side are taken")
+    if rgba is None:
+        raise GenerationError(
+            f"{name} has no alpha channel: the region to edit is its fully transparent pixels"
+        )
+    repaint = rgba[..., 3] == 0
+    return np.repeat((repaint * 255).astype(np.uint8)[..., None], 3, axis=2)
+
+
 def _decoded(source: Any, name: str, max_side: int | None = None) -> np.ndarray:
     try:
         from PIL import Image, ImageOps
