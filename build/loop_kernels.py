@@ -12,7 +12,9 @@ noise and scheduler steps, and turning a VAE's output into an image.
 - `image_latents`: image-to-image's first latents, a draw of a VAE encoder's latent distribution, scaled
   and noised to the first step's level.
 - `inpaint_mask`, `inpaint_blend`: inpainting's mask at the latents' size, and the blend after each step of
-  a UNet of the latents' channels (the kept region back to the image's latents, noised to the next step).
+  a UNet of the latents' channels (the kept region back to the image's latents, noised to the next step);
+  `masked_pixels`, `inpaint_input`: an inpainting UNet's masked image, and its input (the latents, the mask
+  and the masked image's latents along the channels).
 - `divide`, `vae_image`, `rgba8`: the final latents divided by the VAE's scaling factor (plus its shift);
   the VAE's [-1, 1] output as a [0, 1] image [batch, height, width, 3]; that image as RGBA bytes.
 
@@ -219,6 +221,32 @@ def inpaint_blend(elem: int) -> onnx.GraphProto:
                              [_latents("x_blended"), _latents("sample", elem, "rows")])
 
 
+def masked_pixels(elem: int) -> onnx.GraphProto:
+    """pixels [1, 3, height, width] (an encoder's, in [-1, 1]), mask float32 [1, 1, height, width] (1:
+    repaint) -> the masked image an inpainting UNet reads, pixels * (1 - mask): diffusers' image *
+    (mask < 0.5) of a binary mask."""
+    n = _Nodes("")
+    keep = n.op("Sub", n.const(1.0, F32), "mask")
+    n.op("Cast", n.op("Mul", n.op("Cast", "pixels", to=F32), keep), to=elem, out="masked")
+    inputs = [_tensor("pixels", elem, [1, 3, "height", "width"]),
+              _tensor("mask", F32, [1, 1, "height", "width"])]
+    return helper.make_graph(n.nodes, "masked_pixels", inputs,
+                             [_tensor("masked", elem, [1, 3, "height", "width"])])
+
+
+def inpaint_input(elem: int) -> onnx.GraphProto:
+    """sample [rows, c, h, w] (the UNet's latents input), extra float32 [1, e, h, w] (an inpainting UNet's
+    mask and masked image's latents), repeats [4] -> [rows, c + e, h, w]: diffusers' torch.cat([latents,
+    mask, masked_image_latents], dim=1), the extra repeated for each row."""
+    n = _Nodes("")
+    extra = n.op("Cast", n.op("Tile", "extra", "repeats"), to=elem)
+    n.op("Concat", "sample", extra, axis=1, out="input")
+    inputs = [_latents("sample", elem, "rows"), _tensor("extra", F32, [1, "extra", "height", "width"]),
+              _tensor("repeats", I64, [4])]
+    return helper.make_graph(n.nodes, "inpaint_input", inputs,
+                             [_tensor("input", elem, ["rows", "all", "height", "width"])])
+
+
 def _row_std(n: _Nodes, x: str) -> str:
     """The unbiased standard deviation of each row of latents [batch, channels, height, width]:
     [batch, 1, 1, 1]."""
@@ -370,6 +398,8 @@ LOOP_KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]
     "image_latents": (image_latents, FLOATS),  # the VAE encoder's type
     "inpaint_mask": (inpaint_mask, ("uint8",)),
     "inpaint_blend": (inpaint_blend, FLOATS),  # the UNet's type
+    "masked_pixels": (masked_pixels, FLOATS),  # the VAE encoder's type
+    "inpaint_input": (inpaint_input, FLOATS),  # the UNet's type
     "denoise_init": (denoise_init, FLOATS),  # the UNet's type: its sample in, its output out
     "denoise_step": (denoise_step, FLOATS),
     "divide": (divide, FLOATS),  # the VAE's type

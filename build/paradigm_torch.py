@@ -523,7 +523,10 @@ def img2img_refs(spec: dict) -> None:
         files = {key: f"{name}.{key}.npy" for key in drawn}
         for key, value in drawn.items():
             np.save(refs / files[key], value)
-        encoded = [drawn["encode_noise"], *([drawn["masked_noise"]] if inpaint else [])]
+        # an inpainting UNet (9 input channels) at strength 1 starts from noise alone: no image latents
+        nine = inpaint and pipe.unet.config.in_channels == 9
+        encoded = [*([] if nine and strength == 1.0 else [drawn["encode_noise"]]),
+                   *([drawn["masked_noise"]] if inpaint else [])]
         givens = {"encode_noise": _GivenNoise(np.stack(encoded)),
                   "add_noise": _GivenNoise(drawn["add_noise"][None]),
                   "noise": _GivenNoise(drawn.get("noise"))}

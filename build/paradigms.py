@@ -3,10 +3,11 @@
     python -m build.paradigms st-minilm vits-tiny sd-tiny     # or --all (every test model; not sd-bench)
     python -m build.paradigms sd-bench                        # the benchmark UNet (88M parameters)
 
-Six folders as people have them (docs/paradigm-models.md says what each holds):
+Seven folders as people have them (docs/paradigm-models.md says what each holds):
 - `st-minilm` (and `-cls`, `-nonorm`): a sentence-transformers folder with optimum's `onnx/model.onnx`;
 - `vits-tiny`: a transformers.js-style VITS folder (optimum's text-to-audio export);
 - `sd-tiny`: optimum's Stable Diffusion export (`model_index.json`, `text_encoder/`, `unet/`, ...);
+- `sd-inpaint-tiny`: optimum's inpainting export of the same with an inpainting UNet (9 input channels);
 - `lcm-tiny`: the same of a latent consistency model (its UNet takes the guidance embedded);
 - `sdxl-tiny`: optimum's Stable Diffusion XL export (`text_encoder_2/`, `tokenizer_2/` beside those);
 - `sd3-tiny`: optimum's Stable Diffusion 3 export (three text encoders, `transformer/`).
@@ -544,14 +545,41 @@ INPAINT_CASES = (
 INPAINT_MASK = "mask.png"
 
 
-def inpaint_cases() -> list[dict]:
+# The same with an inpainting UNet (9 input channels: the latents, the mask, the masked image's latents), as
+# stable-diffusion-inpainting's: sd-tiny's sizes, diffusers' StableDiffusionInpaintPipeline, optimum's
+# "inpainting" export.
+INPAINT9_CASES = (
+    ("inp9-euler-eps-leading-cfg", "EulerDiscreteScheduler", "epsilon", "leading", 4, 1.0, 7.5, NEGATIVE),
+    ("inp9-ddim-v-linspace", "DDIMScheduler", "v_prediction", "linspace", 5, 0.6, 1.0, None),
+    ("inp9-euler_a-eps-trailing-cfg", "EulerAncestralDiscreteScheduler", "epsilon", "trailing", 4, 0.75, 7.5,
+     None),
+)
+
+
+def make_sd_inpaint_diffusers(out: Path) -> Path:
+    sizes = SD_SIZES["tiny"]
+    return _with_clip_tokenizer("make-sd", out, lambda ids: {
+        "text_encoder": {**sizes["text_encoder"], **ids}, "unet": {**sizes["unet"], "in_channels": 9},
+        "vae": sizes["vae"], "vae_out_gain": sizes["vae_out_gain"],
+        "pipeline": "StableDiffusionInpaintPipeline"})
+
+
+def make_sd_inpaint_tiny(out: Path) -> Path:
+    """optimum's inpainting export of sd-inpaint-tiny-diffusers, with references/inpaint.json."""
+    _optimum(get("sd-inpaint-tiny-diffusers"), out, "inpainting")
+    mask_image(out / "references" / INPAINT_MASK)
+    return with_img2img_references(out, "sd-inpaint-tiny-diffusers", inpaint_cases(INPAINT9_CASES),
+                                   "StableDiffusionInpaintPipeline", mask_image=INPAINT_MASK)
+
+
+def inpaint_cases(table: tuple = INPAINT_CASES) -> list[dict]:
     return [{"name": name, "scheduler": {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
                                          "timestep_spacing": spacing,
                                          **({"skip_prk_steps": True} if cls == "PNDMScheduler" else {})},
              "num_inference_steps": steps, "strength": strength, "guidance_scale": guidance, "prompt": PROMPT,
              "negative_prompt": negative, "seed": seed, "noisy": cls in NOISY_SCHEDULERS}
             for seed, (name, cls, prediction, spacing, steps, strength, guidance, negative)
-            in enumerate(INPAINT_CASES, 800)]
+            in enumerate(table, 800)]
 
 
 def make_sd_tiny(out: Path) -> Path:
@@ -768,6 +796,8 @@ RECIPES: dict[str, Callable[[Path], Path]] = {
     "vits-tiny": make_vits,
     "sd-tiny-diffusers": lambda out: make_sd_diffusers(out, "tiny"),
     "sd-tiny": make_sd_tiny,
+    "sd-inpaint-tiny-diffusers": make_sd_inpaint_diffusers,
+    "sd-inpaint-tiny": make_sd_inpaint_tiny,
     "lcm-tiny-diffusers": make_lcm_diffusers,
     "lcm-tiny": make_lcm_tiny,
     "sdxl-tiny-diffusers": make_sdxl_diffusers,

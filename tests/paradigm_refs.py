@@ -668,11 +668,13 @@ def _conditioning(folder: Path, prompt_ids: Sequence[int], negative_prompt_ids: 
 def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, start: int = 0,
              guidance_scale: float = 1.0, guidance_rescale: float = 0.0, noise: np.ndarray | None = None,
              timestep_cond: np.ndarray | None = None, added: Arrays | None = None,
-             after: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+             after: Callable[[int, np.ndarray], np.ndarray] | None = None,
+             extra: np.ndarray | None = None) -> np.ndarray:
     """The latents (float64, each step's result rounded to float32) after the UNet and `scheduler` ran from
     run `start` of its schedule to the end from latents `x`; `noise[k]` is the noise of run start + k;
     `added`: more UNet inputs, the same each run (Stable Diffusion XL's text_embeds and time_ids);
-    `after(i, x)`: the latents after run i's step (inpainting's blend)."""
+    `after(i, x)`: the latents after run i's step (inpainting's blend); `extra`: more input channels after
+    the latents' (an inpainting UNet's mask and masked image's latents), one row repeated for each row."""
     guided = guidance_scale > 1
     drawing = [i for i in scheduler.noise_steps if i >= start]
     if drawing and noise is None:
@@ -680,8 +682,11 @@ def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, 
     unet = session(folder / "unet" / "model.onnx")
     for i in range(start, len(scheduler.timesteps)):
         batch = np.concatenate([x, x]) if guided else x
-        feeds = {"sample": scheduler.scale_model_input(batch, i).astype(np.float32),
-                 "timestep": np.array(scheduler.timesteps[i], dtype=np.float32),
+        sample = scheduler.scale_model_input(batch, i).astype(np.float32)
+        if extra is not None:
+            rows = np.repeat(extra.astype(np.float32), len(sample), axis=0)
+            sample = np.concatenate([sample, rows], axis=1)
+        feeds = {"sample": sample, "timestep": np.array(scheduler.timesteps[i], dtype=np.float32),
                  "encoder_hidden_states": embeddings}
         if timestep_cond is not None:
             feeds["timestep_cond"] = timestep_cond
@@ -754,8 +759,14 @@ def encode_image(folder: Path | str, image: np.ndarray, encode_noise: np.ndarray
     if image.shape[0] % factor or image.shape[1] % factor:  # diffusers would resize it first
         raise ValueError(f"image sides {image.shape[:2]} are not multiples of the VAE's factor {factor}")
     pixels = (image.astype(np.float32) / np.float32(255.0)) * np.float32(2.0) - np.float32(1.0)
-    parameters = run(session(folder / "vae_encoder" / "model.onnx"),
-                     {"sample": pixels.transpose(2, 0, 1)[None].copy()})["latent_parameters"]
+    return _encode_pixels(folder, pixels.transpose(2, 0, 1)[None].copy(), encode_noise)
+
+
+def _encode_pixels(folder: Path, pixels: np.ndarray, encode_noise: np.ndarray) -> np.ndarray:
+    """encode_image's latents of float32 pixels [1, 3, height, width] in [-1, 1]."""
+    config = json.loads((folder / "vae_encoder" / "config.json").read_text())
+    encoder = session(folder / "vae_encoder" / "model.onnx")
+    parameters = run(encoder, {"sample": pixels})["latent_parameters"]
     mean, logvar = np.split(parameters, 2, axis=1)
     std = np.exp(np.float32(0.5) * np.clip(logvar, np.float32(-30.0), np.float32(20.0)))
     shift = np.float32(config.get("shift_factor") or 0.0)  # Stable Diffusion 3's VAE shifts before scaling
@@ -802,11 +813,14 @@ def inpaint_mask(mask: np.ndarray, factor: int) -> np.ndarray:
 def inpaint(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float, image: np.ndarray,
             mask: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray, prompt_ids: Sequence[int],
             negative_prompt_ids: Sequence[int] | None = None, guidance_scale: float = 1.0,
-            noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(image, final latents) as StableDiffusionInpaintPipeline computes them with a UNet of the latents'
-    channels: at strength 1 the first latents are the noise times init_noise_sigma, else the image's latents
-    noised as image_to_image's; after each step the region the mask keeps (black) is set back to the
-    image's latents noised by add_noise to the next run's level (clean after the last run)."""
+            noise: np.ndarray | None = None,
+            masked_noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(image, final latents) as StableDiffusionInpaintPipeline computes them. At strength 1 the first
+    latents are the noise times init_noise_sigma, else the image's latents noised as image_to_image's.
+    With a UNet of the latents' channels, after each step the region the mask keeps (black) is set back to
+    the image's latents noised by add_noise to the next run's level (clean after the last run); an
+    inpainting UNet (2 * channels + 1 inputs) instead reads the mask and the latents of the image with the
+    repainted pixels at 0 (drawn with `masked_noise`) beside the latents at every run."""
     folder = Path(folder)
     embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
     scheduler = make_scheduler(scheduler_config, steps)
@@ -821,6 +835,15 @@ def inpaint(folder: Path | str, scheduler_config: Mapping, steps: int, strength:
     config = json.loads((folder / "vae_encoder" / "config.json").read_text())
     repaint = inpaint_mask(mask, 2 ** (len(config["block_out_channels"]) - 1)).astype(np.float64)
     last = len(scheduler.timesteps) - 1
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    if unet["in_channels"] == 2 * config["latent_channels"] + 1:
+        keep = 1 - inpaint_mask(mask, 1)[0]  # [1, height, width]: the pixels kept
+        pixels = (image.astype(np.float32) / np.float32(255.0)) * np.float32(2.0) - np.float32(1.0)
+        masked = (pixels.transpose(2, 0, 1) * keep)[None].astype(np.float32)
+        extra = np.concatenate([repaint, _encode_pixels(folder, masked, masked_noise)], axis=1)
+        x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale,
+                     noise=noise, extra=extra)
+        return _decode(folder, x), x.astype(np.float32)
 
     def blend(i: int, x: np.ndarray) -> np.ndarray:
         kept = latents if i == last else scheduler.add_noise(latents, e, i + 1).astype(np.float32)

@@ -83,6 +83,84 @@ def test_inpainting_equals_diffusers_and_the_plain_loop(name: str, sd_tiny: Path
     assert to_diffusers <= IMAGE_TOLERANCE and drift <= 1e-5 and to_plain <= IMAGE_TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def sd_inpaint_tiny() -> Path:
+    return paradigms.get("sd-inpaint-tiny")
+
+
+@pytest.mark.parametrize("name", [case[0] for case in paradigms.INPAINT9_CASES])
+def test_an_inpainting_unet_equals_diffusers_and_the_plain_loop(name: str, sd_inpaint_tiny: Path,
+                                                                tmp_path: Path) -> None:
+    """An inpainting UNet (9 input channels, optimum's inpainting export of stable-diffusion-inpainting's
+    layout): the latents, the mask and the masked image's latents along the channels at every run, no
+    blend. Detected from its channels (2 * the VAE's latent_channels + 1)."""
+    index = json.loads((sd_inpaint_tiny / "references" / "inpaint.json").read_text())
+    case = {c["name"]: c for c in index["cases"]}[name]
+    references = sd_inpaint_tiny / "references"
+    folder = folders.copy(sd_inpaint_tiny, tmp_path / "sd")
+    given = {"encode_noise": np.load(references / case["encode_noise"]),
+             "add_noise": np.load(references / case["add_noise"]),
+             "masked_noise": np.load(references / case["masked_noise"]),
+             "noise": np.load(references / case["noise"]) if case["noise"] else None}
+    plain, latents = _plain(sd_inpaint_tiny, case, references, **given)
+    expected, final = np.load(references / case["image"]), np.load(references / case["final_latents"])
+    to_diffusers = float(np.abs(plain - expected).max())
+    drift = float(np.abs(latents - final).max() / np.abs(final).max())
+
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
+    assert pipe.model.loop.denoising.masked_input and pipe.model.loop.denoising.latent_shape == (4, 8, 8)
+    guided = case["guidance_scale"] > 1
+    result = pipe.generate(case["prompt"], images=[references / case["init_image"]],
+                           mask=references / case["mask_image"], seed=6, strength=case["strength"],
+                           num_steps=case["num_inference_steps"], guidance_scale=case["guidance_scale"],
+                           negative_prompt=case["negative_prompt"] if guided else None)
+    assert result.timings.steps == len(case["timesteps"])
+    sample, added, masked, noise = _draws(pipe, case, 6)
+    mine, _ = _plain(folder, case, references, encode_noise=sample, add_noise=added, masked_noise=masked,
+                     noise=noise if case["noise"] else None)
+    to_plain = float(np.abs(result.image - mine).max())
+    print(f"{name}: max |plain loop - diffusers| = {to_diffusers:.2e} (final latents relative {drift:.1e}), "
+          f"|ortpipe - plain loop with ortpipe's draws| = {to_plain:.2e}")
+    assert to_diffusers <= IMAGE_TOLERANCE and drift <= 1e-5 and to_plain <= IMAGE_TOLERANCE
+    wrong, _ = _plain(folder, case, references, encode_noise=sample, add_noise=added,
+                      masked_noise=np.zeros_like(masked), noise=noise if case["noise"] else None)
+    assert np.abs(wrong - mine).max() > 10 * IMAGE_TOLERANCE  # the masked image's latents reach the UNet
+
+
+def _draws(pipe: ortpipe.Pipeline, case: dict, seed: int) -> tuple[np.ndarray, ...]:
+    """What ortpipe draws from `seed` for an inpainting UNet's request, in its order: the image's sample,
+    the added noise, the masked image's sample, then each noisy step's (zeros for a step that adds none)."""
+    from ortpipe.loops.denoising import Noise
+    from ortpipe.loops.schedulers import make_schedule
+
+    shape = (1, 4, 8, 8)
+    strength = None if case["strength"] == 1.0 else case["strength"]
+    schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"], strength)
+    noise = Noise(pipe.model.backend, seed)
+    first = [np.asarray(pipe.run(noise.draw(shape))) for _ in range(3)]
+    steps = np.zeros((len(schedule.steps), *shape), np.float32)
+    for i, step in enumerate(schedule.steps):
+        if step.noise:
+            steps[i] = pipe.run(noise.draw(shape))
+    return (*first, steps)
+
+
+def test_an_inpainting_unet_needs_a_mask_and_its_encoder(sd_inpaint_tiny: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from ortpipe.errors import ConfigError
+
+    folder = folders.copy(sd_inpaint_tiny, tmp_path / "sd")
+    pipe = ortpipe.load(folder, threads=1)
+    with pytest.raises(GenerationError, match='session "unet" is an inpainting UNet .*: give an image and'):
+        pipe.generate("a red cube", num_steps=2)
+    with pytest.raises(GenerationError, match="give an image and a mask"):
+        pipe.generate("a red cube", images=[sd_inpaint_tiny / "references" / "init.png"], num_steps=2)
+    shutil.rmtree(folder / "vae_encoder")
+    with pytest.raises(ConfigError, match="inpainting UNet .* the folder needs its VAE encoder"):
+        ortpipe.load(folder, threads=1)
+
+
 def test_the_mask_kernel_is_pillows_luminance_binarized_and_nearest(folder: Path) -> None:
     """inpaint_mask on random colours (and luminances next to the threshold) equals Pillow's
     convert("L") / 255 >= 0.5 at every 4th pixel, the plain loop's mask (diffusers' mask processor)."""

@@ -372,6 +372,22 @@ def test_wasm_inpainting_equals_cpython(page: Any, serve_model: Any, tmp_path: P
         difference = float(np.abs(data - expected.image).max())
         print(f"wasm inpainting {case}: max |browser - CPython| = {difference:.1e}")
         assert run["timings"]["steps"] == expected.timings.steps and difference <= WASM["image"]
+    # an inpainting UNet (9 input channels: the mask and the masked image's latents beside the latents)
+    nine = Path(shutil.copytree(paradigms.get("sd-inpaint-tiny"), tmp_path / "sd-inpaint9",
+                                ignore=shutil.ignore_patterns("references")))
+    for name in ("init.png", "mask.png"):
+        shutil.copy(source / "references" / name, nine / name)
+    expected = ortpipe.load(nine).generate("a red cube", images=[nine / "init.png"], mask=nine / "mask.png",
+                                           negative_prompt="blurry", num_steps=4, guidance_scale=6.0,
+                                           strength=0.75, seed=5)
+    serve_model("inpaint9", nine)
+    given = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 4, "guidanceScale": 6.0,
+             "strength": 0.75, "seed": 5, "images": ["models/inpaint9/init.png"],
+             "mask": "models/inpaint9/mask.png"}
+    (run,) = in_page(page, "inpaint9", [{"kind": "generate", "args": [given]}])["runs"]
+    difference = float(np.abs(np.array(run["data"], np.float32).reshape(run["dims"]) - expected.image).max())
+    print(f"wasm inpainting UNet: max |browser - CPython| = {difference:.1e}")
+    assert difference <= WASM["image"]
     errors = page.evaluate("""async (model) => {
       const {load} = await import('./ortpipe.js');
       const sd = await load(model, {device: 'wasm'});

@@ -85,6 +85,8 @@ class DenoisingSetup:
     # the latents' sides the step session takes are multiples of this: a UNet's 2 ** (its down blocks - 1)
     # (its upsampled features are joined to the skipped ones), a transformer's patch_size
     latent_multiple: int = 1
+    # the step session is an inpainting UNet: it also takes the mask and the masked image's latents
+    masked_input: bool = False
 
 
 def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
@@ -133,9 +135,15 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
     size = unet.get("sample_size")
     size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, list) else (None, None)
     channels = dims[0] if dims[0] is not None else unet.get("in_channels")
-    shape = (channels, dims[1] or size[0], dims[2] or size[1])
     final = next((s for s in plan.final_phase if any(f.kind == LOOP for f in s.feeds)), None)
     vae = config_beside(folder, config.pipeline.sessions[final.session].file) if final else {}
+    latent = vae.get("latent_channels")
+    # an inpainting UNet (stable-diffusion-inpainting's): its input is the latents, the mask and the masked
+    # image's latents along the channels, 2 * latent_channels + 1 of them
+    masked_input = isinstance(latent, int) and isinstance(channels, int) and channels == 2 * latent + 1
+    if masked_input:
+        channels = latent
+    shape = (channels, dims[1] or size[0], dims[2] or size[1])
     latents_feed = next((f for f in final.feeds if f.kind == LOOP), None) if final else None
     vae_dtype = latents_feed.dtype if latents_feed is not None else "float32"
     if vae_dtype not in ("float32", "float16"):
@@ -169,9 +177,24 @@ def denoising_setup(plan: Plan, folder: Folder) -> DenoisingSetup:
         vae_scale,
         float(shift),
         embedded,
-        _image_encoder(plan, folder, shape[0]),
+        _encoder_of(plan, folder, shape[0], masked_input, step.session),
         _latent_multiple(unet),
+        masked_input,
     )
+
+
+def _encoder_of(plan: Plan, folder: Folder, channels: int | None, masked_input: bool,
+                session: str) -> ImageEncoder | None:
+    """_image_encoder's; a ConfigError for an inpainting UNet without one (it reads the masked image's
+    latents)."""
+    encoder = _image_encoder(plan, folder, channels)
+    if masked_input and encoder is None:
+        raise ConfigError(
+            f'session "{session}" is an inpainting UNet (2 * latent_channels + 1 input channels), which '
+            "reads the masked image's latents: the folder needs its VAE encoder (vae_encoder/model.onnx, "
+            "or a session whose outputs name latent_parameters)"
+        )
+    return encoder
 
 
 def _latent_multiple(unet: dict[str, Any]) -> int:
@@ -358,6 +381,7 @@ class DenoisingRequest(OutputRequest):
         # inpainting's mask (1: repaint) at the latents' size, the image's clean latents and the first
         # latents' noise, which the blend after each step reads
         self.mask, self.inpaint = mask, None
+        self.extra: Handle = None  # an inpainting UNet's: the mask and the masked image's latents
         self.shape = _image_shape(setup, image, backend) if image else _latent_shape(setup, latents, backend)
         self.zeros = zeros  # the unconditional row's text states are zeros (force_zeros_for_empty_prompt)
         text_feeds, _ = text_inputs(plan, backend, rows, text, own) if rows or own else ({}, None)
@@ -441,10 +465,10 @@ class DenoisingRequest(OutputRequest):
         return out["pixel_values"]
 
     def _image_latents(self, encoder: ImageEncoder, draws: tuple[Handle, Handle] | None = None,
-                       noised: tuple[float, float] | None = None) -> Work:
-        """A draw of the encoder's latent distribution, scaled, noised to the first step's level (or as
-        `noised` says): diffusers' noise draws in its order (the distribution's sample, then add_noise's),
-        or the given `draws`."""
+                       noised: tuple[float, float] | None = None, parameters: Handle | None = None) -> Work:
+        """A draw of the encoder's latent distribution (its output on the request's image, or
+        `parameters`), scaled, noised to the first step's level (or as `noised` says): diffusers' noise
+        draws in its order (the distribution's sample, then add_noise's), or the given `draws`."""
         b = self.backend
         if draws is None:
             sample_noise = yield from self.noise.draw(self.shape, "init")
@@ -453,7 +477,8 @@ class DenoisingRequest(OutputRequest):
             sample_noise, noise = draws
         signal, level = noised or self.schedule.noised or (1.0, 0.0)
         out = yield Run(kernel("image_latents", encoder.output_dtype), {
-            "parameters": self.flow.values[f"{encoder.session}.{encoder.output}"],
+            "parameters": parameters if parameters is not None
+            else self.flow.values[f"{encoder.session}.{encoder.output}"],
             "sample_noise": sample_noise, "noise": noise,
             "coefficients": b.tensor([encoder.scaling_factor, encoder.shift_factor, signal, level], (4,),
                                      "float32")}, ("latents",), None, "init")
@@ -471,7 +496,10 @@ class DenoisingRequest(OutputRequest):
         made = yield Run(kernel("inpaint_mask", "uint8"), {
             "mask_image": mask, "stride": b.tensor([height // self.shape[2]], (1,), "int64")},
             ("mask",), None, "init")
-        self.inpaint = (clean, draws[1], made["mask"])
+        if self.setup.masked_input:  # an inpainting UNet reads the mask and the masked image instead
+            self.extra = yield from self._masked_input(encoder, made["mask"])
+        else:
+            self.inpaint = (clean, draws[1], made["mask"])
         if self.schedule.noised is None:
             return draws[1], self.schedule.init_noise_sigma
         return (yield from self._image_latents(encoder, draws)), 1.0
@@ -503,6 +531,11 @@ class DenoisingRequest(OutputRequest):
     def _step(self) -> Work:
         b, step = self.backend, self.schedule.steps[self.step]
         self.flow.loop_inputs["sample"] = self.sample
+        if self.extra is not None:
+            joined = yield Run(kernel("inpaint_input", self.setup.sample_dtype), {
+                "sample": self.sample, "extra": self.extra, "repeats": self.repeats}, ("input",), None,
+                self.flow.label)
+            self.flow.loop_inputs["sample"] = joined["input"]
         self.flow.loop_inputs["timestep"] = _timestep(b, self.setup, step.timestep, 2 if self.guided else 1)
         out = yield from self.flow.run_steps()
         label = self.flow.label
@@ -535,6 +568,24 @@ class DenoisingRequest(OutputRequest):
             self.memory = [made["x0"], *self.memory[:2]]
         if self.inpaint is not None:
             yield from self._blend(label, following)
+
+    def _masked_input(self, encoder: ImageEncoder, mask: Handle) -> Work:
+        """An inpainting UNet's extra input channels, the mask and the masked image's latents [1, 1 + c,
+        h, w]: the image with the repainted pixels at 0 (the mask at full size), encoded, a third draw of
+        its distribution, scaled."""
+        b = self.backend
+        image, _, _ = self.mask
+        pixels = self.flow.inputs[f"{encoder.session}.{encoder.input}"]
+        full = yield Run(kernel("inpaint_mask", "uint8"), {
+            "mask_image": image, "stride": b.tensor([1], (1,), "int64")}, ("mask",), None, "init")
+        masked = yield Run(kernel("masked_pixels", encoder.dtype), {"pixels": pixels, "mask": full["mask"]},
+                           ("masked",), None, "init")
+        encoded = yield Run(encoder.session, {encoder.input: masked["masked"]}, (encoder.output,), None,
+                            "init")
+        draw = yield from self.noise.draw(self.shape, "init")
+        latents = yield from self._image_latents(encoder, (draw, draw), (1.0, 0.0), encoded[encoder.output])
+        joined = yield Run(kernel("concat1", "float32"), {"a": mask, "b": latents}, ("y",), None, "init")
+        return joined["y"]
 
     def _blend(self, label: str, following: float) -> Work:
         """Inpainting with a UNet of the latents' channels: the region kept goes back to the image's

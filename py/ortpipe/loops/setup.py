@@ -149,6 +149,11 @@ def output_request(
     image = _image(setup.denoising, images or [], latents, inputs, given)
     if mask is not None:
         _check_mask(setup.denoising, image, mask, backend)
+    elif setup.denoising.masked_input:
+        raise GenerationError(
+            f'session "{setup.denoising.session}" is an inpainting UNet (it takes the latents, a mask and '
+            "the masked image's latents): give an image and a mask (white repaints, black keeps)"
+        )
     # diffusers' StableDiffusionXLPipeline: no negative prompt and force_zeros_for_empty_prompt make the
     # unconditional row's text states zeros; else its text is the negative prompt, or ""
     zeros = guided and settings["negative_prompt"] is None and settings["force_zeros_for_empty_prompt"]
