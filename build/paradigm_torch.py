@@ -495,11 +495,11 @@ def img2img_refs(spec: dict) -> None:
     kind = spec["pipeline"]
     pipe, init, masking = _img2img_pipeline(spec)
     refs = Path(spec["out"]) / "references"
-    inpaint = kind == INPAINT
+    inpaint = kind in INPAINTS
     shape = spec["latent_shape"]
     index = []
     seen: list = []  # Stable Diffusion XL: the size conditioning the pipeline hands its UNet, each call
-    if kind == SDXL_IMG2IMG:
+    if kind in XL:
         def keep_time_ids(_module, _args, kwargs):
             seen.append(kwargs["added_cond_kwargs"]["time_ids"].numpy().tolist())
 
@@ -554,7 +554,7 @@ def img2img_refs(spec: dict) -> None:
         np.save(refs / f"{name}.image.npy", image.astype(np.float32))
         np.save(refs / f"{name}.final_latents.npy", latents[-1])
         negative = case["negative_prompt"]
-        zeros = negative is None and case["guidance_scale"] > 1 and kind == SDXL_IMG2IMG \
+        zeros = negative is None and case["guidance_scale"] > 1 and kind in XL \
             and pipe.config.force_zeros_for_empty_prompt  # the unconditional states zeroed, no text
         if negative is None and case["guidance_scale"] > 1 and not zeros and not lcm:
             negative = ""  # what diffusers feeds the unconditional row when no negative prompt is given
@@ -580,14 +580,14 @@ def _img2img_pipeline(spec: dict):
     kind = spec["pipeline"]
     # Stable Diffusion 3's parts load with diffusers' own strict from_pretrained (as sd3_refs loads them)
     pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if kind == SD3_IMG2IMG
-            else _load_sdxl(spec["hf"], kind) if kind == SDXL_IMG2IMG else _load_sd(spec["hf"], kind))
+            else _load_sdxl(spec["hf"], kind) if kind in XL else _load_sd(spec["hf"], kind))
     pipe.set_progress_bar_config(disable=True)
     refs = Path(spec["out"]) / "references"
     with Image.open(refs / spec["init_image"]) as opened:
         init = opened.copy()
     if init.mode != "RGB":
         raise RuntimeError(f"the init image is {init.mode}, not RGB")
-    if kind != INPAINT:
+    if kind not in INPAINTS:
         return pipe, init, {}
     with Image.open(refs / spec["mask_image"]) as opened:
         return pipe, init, {"mask_image": opened.copy()}
@@ -597,16 +597,18 @@ SD3_IMG2IMG = "StableDiffusion3Img2ImgPipeline"
 INPAINT = "StableDiffusionInpaintPipeline"
 LCM_IMG2IMG = "LatentConsistencyModelImg2ImgPipeline"  # the guidance embedded: no unconditional row
 SDXL_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
+XL = (SDXL_IMG2IMG, "StableDiffusionXLInpaintPipeline")  # two tokenizers, size conditioning
+INPAINTS = (INPAINT, "StableDiffusionXLInpaintPipeline")
 
 
 def _prompt_ids(pipe, prompt: str, negative: str | None, kind: str) -> dict:
     """The tokenizers' ids of a case's prompt and negative prompt: Stable Diffusion's one row, Stable
     Diffusion XL's two, or Stable Diffusion 3's three (T5's padded to the pipeline's max_sequence_length,
     256)."""
-    if kind not in (SD3_IMG2IMG, SDXL_IMG2IMG):
+    if kind != SD3_IMG2IMG and kind not in XL:
         return {"prompt_ids": _ids(pipe.tokenizer, prompt),
                 "negative_prompt_ids": _ids(pipe.tokenizer, negative)}
-    if kind == SDXL_IMG2IMG:  # each tokenizer's own length (77)
+    if kind in XL:  # each tokenizer's own length (77)
         tokenizers, lengths = (pipe.tokenizer, pipe.tokenizer_2), (None, None)
     else:
         tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)

@@ -695,10 +695,22 @@ def sdxl_img2img_cases() -> list[dict]:
             in enumerate(SDXL_IMG2IMG_CASES, 600)]
 
 
+# StableDiffusionXLInpaintPipeline with sdxl-tiny's UNet of the latents' channels (its blend)
+SDXL_INPAINT_CASES = (
+    ("sdxl-inp-euler-eps-leading-cfg-zeros", "EulerDiscreteScheduler", "epsilon", "leading", 4, 1.0, 5.0,
+     None),
+    ("sdxl-inp-dpm-v-trailing-neg", "DPMSolverMultistepScheduler", "v_prediction", "trailing", 5, 0.9999, 5.0,
+     NEGATIVE),
+)
+
+
 def make_sdxl_tiny(out: Path) -> Path:
     exported_with_references(out, "sdxl-tiny-diffusers", sdxl_cases(), "sdxl-refs")
-    return with_img2img_references(out, "sdxl-tiny-diffusers", sdxl_img2img_cases(),
-                                   "StableDiffusionXLImg2ImgPipeline")
+    with_img2img_references(out, "sdxl-tiny-diffusers", sdxl_img2img_cases(),
+                            "StableDiffusionXLImg2ImgPipeline")
+    mask_image(out / "references" / INPAINT_MASK)
+    return with_img2img_references(out, "sdxl-tiny-diffusers", inpaint_cases(SDXL_INPAINT_CASES),
+                                   "StableDiffusionXLInpaintPipeline", mask_image=INPAINT_MASK)
 
 
 def sdxl_cases() -> list[dict]:

@@ -813,16 +813,26 @@ def inpaint_mask(mask: np.ndarray, factor: int) -> np.ndarray:
 def inpaint(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float, image: np.ndarray,
             mask: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray, prompt_ids: Sequence[int],
             negative_prompt_ids: Sequence[int] | None = None, guidance_scale: float = 1.0,
-            noise: np.ndarray | None = None,
-            masked_noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+            noise: np.ndarray | None = None, masked_noise: np.ndarray | None = None,
+            zero_negative: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(image, final latents) as StableDiffusionInpaintPipeline computes them. At strength 1 the first
     latents are the noise times init_noise_sigma, else the image's latents noised as image_to_image's.
     With a UNet of the latents' channels, after each step the region the mask keeps (black) is set back to
     the image's latents noised by add_noise to the next run's level (clean after the last run); an
     inpainting UNet (2 * channels + 1 inputs) instead reads the mask and the latents of the image with the
-    repainted pixels at 0 (drawn with `masked_noise`) beside the latents at every run."""
+    repainted pixels at 0 (drawn with `masked_noise`) beside the latents at every run. `zero_negative` not
+    None: StableDiffusionXLInpaintPipeline's (Stable Diffusion XL's conditioning, `prompt_ids` a row per
+    tokenizer)."""
     folder = Path(folder)
-    embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
+    added = None
+    if zero_negative is None:
+        embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
+    else:
+        vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
+        pixels = 2 ** (len(vae["block_out_channels"]) - 1)
+        shape = (1, 1, image.shape[0] // pixels, image.shape[1] // pixels)  # its sides: size conditioning
+        embeddings, added = _xl_conditioning(folder, shape, prompt_ids, negative_prompt_ids,
+                                             guidance_scale > 1, zero_negative)
     scheduler = make_scheduler(scheduler_config, steps)
     latents = encode_image(folder, image, encode_noise).astype(np.float64)
     e = add_noise.astype(np.float64)
@@ -850,7 +860,7 @@ def inpaint(folder: Path | str, scheduler_config: Mapping, steps: int, strength:
         return ((1 - repaint) * kept + repaint * x).astype(np.float32).astype(np.float64)
 
     x = _denoise(folder, scheduler, x, embeddings, start=start, guidance_scale=guidance_scale, noise=noise,
-                 after=blend)
+                 after=blend, added=added)
     return _decode(folder, x), x.astype(np.float32)
 
 

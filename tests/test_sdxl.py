@@ -116,6 +116,47 @@ def test_image_to_image_equals_diffusers_and_the_plain_loop(name: str, sdxl_tiny
     assert to_diffusers <= IMAGE_TOLERANCE and drift <= 1e-5 and to_plain <= IMAGE_TOLERANCE
 
 
+@pytest.mark.parametrize("name", [case[0] for case in paradigms.SDXL_INPAINT_CASES])
+def test_inpainting_equals_diffusers_and_the_plain_loop(name: str, sdxl_tiny: Path, folder: Path) -> None:
+    """StableDiffusionXLInpaintPipeline with sdxl-tiny's UNet of the latents' channels (its blend), at
+    strength 1 and at the pipeline's default 0.9999 (what ortpipe gives a mask on a Stable Diffusion XL
+    folder when the request names no strength)."""
+    from PIL import Image
+
+    from tests.test_image_to_image import ortpipe_draws
+
+    references = sdxl_tiny / "references"
+    index = json.loads((references / "inpaint.json").read_text())
+    case = {c["name"]: c for c in index["cases"]}[name]
+    init, mask = references / case["init_image"], references / case["mask_image"]
+    with Image.open(init) as opened:
+        pixels = np.asarray(opened.convert("RGB"))
+    with Image.open(mask) as opened:
+        masking = np.asarray(opened.convert("RGB"))
+    assert case["time_ids"][-1] == [32, 32, 0, 0, 32, 32]
+    given = {"prompt_ids": case["prompt_ids"], "negative_prompt_ids": case["negative_prompt_ids"],
+             "guidance_scale": case["guidance_scale"], "zero_negative": case["zero_negative"]}
+    steps, strength = case["num_inference_steps"], case["strength"]
+    plain, latents = refs.inpaint(sdxl_tiny, case["scheduler"], steps, strength, pixels, masking, **given,
+                                  encode_noise=np.load(references / case["encode_noise"]),
+                                  add_noise=np.load(references / case["add_noise"]))
+    expected, final = np.load(references / case["image"]), np.load(references / case["final_latents"])
+    to_diffusers = float(np.abs(plain - expected).max())
+    drift = float(np.abs(latents - final).max() / np.abs(final).max())
+
+    pipe = ortpipe.load(folders.scheduled(folder, case), threads=1)
+    default = {} if strength == 0.9999 else {"strength": strength}
+    result = pipe.generate(case["prompt"], images=[init], mask=mask, seed=8, **default, **_request(case))
+    assert result.timings.steps == len(case["timesteps"])
+    sample, added, _ = ortpipe_draws(pipe, case, 8)
+    mine, _ = refs.inpaint(folder, case["scheduler"], steps, strength, pixels, masking, **given,
+                           encode_noise=sample, add_noise=added)
+    to_plain = float(np.abs(result.image - mine).max())
+    print(f"{name}: max |plain loop - diffusers| = {to_diffusers:.2e} (final latents relative {drift:.1e}), "
+          f"|ortpipe - plain loop with ortpipe's draws| = {to_plain:.2e}")
+    assert to_diffusers <= IMAGE_TOLERANCE and drift <= 1e-5 and to_plain <= IMAGE_TOLERANCE
+
+
 @pytest.mark.slow
 def test_each_part_of_the_conditioning_makes_the_image(
 sdxl_tiny: Path, folder: Path,

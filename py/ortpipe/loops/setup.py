@@ -163,8 +163,9 @@ def output_request(
     own = {name: (encode_texts(own_tokenizer, [*unconditional, prompt], own_text.max_length), own_text)
            for name, (own_tokenizer, own_text) in setup.own.items()}
     strength = settings["strength"] if image is not None else None
-    if mask is not None:  # StableDiffusionInpaintPipeline's default strength is 1: from noise alone
-        strength = given["strength"] if given.get("strength") is not None else 1.0
+    if mask is not None:  # the inpainting pipelines' default strength: 1 (from noise alone), XL's 0.9999
+        default = INPAINT_STRENGTH_XL if setup.denoising.time_ids_dtype is not None else 1.0
+        strength = given["strength"] if given.get("strength") is not None else default
         strength = None if strength == 1.0 else strength
     schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"], strength)
     return DenoisingRequest(
@@ -185,6 +186,9 @@ def output_request(
     )
 
 
+INPAINT_STRENGTH_XL = 0.9999  # StableDiffusionXLInpaintPipeline's default strength
+
+
 def _check_mask(setup: DenoisingSetup, image: Image | None, mask: Image, backend: Any) -> None:
     """A GenerationError for a mask inpainting cannot take."""
     if image is None:
@@ -201,11 +205,6 @@ def _check_mask(setup: DenoisingSetup, image: Image | None, mask: Image, backend
         raise GenerationError(
             f"inpainting with {name} is not built (diffusers' StableDiffusionInpaintPipeline runs the "
             "other schedulers): use another scheduler or drop the mask"
-        )
-    if setup.time_ids_dtype is not None:
-        raise GenerationError(
-            "inpainting is built for Stable Diffusion 1.x and 2.x folders (StableDiffusionInpaintPipeline); "
-            "Stable Diffusion XL's inpainting pipeline is not: drop the mask"
         )
 
 
