@@ -96,14 +96,17 @@ class Api:
         return await self._complete(request, parse_images, "img", "images")
 
     async def image_edits(self, request: Request) -> Any:
-        return await self._complete(request, parse_image_edit, "img", "images", _form_body)
+        # its parse decodes the image and mask: off the event loop, which other clients' streams share
+        return await self._complete(request, parse_image_edit, "img", "images", _form_body, threaded=True)
 
     async def _complete(self, request: Request, parse: Callable[[Any], Completion | OutputQuery],
-                        prefix: str, endpoint: str, read: Callable[[Request], Any] | None = None) -> Any:
+                        prefix: str, endpoint: str, read: Callable[[Request], Any] | None = None,
+                        threaded: bool = False) -> Any:
         engine = self.engine
         try:
             engine.check_endpoint(endpoint)  # before the body: a model that does not answer here says so
-            completion = parse(await (read or _json_body)(request))
+            body = await (read or _json_body)(request)
+            completion = await asyncio.to_thread(parse, body) if threaded else parse(body)
             job = Job(f"{prefix}-{uuid.uuid4().hex[:24]}", completion, asyncio.get_running_loop())
             engine.submit(job)
         except InvalidRequest as e:
