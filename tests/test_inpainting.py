@@ -257,3 +257,37 @@ def test_the_cli_takes_a_mask(sd_tiny: Path, folder: Path, cases: dict[str, dict
     expected = ortpipe.load(folder, threads=1).generate(
         "a red cube", images=[references / "init.png"], mask=references / "mask.png", num_steps=3, seed=2)
     assert np.array_equal(np.load(out), expected.image)
+
+
+def test_random_image_requests_are_images_or_clear_refusals(sd_tiny: Path) -> None:
+    """Random mixes of image, mask, strength, latents, steps and guidance on a folder with an encoder (the
+    fuzz tests' rules: a result or a ConfigError/GenerationError of a bounded message, nothing opened
+    outside the folder, no hang); afterwards the pipeline still inpaints as before."""
+    import random
+
+    from tests.test_fuzz import outcome
+
+    init, drawn = sd_tiny / "references" / "init.png", sd_tiny / "references" / "mask.png"
+    rng = random.Random(20261125)
+    white = np.full((32, 32, 3), 255, np.uint8)
+    choices = {
+        "images": [None, [init], [], [init, init], [sd_tiny / "missing.png"], [white[..., :2]], "x", [3]],
+        "mask": [None, drawn, white, white[:16], white[..., 0], 0, "x", sd_tiny / "missing.png"],
+        "strength": [None, 0.5, 1.0, 0.0, 1.5, -1, float("nan"), "a", True],
+        "latents": [None, np.zeros((1, 4, 8, 8), np.float32), np.zeros((1, 4, 8, 9), np.float32),
+                    np.zeros((2, 4, 8, 8), np.float32), [1.0]],
+        "num_steps": [2, 1, 0, 3.5, 10**6],
+        "guidance_scale": [1.0, 3.0, -1.0, float("inf")],
+    }
+    pipe = ortpipe.load(sd_tiny, threads=1)
+    expected = pipe.generate("a red cube", images=[init], mask=drawn, num_steps=2, seed=1).image
+    counts: dict[str, int] = {}
+    for _ in range(400):
+        request = {k: rng.choice(v) for k, v in choices.items() if rng.random() < 0.6}
+        request = {k: v for k, v in request.items() if v is not None}
+        result = outcome(lambda: pipe.generate("a red cube", seed=1, **request), sd_tiny)  # noqa: B023
+        counts[result] = counts.get(result, 0) + 1
+    print("random image requests:", counts)
+    assert counts.get("ok", 0) > 10 and counts.get("GenerationError", 0) > 50
+    again = pipe.generate("a red cube", images=[init], mask=drawn, num_steps=2, seed=1).image
+    assert np.array_equal(again, expected)

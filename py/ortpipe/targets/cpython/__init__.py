@@ -146,6 +146,12 @@ class Pipeline:
         the image's size (white repaints, black keeps)."""
         decoded = [_image(i) for i in _listed(images, "images")]
         masked = None if mask is None else _image(mask)
+        latents = options.get("latents")
+        if latents is not None and not isinstance(latents, np.ndarray):
+            raise GenerationError(
+                f"latents must be a numpy array (float32 [1, channels, height, width]), found "
+                f"{type(latents).__name__}"
+            )
         waves = [_waveform(a, self.model) for a in _listed(audios, "audios")]
         if inputs is not None and (
             not isinstance(inputs, dict)
