@@ -388,6 +388,20 @@ def test_wasm_inpainting_equals_cpython(page: Any, serve_model: Any, tmp_path: P
     difference = float(np.abs(np.array(run["data"], np.float32).reshape(run["dims"]) - expected.image).max())
     print(f"wasm inpainting UNet: max |browser - CPython| = {difference:.1e}")
     assert difference <= WASM["image"]
+    # Stable Diffusion XL (the size conditioning; the pipeline's default strength 0.9999 with a mask)
+    xl = Path(shutil.copytree(paradigms.get("sdxl-tiny"), tmp_path / "sdxl-inpaint",
+                              ignore=shutil.ignore_patterns("references")))
+    for name in ("init.png", "mask.png"):
+        shutil.copy(source / "references" / name, xl / name)
+    expected = ortpipe.load(xl).generate("a red cube", images=[xl / "init.png"], mask=xl / "mask.png",
+                                         num_steps=3, guidance_scale=5.0, seed=7)
+    serve_model("inpaint-xl", xl)
+    given = {"prompt": "a red cube", "numSteps": 3, "guidanceScale": 5.0, "seed": 7,
+             "images": ["models/inpaint-xl/init.png"], "mask": "models/inpaint-xl/mask.png"}
+    (run,) = in_page(page, "inpaint-xl", [{"kind": "generate", "args": [given]}])["runs"]
+    difference = float(np.abs(np.array(run["data"], np.float32).reshape(run["dims"]) - expected.image).max())
+    print(f"wasm inpainting, Stable Diffusion XL: max |browser - CPython| = {difference:.1e}")
+    assert run["timings"]["steps"] == expected.timings.steps == 2 and difference <= WASM["image"]
     errors = page.evaluate("""async (model) => {
       const {load} = await import('./ortpipe.js');
       const sd = await load(model, {device: 'wasm'});
