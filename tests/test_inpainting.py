@@ -73,7 +73,7 @@ def test_inpainting_equals_diffusers_and_the_plain_loop(name: str, sd_tiny: Path
                            num_steps=case["num_inference_steps"], guidance_scale=case["guidance_scale"],
                            negative_prompt=case["negative_prompt"] if guided else None, **strength)
     assert result.timings.steps == len(case["timesteps"])
-    sample, added, noise = ortpipe_draws(pipe, {**case, "strength": case["strength"]}, 4)
+    sample, added, noise = ortpipe_draws(pipe, case, 4)
     mine, _ = _plain(folder, case, references, encode_noise=sample, add_noise=added,
                      noise=noise if case["noise"] else None)
     to_plain = float(np.abs(result.image - mine).max())

@@ -491,7 +491,6 @@ class DenoisingRequest(OutputRequest):
         b = self.backend
         sample_noise = yield from self.noise.draw(self.shape, "init")
         draws = sample_noise, (yield from self.noise.draw(self.shape, "init"))
-        clean = yield from self._image_latents(encoder, draws, (1.0, 0.0))
         mask, height, width = self.mask
         made = yield Run(kernel("inpaint_mask", "uint8"), {
             "mask_image": mask, "stride": b.tensor([height // self.shape[2]], (1,), "int64")},
@@ -499,6 +498,7 @@ class DenoisingRequest(OutputRequest):
         if self.setup.masked_input:  # an inpainting UNet reads the mask and the masked image instead
             self.extra = yield from self._masked_input(encoder, made["mask"])
         else:
+            clean = yield from self._image_latents(encoder, draws, (1.0, 0.0))
             self.inpaint = (clean, draws[1], made["mask"])
         if self.schedule.noised is None:
             return draws[1], self.schedule.init_noise_sigma
@@ -593,8 +593,6 @@ class DenoisingRequest(OutputRequest):
         b, steps = self.backend, self.schedule.steps
         clean, noise, mask = self.inpaint
         ahead = steps[self.step + 1].noised if self.step + 1 < len(steps) else (1.0, 0.0)
-        if ahead is None:  # schedulers.py gives every step a level
-            raise GenerationError(f"{self.schedule.name} step {self.step + 2} has no add_noise level")
         made = yield Run(kernel("inpaint_blend", self.setup.sample_dtype), {
             "x": self.x, "image_latents": clean, "noise": noise, "mask": mask,
             "coefficients": b.tensor([*ahead, following], (3,), "float32"), "repeats": self.repeats},

@@ -343,10 +343,10 @@ class Step:
     input_scale: float  # the UNet's input is x times this
     coefficients: tuple[float, ...]  # x0_from_x ... from_previous3_x0, in denoise_step's order
     noise: bool  # the step adds fresh noise
+    # clean latents z noised to this step's level are a * z + b * noise (the scheduler's add_noise: where
+    # image-to-image starts, what inpainting's blend goes back to)
+    noised: tuple[float, float]
     remember: bool = True  # its x0 joins the memory the next steps read (previous_x0 ...)
-    # image-to-image starting here: clean latents z noised to this step's level are a * z + b * noise
-    # (the scheduler's add_noise); None where a start here is not built
-    noised: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -483,10 +483,10 @@ def _step(
     previous2: float = 0.0,
     previous3: float = 0.0,
     remember: bool = True,
-    noised: tuple[float, float] | None = None,
+    noised: tuple[float, float],
 ) -> Step:
     coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous, previous2, previous3)
-    return Step(timestep, scale, coefficients, noise != 0.0, remember, noised)
+    return Step(timestep, scale, coefficients, noise != 0.0, noised, remember)
 
 
 def _noised_sigma(sigma: float) -> tuple[float, float]:

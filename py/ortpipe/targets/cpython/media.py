@@ -43,54 +43,54 @@ def decode_image_bytes(data: bytes, name: str, max_side: int | None = None) -> n
 def mask_from_alpha(data: bytes, name: str, max_side: int | None = None) -> np.ndarray:
     """An OpenAI image-edit mask (an image with an alpha channel whose fully transparent pixels are the
     region to edit) as an inpainting mask: uint8 RGB, white (255) where alpha is 0, black elsewhere."""
-    try:
-        from PIL import Image
-    except ImportError as e:
-        raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
-    try:
-        with Image.open(io.BytesIO(data)) as opened:
-            if max_side is not None and max(opened.size) > max_side:
-                too_large = opened.size
-            else:
-                too_large = None
-                alpha = "A" in opened.getbands() or "transparency" in opened.info
-                rgba = np.asarray(opened.convert("RGBA")) if alpha else None
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise GenerationError(f"{name} is not an image Pillow can decode: {e}") from e
-    if too_large is not None:
-        raise GenerationError(f"{name} is {too_large[0]}x{too_large[1]} pixels: images of up to {max_side} "
-                              "pixels a side are taken")
-    if rgba is None:
+
+    def alpha(opened: Any) -> np.ndarray | None:
+        if "A" not in opened.getbands() and "transparency" not in opened.info:
+            return None
+        return np.asarray(opened.convert("RGBA"))[..., 3]
+
+    channel = _opened(io.BytesIO(data), name, max_side, alpha)
+    if channel is None:
         raise GenerationError(
             f"{name} has no alpha channel: the region to edit is its fully transparent pixels"
         )
-    repaint = rgba[..., 3] == 0
-    return np.repeat((repaint * 255).astype(np.uint8)[..., None], 3, axis=2)
+    return np.repeat(((channel == 0) * 255).astype(np.uint8)[..., None], 3, axis=2)
 
 
 def _decoded(source: Any, name: str, max_side: int | None = None) -> np.ndarray:
-    try:
-        from PIL import Image, ImageOps
-    except ImportError as e:
-        raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
-    too_large = None
-    try:
-        with Image.open(source) as opened:
-            if max_side is not None and max(opened.size) > max_side:
-                too_large = opened.size
-            else:
-                image = ImageOps.exif_transpose(opened)
-                image.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise GenerationError(f"{name} is not an image Pillow can decode: {e}") from e
-    if too_large is not None:
-        width, height = too_large
-        raise GenerationError(f"{name} is {width}x{height} pixels: images of up to {max_side} pixels a side "
-                              "are taken")
+    from PIL import Image, ImageOps  # _opened said so when Pillow is missing
+
+    def upright(opened: Any) -> Any:
+        image = ImageOps.exif_transpose(opened)
+        image.load()
+        return image
+
+    image = _opened(source, name, max_side, upright)
     if "A" in image.getbands() or "transparency" in image.info:
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+
+def _opened(source: Any, name: str, max_side: int | None, read: Any) -> Any:
+    """read(image) of the image file `source` opened with Pillow; a GenerationError for a file Pillow
+    cannot decode, or one with a side over `max_side` pixels (seen in its header, before its pixels are
+    decoded)."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise GenerationError("decoding images needs Pillow: pip install Pillow") from e
+    size = None
+    try:
+        with Image.open(source) as opened:
+            if max_side is not None and max(opened.size) > max_side:
+                size = opened.size
+            else:
+                return read(opened)
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise GenerationError(f"{name} is not an image Pillow can decode: {e}") from e
+    raise GenerationError(f"{name} is {size[0]}x{size[1]} pixels: images of up to {max_side} pixels a side "
+                          "are taken")
 
 
 def read_wav(path: str | os.PathLike[str], rate: int = WHISPER_RATE) -> np.ndarray:
