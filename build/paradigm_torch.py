@@ -334,24 +334,28 @@ def sd3_refs(spec: dict) -> None:
     (T5's padded to the pipeline's max_sequence_length, 256)."""
     import diffusers
 
-    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(spec["hf"])
+    # without_t5: loaded as diffusers' docs show to drop T5 (text_encoder_3=None, tokenizer_3=None): the
+    # pipeline puts zeros in place of T5's states
+    dropped = {"text_encoder_3": None, "tokenizer_3": None} if spec.get("without_t5") else {}
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(spec["hf"], **dropped)
     pipe.set_progress_bar_config(disable=True)
     refs = Path(spec["out"]) / "references"
     index = []
+    tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)[: 2 if dropped else 3]
+    lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)[: len(tokenizers)]
     for case in spec["cases"]:
         entry = _referenced(pipe, case, refs)
         negative = case.get("negative_prompt")
         if negative is None and case["guidance_scale"] > 1:
             negative = ""  # what the pipeline encodes for the unconditional row when none is given
-        tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)
-        lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)
         index.append({**entry,
                       "prompt_ids": [_ids(t, case["prompt"], n)
                                      for t, n in zip(tokenizers, lengths, strict=True)],
                       "negative_prompt_ids": [_ids(t, negative, n)
                                               for t, n in zip(tokenizers, lengths, strict=True)]})
-    _write_json(refs / "cases.json", {"vae_scaling_factor": pipe.vae.config.scaling_factor,
-                                      "vae_shift_factor": pipe.vae.config.shift_factor, "cases": index})
+    _write_json(refs / spec.get("index", "cases.json"),
+                {"vae_scaling_factor": pipe.vae.config.scaling_factor,
+                 "vae_shift_factor": pipe.vae.config.shift_factor, "cases": index})
 
 
 def _load_sd(hf: str, pipeline: str = "StableDiffusionPipeline"):

@@ -779,8 +779,27 @@ def sd3_img2img_cases() -> list[dict]:
             for seed, (name, shift, steps, strength, guidance, negative) in enumerate(SD3_IMG2IMG_CASES, 500)]
 
 
+# StableDiffusion3Pipeline loaded without T5 (text_encoder_3=None, tokenizer_3=None): zeros in place of T5's
+# states. (name, shift, steps, guidance_scale, negative prompt)
+SD3_NO_T5_CASES = (
+    ("sd3-no-t5-cfg-neg", 3.0, 4, 5.0, NEGATIVE),
+    ("sd3-no-t5-shift1", 1.0, 3, 1.0, None),
+)
+SD3_NO_T5_INDEX = "no-t5.json"
+
+
+def sd3_no_t5_cases() -> list[dict]:
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", **SD3_TINY["flow_scheduler"]}
+    return [_plain_case(name, {**flow, "shift": shift}, steps, guidance, negative, seed)
+            for seed, (name, shift, steps, guidance, negative) in enumerate(SD3_NO_T5_CASES, 250)]
+
+
 def make_sd3_tiny(out: Path) -> Path:
     exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs")
+    cases = sd3_no_t5_cases()
+    _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": [1, 4, 8, 8]})
+    _reference_env("sd3-refs", {"hf": str(get("sd3-tiny-diffusers")), "out": str(out), "cases": cases,
+                                "without_t5": True, "index": SD3_NO_T5_INDEX})
     return with_img2img_references(out, "sd3-tiny-diffusers", sd3_img2img_cases(),
                                    "StableDiffusion3Img2ImgPipeline")
 

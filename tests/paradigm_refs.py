@@ -472,6 +472,100 @@ class DPMSolverMultistep:
         return out
 
 
+class UniPC:
+    """UniPCMultistepScheduler in its data-prediction form (predict_x0), B(h) bh1 or bh2, orders 1 to 3, no
+    noise: each step first corrects the latents it was given (UniC, from the sample the step before started
+    from and the new clean latents), then predicts the next ones from the corrected latents (UniP). Started
+    at a later run (image to image), it warms up and corrects from there, as it counts what it was given."""
+
+    order = 1
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, solver_order=(2, 1, 3), predict_x0=(True,), solver_type=("bh2", "bh1"),
+               final_sigmas_type=("zero", "sigma_min"), thresholding=(False,),
+               use_karras_sigmas=(False, True), use_exponential_sigmas=(False,), use_beta_sigmas=(False,),
+               use_flow_sigmas=(False,))
+        shared = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "trained_betas",
+                  "prediction_type", "steps_offset", "rescale_betas_zero_snr", "timestep_spacing",
+                  "use_karras_sigmas", "final_sigmas_type")
+        port = DPMSolverMultistep({"_class_name": "DPMSolverMultistepScheduler",
+                                   **{k: v for k, v in config.items() if k in shared}}, steps)
+        self.timesteps, self.sigmas = port.timesteps, port.sigmas  # the same timesteps and sigmas
+        self.config, self.steps = config, steps
+        self.init_noise_sigma, self.noise_steps = 1.0, []
+        self.x0s: list[np.ndarray] = []  # the clean latents of the steps run so far
+        self.started: np.ndarray | None = None  # the (corrected) latents the step before started from
+        self.last_order = 0
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        alpha, sigma = DPMSolverMultistep._alpha_sigma_lambda(self.sigmas[i])[:2]
+        return alpha * sample + sigma * noise
+
+    def _level(self, i: int) -> tuple[float, float, float]:
+        return DPMSolverMultistep._alpha_sigma_lambda(self.sigmas[i])
+
+    def _system(self, i: int, order: int) -> tuple[float, float, list[float], np.ndarray]:
+        """From level i to i + 1 with the x0s of levels i, i - 1, ...: (h phi_1, B(h), the r_k of the levels
+        behind, the right-hand side b of the order's system)."""
+        h = self._level(i + 1)[2] - self._level(i)[2]
+        hh = -h
+        ratios = [(self._level(i - k)[2] - self._level(i)[2]) / h for k in range(1, order)]
+        b_h = hh if self.config.get("solver_type", "bh2") == "bh1" else math.expm1(hh)
+        phi = math.expm1(hh) / hh - 1  # h phi_2 / h ..., each next one phi_k / hh - 1 / k!
+        rhs = []
+        for k in range(1, order + 1):
+            rhs.append(phi * math.factorial(k) / b_h)
+            phi = phi / hh - 1 / math.factorial(k + 1)
+        return math.expm1(hh), b_h, ratios, np.array(rhs)
+
+    def _differences(self, ratios: list[float], newest: int) -> list[np.ndarray]:
+        """(x0 of k levels before `newest` - x0 of `newest`) / r_k; `newest` indexes self.x0s."""
+        return [(self.x0s[newest - k] - self.x0s[newest]) / r for k, r in enumerate(ratios, 1)]
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        config = self.config
+        alpha, sigma = self._level(i)[:2]
+        epsilon = config["prediction_type"] == "epsilon"
+        x0 = (x - sigma * output) / alpha if epsilon else alpha * x - sigma * output
+        skipped = config.get("disable_corrector", [])
+        if self.started is not None and i - 1 not in skipped:  # UniC of the order the step before used
+            order = self.last_order
+            h_phi_1, b_h, ratios, rhs = self._system(i - 1, order)
+            if order == 1:
+                rhos = np.array([0.5])
+            else:
+                powers = np.array([[r**p for r in [*ratios, 1.0]] for p in range(order)])
+                rhos = np.linalg.solve(powers, rhs)
+            terms = self._differences(ratios, -1)
+            alpha_t = self._level(i)[0]
+            sigma_t, sigma_s = self._level(i)[1], self._level(i - 1)[1]
+            correction = sum((w * d for w, d in zip(rhos[:-1], terms, strict=True)), np.zeros_like(x))
+            x = (sigma_t / sigma_s * self.started - alpha_t * h_phi_1 * self.x0s[-1]
+                 - alpha_t * b_h * (correction + rhos[-1] * (x0 - self.x0s[-1])))
+        self.x0s.append(x0)
+        order = config.get("solver_order", 2)
+        if config.get("lower_order_final", True):
+            order = min(order, len(self.timesteps) - i)
+        order = min(order, len(self.x0s))  # no more x0s than it has
+        h_phi_1, b_h, ratios, rhs = self._system(i, order)
+        terms = self._differences(ratios, -1)
+        if order == 1:
+            rhos = np.array([])
+        elif order == 2:
+            rhos = np.array([0.5])
+        else:
+            powers = np.array([[r**p for r in ratios] for p in range(order - 1)])
+            rhos = np.linalg.solve(powers, rhs[:-1])
+        alpha_t = self._level(i + 1)[0]
+        sigma_t, sigma_s = self._level(i + 1)[1], sigma
+        prediction = sum((w * d for w, d in zip(rhos, terms, strict=True)), np.zeros_like(x))
+        self.started, self.last_order = x, order
+        return sigma_t / sigma_s * x - alpha_t * h_phi_1 * x0 - alpha_t * b_h * prediction
+
+
 class PNDM:
     """PNDMScheduler with skip_prk_steps (PLMS): the second timestep run twice, a linear multistep
     combination of the past noise predictions (`ets`) in a DDIM-like update.
@@ -635,6 +729,7 @@ SCHEDULERS = {
     "LCMScheduler": LCM,
     "DPMSolverMultistepScheduler": DPMSolverMultistep,
     "PNDMScheduler": PNDM,
+    "UniPCMultistepScheduler": UniPC,
 }
 
 
@@ -951,7 +1046,9 @@ def flow_match_sigmas(config: Mapping, steps: int) -> np.ndarray:
 def encode_prompt_sd3(folder: Path, ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """StableDiffusion3Pipeline.encode_prompt's result by hand: both CLIP encoders' last layer but one side by
     side, zero-padded on the last axis to T5's width, T5's states after them along the sequence; the CLIP
-    encoders' pooled projections side by side. `ids`: one row per tokenizer."""
+    encoders' pooled projections side by side. `ids`: one row per tokenizer; two rows (a pipeline loaded
+    without T5): T5's states are zeros, 256 rows as wide as the transformer's joint_attention_dim
+    (config.json)."""
     clip, pooled = [], []
     for k, encoder in enumerate(("text_encoder", "text_encoder_2")):
         out = run(session(folder / encoder / "model.onnx"), {"input_ids": np.array([ids[k]], np.int64)})
@@ -959,8 +1056,12 @@ def encode_prompt_sd3(folder: Path, ids: Sequence[Sequence[int]]) -> tuple[np.nd
                         key=lambda n: int(n.split(".")[1]))
         clip.append(out[layers[-2]])
         pooled.append(out["text_embeds"])
-    t5 = run(session(folder / "text_encoder_3" / "model.onnx"),
-             {"input_ids": np.array([ids[2]], np.int64)})["last_hidden_state"]
+    if len(ids) == 2:
+        width = json.loads((folder / "transformer" / "config.json").read_text())["joint_attention_dim"]
+        t5 = np.zeros((1, 256, width), np.float32)
+    else:
+        t5 = run(session(folder / "text_encoder_3" / "model.onnx"),
+                 {"input_ids": np.array([ids[2]], np.int64)})["last_hidden_state"]
     joined = np.concatenate(clip, axis=-1)
     joined = np.pad(joined, ((0, 0), (0, 0), (0, t5.shape[-1] - joined.shape[-1])))
     return np.concatenate([joined, t5], axis=1), np.concatenate(pooled, axis=-1)

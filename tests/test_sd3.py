@@ -11,6 +11,7 @@ onnxruntime loop of tests/paradigm_refs.py, within the issue's 1e-3.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,13 @@ def _scheduler(folder: Path, **fields: object) -> None:
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda f: folders.with_v2(f, lambda c: c["pipeline"]["dataflow"][0].update(
         {"from": [[], "text_encoder_3.x"]})),
-     "or a list of such lists and names"),
+     "or a list of two or more such lists, names and"),
+    *((lambda f, bad=bad: folders.with_v2(f, lambda c: c["pipeline"]["dataflow"][0].update({"from": bad})),
+       r'\{"zeros": ROWS\} \(each list joined so')
+      for bad in ([["text_encoder.text_embeds"], {"zeros": 0}],
+                  [["text_encoder.text_embeds"], {"zeros": True}],
+                  [["text_encoder.text_embeds"], {"zeros": 3, "width": 8}], [{"zeros": 3}, {"zeros": 4}],
+                  [{"zeros": 3}], ["text_encoder.text_embeds", [{"zeros": 3}]])),
     (lambda f: folders.with_v2(f, lambda c: c["pipeline"]["sessions"]["text_encoder"].update(max_length=10)),
      "sessions.text_encoder.max_length pads and truncates the rows of the session's own tokenizer"),
     (lambda f: folders.with_v2(f, lambda c: c["pipeline"]["sessions"]["text_encoder_3"].update(max_length=0)),
@@ -216,3 +223,129 @@ def test_what_the_loop_cannot_run_is_refused_at_load(folder: Path, edit, message
     edit(folder)
     with pytest.raises(ConfigError, match=message):
         ortpipe.load(folder)
+
+
+# --- without T5 ------------------------------------------------------------------------------------------
+
+
+def without_t5(folder: Path) -> Path:
+    """`folder` as StableDiffusion3Pipeline.save_pretrained writes a pipeline loaded with text_encoder_3=None
+    and tokenizer_3=None: neither part, both listed as [null, null]."""
+    for part in ("text_encoder_3", "tokenizer_3"):
+        shutil.rmtree(folder / part)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": [None, None],
+                                                         "tokenizer_3": [None, None]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def no_t5_cases(sd3_tiny: Path) -> dict[str, dict]:
+    index = json.loads((sd3_tiny / "references" / paradigms.SD3_NO_T5_INDEX).read_text())
+    return {case["name"]: case for case in index["cases"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [case[0] for case in paradigms.SD3_NO_T5_CASES])
+def test_without_t5_images_equal_diffusers_and_the_plain_loop(name: str, sd3_tiny: Path, folder: Path,
+                                                              no_t5_cases: dict[str, dict]) -> None:
+    """A folder saved without T5 runs as diffusers' StableDiffusion3Pipeline loaded with text_encoder_3=None:
+    256 rows of zeros, as wide as the transformer's joint attention, where T5's states go. The T5 states
+    matter: the full folder given the same latents makes another image."""
+    case = no_t5_cases[name]
+    references = sd3_tiny / "references"
+    latents = np.load(references / case["latents"])
+    request = {"latents": latents, "num_steps": case["num_inference_steps"],
+               "guidance_scale": case["guidance_scale"],
+               "negative_prompt": case["negative_prompt"] if case["guidance_scale"] > 1 else None}
+    with_t5 = ortpipe.load(folders.scheduled(folder, case), threads=1).generate(case["prompt"], **request)
+    pipe = ortpipe.load(without_t5(folder), threads=1)
+    assert "text_encoder_3" not in pipe.config.pipeline.sessions
+    result = pipe.generate(case["prompt"], **request)
+    expected = np.load(references / case["image"])
+    assert len(case["prompt_ids"]) == 2  # diffusers tokenized for the two CLIP encoders only
+    plain = refs.generate_image_sd3(folder, case["scheduler"], case["num_inference_steps"], latents,
+                                    prompt_ids=case["prompt_ids"],
+                                    negative_prompt_ids=case["negative_prompt_ids"],
+                                    guidance_scale=case["guidance_scale"])
+    to_diffusers = float(np.abs(result.image - expected).max())
+    to_plain = float(np.abs(result.image - plain).max())
+    print(f"{name}: max |ortpipe - diffusers| = {to_diffusers:.2e}, |ortpipe - plain loop| = {to_plain:.2e}")
+    assert result.image.shape == expected.shape == (1, 32, 32, 3)
+    assert to_diffusers <= IMAGE_TOLERANCE and to_plain <= IMAGE_TOLERANCE
+    assert np.abs(plain - expected).max() <= IMAGE_TOLERANCE
+    assert np.abs(with_t5.image - expected).max() > 10 * IMAGE_TOLERANCE
+
+
+def test_the_detected_config_without_t5(folder: Path) -> None:
+    from ortpipe.detect import detect_config
+    from ortpipe.folder import LocalFolder
+
+    config = detect_config(LocalFolder(without_t5(folder)))
+    assert set(config["pipeline"]["sessions"]) == {"text_encoder", "text_encoder_2", "transformer",
+                                                   "vae_decoder", "vae_encoder"}
+    assert [step["run"] for step in config["pipeline"]["flow"]][:2] == ["text_encoder", "text_encoder_2"]
+    assert config["pipeline"]["dataflow"][0] == {
+        "from": [["text_encoder.hidden_states.1", "text_encoder_2.hidden_states.2"], {"zeros": 256}],
+        "to": "transformer.encoder_hidden_states"}
+    pipe = ortpipe.load(folder)
+    (wire,) = [w for w in pipe.config.pipeline.dataflow if w.to_input == "encoder_hidden_states"]
+    assert str(wire) == ("text_encoder.hidden_states.1 + text_encoder_2.hidden_states.2 + zeros(256) -> "
+                         "transformer.encoder_hidden_states")
+
+
+@pytest.mark.slow
+def test_the_expanded_config_without_t5_loads_the_same(folder: Path) -> None:
+    folders.expanded_config_makes_the_same_image(without_t5(folder), guidance_scale=4.0)
+
+
+@pytest.mark.slow
+def test_zero_rows_go_where_the_wire_puts_them(sd3_tiny: Path, folder: Path, cases: dict[str, dict],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zeros before, between and after the groups, each as many rows as written, as wide as the input: the
+    image of the plain loop given that conditioning by hand."""
+    case = cases["sd3-flow-shift1"]
+    clip = ["text_encoder.hidden_states.1", "text_encoder_2.hidden_states.2"]
+    wire = [{"zeros": 5}, clip, {"zeros": 2}, {"zeros": 1}, "text_encoder_3.last_hidden_state", {"zeros": 3}]
+    folders.with_v2(folders.scheduled(folder, case),
+                    lambda c: c["pipeline"]["dataflow"][0].update({"from": wire}))
+    latents = np.load(sd3_tiny / "references" / case["latents"])
+    image = ortpipe.load(folder, threads=1).generate(case["prompt"], latents=latents, guidance_scale=1.0,
+                                                     num_steps=case["num_inference_steps"]).image
+    encode = refs.encode_prompt_sd3
+
+    def rearranged(where: Path, ids: list) -> tuple[np.ndarray, np.ndarray]:
+        states, pooled = encode(where, ids)  # CLIP's 77 rows padded to 96 wide, then T5's 256
+        zeros = [np.zeros((1, n, 96), np.float32) for n in (5, 3, 3)]
+        return np.concatenate([zeros[0], states[:, :77], zeros[1], states[:, 77:], zeros[2]], axis=1), pooled
+
+    monkeypatch.setattr(refs, "encode_prompt_sd3", rearranged)
+    plain = refs.generate_image_sd3(folder, case["scheduler"], case["num_inference_steps"], latents,
+                                    prompt_ids=case["prompt_ids"], negative_prompt_ids=None)
+    assert np.abs(image - plain).max() <= IMAGE_TOLERANCE
+    # the rows moved it off the image without them (attention over more rows; by a little on tiny weights)
+    assert np.abs(image - np.load(sd3_tiny / "references" / case["image"])).max() > IMAGE_TOLERANCE
+
+
+def test_a_flux_like_folder_is_still_refused(folder: Path) -> None:
+    """A transformer folder whose transformer is not SD3's and has no text_encoder_3 (FluxPipeline's layout:
+    CLIP and T5 as text_encoder and text_encoder_2) is refused, not run as SD3 without T5."""
+    without_t5(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({
+        **index, "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    with pytest.raises(ConfigError, match="is FluxPipeline, with transformer: ortpipe detects"):
+        ortpipe.load(folder)
+
+
+def test_a_group_wider_than_the_input_is_refused(folder: Path) -> None:
+    """Groups are padded to the input's static width, never cut: one wider is a GenerationError naming both
+    widths (the transformer would fail inside onnxruntime)."""
+    from ortpipe.errors import GenerationError
+
+    wide = ["text_encoder.hidden_states.1", "text_encoder_2.hidden_states.2", "text_encoder.hidden_states.0"]
+    wire = [wide, {"zeros": 1}]  # 32 + 48 + 32 wide
+    folders.with_v2(folder, lambda c: c["pipeline"]["dataflow"][0].update({"from": wire}))
+    pipe = ortpipe.load(folder, threads=1)
+    with pytest.raises(GenerationError, match="is 112 wide, wider than its input's 96: groups are zero-"):
+        pipe.generate("a cube", num_steps=1, guidance_scale=1.0)

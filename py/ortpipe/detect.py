@@ -146,16 +146,18 @@ def _diffusers(folder: Folder) -> dict[str, Any] | None:
     index = optional_json(folder, "model_index.json")
     kind = index.get("_class_name", "a diffusers pipeline")
     xl = _part(index, "text_encoder_2")
-    if _part(index, "transformer") and _part(index, "text_encoder_3"):
+    sd3 = _part(index, "text_encoder_3") or _class(index, "transformer") == SD3
+    if _part(index, "transformer") and sd3:
         return _sd3(folder, index, kind)
     other = [part for part in ("transformer", "prior", "decoder", "image_encoder") if _part(index, part)]
     if other or (xl and not _part(index, "text_encoder")):
         found = ", ".join(other) or "text_encoder_2 without text_encoder (a refiner)"
         raise ConfigError(
             f"{folder.describe('model_index.json')} is {kind}, with {found}: ortpipe detects "
-            "StableDiffusionPipeline-style folders (text_encoder, unet, vae_decoder) and "
-            "StableDiffusionXLPipeline ones (text_encoder and text_encoder_2 beside them); write a "
-            "genai_config.json for this one"
+            "StableDiffusionPipeline-style folders (text_encoder, unet, vae_decoder), "
+            "StableDiffusionXLPipeline ones (text_encoder and text_encoder_2 beside them) and "
+            "StableDiffusion3Pipeline ones (an SD3Transformer2DModel, with or without text_encoder_3); "
+            "write a genai_config.json for this one"
         )
     parts = {**DIFFUSERS_PARTS, **({"text_encoder_2": "text_encoder_2/model.onnx"} if xl else {})}
     sessions = _exported(folder, parts, kind)
@@ -197,6 +199,7 @@ SD3_PARTS = {
     "vae_decoder": "vae_decoder/model.onnx",
 }
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
+SD3 = "SD3Transformer2DModel"
 
 
 def _vae_encoder(folder: Folder, sessions: dict[str, Any]) -> list[dict[str, Any]]:
@@ -212,22 +215,27 @@ def _sd3(folder: Folder, index: dict[str, Any], kind: Any) -> dict[str, Any]:
     """optimum's export of a StableDiffusion3Pipeline: three text encoders, each with its tokenizer (T5's
     rows 256 ids long), the CLIP encoders' penultimate states side by side, zero-padded to T5's width, then
     T5's states after them along the sequence; their pooled projections side by side; the transformer's
-    steps; the VAE (its latents unscaled and shifted)."""
-    sessions = _exported(folder, SD3_PARTS, kind)
+    steps; the VAE (its latents unscaled and shifted). A pipeline saved without T5 (text_encoder_3=None, as
+    diffusers' docs show to save memory) has 256 rows of zeros in place of T5's states, as the pipeline
+    makes them, as wide as the transformer's joint attention."""
+    t5 = _part(index, "text_encoder_3")
+    parts = SD3_PARTS if t5 else {k: v for k, v in SD3_PARTS.items() if k != "text_encoder_3"}
+    sessions = _exported(folder, parts, kind)
     sessions["text_encoder_2"]["tokenizer"] = "tokenizer_2"
-    sessions["text_encoder_3"].update(tokenizer="tokenizer_3", max_length=T5_LENGTH)
+    encoders = tuple(parts)[: 3 if t5 else 2]  # the text encoders, in the pipeline's order
+    if t5:
+        sessions["text_encoder_3"].update(tokenizer="tokenizer_3", max_length=T5_LENGTH)
     sessions["transformer"]["inputs"] = {"sample": "hidden_states"}
     clip = [_penultimate(folder, "text_encoder"), _penultimate(folder, "text_encoder_2")]
     return {
         "version": 2,
         "pipeline": {
             "sessions": sessions,
-            "flow": [*({"run": name, "when": "init"} for name in ("text_encoder", "text_encoder_2",
-                                                                  "text_encoder_3")),
+            "flow": [*({"run": name, "when": "init"} for name in encoders),
                      *_vae_encoder(folder, sessions),
                      {"run": "transformer", "when": "step"}, {"run": "vae_decoder", "when": "final"}],
             "dataflow": [
-                {"from": [clip, "text_encoder_3.last_hidden_state"],
+                {"from": [clip, "text_encoder_3.last_hidden_state" if t5 else {"zeros": T5_LENGTH}],
                  "to": "transformer.encoder_hidden_states"},
                 {"from": ["text_encoder.text_embeds", "text_encoder_2.text_embeds"],
                  "to": "transformer.pooled_projections"},
@@ -252,6 +260,12 @@ def _exported(folder: Folder, parts: dict[str, str], kind: Any) -> dict[str, Any
             "pipeline with optimum (optimum-cli export onnx --task text-to-image)"
         )
     return {name: {"file": file} for name, file in parts.items()}
+
+
+def _class(index: dict[str, Any], name: str) -> Any:
+    """The class model_index.json names for a component (["diffusers", "SD3Transformer2DModel"])."""
+    value = index.get(name)
+    return value[1] if isinstance(value, list) and len(value) == 2 else None
 
 
 def _part(index: dict[str, Any], name: str) -> bool:

@@ -90,6 +90,8 @@ class Feed:
     dtype: str = "int64"
     parts: tuple[str, ...] = ()  # JOINED: the sources joined, in order
     groups: tuple[int, ...] = ()  # JOINED: Wire.groups
+    zeros: tuple[int, ...] = ()  # JOINED: Wire.zeros
+    width: int | None = None  # JOINED: the input's static last dimension, the groups' padded width
 
 
 @dataclass(frozen=True)
@@ -385,7 +387,7 @@ def _with_placeholder(config: Config, s: FlowStepPlan, init: list[FlowStepPlan])
 
 def _check_wires(config: Config, sigs: dict[str, Signature], problems: Problems) -> None:
     for w in config.pipeline.stage_inputs:
-        if w.more:
+        if w.joined:
             problems.add(f"the wire {w} joins several sources across stages: join them inside one stage")
     for w in (*config.pipeline.dataflow, *config.pipeline.stage_inputs):  # a stage's: the other end elsewhere
         dst = sigs.get(w.to_session)
@@ -526,8 +528,9 @@ def _check_accumulate(step: FlowStep, sig: Signature, problems: Problems) -> Non
 def _explicit_wire(config: Config, step: FlowStep, t: TensorInfo) -> Feed | None:
     for w in config.pipeline.dataflow:
         if w.to_session == step.run and w.to_input == t.name:
-            if w.more:
-                return Feed(t.name, JOINED, " + ".join(w.sources), t.dtype, w.sources, w.groups)
+            if w.joined:
+                width = t.shape[-1] if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0 else None
+                return Feed(t.name, JOINED, w.from_text, t.dtype, w.sources, w.groups, w.zeros, width)
             kind = CARRIED if w.from_session == step.run else FROM_OUTPUT
             return Feed(t.name, kind, f"{w.from_session}.{w.from_output}", t.dtype)
     return None

@@ -56,11 +56,13 @@ def _staged(config: Config) -> dict[str, Any]:
 
 
 def _wire(w: Wire) -> dict[str, Any]:
-    source: Any = list(w.sources) if w.more else w.source
-    if w.groups:  # runs of sources: a list per run of several, a name per run of one
+    source: Any = list(w.sources) if w.joined else w.source
+    if w.groups:  # runs of sources: a list per run of several, a name per run of one, zeros as written
         starts = [sum(w.groups[:i]) for i in range(len(w.groups))]
         runs = [list(w.sources[a : a + n]) for a, n in zip(starts, w.groups, strict=True)]
-        source = [run if len(run) > 1 else run[0] for run in runs]
+        rows = w.zeros or (0,) * len(runs)
+        source = [{"zeros": n} if n else run if len(run) > 1 else run[0]
+                  for run, n in zip(runs, rows, strict=True)]
     out: dict[str, Any] = {"from": source, "to": f"{w.to_session}.{w.to_input}"}
     if w.stream:
         out["stream"] = True

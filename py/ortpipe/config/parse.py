@@ -612,18 +612,25 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
         s.allow("from", "to", "stream")
         joined = isinstance(s.raw, dict) and isinstance(s.raw.get("from"), list)
         groups: tuple[int, ...] = ()
+        zeros: tuple[int, ...] = ()
         if joined:  # several sources joined along the last axis, or groups of them along the sequence
             values = s.raw["from"]
-            runs = [v if isinstance(v, list) else [v] for v in values]
+            rows = [_zero_rows(v) for v in values]
+            runs = [[] if n else v if isinstance(v, list) else [v] for v, n in zip(values, rows, strict=True)]
             flat = [v for run in runs for v in run]
-            if len(flat) < 2 or not all(isinstance(v, str) for v in flat) or not all(runs):
+            grouped = any(isinstance(v, list) for v in values) or any(rows)
+            if (len(flat) < (1 if any(rows) else 2) or not all(isinstance(v, str) for v in flat)
+                    or not all(run or n for run, n in zip(runs, rows, strict=True)) or -1 in rows
+                    or (grouped and len(values) < 2)):
                 problems.add(f'{s.path}.from must be "session.tensor", a list of two or more of them (joined '
-                             "along the last axis), or a list of such lists and names (each joined so, then "
-                             "joined along the sequence axis, zero-padded to the widest), found "
-                             f"{quote(values)}")
+                             "along the last axis), or a list of two or more such lists, names and "
+                             '{"zeros": ROWS} (each list joined so, then all joined along the sequence axis, '
+                             "zero-padded to the input's width; ROWS rows of zeros standing for a text "
+                             f"encoder left out), found {quote(values)}")
                 continue
-            if any(isinstance(v, list) for v in values):
+            if grouped:
                 groups = tuple(len(run) for run in runs)
+                zeros = tuple(rows) if any(rows) else ()
             sources = [_endpoint(s, "from", sessions, v) for v in flat]
         else:
             sources = [_endpoint(s, "from", sessions)]
@@ -638,8 +645,19 @@ def _dataflow(raw: list[Any], sessions: dict[str, SessionSpec], problems: Proble
                 continue
             (first, output), *rest = sources
             more = tuple(f"{a}.{b}" for a, b in rest)
-            wires.append(Wire(first, output, to[0], to[1], stream, more, groups))
+            wires.append(Wire(first, output, to[0], to[1], stream, more, groups, zeros))
     return tuple(wires)
+
+
+def _zero_rows(value: Any) -> int:
+    """The rows of a `{"zeros": ROWS}` item of a grouped wire's `from`; 0 for any other item, -1 for a
+    malformed one."""
+    if not isinstance(value, dict):
+        return 0
+    rows = value.get("zeros")
+    if set(value) != {"zeros"} or not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        return -1
+    return rows
 
 
 def _endpoint(s: Section, key: str, sessions: dict[str, SessionSpec], given: Any = None

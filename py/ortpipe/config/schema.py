@@ -79,11 +79,25 @@ class Wire:
     # last axis, in order (two text encoders' states side by side)
     more: tuple[str, ...] = ()
     # with groups, the sizes of consecutive runs of the sources: each run joined along the last axis, the
-    # runs then joined along axis 1 (the sequence), each zero-padded on its last axis to the widest
+    # runs then joined along axis 1 (the sequence), each zero-padded on its last axis to the input's width
+    # (its static last dimension, else the widest)
     groups: tuple[int, ...] = ()
+    # per group, the rows of zeros it stands for ({"zeros": N}: a text encoder left out, as diffusers'
+    # StableDiffusion3Pipeline without T5); 0 for a group of sources. Empty: no such group.
+    zeros: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        return f"{' + '.join(self.sources)} -> {self.to_session}.{self.to_input}"
+        return f"{self.from_text} -> {self.to_session}.{self.to_input}"
+
+    @property
+    def from_text(self) -> str:
+        """What the wire carries, as one name: its sources (and its zeros' rows) in order."""
+        if not self.zeros:
+            return " + ".join(self.sources)
+        sources, out = iter(self.sources), []
+        for size, rows in zip(self.groups, self.zeros, strict=True):
+            out += [f"zeros({rows})"] if rows else [next(sources) for _ in range(size)]
+        return " + ".join(out)
 
     @property
     def source(self) -> str:
@@ -92,6 +106,11 @@ class Wire:
     @property
     def sources(self) -> tuple[str, ...]:
         return (self.source, *self.more)
+
+    @property
+    def joined(self) -> bool:
+        """Whether the wire joins several values (sources, or sources and zeros)."""
+        return bool(self.more or self.groups)
 
 
 @dataclass(frozen=True)

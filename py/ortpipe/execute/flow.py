@@ -106,13 +106,13 @@ class FlowRun:
                         "run (a skipped optional session)"
                     )
                 sizes = f.groups or (len(f.parts),)
-                starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                runs = []
-                for start, size in zip(starts, sizes, strict=True):
-                    run = f.parts[start : start + size]
-                    runs.append((yield from self._join(run, "concat_last", f.dtype)))
+                parts = iter(f.parts)
+                runs: list[Any] = []  # a group's joined value, or the rows of a group of zeros
+                for size, rows in zip(sizes, f.zeros or (0,) * len(sizes), strict=True):
+                    run = [next(parts) for _ in range(size)]
+                    runs.append(rows or (yield from self._join(run, "concat_last", f.dtype)))
                 if len(runs) > 1:
-                    runs = yield from self._padded(runs, f.dtype)
+                    runs = yield from self._padded(runs, f.dtype, f.width, f.source)
                 self.values[f.source] = yield from self._join(runs, "concat1", f.dtype)
 
     def _join(self, parts: list[Any], how: str, dtype: str) -> Work:
@@ -123,16 +123,37 @@ class FlowRun:
             value = (yield Run(kernel(how, dtype), {"a": value, "b": other}, ("y",), None, self.label))["y"]
         return value
 
-    def _padded(self, values: list[Handle], dtype: str) -> Work:
-        """Each value zero-padded at the end of its last axis to the widest."""
+    def _padded(self, values: list[Any], dtype: str, width: int | None, what: str) -> Work:
+        """Each value zero-padded at the end of its last axis to `width` (the input's, when static), else to
+        the widest; a number in `values` is that many rows of zeros, made by padding its neighbour's axis 1
+        (the one before it, or the first after it)."""
         b = self.backend
-        width = max(b.shape(v)[-1] for v in values)
-        out = []
+        widest = max(b.shape(v)[-1] for v in values if not isinstance(v, int))
+        if width is not None and widest > width:
+            raise GenerationError(f"the joined value {what} is {widest} wide, wider than its input's "
+                                  f"{width}: groups are zero-padded to the input's width, never cut; join "
+                                  "fewer outputs side by side")
+        width = width or widest
+        padded: list[list[Any]] = []  # [value, zero rows before it, zero rows after it]
+        before = 0
         for v in values:
+            if not isinstance(v, int):
+                padded.append([v, before, 0])
+                before = 0
+            elif padded:
+                padded[-1][2] += v
+            else:
+                before += v
+        out = []
+        for v, head, tail in padded:
             rank, gap = len(b.shape(v)), width - b.shape(v)[-1]
-            if gap:
-                pads = b.tensor([0] * (2 * rank - 1) + [gap], (2 * rank,), "int64")
-                v = (yield Run(kernel("pad", dtype), {"x": v, "pads": pads}, ("y",), None, self.label))["y"]
+            if head or tail or gap:
+                pads = [0] * (2 * rank)
+                pads[1] += head
+                pads[rank + 1] += tail
+                pads[-1] += gap
+                feeds = {"x": v, "pads": b.tensor(pads, (2 * rank,), "int64")}
+                v = (yield Run(kernel("pad", dtype), feeds, ("y",), None, self.label))["y"]
             out.append(v)
         return out
 
