@@ -339,6 +339,10 @@ SD_CASES = (
     ("kdpm2-eps-linspace", "KDPM2DiscreteScheduler", "epsilon", "linspace", 3, 1.0, None),
     ("kdpm2-v-leading-cfg", "KDPM2DiscreteScheduler", "v_prediction", "leading", 3, 5.0, NEGATIVE),
     ("kdpm2-karras-eps-trailing", "KDPM2DiscreteScheduler", "epsilon", "trailing", 4, 1.0, None),
+    ("unipc-eps-linspace-cfg", "UniPCMultistepScheduler", "epsilon", "linspace", 5, 7.5, NEGATIVE),
+    ("unipc-v-trailing", "UniPCMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("unipc3-karras-eps-leading", "UniPCMultistepScheduler", "epsilon", "leading", 6, 1.0, None),
+    ("unipc-bh1-v-leading-cfg", "UniPCMultistepScheduler", "v_prediction", "leading", 5, 5.0, NEGATIVE),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -368,6 +372,10 @@ SD_CASE_FIELDS = {
     "euler-exp-v-trailing-range": {"use_exponential_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},
+    "unipc3-karras-eps-leading": {"solver_order": 3, "use_karras_sigmas": True},
+    # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
+    "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
+                                "disable_corrector": [1], "lower_order_final": False},
 }
 
 
@@ -469,6 +477,7 @@ IMG2IMG_CASES = (
     ("i2i-heun-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 0.5, 1.0, None),
     ("i2i-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 0.6, 1.0, None),
     ("i2i-euler-eps-linspace-full", "EulerDiscreteScheduler", "epsilon", "linspace", 3, 1.0, 1.0, None),
+    ("i2i-unipc-eps-leading-cfg", "UniPCMultistepScheduler", "epsilon", "leading", 7, 0.6, 7.5, NEGATIVE),
 )
 IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True}}  # Stable Diffusion 1.x's
 IMG2IMG_INIT = "init.png"
@@ -541,6 +550,7 @@ INPAINT_CASES = (
     ("inp-pndm-eps-leading-cfg", "PNDMScheduler", "epsilon", "leading", 5, 1.0, 7.5, NEGATIVE),
     ("inp-heun-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 0.5, 1.0, None),
     ("inp-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 1.0, 1.0, None),
+    ("inp-unipc-v-linspace", "UniPCMultistepScheduler", "v_prediction", "linspace", 5, 0.8, 1.0, None),
 )
 INPAINT_MASK = "mask.png"
 

@@ -151,6 +151,36 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
         make_schedule(dpm, 1000)
 
 
+def test_what_unipc_cannot_do_is_refused() -> None:
+    """UniPC's fields ortpipe does not follow, and the schedules diffusers turns into NaN or infinite
+    latents (checked with diffusers 0.42.1: bh1 onto sigma 0 multiplies an infinite B(h) by zero; an order-2
+    last step onto sigma 0 divides by a zero log-SNR ratio)."""
+    def config(**fields: object) -> dict:
+        return scheduler_config(fields, "UniPCMultistepScheduler", "x")
+
+    for field, value, allowed in (("predict_x0", False, "True"), ("solver_order", 4, "1, 2, 3"),
+                                  ("solver_type", "bh3", '"bh1", "bh2"'), ("thresholding", True, "False"),
+                                  ("use_exponential_sigmas", True, "False"),
+                                  ("use_flow_sigmas", True, "False"), ("sigma_min", 0.1, "None")):
+        with pytest.raises(ConfigError, match=f"UniPCMultistepScheduler with {field} .* is not run by "
+                                              rf"ortpipe \(it runs {allowed}"):
+            config(**{field: value})
+    for bad in ("1", [-1], [True], None):
+        with pytest.raises(ConfigError, match="disable_corrector must be a list of step indices"):
+            config(disable_corrector=bad)
+    with pytest.raises(GenerationError, match="solver_type bh1 and final_sigmas_type \"zero\" multiplies an "
+                                              "infinite B"):
+        make_schedule(config(solver_type="bh1"), 5)
+    with pytest.raises(GenerationError, match=r"step 5 of 5 \(order 2\) divides by a log-SNR gap of zero"):
+        make_schedule(config(lower_order_final=False), 5)
+    assert make_schedule(config(solver_type="bh1", final_sigmas_type="sigma_min"), 5).steps
+    assert config(solver_type="midpoint")["solver_type"] == "midpoint"  # diffusers runs it as bh2
+    bh2 = make_schedule(config(), 5).steps
+    assert make_schedule(config(solver_type="midpoint"), 5).steps == bh2
+    # the corrector matters: left out after every step, the steps' weights differ
+    assert make_schedule(config(disable_corrector=[0, 1, 2, 3]), 5).steps[1:] != bh2[1:]
+
+
 def test_hostile_scheduler_configs_give_clear_errors_or_finite_schedules() -> None:
     """Fields at and past their edges, alone and together, for every class and several step counts: a
     ConfigError or GenerationError, or a schedule whose every number is a finite float; never another

@@ -4,16 +4,16 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
-dpmsolver++ and sde-dpmsolver++ of order 1 to 3, HeunDiscrete, KDPM2Discrete; FlowMatchEulerDiscrete's flow
-matching, whose output is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv
-2305.08891, table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv 2206.00364;
-`use_exponential_sigmas`) for EulerDiscrete, HeunDiscrete and KDPM2Discrete, Karras also for
-DPMSolverMultistep. A field whose
+dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
+KDPM2Discrete; FlowMatchEulerDiscrete's flow matching, whose output is a velocity), for epsilon and
+v_prediction and the three timestep spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas
+(`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`) for EulerDiscrete, HeunDiscrete and
+KDPM2Discrete, Karras also for DPMSolverMultistep and UniPCMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
 when the config says so), the step's noise and the x0 of up to three steps before (DPM-Solver's second and
-third orders; PNDM's past outputs, its x0 being the output itself):
+third orders, UniPC's predictor and corrector; PNDM's past outputs, its x0 being the output itself):
 
     x0 = clip(x0_from_x * x + x0_from_output * output)
     x_next = from_x * x + from_x0 * x0 + from_output * output + from_noise * noise
@@ -49,6 +49,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "kdpm2": "KDPM2DiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
     "flow_match_euler": "FlowMatchEulerDiscreteScheduler",
+    "unipc_multistep": "UniPCMultistepScheduler",
+    "unipc": "UniPCMultistepScheduler",
 }
 _BETAS = {
     "num_train_timesteps": 1000,
@@ -148,6 +150,25 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_beta_sigmas": False,
         "timestep_spacing": "linspace",
     },
+    "UniPCMultistepScheduler": {
+        **_BETAS,
+        "timestep_spacing": "linspace",
+        "solver_order": 2,
+        "predict_x0": True,
+        "solver_type": "bh2",
+        "lower_order_final": True,
+        "disable_corrector": [],
+        "thresholding": False,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_flow_sigmas": False,
+        "final_sigmas_type": "zero",
+        "use_dynamic_shifting": False,
+        "sigma_min": None,
+        "sigma_max": None,
+        "shift_terminal": None,
+    },
     # flow matching (Stable Diffusion 3): no betas; sigma runs from 1 (noise) to 0 along a straight line
     "FlowMatchEulerDiscreteScheduler": {
         "num_train_timesteps": 1000,
@@ -225,6 +246,25 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "use_exponential_sigmas": (False, True),
         "use_beta_sigmas": (False,),
     },
+    "UniPCMultistepScheduler": {
+        **_COMMON,
+        "solver_order": (1, 2, 3),
+        "predict_x0": (True,),  # the data-prediction form (diffusers' default)
+        # diffusers registers midpoint, heun and logrho as bh2
+        "solver_type": ("bh1", "bh2", "midpoint", "heun", "logrho"),
+        "lower_order_final": (False, True),
+        "disable_corrector": None,  # a list of step indices, checked with the numbers
+        "thresholding": (False,),
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False,),  # diffusers truncates its float32 timesteps: not followed
+        "use_beta_sigmas": (False,),
+        "use_flow_sigmas": (False,),
+        "final_sigmas_type": ("zero", "sigma_min"),
+        "use_dynamic_shifting": (False,),
+        "sigma_min": (None,),  # Karras sigmas between other ends than the training schedule's
+        "sigma_max": (None,),
+        "shift_terminal": (None,),
+    },
     "FlowMatchEulerDiscreteScheduler": {
         "use_dynamic_shifting": (False,),  # its shift depends on the image's size (mu): not followed
         "invert_sigmas": (False,),
@@ -291,11 +331,16 @@ def _field_problems(config: Mapping[str, Any], wanted: str, where: str) -> list[
         value = config.get(key)
         if key in config and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
             problems.append(f"{where}: {key} must be a number of 0 or more, found {quote(value)}")
-    for key in ("sigma_min", "sigma_max"):  # EulerDiscrete's (other classes have no such field)
+    for key in ("sigma_min", "sigma_max"):  # EulerDiscrete's and UniPC's (the others have no such field)
         value = config.get(key) if key in DEFAULTS[wanted] else None
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if value is not None and (not number or value <= 0):
             problems.append(f"{where}: {key} must be a positive number or null, found {quote(value)}")
+    skipped = config.get("disable_corrector", [])
+    if not isinstance(skipped, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in skipped):
+        problems.append(f"{where}: disable_corrector must be a list of step indices (integers of 0 or more), "
+                        f"found {quote(skipped)}")
     betas = config.get("trained_betas")
     if betas is not None and (
         not isinstance(betas, list)
@@ -379,7 +424,8 @@ def _linspace(start: float, stop: float, count: int) -> list[float]:
 
 # the classes that keep the zero-SNR schedule's last alpha product at 2**-24, not 0 (their sigmas divide
 # by it)
-ZERO_SNR_FLOOR = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+ZERO_SNR_FLOOR = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
+                  "UniPCMultistepScheduler")
 
 
 def _betas(config: Mapping[str, Any]) -> list[float]:
@@ -847,6 +893,116 @@ def _multistep_weights(config: Mapping[str, Any], order: int, lambdas: list[floa
     return [w1 * a + w2 * b for a, b in zip(d1, d2, strict=True)]
 
 
+def unipc(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
+    """UniPCMultistepScheduler (data prediction, B(h) bh1 or bh2, orders 1 to 3): at each step after the first
+    run, the corrector (UniC) remakes the latents the step before's predictor (UniP) made, from the new x0;
+    then the predictor steps on from them. Both are linear in x0 memories over the same log-SNR gap, so the
+    corrected latents are the uncorrected ones plus a combination of x0s (the predictor's term minus the
+    corrector's, the -alpha h phi_1 x0 terms cancelling), and each step is one denoise_step: x_next = r x +
+    weights of x0 and up to three x0s before. `begin`: the first step run (image-to-image), where the
+    warm-up of lower orders and the corrector count from, as diffusers' counters do."""
+    table = [((1 - a) / a) ** 0.5 for a in alphas_cumprod(config)]
+    timesteps, sigmas = _dpm_timesteps(config, steps, table)
+    bh1 = config["solver_type"] == "bh1"
+    if bh1 and sigmas[-1] == 0:
+        raise GenerationError(
+            "UniPCMultistepScheduler with solver_type bh1 and final_sigmas_type \"zero\" multiplies an "
+            "infinite B(h) by zero on its last step (diffusers makes a NaN image): use bh2 or "
+            'final_sigmas_type "sigma_min"'
+        )
+    vp = [_alpha_sigma_lambda(s) for s in sigmas]  # (alpha, sigma, lambda) of each level
+    skipped = set(config["disable_corrector"])
+    out: list[Step] = []
+    before: int | None = None  # the order of the step before's predictor (its corrector's order)
+    for i in range(begin, len(timesteps)):
+        alpha_s, sigma_s, lambda_s = vp[i]
+        order = config["solver_order"]
+        if config["lower_order_final"]:
+            order = min(order, steps - i)
+        order = min(order, i - begin + 1)  # the warm-up: no more x0s than the steps run so far
+        weights = [0.0, 0.0, 0.0, 0.0]  # of x0 at this step, the step before, ... (the kernel's memory)
+        try:
+            if before is not None and i - 1 not in skipped:  # the corrector: weights of the corrected x
+                gap = _unipc_terms(vp, i - 1, before, bh1)
+                rhos_p, rhos_c = _unipc_rhos(gap, before, predictor=True), _unipc_rhos(gap, before)
+                scale = vp[i][0] * gap["b_h"]
+                for k, r in enumerate(gap["rks"], 1):  # D1_k = (m[i-1-k] - m[i-1]) / r_k
+                    w = scale * (rhos_p[k - 1] - rhos_c[k - 1]) / r
+                    weights[1 + k] += w
+                    weights[1] -= w
+                weights[0] -= scale * rhos_c[-1]  # - alpha B(h) rho (m_i - m_{i-1})
+                weights[1] += scale * rhos_c[-1]
+            gap = _unipc_terms(vp, i, order, bh1)
+            alpha_t, sigma_t = vp[i + 1][0], vp[i + 1][1]
+            ratio = sigma_t / sigma_s
+            weights = [ratio * w for w in weights]
+            weights[0] -= alpha_t * gap["h_phi_1"]
+            rhos_p = _unipc_rhos(gap, order, predictor=True)
+            for k, r in enumerate(gap["rks"], 1):  # D1_k = (m[i-k] - m[i]) / r_k
+                w = alpha_t * gap["b_h"] * rhos_p[k - 1] / r
+                weights[k] -= w
+                weights[0] += w
+        except ZeroDivisionError:
+            raise GenerationError(
+                f"UniPCMultistepScheduler's step {i + 1} of {steps} (order {order}) divides by a log-SNR gap "
+                "of zero (two equal noise levels, or an order above 1 onto sigma 0, where diffusers' latents "
+                "become infinite): set lower_order_final true, or choose another number of steps"
+            ) from None
+        epsilon = config["prediction_type"] == "epsilon"
+        x0 = (1 / alpha_s, -sigma_s / alpha_s) if epsilon else (alpha_s, -sigma_s)
+        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
+        out.append(_step(float(timesteps[i]), 1.0, x0, x=ratio, from_x0=weights[0], previous=weights[1],
+                         previous2=weights[2], previous3=weights[3], noised=noised))
+        before = order
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def _unipc_terms(vp: list[tuple[float, float, float]], i: int, order: int, bh1: bool) -> dict[str, Any]:
+    """The terms of a UniPC update from level i to i + 1 of `order`: the log-SNR ratios r_k of the x0s behind
+    (k = 1 .. order - 1), h phi_1(h), B(h) and the b vector of its linear system."""
+    h = vp[i + 1][2] - vp[i][2]
+    hh = -h  # data prediction
+    rks = [(vp[i - k][2] - vp[i][2]) / h for k in range(1, order)]
+    h_phi_1 = math.expm1(hh)
+    h_phi_k = h_phi_1 / hh - 1
+    b_h = hh if bh1 else math.expm1(hh)
+    factorial, b = 1, []
+    for j in range(1, order + 1):
+        b.append(h_phi_k * factorial / b_h)
+        factorial *= j + 1
+        h_phi_k = h_phi_k / hh - 1 / factorial
+    return {"rks": rks, "h_phi_1": h_phi_1, "b_h": b_h, "b": b}
+
+
+def _unipc_rhos(gap: dict[str, Any], order: int, predictor: bool = False) -> list[float]:
+    """The predictor's weights of its D1 terms (order 2: 1/2; 3: the system without its last row and column),
+    or the corrector's of its D1 terms and the new x0's (order 1: 1/2; else the whole system)."""
+    rks = [*gap["rks"], 1.0]
+    size = order - 1 if predictor else order
+    if size <= 1:  # diffusers' simplified low orders: no term (order-1 predictor), or 1/2
+        return [0.5] * size
+    matrix = [[rk**j for rk in rks[:size]] for j in range(size)]
+    return _solve(matrix, gap["b"][:size])
+
+
+def _solve(matrix: list[list[float]], values: list[float]) -> list[float]:
+    """The solution of a small linear system (Gaussian elimination with partial pivoting)."""
+    n = len(values)
+    rows = [[*row, value] for row, value in zip(matrix, values, strict=True)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(rows[r][c]))
+        rows[c], rows[pivot] = rows[pivot], rows[c]
+        if rows[c][c] == 0:
+            raise ZeroDivisionError
+        for r in range(c + 1, n):
+            factor = rows[r][c] / rows[c][c]
+            rows[r] = [a - factor * b for a, b in zip(rows[r], rows[c], strict=True)]
+    out = [0.0] * n
+    for r in reversed(range(n)):
+        out[r] = (rows[r][n] - sum(rows[r][c] * out[c] for c in range(r + 1, n))) / rows[r][r]
+    return out
+
+
 # PLMS's combinations of its last outputs, by how many it has (diffusers' PNDMScheduler.step_plms)
 PLMS = {1: (1.0,), 2: (1.5, -0.5), 3: (23 / 12, -16 / 12, 5 / 12), 4: (55 / 24, -59 / 24, 37 / 24, -9 / 24)}
 
@@ -929,12 +1085,13 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "HeunDiscreteScheduler": heun,
     "KDPM2DiscreteScheduler": kdpm2,
     "FlowMatchEulerDiscreteScheduler": flow_match,
+    "UniPCMultistepScheduler": unipc,
 }
 
 
 # The classes whose steps start at a begin index for image-to-image: the steps from there (the others'
 # steps are the whole schedule's last ones as they are)
-BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm}
+BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc}
 ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler")  # two runs a timestep: diffusers' order 2
 # The classes whose image-to-image schedule is another one, made from (config, steps, strength), run whole
 SHORTENED = {"LCMScheduler": lcm}
