@@ -227,24 +227,32 @@ def make_sdxl(spec: dict) -> None:
     tokenizer = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"])
     tokenizer_2 = transformers.CLIPTokenizer.from_pretrained(spec["tokenizer"], pad_token="!")
     scheduler = diffusers.EulerDiscreteScheduler.from_config(spec["scheduler"])
-    pipe = diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder,
-                                               text_encoder_2=text_encoder_2,
-                                               tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
-                                               scheduler=scheduler, add_watermarker=False)
+    parts = {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2, "unet": unet, "vae": vae}
+    if spec.get("refiner"):  # stable-diffusion-xl-refiner's layout: the second encoder only, the aesthetic
+        # score in the size conditioning, the empty negative prompt encoded
+        del parts["text_encoder"]
+        pipe = diffusers.StableDiffusionXLImg2ImgPipeline(
+            vae=vae, text_encoder=None, text_encoder_2=text_encoder_2, tokenizer=None,
+            tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, requires_aesthetics_score=True,
+            force_zeros_for_empty_prompt=False, add_watermarker=False)
+    else:
+        pipe = diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder,
+                                                   text_encoder_2=text_encoder_2,
+                                                   tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
+                                                   scheduler=scheduler, add_watermarker=False)
     pipe.save_pretrained(spec["out"], safe_serialization=True)
     print(json.dumps({"parameters": {name: sum(p.numel() for p in part.parameters())
-                                     for name, part in (("text_encoder", text_encoder),
-                                                        ("text_encoder_2", text_encoder_2), ("unet", unet),
-                                                        ("vae", vae))}}))
+                                     for name, part in parts.items()}}))
 
 
 def _load_sdxl(hf: str, pipeline: str = "StableDiffusionXLPipeline"):
     import diffusers
     import transformers
 
+    refiner = not (Path(hf) / "text_encoder").exists()  # stable-diffusion-xl-refiner's layout
     parts = {
-        "text_encoder": _strict(transformers.CLIPTextModel.from_pretrained(hf, subfolder="text_encoder",
-                                                                           output_loading_info=True)),
+        "text_encoder": None if refiner else _strict(transformers.CLIPTextModel.from_pretrained(
+            hf, subfolder="text_encoder", output_loading_info=True)),
         "text_encoder_2": _strict(transformers.CLIPTextModelWithProjection.from_pretrained(
             hf, subfolder="text_encoder_2", output_loading_info=True)),
         "unet": _strict(diffusers.UNet2DConditionModel.from_pretrained(hf, subfolder="unet",
@@ -252,10 +260,13 @@ def _load_sdxl(hf: str, pipeline: str = "StableDiffusionXLPipeline"):
         "vae": _strict(diffusers.AutoencoderKL.from_pretrained(hf, subfolder="vae",
                                                                output_loading_info=True)),
     }
-    tokenizers = {name: transformers.CLIPTokenizer.from_pretrained(hf, subfolder=name)
+    tokenizers = {name: None if refiner and name == "tokenizer" else
+                  transformers.CLIPTokenizer.from_pretrained(hf, subfolder=name)
                   for name in ("tokenizer", "tokenizer_2")}
     scheduler = diffusers.EulerDiscreteScheduler.from_pretrained(hf, subfolder="scheduler")
-    return getattr(diffusers, pipeline)(**parts, **tokenizers, scheduler=scheduler, add_watermarker=False)
+    extra = {"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False} if refiner else {}
+    return getattr(diffusers, pipeline)(**parts, **tokenizers, scheduler=scheduler, add_watermarker=False,
+                                        **extra)
 
 
 def _referenced(pipe, case: dict, refs: Path) -> dict:
@@ -528,7 +539,8 @@ def img2img_refs(spec: dict) -> None:
         for key, value in drawn.items():
             np.save(refs / files[key], value)
         # an inpainting UNet (9 input channels) at strength 1 starts from noise alone: no image latents
-        nine = inpaint and pipe.unet.config.in_channels == 9
+        denoiser = pipe.transformer if kind in SD3 else pipe.unet
+        nine = inpaint and denoiser.config.in_channels == 2 * pipe.vae.config.latent_channels + 1
         encoded = [*([] if nine and strength == 1.0 else [drawn["encode_noise"]]),
                    *([drawn["masked_noise"]] if inpaint else [])]
         givens = {"encode_noise": _GivenNoise(np.stack(encoded)),
@@ -555,6 +567,7 @@ def img2img_refs(spec: dict) -> None:
                 raise RuntimeError(f"{name}: {given.calls} draws of {key}, {wanted} given")
         if len(ran) != runs:
             raise RuntimeError(f"{name}: {len(ran)} UNet runs, {runs} expected")
+        image, shipped = _shifted(pipe, kind, name, image, latents[-1], refs)
         np.save(refs / f"{name}.image.npy", image.astype(np.float32))
         np.save(refs / f"{name}.final_latents.npy", latents[-1])
         negative = case["negative_prompt"]
@@ -566,7 +579,7 @@ def img2img_refs(spec: dict) -> None:
                       "scheduler": json.loads(pipe.scheduler.to_json_string()),
                       "init_image": spec["init_image"], **files, "noise": files.get("noise"),
                       **({"mask_image": spec["mask_image"]} if inpaint else {}),
-                      "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy",
+                      "image": f"{name}.image.npy", "final_latents": f"{name}.final_latents.npy", **shipped,
                       "timesteps": ran, "begin_index": len(pipe.scheduler.timesteps) - len(ran),
                       "noise_draws": givens["noise"].calls, "pipeline": spec["pipeline"],
                       **({"time_ids": seen[0]} if seen else {}),
@@ -576,6 +589,23 @@ def img2img_refs(spec: dict) -> None:
                  "cases": index})
 
 
+def _shifted(pipe, kind: str, name: str, image, final, refs: Path) -> tuple:
+    """(the reference image, more fields of the case). StableDiffusion3InpaintPipeline of diffusers 0.42.1
+    decodes its latents without the VAE's shift (its issue #13611; every other SD3 pipeline adds it): the
+    final latents decoded with it are the reference, the pipeline's own image beside (`unshifted_image`)."""
+    import numpy as np
+    import torch
+
+    if kind != SD3_INPAINT:
+        return image, {}
+    np.save(refs / f"{name}.unshifted_image.npy", image.astype(np.float32))
+    with torch.no_grad():
+        latents = torch.from_numpy(final) / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        decoded = pipe.vae.decode(latents, return_dict=False)[0]
+    return pipe.image_processor.postprocess(decoded, output_type="np"), {
+        "unshifted_image": f"{name}.unshifted_image.npy"}
+
+
 def _img2img_pipeline(spec: dict):
     """(the pipeline of spec["pipeline"], the init image, the call's mask_image argument: inpainting's)."""
     import diffusers
@@ -583,7 +613,7 @@ def _img2img_pipeline(spec: dict):
 
     kind = spec["pipeline"]
     # Stable Diffusion 3's parts load with diffusers' own strict from_pretrained (as sd3_refs loads them)
-    pipe = (diffusers.StableDiffusion3Img2ImgPipeline.from_pretrained(spec["hf"]) if kind == SD3_IMG2IMG
+    pipe = (getattr(diffusers, kind).from_pretrained(spec["hf"]) if kind in SD3
             else _load_sdxl(spec["hf"], kind) if kind in XL else _load_sd(spec["hf"], kind))
     pipe.set_progress_bar_config(disable=True)
     refs = Path(spec["out"]) / "references"
@@ -602,18 +632,21 @@ INPAINT = "StableDiffusionInpaintPipeline"
 LCM_IMG2IMG = "LatentConsistencyModelImg2ImgPipeline"  # the guidance embedded: no unconditional row
 SDXL_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
 XL = (SDXL_IMG2IMG, "StableDiffusionXLInpaintPipeline")  # two tokenizers, size conditioning
-INPAINTS = (INPAINT, "StableDiffusionXLInpaintPipeline")
+SD3_INPAINT = "StableDiffusion3InpaintPipeline"
+SD3 = (SD3_IMG2IMG, SD3_INPAINT)  # three tokenizers, a transformer
+INPAINTS = (INPAINT, "StableDiffusionXLInpaintPipeline", SD3_INPAINT)
 
 
 def _prompt_ids(pipe, prompt: str, negative: str | None, kind: str) -> dict:
     """The tokenizers' ids of a case's prompt and negative prompt: Stable Diffusion's one row, Stable
     Diffusion XL's two, or Stable Diffusion 3's three (T5's padded to the pipeline's max_sequence_length,
     256)."""
-    if kind != SD3_IMG2IMG and kind not in XL:
+    if kind not in SD3 and kind not in XL:
         return {"prompt_ids": _ids(pipe.tokenizer, prompt),
                 "negative_prompt_ids": _ids(pipe.tokenizer, negative)}
-    if kind in XL:  # each tokenizer's own length (77)
-        tokenizers, lengths = (pipe.tokenizer, pipe.tokenizer_2), (None, None)
+    if kind in XL:  # each tokenizer's own length (77); a refiner's second alone
+        tokenizers = tuple(t for t in (pipe.tokenizer, pipe.tokenizer_2) if t is not None)
+        lengths = (None,) * len(tokenizers)
     else:
         tokenizers = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3)
         lengths = (pipe.tokenizer_max_length, pipe.tokenizer_max_length, 256)

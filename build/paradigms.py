@@ -455,11 +455,12 @@ def export_sd(hf: Path, out: Path) -> Path:
     return _optimum(hf, out, "text-to-image")
 
 
-def exported_with_references(out: Path, torch_folder: str, cases: list[dict], refs: str, **spec: str) -> Path:
+def exported_with_references(out: Path, torch_folder: str, cases: list[dict], refs: str,
+                             latent_shape: tuple[int, ...] = (1, 4, 8, 8), **spec: str) -> Path:
     """optimum's export of the built diffusers folder `torch_folder`, with each case's initial latents and
     the reference environment's images (its command `refs`, given `spec` too)."""
     export_sd(get(torch_folder), out)
-    _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": [1, 4, 8, 8]})
+    _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": list(latent_shape)})
     _reference_env(refs, {"hf": str(get(torch_folder)), "out": str(out), "cases": cases, **spec})
     return out
 
@@ -604,13 +605,13 @@ def make_sd_tiny(out: Path) -> Path:
 
 
 def with_img2img_references(out: Path, torch_folder: str, cases: list[dict], pipeline: str,
-                            **spec: str) -> Path:
+                            latent_shape: tuple[int, ...] = (1, 4, 8, 8), **spec: str) -> Path:
     """references/init.png and diffusers' image-to-image `pipeline` on each case (img2img.json; an
     inpainting pipeline's, given `mask_image`: inpaint.json)."""
     init_image(out / "references" / IMG2IMG_INIT)
     _reference_env("img2img-refs", {"hf": str(get(torch_folder)), "out": str(out), "pipeline": pipeline,
-                                    "init_image": IMG2IMG_INIT, "cases": cases, "latent_shape": [1, 4, 8, 8],
-                                    **spec})
+                                    "init_image": IMG2IMG_INIT, "cases": cases,
+                                    "latent_shape": list(latent_shape), **spec})
     return out
 
 
@@ -747,12 +748,13 @@ SD3_TINY = {
     "text_encoder_3": {"d_model": 96, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 4,
                        "relative_attention_num_buckets": 8, "pad_token_id": 0, "eos_token_id": 1,
                        "decoder_start_token_id": 0},
-    "transformer": {"sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2,
+    # 16 latent channels, as Stable Diffusion 3's VAE has (its inpainting pipeline blends only then)
+    "transformer": {"sample_size": 8, "patch_size": 2, "in_channels": 16, "num_layers": 2,
                     "attention_head_dim": 8,
                     "num_attention_heads": 4, "joint_attention_dim": 96, "caption_projection_dim": 32,
-                    "pooled_projection_dim": 16 + 24, "out_channels": 4, "pos_embed_max_size": 16},
-    "vae": {**SD_SIZES["tiny"]["vae"], "scaling_factor": 1.5305, "shift_factor": 0.0609,
-            "use_quant_conv": False, "use_post_quant_conv": False},
+                    "pooled_projection_dim": 16 + 24, "out_channels": 16, "pos_embed_max_size": 16},
+    "vae": {**SD_SIZES["tiny"]["vae"], "latent_channels": 16, "scaling_factor": 1.5305,
+            "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False},
     "flow_scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
 }
 
@@ -804,14 +806,34 @@ def sd3_no_t5_cases() -> list[dict]:
             for seed, (name, shift, steps, guidance, negative) in enumerate(SD3_NO_T5_CASES, 250)]
 
 
+# StableDiffusion3InpaintPipeline (sd3-tiny's transformer of the latents' 16 channels: the pipeline's blend,
+# flow matching's scale_noise at the next sigma). (name, shift, steps, strength, guidance_scale, negative)
+SD3_INPAINT_CASES = (
+    ("sd3-inp-shift3-cfg-neg", 3.0, 5, 1.0, 5.0, NEGATIVE),
+    ("sd3-inp-shift1-default", 1.0, 6, 0.6, 1.0, None),  # the pipeline's default strength
+)
+SD3_LATENTS = (1, 16, 8, 8)
+
+
+def sd3_inpaint_cases() -> list[dict]:
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", **SD3_TINY["flow_scheduler"]}
+    return [{"name": name, "scheduler": {**flow, "shift": shift}, "num_inference_steps": steps,
+             "strength": strength, "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative,
+             "seed": seed, "noisy": False}
+            for seed, (name, shift, steps, strength, guidance, negative) in enumerate(SD3_INPAINT_CASES, 900)]
+
+
 def make_sd3_tiny(out: Path) -> Path:
-    exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs")
+    exported_with_references(out, "sd3-tiny-diffusers", sd3_cases(), "sd3-refs", SD3_LATENTS)
     cases = sd3_no_t5_cases()
-    _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": [1, 4, 8, 8]})
+    _reference_env("draw-case-inputs", {"out": str(out), "cases": cases, "latent_shape": list(SD3_LATENTS)})
     _reference_env("sd3-refs", {"hf": str(get("sd3-tiny-diffusers")), "out": str(out), "cases": cases,
                                 "without_t5": True, "index": SD3_NO_T5_INDEX})
-    return with_img2img_references(out, "sd3-tiny-diffusers", sd3_img2img_cases(),
-                                   "StableDiffusion3Img2ImgPipeline")
+    with_img2img_references(out, "sd3-tiny-diffusers", sd3_img2img_cases(), "StableDiffusion3Img2ImgPipeline",
+                            SD3_LATENTS)
+    mask_image(out / "references" / INPAINT_MASK)
+    return with_img2img_references(out, "sd3-tiny-diffusers", sd3_inpaint_cases(),
+                                   "StableDiffusion3InpaintPipeline", SD3_LATENTS, mask_image=INPAINT_MASK)
 
 
 def make_sd3_diffusers(out: Path) -> Path:

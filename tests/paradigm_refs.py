@@ -1082,8 +1082,10 @@ def generate_image_sd3(folder: Path | str, scheduler_config: Mapping, steps: int
 
 def _flow_denoise(folder: Path, scheduler_config: Mapping, sigmas: np.ndarray, x: np.ndarray, start: int,
                   prompt_ids: Sequence[Sequence[int]], negative_prompt_ids: Sequence[Sequence[int]] | None,
-                  guidance_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """generate_image_sd3's loop from step `start` on, and its VAE: (image, final latents)."""
+                  guidance_scale: float, after: Callable[[int, np.ndarray], np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """generate_image_sd3's loop from step `start` on, and its VAE: (image, final latents); `after(i, x)`:
+    the latents after step i (inpainting's blend)."""
     guided = guidance_scale > 1
     states, pooled = encode_prompt_sd3(folder, prompt_ids)
     if guided:
@@ -1100,6 +1102,8 @@ def _flow_denoise(folder: Path, scheduler_config: Mapping, sigmas: np.ndarray, x
             uncond, cond = np.split(output, 2)
             output = uncond + np.float32(guidance_scale) * (cond - uncond)
         x = x + (sigmas[i + 1] - sigmas[i]) * output
+        if after is not None:
+            x = after(i, x)
     vae = json.loads((folder / "vae_decoder" / "config.json").read_text())
     unscaled = (x / np.float32(vae["scaling_factor"]) + np.float32(vae["shift_factor"])).astype(np.float32)
     decoded = run(session(folder / "vae_decoder" / "model.onnx"), {"latent_sample": unscaled})["sample"]
@@ -1156,3 +1160,31 @@ def with_scheduler(folder: Path | str, config: Mapping, out: Path | str) -> Path
     (out / "scheduler").mkdir()
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
     return out
+
+
+def inpaint_sd3(folder: Path | str, scheduler_config: Mapping, steps: int, strength: float, image: np.ndarray,
+                mask: np.ndarray, *, encode_noise: np.ndarray, add_noise: np.ndarray,
+                prompt_ids: Sequence[Sequence[int]],
+                negative_prompt_ids: Sequence[Sequence[int]] | None = None,
+                guidance_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(image, final latents) as StableDiffusion3InpaintPipeline computes them with a transformer of the
+    latents' channels: the start of image_to_image_sd3 (at strength 1 the noise alone), and after each step
+    the region the mask keeps set back to the image's latents noised by scale_noise to the next step's
+    sigma, sigma * noise + (1 - sigma) * latents (clean after the last step)."""
+    folder = Path(folder)
+    sigmas = flow_match_sigmas(scheduler_config, steps)
+    latents = encode_image(folder, image, encode_noise)
+    e = add_noise.astype(np.float32)
+    start = 0 if strength == 1.0 else flow_strength_start(steps, strength)
+    x = e if strength == 1.0 else (sigmas[start] * e + (np.float32(1.0) - sigmas[start]) * latents)
+    config = json.loads((folder / "vae_encoder" / "config.json").read_text())
+    repaint = inpaint_mask(mask, 2 ** (len(config["block_out_channels"]) - 1))
+    last = len(sigmas) - 2
+
+    def blend(i: int, x: np.ndarray) -> np.ndarray:
+        sigma = sigmas[i + 1]
+        kept = latents if i == last else sigma * e + (np.float32(1.0) - sigma) * latents
+        return ((1 - repaint) * kept + repaint * x).astype(np.float32)
+
+    return _flow_denoise(folder, scheduler_config, sigmas, x.astype(np.float32), start, prompt_ids,
+                         negative_prompt_ids, guidance_scale, blend)

@@ -63,11 +63,12 @@ def ortpipe_draws(pipe: ortpipe.Pipeline, case: dict, seed: int
     noise, then each noisy step's (zeros for a step that adds none)."""
     schedule = _schedule(pipe, case)
     noise = Noise(pipe.model.backend, seed)
-    sample, added = pipe.run(noise.draw(LATENTS)), pipe.run(noise.draw(LATENTS))
-    steps = np.zeros((len(schedule.steps), *LATENTS), np.float32)
+    shape = (1, pipe.model.loop.denoising.latent_shape[0], *LATENTS[2:])  # SD3's 16 channels, 4 elsewhere
+    sample, added = pipe.run(noise.draw(shape)), pipe.run(noise.draw(shape))
+    steps = np.zeros((len(schedule.steps), *shape), np.float32)
     for i, step in enumerate(schedule.steps):
         if step.noise:
-            steps[i] = pipe.run(noise.draw(LATENTS))
+            steps[i] = pipe.run(noise.draw(shape))
     return sample, added, steps
 
 

@@ -64,7 +64,7 @@ export interface GenerateOptions {
   images?: ImageSource[];
   /** Inpainting (a denoising folder with a VAE encoder): an image of the one in `images`' size, white where
    * it is repainted, black where it is kept; `strength` defaults to 1 with it (0.9999 on a Stable Diffusion XL
-   * folder, as diffusers' pipelines). */
+   * folder, 0.6 on a Stable Diffusion 3 folder, as diffusers' pipelines). */
   mask?: ImageSource;
   /** A denoising folder's initial latents (as diffusers' `latents=`): float32 [1, channels, height, width]. */
   latents?: { data: Float32Array | number[]; dims: number[] };

@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mask",
         metavar="PATH",
         help="inpainting: an image of --image's size, white where it is repainted, black where it is kept "
-        "(--strength defaults to 1 then, 0.9999 on a Stable Diffusion XL folder, as diffusers' pipelines)",
+        "(--strength defaults to 1 then, 0.9999 on a Stable Diffusion XL folder, 0.6 on a Stable Diffusion 3 "
+        "folder, as diffusers' pipelines)",
     )
     run.add_argument(
         "--audio",

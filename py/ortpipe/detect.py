@@ -244,8 +244,8 @@ def _sd3(folder: Folder, index: dict[str, Any], kind: Any) -> dict[str, Any]:
             "output": {"session": "vae_decoder", "name": "sample", "as": "image"},
             "preprocessing": {"text": {"tokenizer": "tokenizer"}},
         },
-        # StableDiffusion3Pipeline's defaults
-        "generation": {"loop": "denoising", "num_steps": 28, "guidance_scale": 7.0},
+        # StableDiffusion3Pipeline's defaults; its image-to-image and inpainting pipelines' strength
+        "generation": {"loop": "denoising", "num_steps": 28, "guidance_scale": 7.0, "strength": 0.6},
         "metadata": {"model_type": kind, "detected_from": "model_index.json"},
     }
 

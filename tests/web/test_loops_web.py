@@ -352,8 +352,9 @@ def test_wasm_image_to_image_equals_cpython(page: Any, serve_model: Any, tmp_pat
 
 def test_wasm_inpainting_equals_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:
     """Inpainting in the browser (the mask decoded by the worker beside the image, the inpaint_mask and
-    inpaint_blend kernels): Euler from noise (strength 1, guided) and DDIM at strength 0.6, each the image
-    CPython makes within 1e-4; a mask of the wrong kind is refused."""
+    inpaint_blend kernels): Euler from noise (strength 1, guided) and DDIM at strength 0.6, an inpainting
+    UNet, Stable Diffusion XL and 3 at their pipelines' default strengths, each the image CPython makes within
+    1e-4; a mask of the wrong kind is refused."""
     from build import paradigms
 
     source = paradigms.get("sd-tiny")
@@ -411,6 +412,20 @@ def test_wasm_inpainting_equals_cpython(page: Any, serve_model: Any, tmp_path: P
     difference = float(np.abs(np.array(run["data"], np.float32).reshape(run["dims"]) - expected.image).max())
     print(f"wasm inpainting, Stable Diffusion XL: max |browser - CPython| = {difference:.1e}")
     assert run["timings"]["steps"] == expected.timings.steps == 2 and difference <= WASM["image"]
+    # Stable Diffusion 3 (flow matching's scale_noise in the blend; the pipeline's default strength 0.6)
+    sd3 = Path(shutil.copytree(paradigms.get("sd3-tiny"), tmp_path / "sd3-inpaint",
+                               ignore=shutil.ignore_patterns("references")))
+    for name in ("init.png", "mask.png"):
+        shutil.copy(source / "references" / name, sd3 / name)
+    expected = ortpipe.load(sd3).generate("a red cube", images=[sd3 / "init.png"], mask=sd3 / "mask.png",
+                                          negative_prompt="blurry", num_steps=5, guidance_scale=5.0, seed=8)
+    serve_model("inpaint-sd3", sd3)
+    given = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 5, "guidanceScale": 5.0,
+             "seed": 8, "images": ["models/inpaint-sd3/init.png"], "mask": "models/inpaint-sd3/mask.png"}
+    (run,) = in_page(page, "inpaint-sd3", [{"kind": "generate", "args": [given]}])["runs"]
+    difference = float(np.abs(np.array(run["data"], np.float32).reshape(run["dims"]) - expected.image).max())
+    print(f"wasm inpainting, Stable Diffusion 3: max |browser - CPython| = {difference:.1e}")
+    assert run["timings"]["steps"] == expected.timings.steps == 3 and difference <= WASM["image"]
     errors = page.evaluate("""async (model) => {
       const {load} = await import('./ortpipe.js');
       const sd = await load(model, {device: 'wasm'});

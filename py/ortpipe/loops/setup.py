@@ -21,7 +21,7 @@ from ..sampling.settings import check_setting, settings_for
 from ..tokenizer import Tokenizer
 from .codebooks import CodebookRequest
 from .denoising import DenoisingRequest, DenoisingSetup, denoising_setup
-from .schedulers import make_schedule
+from .schedulers import FLOW, make_schedule
 from .single_pass import DEFAULT_BATCH, SinglePassRequest
 from .text import TextSetup, encode_texts, reads_text, text_setup
 
@@ -163,8 +163,11 @@ def output_request(
     own = {name: (encode_texts(own_tokenizer, [*unconditional, prompt], own_text.max_length), own_text)
            for name, (own_tokenizer, own_text) in setup.own.items()}
     strength = settings["strength"] if image is not None else None
-    if mask is not None:  # the inpainting pipelines' default strength: 1 (from noise alone), XL's 0.9999
+    if mask is not None:  # the inpainting pipelines' default strength: 1 (from noise alone), XL's 0.9999;
+        # Stable Diffusion 3's (flow matching) its image-to-image strength, the config's (0.6 detected)
         default = INPAINT_STRENGTH_XL if setup.denoising.time_ids_dtype is not None else 1.0
+        if setup.denoising.scheduler["_class_name"] in FLOW:
+            default = settings["strength"]
         strength = given["strength"] if given.get("strength") is not None else default
         strength = None if strength == 1.0 else strength
     schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"], strength)
@@ -201,7 +204,7 @@ def _check_mask(setup: DenoisingSetup, image: Image | None, mask: Image, backend
     if backend.shape(mask[0])[-1] != 3:
         raise GenerationError("the mask must be an RGB image (white repaints, black keeps)")
     name = setup.scheduler["_class_name"]
-    if name in ("LCMScheduler", "FlowMatchEulerDiscreteScheduler"):
+    if name == "LCMScheduler":
         raise GenerationError(
             f"inpainting with {name} is not built (diffusers' StableDiffusionInpaintPipeline runs the "
             "other schedulers): use another scheduler or drop the mask"

@@ -23,7 +23,7 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 - edits: OpenAI's multipart form (forms.py): one `image` file, `prompt`, `n`, `size` auto or the image's;
   the extras above and `strength` (diffusers' name); `mask`, OpenAI's (a PNG whose fully transparent
   pixels are the region to edit), makes it inpainting (strength 1 unless given, 0.9999 on an XL
-  folder). `input_fidelity` is refused.
+  folder, 0.6 on an SD3 folder). `input_fidelity` is refused.
 
 `OutputRow` runs a checked query on the engine thread, one advance of the core's request per engine step
 (a batch of texts, a denoising step), so a long image does not hold back the other clients.
