@@ -3,12 +3,21 @@
     python -m build.train_demo --minutes 45            # train from scratch, evaluate, export to models/demo
     python -m build.train_demo --minutes 90 --resume   # continue the last run up to 90 minutes in all
     python -m build.train_demo --export-only           # evaluate and export the last checkpoint
+    python -m build.train_demo --stage copy --minutes 60   # the second stage: teach it to copy
 
 The corpus is the standard library's own .py files (test suites, codec tables and site-packages
 left out), a fixed sorted list with a fixed ~2% of the files held out for validation. A byte-level
 BPE tokenizer is trained on the training files, then a LlamaForCausalLM with AdamW, linear warmup
 and a cosine decay over the time budget. Checkpoints go to build/cache/demo-train/ every few
-minutes. The end of a run measures the validation loss beside a unigram baseline, exports with
+minutes.
+
+Two stages: `pretrain` (random windows of the token stream) and `copy`, which goes on from the
+first stage's weights (its checkpoint, else the exported folder's int4 graph, dequantized) on
+longer windows of which a share shows a span of text twice, as a prompt that quotes code and asks
+for it again does: the first stage's model, after 10M tokens, never copied from its context, which
+is what prompt-lookup speculation and "write this again" prompts rely on.
+
+The end of a run measures the validation loss beside a unigram baseline, exports with
 onnxruntime-genai's model builder (int4, onnx/model_q4.onnx) and its int8 variant (build/variants.py:
 the fp32 export dynamically quantized, onnx/model_quantized.onnx, what the browser runs fastest),
 with transformers.js's config.json beside genai_config.json, and writes TRAINING.md into the folder.
@@ -29,7 +38,7 @@ import shutil
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +77,20 @@ class Settings:
     grad_clip: float = 1.0
     seed: int = 0
     threads: int = 1
+    copy_share: float = 0.0  # the share of training windows that show a span of text twice
+
+
+# The second stage (see the module's docstring): windows of the whole context, 60% of them copies.
+STAGES = {
+    "pretrain": Settings(),
+    "copy": replace(Settings(), seq_len=512, peak_lr=1e-3, warmup_steps=20, copy_share=0.6, threads=2),
+}
+CHECKPOINTS = {"pretrain": "checkpoint.pt", "copy": "checkpoint-copy.pt"}
+VALIDATION_SEQ = 256  # validation windows: the same length at every stage, so the losses compare
+# copy accuracy: how many held-out spans, their length, the tokens of each copy not scored
+COPY_SPANS, COPY_SPAN, COPY_SKIP = 32, 200, 8
+SEPARATOR = "\n\n"  # between a span and its copy
+COPY_QUOTE, COPY_PROMPT = 160, 24  # the copying sample: tokens quoted, of which repeated in the prompt
 
 
 # --- corpus and tokenizer ----------------------------------------------------------------------
@@ -128,8 +151,9 @@ def encode(tok, texts: list[str]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def prepare_data(settings: Settings) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenizer and token streams, made once and cached in WORK."""
+def prepare_data(settings: Settings, folder: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenizer and token streams, made once and cached in WORK. With `folder` (a stage that goes on
+    from an exported model), that folder's tokenizer encodes the corpus instead of a newly trained one."""
     data = WORK / "tokens.npz"
     if data.is_file() and (WORK / "tokenizer.json").is_file():
         arrays = np.load(data)
@@ -137,7 +161,12 @@ def prepare_data(settings: Settings) -> tuple[np.ndarray, np.ndarray]:
     train_paths, val_paths = corpus_files()
     train_texts, val_texts = read_texts(train_paths), read_texts(val_paths)
     log.info("corpus: %d training files, %d validation files", len(train_texts), len(val_texts))
-    tok = train_tokenizer(train_texts, settings.vocab_size)
+    if folder is None:
+        tok = train_tokenizer(train_texts, settings.vocab_size)
+    else:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     train, val = encode(tok, train_texts), encode(tok, val_texts)
     WORK.mkdir(parents=True, exist_ok=True)
     tok.save(str(WORK / "tokenizer.json"))
@@ -149,6 +178,12 @@ def prepare_data(settings: Settings) -> tuple[np.ndarray, np.ndarray]:
         "val": [p.relative_to(stdlib).as_posix() for p in val_paths]}, indent=1) + "\n")
     np.savez(data, train=train, val=val)
     return train, val
+
+
+def separator_ids() -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    return np.asarray(Tokenizer.from_file(str(WORK / "tokenizer.json")).encode(SEPARATOR).ids, dtype=np.int64)
 
 
 # --- model and training ------------------------------------------------------------------------
@@ -183,13 +218,42 @@ def learning_rate(settings: Settings, step: int, elapsed: float, budget: float) 
     return settings.peak_lr * warmup * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def sample_batch(stream, settings: Settings, generator):
-    """batch_size random windows of seq_len + 1 tokens from the training stream."""
+def sample_batch(stream, settings: Settings, generator, separator):
+    """batch_size windows of seq_len + 1 tokens from the training stream: random windows, and with
+    probability copy_share a copy window (copy_window)."""
     import torch
 
-    starts = torch.randint(0, len(stream) - settings.seq_len - 1, (settings.batch_size,), generator=generator)
-    offsets = torch.arange(settings.seq_len + 1)
-    return stream[starts[:, None] + offsets[None, :]]
+    length = settings.seq_len + 1
+    if not settings.copy_share:
+        starts = torch.randint(0, len(stream) - length, (settings.batch_size,), generator=generator)
+        return stream[starts[:, None] + torch.arange(length)[None, :]]
+    rows = []
+    for _ in range(settings.batch_size):
+        if torch.rand((), generator=generator).item() < settings.copy_share:
+            rows.append(copy_window(stream, length, generator, separator))
+        else:
+            start = int(torch.randint(0, len(stream) - length, (), generator=generator))
+            rows.append(stream[start:start + length])
+    return torch.stack(rows)
+
+
+def copy_window(stream, length: int, generator, separator):
+    """`length` tokens: text from one place, a span of 16 or more tokens from another, the separator,
+    the same span again, then text from a third place (places and lengths drawn at random)."""
+    import torch
+
+    def draw(count: int) -> int:  # 0 .. count - 1
+        return int(torch.randint(0, count, (), generator=generator))
+
+    def piece(size: int):
+        start = draw(len(stream) - size)
+        return stream[start:start + size]
+
+    room = length - len(separator)
+    span = 16 + draw(room // 2 - 16 + 1)
+    before = draw(room - 2 * span + 1)
+    quoted = piece(span)
+    return torch.cat([piece(before), quoted, separator, quoted, piece(room - before - 2 * span)])
 
 
 def lm_loss(model, window):
@@ -209,22 +273,21 @@ class Progress:
     wall: float = 0.0  # seconds of wall time, data preparation and checkpoints included
 
 
-def save_checkpoint(model, optimizer, generator, progress: Progress, settings: Settings) -> None:
+def save_checkpoint(stage: str, state: dict) -> None:
     import torch
 
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "generator": generator.get_state(), "progress": asdict(progress), "settings": asdict(settings)}
-    scratch = WORK / "checkpoint.pt.partial"
+    scratch = WORK / (CHECKPOINTS[stage] + ".partial")
     torch.save(state, scratch)
-    os.replace(scratch, WORK / "checkpoint.pt")
+    os.replace(scratch, WORK / CHECKPOINTS[stage])
 
 
-def read_checkpoint(settings: Settings) -> dict:
+def read_checkpoint(stage: str) -> dict:
     import torch
 
-    state = torch.load(WORK / "checkpoint.pt", weights_only=False)
-    if state["settings"] != asdict(settings):
-        raise ValueError(f"{WORK / 'checkpoint.pt'} was trained with other settings: {state['settings']}")
+    path = WORK / CHECKPOINTS[stage]
+    state = torch.load(path, weights_only=False)
+    if state["settings"] != asdict(STAGES[stage]):
+        raise ValueError(f"{path} was trained with other settings: {state['settings']}")
     return state
 
 
@@ -236,25 +299,88 @@ def load_model(settings: Settings):
     return transformers.LlamaForCausalLM(hf_config(settings)).to(torch.float32)
 
 
-def train(settings: Settings, minutes: float, resume: bool) -> Progress:
+def weights_from_folder(folder: Path, settings: Settings) -> dict:
+    """The state dict of an exported folder's int4 graph (onnx/model_q4.onnx), each weight dequantized
+    (build/variants.py): the model builder's fused qkv_proj split into q, k and v, its MatMul weights
+    transposed back to torch's [out, in]."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from build import variants
+
+    graph = variants.dequantized(onnx.load(folder / "onnx" / "model_q4.onnx"))
+    weights = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
+    q_size, kv_size = settings.heads * settings.head_dim, settings.kv_heads * settings.head_dim
+    state = {"model.embed_tokens.weight": weights["model.embed_tokens.Reshape.output_0_fp32"],
+             "model.norm.weight": weights[f"model.layers.{settings.layers}.final_norm_layernorm.weight"]}
+    for i in range(settings.layers):
+        layer = f"model.layers.{i}."
+        qkv = weights[layer + "attn.qkv_proj.MatMul.weight_Q4_fp32"]
+        for name, part in zip("qkv", np.split(qkv, [q_size, q_size + kv_size], axis=1), strict=True):
+            state[layer + f"self_attn.{name}_proj.weight"] = part.T
+        state[layer + "self_attn.o_proj.weight"] = weights[layer + "attn.o_proj.MatMul.weight_Q4_fp32"].T
+        for name in ("gate", "up", "down"):
+            matmul = weights[layer + f"mlp.{name}_proj.MatMul.weight_Q4_fp32"]
+            state[layer + f"mlp.{name}_proj.weight"] = matmul.T
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            state[layer + name + ".weight"] = weights[layer + name + ".weight"]
+    return {name: torch.from_numpy(np.array(array, dtype=np.float32)) for name, array in state.items()}
+
+
+def starting_point(stage: str, settings: Settings, folder: Path) -> tuple[dict, list[dict]]:
+    """(weights, the stages before) that a new run of `stage` starts from: random weights for the
+    first stage; for the copy stage, the first stage's checkpoint when there is one, else the
+    exported folder's weights and its training.json."""
+    if stage == "pretrain":
+        return load_model(settings).state_dict(), []
+    if (WORK / CHECKPOINTS["pretrain"]).is_file():
+        state = read_checkpoint("pretrain")
+        record = {"stage": "pretrain", "settings": state["settings"], "progress": state["progress"]}
+        return state["model"], [record]
+    history = json.loads((folder / "training.json").read_text())["stages"]
+    if [record["stage"] for record in history] != ["pretrain"]:
+        raise ValueError(f"{folder / 'training.json'} does not end with the first stage: {history}")
+    return weights_from_folder(folder, STAGES["pretrain"]), history
+
+
+def train(stage: str, minutes: float, resume: bool, folder: Path) -> Progress:
     import torch
 
+    settings = STAGES[stage]
     torch.set_num_threads(settings.threads)
     run_start = time.perf_counter()
-    train_ids, _ = prepare_data(settings)
+    train_ids, val_ids = prepare_data(settings, None if stage == "pretrain" else folder)
     stream = torch.from_numpy(train_ids.astype(np.int64))
+    separator = torch.from_numpy(separator_ids())
     model = load_model(settings)
     optimizer = make_optimizer(model, settings)
     generator = torch.Generator().manual_seed(settings.seed)
     progress = Progress()
     if resume:
-        state = read_checkpoint(settings)
+        state = read_checkpoint(stage)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
-        progress = Progress(**state["progress"])
-    log.info("model: %.2fM parameters; %d training tokens; starting at step %d (%.1f min)",
+        progress, history = Progress(**state["progress"]), state["history"]
+    else:
+        weights, history = starting_point(stage, settings, folder)
+        model.load_state_dict(weights, strict=False)  # lm_head is tied to the embedding
+        model.tie_weights()
+        if history:  # what the previous stage's weights give, measured as this stage's are
+            history[-1] = {**history[-1], "val_loss": validation_loss(model, val_ids),
+                           "copy_accuracy": copy_accuracy(model, val_ids, separator_ids())}
+            log.info("starting from %s: validation %.3f, copy accuracy %.3f", history[-1]["stage"],
+                     history[-1]["val_loss"], history[-1]["copy_accuracy"])
+    log.info("stage %s, model: %.2fM parameters; %d training tokens; starting at step %d (%.1f min)", stage,
              parameter_count(model) / 1e6, len(stream), progress.step, progress.elapsed / 60)
+
+    def save() -> None:
+        progress.wall = wall_before + time.perf_counter() - run_start
+        save_checkpoint(stage, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "generator": generator.get_state(), "progress": asdict(progress),
+                                "settings": asdict(settings), "history": history})
+
     budget = minutes * 60.0
     wall_before = progress.wall
     model.train()
@@ -265,7 +391,7 @@ def train(settings: Settings, minutes: float, resume: bool) -> Progress:
         lr = learning_rate(settings, progress.step, progress.elapsed, budget)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = lm_loss(model, sample_batch(stream, settings, generator))
+        loss = lm_loss(model, sample_batch(stream, settings, generator, separator))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
@@ -278,11 +404,9 @@ def train(settings: Settings, minutes: float, resume: bool) -> Progress:
             log.info("step %d  loss %.3f  lr %.2e  tokens %d  %.1f min", progress.step, smoothed, lr,
                      progress.tokens, progress.elapsed / 60)
         if progress.elapsed - last_save >= CHECKPOINT_SECONDS:
-            progress.wall = wall_before + time.perf_counter() - run_start
-            save_checkpoint(model, optimizer, generator, progress, settings)
+            save()
             last_save = progress.elapsed
-    progress.wall = wall_before + time.perf_counter() - run_start
-    save_checkpoint(model, optimizer, generator, progress, settings)
+    save()
     return progress
 
 
@@ -297,19 +421,42 @@ def validation_windows(val_ids: np.ndarray, seq_len: int) -> list[np.ndarray]:
     return [val_ids[start:start + seq_len + 1] for start in range(0, len(val_ids) - 1, seq_len)]
 
 
-def validation_loss(model, val_ids: np.ndarray, settings: Settings) -> float:
+def validation_loss(model, val_ids: np.ndarray) -> float:
     """Mean next-token cross-entropy (nats/token) of the torch model over the held-out files."""
     import torch
 
     total, count = 0.0, 0
+    was_training = model.training
     model.eval()
     with torch.no_grad():
-        for window in validation_windows(val_ids, settings.seq_len):
+        for window in validation_windows(val_ids, VALIDATION_SEQ):
             ids = torch.from_numpy(window.astype(np.int64))[None]
             logits = model(input_ids=ids[:, :-1]).logits[0].float()
             total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
             count += ids.shape[1] - 1
+    model.train(was_training)
     return total / count
+
+
+def copy_accuracy(model, val_ids: np.ndarray, separator: np.ndarray) -> float:
+    """How well the model copies: over COPY_SPANS held-out spans of COPY_SPAN tokens (evenly spaced in
+    the held-out stream), each followed by the separator and itself, the share of the second
+    occurrence's tokens after its first COPY_SKIP that the model's argmax predicts (teacher-forced)."""
+    import torch
+
+    hits = total = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in np.linspace(0, len(val_ids) - COPY_SPAN, COPY_SPANS).astype(int):
+            span = val_ids[start:start + COPY_SPAN].astype(np.int64)
+            ids = np.concatenate([span, separator, span])
+            guesses = model(input_ids=torch.from_numpy(ids)[None]).logits[0].argmax(-1).numpy()
+            scored = len(span) + len(separator) + COPY_SKIP  # the first position scored
+            hits += int((guesses[scored - 1:-1] == ids[scored:]).sum())
+            total += len(ids) - scored
+    model.train(was_training)
+    return hits / total
 
 
 def onnx_validation_loss(graph: Path, val_ids: np.ndarray, settings: Settings) -> float:
@@ -322,7 +469,7 @@ def onnx_validation_loss(graph: Path, val_ids: np.ndarray, settings: Settings) -
     empty_past = np.zeros((1, settings.kv_heads, 0, settings.head_dim), dtype=np.float32)
     pasts = {i.name: empty_past for i in session.get_inputs() if i.name.startswith("past_key_values.")}
     total, count = 0.0, 0
-    for window in validation_windows(val_ids, settings.seq_len):
+    for window in validation_windows(val_ids, VALIDATION_SEQ):
         ids = window[None, :-1].astype(np.int64)
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **pasts}
         logits = session.run(["logits"], feeds)[0][0].astype(np.float64)
@@ -344,14 +491,16 @@ def unigram_loss(train_ids: np.ndarray, val_ids: np.ndarray, vocab_size: int) ->
 
 # --- export ----------------------------------------------------------------------------------------
 
-def load_checkpoint(settings: Settings):
+def load_checkpoint(stage: str):
+    """(model, the checkpoint's state) of a stage's last checkpoint."""
     import torch
 
+    settings = STAGES[stage]
     torch.set_num_threads(settings.threads)
-    state = read_checkpoint(settings)
+    state = read_checkpoint(stage)
     model = load_model(settings)
     model.load_state_dict(state["model"])
-    return model.eval(), Progress(**state["progress"])
+    return model.eval(), state
 
 
 def save_hf(model, settings: Settings) -> Path:
@@ -442,20 +591,68 @@ def shown(texts: list[str]) -> str:
     return "\n\n".join(f"```python\n{prompt}{text}\n```" for prompt, text in pairs)
 
 
-def loss_rows(metrics: dict) -> str:
-    rows = (("unigram baseline (training frequencies, add-one)", metrics["unigram_loss"]),
-            ("this model, torch fp32", metrics["val_loss"]),
-            ("this model, exported int4 (onnxruntime, onnx/model_q4.onnx)", metrics["onnx_val_loss"]),
-            ("this model, int8 (onnxruntime, onnx/model_quantized.onnx)", metrics["q8_val_loss"]))
-    return "\n".join(f"| {name} | {loss:.3f} | {math.exp(loss):.1f} |" for name, loss in rows)
+def copy_sample(folder: Path, val_ids: np.ndarray) -> dict:
+    """A greedy continuation (ortpipe) of a prompt that quotes held-out code, then repeats its first
+    COPY_PROMPT tokens: how many of the quoted tokens after those it reproduces before it differs."""
+    from tokenizers import Tokenizer
+
+    import ortpipe
+
+    starts = np.flatnonzero(val_ids == BOS_ID)
+    quoted = [int(t) for t in val_ids[starts[0] + 1:starts[0] + 1 + COPY_QUOTE]]
+    prompt = [*quoted, *separator_ids().tolist(), *quoted[:COPY_PROMPT]]
+    pipe = ortpipe.load(folder, threads=1)
+    tokens = pipe.generate(prompt_ids=prompt, max_new_tokens=COPY_QUOTE - COPY_PROMPT, do_sample=False).tokens
+    expected = quoted[COPY_PROMPT:]
+    same = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b),
+                min(len(tokens), len(expected)))
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return {"quoted": tokenizer.decode(quoted), "repeated": tokenizer.decode(quoted[:COPY_PROMPT]),
+            "continuation": tokenizer.decode(tokens), "copied": same, "of": len(expected)}
 
 
-def training_report(settings: Settings, progress: Progress, metrics: dict, examples: dict,
-                    params: int) -> str:
+def _maybe(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def loss_rows(metrics: dict, history: list[dict]) -> str:
+    before = history[-1] if history and "val_loss" in history[-1] else None
+    rows = [("unigram baseline (training frequencies, add-one)", metrics["unigram_loss"], None)]
+    if before:
+        rows.append((f"after the {before['stage']} stage (its int4 export, dequantized)", before["val_loss"],
+                     before["copy_accuracy"]))
+    rows += [("this model, torch fp32", metrics["val_loss"], metrics["copy_accuracy"]),
+             ("this model, exported int4 (onnxruntime, onnx/model_q4.onnx)", metrics["onnx_val_loss"], None),
+             ("this model, int8 (onnxruntime, onnx/model_quantized.onnx)", metrics["q8_val_loss"], None)]
+    return "\n".join(f"| {name} | {loss:.3f} | {math.exp(loss):.1f} | {_maybe(copy)} |"
+                     for name, loss, copy in rows)
+
+
+def stage_rows(stages: list[dict], train_tokens: int) -> str:
+    rows = []
+    for record in stages:
+        settings, progress = record["settings"], record["progress"]
+        windows = (f"{settings['seq_len']} tokens" + (f", {settings['copy_share']:.0%} of them copies"
+                                                     if settings.get("copy_share") else ""))
+        rows.append(f"| {record['stage']} | {progress['step']:,} | {progress['tokens']:,} "
+                    f"({progress['tokens'] / train_tokens:.2f} epochs) | {progress['elapsed'] / 60:.1f} / "
+                    f"{progress['wall'] / 60:.1f} | {windows} | {settings['peak_lr']:g} | "
+                    f"{settings['threads']} |")
+    return "\n".join(rows)
+
+
+def settings_table(stages: list[dict]) -> str:
+    keys = list(stages[-1]["settings"])
+    head = "| setting | " + " | ".join(r["stage"] for r in stages) + " |\n|---|" + "---|" * len(stages)
+    cells = ("| " + key + " | " + " | ".join(str(r["settings"].get(key, "")) for r in stages) + " |"
+             for key in keys)
+    return head + "\n" + "\n".join(cells)
+
+
+def training_report(stages: list[dict], metrics: dict, examples: dict, params: int) -> str:
     files = json.loads((WORK / "files.json").read_text())
-    settings_rows = "\n".join(f"| {key} | {value} |" for key, value in asdict(settings).items())
-    epochs = progress.tokens / metrics["train_tokens"]
     defaults = ", ".join(f"{key} {json.dumps(value)}" for key, value in SEARCH_DEFAULTS.items())
+    copy = examples["copy"]
     return f"""# The demo model
 
 A {params / 1e6:.1f}M-parameter LlamaForCausalLM trained from scratch on the Python standard
@@ -463,7 +660,7 @@ library's sources by `build/train_demo.py`, exported with onnxruntime-genai's mo
 the CPU EP: int4 weights (block size 32), the embedding table shared with the output layer
 (`onnx/model_q4.onnx`); and its int8 variant (`onnx/model_quantized.onnx`, build/variants.py), which
 the browser runs on wasm by default (the int4 graph has no fast wasm kernel). Its byte-level BPE
-tokenizer was trained on the same files.
+tokenizer was trained on the same files. `training.json` holds the stages' records.
 
 ## Data
 
@@ -474,61 +671,90 @@ suites, codec tables and site-packages: {len(files["train"])} training files
 
 ## Training
 
-{progress.step:,} steps, {progress.tokens:,} tokens seen ({epochs:.2f} epochs),
-{progress.elapsed / 60:.1f} minutes in the training loop, {progress.wall / 60:.1f} minutes of wall time,
-one CPU thread. AdamW, linear warmup, cosine decay to {settings.min_lr_ratio:g} x the peak over the
-time budget, random windows of the token stream.
+AdamW, linear warmup, cosine decay to 0.1 x the peak over each stage's time budget, on the CPU.
+`pretrain` trains from random weights on random windows of the token stream. `copy` goes on from
+its weights on windows of the whole context, of which a share are copies: text from one place, a
+span of 16 or more tokens from another, `{SEPARATOR!r}`, the same span again, then text from a third
+place. The first stage's model never copied from its context, which prompt-lookup speculation and
+prompts that quote code rely on.
 
-| setting | value |
-|---|---|
-{settings_rows}
+| stage | steps | tokens seen | minutes (loop / wall) | windows | peak lr | threads |
+|---|---|---|---|---|---|---|
+{stage_rows(stages, metrics["train_tokens"])}
 
-## Validation (held-out files, nats/token)
+{settings_table(stages)}
 
-| model | loss | perplexity |
-|---|---|---|
-{loss_rows(metrics)}
+## Validation (held-out files)
+
+Loss in nats/token over windows of {VALIDATION_SEQ} tokens. Copy accuracy: {COPY_SPANS} held-out spans of
+{COPY_SPAN} tokens, each followed by `{SEPARATOR!r}` and itself; the share of the second occurrence's tokens
+(after its first {COPY_SKIP}) that the model's argmax predicts, teacher-forced.
+
+| model | loss | perplexity | copy accuracy |
+|---|---|---|---|
+{loss_rows(metrics, stages[:-1])}
 
 Folder size: {metrics["folder_mb"]:.1f} MB.
 
-## Samples (ortpipe, 60 new tokens)
+## Samples (ortpipe, the int4 graph)
 
-Greedy:
+Copying, greedy: the first {COPY_QUOTE} tokens of the first held-out file, `{SEPARATOR!r}`, and their
+first {COPY_PROMPT} tokens again; the continuation reproduces {copy["copied"]} of the {copy["of"]} quoted
+tokens that follow before it differs:
+
+```python
+{copy["repeated"]}{copy["continuation"]}
+```
+
+Greedy, 60 new tokens:
 
 {shown(examples["greedy"])}
 
-Sampled with the folder's defaults ({defaults}), seed 1:
+Sampled with the folder's defaults ({defaults}), seed 1, 60 new tokens:
 
 {shown(examples["sampled"])}
 
 ## Reproduce or train longer
 
-    python -m build.train_demo --minutes 45              # from scratch
-    python -m build.train_demo --minutes 180 --resume    # continue build/cache/demo-train/checkpoint.pt
+    python -m build.train_demo --minutes 180                       # the first stage, from scratch
+    python -m build.train_demo --minutes 240 --resume              # ... or longer
+    python -m build.train_demo --stage copy --minutes 60 --train-only
+    python -m build.train_demo --stage copy --minutes 120 --resume # the second stage, exported
 
-`--minutes` is the budget in all, resumed time included; the cosine schedule stretches over the
+`--minutes` is the stage's budget in all, resumed time included; the cosine schedule stretches over the
 new budget (the learning rate rises again to the value the longer schedule has at the time already
-spent). Time-based schedules make runs repeat only approximately.
+spent), which is how this folder's copy stage ran (the two commands above). Time-based schedules make
+runs repeat only approximately. The copy stage starts from the first stage's checkpoint, or without
+one from the folder's int4 graph, dequantized (how this folder was made: the first stage's
+checkpoint was not kept).
 """
 
 
-def finish(settings: Settings, out: Path) -> dict:
-    """Evaluate the last checkpoint, export it to out and write out/TRAINING.md."""
-    model, progress = load_checkpoint(settings)
+def finish(stage: str, out: Path) -> dict:
+    """Evaluate the stage's last checkpoint, export it to out and write out/TRAINING.md and
+    out/training.json."""
+    model, state = load_checkpoint(stage)
+    settings = STAGES[stage]
     train_ids, val_ids = prepare_data(settings)
     metrics = {"train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)),
                "unigram_loss": unigram_loss(train_ids, val_ids, settings.vocab_size),
-               "val_loss": validation_loss(model, val_ids, settings)}
-    log.info("validation: %.3f nats/token (unigram baseline %.3f)",
-             metrics["val_loss"], metrics["unigram_loss"])
+               "val_loss": validation_loss(model, val_ids),
+               "copy_accuracy": copy_accuracy(model, val_ids, separator_ids())}
+    log.info("validation: %.3f nats/token (unigram baseline %.3f), copy accuracy %.3f",
+             metrics["val_loss"], metrics["unigram_loss"], metrics["copy_accuracy"])
     scratch = export(save_hf(model, settings), out)
     metrics["onnx_val_loss"] = onnx_validation_loss(scratch / "onnx" / "model_q4.onnx", val_ids, settings)
     q8 = scratch / "onnx" / "model_quantized.onnx"
     metrics["q8_val_loss"] = onnx_validation_loss(q8, val_ids, settings)
     examples = {"greedy": samples(scratch, SAMPLE_PROMPTS, 60, do_sample=False),
-                "sampled": samples(scratch, SAMPLE_PROMPTS, 60, seed=1)}
+                "sampled": samples(scratch, SAMPLE_PROMPTS, 60, seed=1),
+                "copy": copy_sample(scratch, val_ids)}
+    record = {"stage": stage, "settings": state["settings"], "progress": state["progress"],
+              **{k: metrics[k] for k in ("val_loss", "copy_accuracy", "onnx_val_loss")}}
+    stages = json.loads(json.dumps([*state["history"], record]))  # as training.json holds them
+    (scratch / "training.json").write_text(json.dumps({"stages": stages}, indent=2) + "\n")
     metrics["folder_mb"] = folder_bytes(scratch) / 1e6  # before TRAINING.md, which adds a few kB
-    report = training_report(settings, progress, metrics, examples, parameter_count(model))
+    report = training_report(stages, metrics, examples, parameter_count(model))
     (scratch / "TRAINING.md").write_text(report)
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -540,23 +766,26 @@ def finish(settings: Settings, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m build.train_demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=tuple(STAGES), default="pretrain",
+                        help="pretrain (from scratch, the default) or copy (from the first stage's weights)")
     parser.add_argument("--minutes", type=float, default=45.0,
-                        help="training-loop time budget in all, resumed runs included (default 45)")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the exported model folder (default {OUT})")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+                        help="the stage's training-loop budget in all, resumed runs included (default 45)")
+    parser.add_argument("--out", type=Path, default=OUT,
+                        help=f"the exported model folder, which the copy stage starts from (default {OUT})")
+    parser.add_argument("--resume", action="store_true", help="continue the stage from its last checkpoint")
     stage = parser.add_mutually_exclusive_group()
     stage.add_argument("--train-only", action="store_true",
                        help="train and checkpoint; no evaluation or export")
-    stage.add_argument("--export-only", action="store_true", help="evaluate and export the last checkpoint")
+    stage.add_argument("--export-only", action="store_true",
+                       help="evaluate and export the stage's last checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    settings = Settings()
     if not args.export_only:
         wall = time.perf_counter()
-        train(settings, args.minutes, args.resume)
+        train(args.stage, args.minutes, args.resume, args.out.resolve())
         log.info("training done in %.1f min of wall time", (time.perf_counter() - wall) / 60)
     if not args.train_only:
-        finish(settings, args.out.resolve())
+        finish(args.stage, args.out.resolve())
     return 0
 
 
