@@ -13,6 +13,7 @@ import { argmaxRow, typedArray } from './bridge.js';
 
 // The core's constants (loops/speculative.py).
 const MAX_PAUSE = 16;
+const SHADOW_STEPS = 8;
 const SAMPLES = 15;
 const DECAY = 0.9;
 const BURST_MS = 50; // as the plain Decoder's bursts
@@ -27,6 +28,7 @@ export class NgramIndex {
   reset() {
     this.last = Array.from({ length: this.size }, () => new Map());
     this.indexed = 0;
+    this.matched = 0; // the length of the n-gram the last proposal matched (0: none)
   }
 
   propose(tokens, k) {
@@ -43,9 +45,11 @@ export class NgramIndex {
       if (at !== undefined) {
         const draft = [];
         for (let i = at + 1; i < at + 1 + k; i++) draft.push(i < tokens.length ? tokens[i] : draft[i - tokens.length]);
+        this.matched = n;
         return draft;
       }
     }
+    this.matched = 0;
     return [];
   }
 }
@@ -65,40 +69,63 @@ function keepLast(values, value) {
 export class DraftLength {
   constructor(most, state) {
     this.most = most;
-    Object.assign(this, state); // hits, misses, ones, extras, drafts, wait, pause
+    Object.assign(this, state); // hits, misses (per source), ones, extras, drafts, wait, pause, shadows, overhead
+    this.source = 0;
+    this.probing = false;
   }
 
   next(room) {
+    this.probing = false;
     if (room <= 0) return 0;
     if (this.wait) {
       this.wait -= 1;
       return 0;
     }
-    const k = this.best(Math.min(this.most, room));
-    if (k) {
+    const most = Math.min(this.most, room);
+    if (this.hits.some((_, source) => this.best(most, source))) {
       this.pause = 0;
-      return k;
+      return most;
+    }
+    if (this.shadows) {
+      this.wait = SHADOW_STEPS - 1;
+      return 0;
     }
     this.pause = Math.min(MAX_PAUSE, 2 * this.pause || 1);
     this.wait = this.pause;
+    this.probing = true;
     return 1;
   }
 
-  best(most) {
-    const rate = this.hits / (this.hits + this.misses);
+  fit(source, k) {
+    this.source = source;
+    if (this.probing) return k;
+    const best = k ? this.best(k, source) : 0;
+    if (!best && this.overhead) this.wait = SHADOW_STEPS - 1;
+    return best;
+  }
+
+  best(most, source = 0) {
+    const rate = this.hits[source] / (this.hits[source] + this.misses[source]);
     const cost = median(this.extras) + median(this.drafts);
     let [best, bestK, tokens, term] = [1, 0, 1, 1];
     for (let k = 1; k <= most; k++) {
       term *= rate;
       tokens += term;
-      if (tokens / (1 + cost * k) > best) [best, bestK] = [tokens / (1 + cost * k), k];
+      const spent = 1 + this.overhead + cost * k;
+      if (tokens / spent > best) [best, bestK] = [tokens / spent, k];
     }
     return bestK;
   }
 
   update(drafted, accepted) {
-    this.hits = DECAY * this.hits + accepted;
-    this.misses = DECAY * this.misses + (accepted < drafted ? 1 : 0);
+    const s = this.source;
+    this.hits[s] = DECAY * this.hits[s] + accepted;
+    this.misses[s] = DECAY * this.misses[s] + (accepted < drafted ? 1 : 0);
+  }
+
+  shadow(source, taken) {
+    this.source = source;
+    this.update(1, taken ? 1 : 0);
   }
 
   /** The median run of one token; 0 before any, or when the clock is too coarse to see one (the
@@ -117,8 +144,8 @@ export class DraftLength {
   }
 
   state() {
-    const { hits, misses, ones, extras, drafts, wait, pause } = this;
-    return { hits, misses, ones, extras, drafts, wait, pause };
+    const { hits, misses, ones, extras, drafts, wait, pause, shadows, overhead } = this;
+    return { hits, misses, ones, extras, drafts, wait, pause, shadows, overhead };
   }
 }
 
@@ -243,14 +270,18 @@ export class Speculator {
     const started = performance.now();
     let position = past;
     for (;;) {
-      const k = this.length.next(limit - out.length - 1);
+      let k = this.length.next(limit - out.length - 1);
       let drafts = [];
       if (k && this.draft) {
-        const t = performance.now();
-        drafts = await this.draftTokens(k);
-        this.length.drafted(drafts.length, (performance.now() - t) / 1000);
+        k = this.length.fit(0, k);
+        if (k) {
+          const t = performance.now();
+          drafts = await this.draftTokens(k);
+          this.length.drafted(drafts.length, (performance.now() - t) / 1000);
+        }
       } else if (k) {
         drafts = this.ngram.propose(this.text, k);
+        drafts = drafts.slice(0, this.length.fit(Math.max(0, this.ngram.matched - 1), drafts.length));
       }
       const t = performance.now();
       const picks = await this.target.run([this.text[this.text.length - 1], ...drafts], position);
@@ -266,6 +297,9 @@ export class Speculator {
         this.drafted += drafts.length;
         this.accepted += took;
         this.rounds += 1;
+      } else if (this.ngram && this.length.shadows) { // a plain step: lookup's proposal, checked in its shadow
+        const proposal = this.ngram.propose(this.text, 1);
+        if (proposal.length) this.length.shadow(this.ngram.matched - 1, proposal[0] === kept[0]);
       }
       await this.target.keep(position + kept.length);
       if (this.draft) {

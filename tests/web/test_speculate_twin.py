@@ -21,13 +21,15 @@ import { NgramIndex, DraftLength } from './speculate.js';
 const { proposals, lengths } = JSON.parse(readFileSync(process.argv[2], 'utf8'));
 const drafts = proposals.map(({ size, text, asks }) => {
   const index = new NgramIndex(size);
-  return asks.map(([end, k]) => index.propose(text.slice(0, end), k));
+  return asks.map(([end, k]) => [index.propose(text.slice(0, end), k), index.matched]);
 });
 const chosen = lengths.map(({ most, state, events }) => {
   const length = new DraftLength(most, state);
   return events.map(([kind, a, b]) => {
     if (kind === 'next') return length.next(a);
+    if (kind === 'fit') return length.fit(a, b);
     if (kind === 'update') length.update(a, b);
+    else if (kind === 'shadow') length.shadow(a, b);
     else if (kind === 'timed') length.timed(a, b);
     else length.drafted(a, b);
     return null;
@@ -61,19 +63,27 @@ def test_the_js_drafter_and_draft_length_are_the_cores(tmp_path: Path) -> None:
         text = [rng.randrange(8) for _ in range(30)] + loop * 6 + [rng.randrange(8) for _ in range(30)]
         asks = sorted((rng.randrange(2, len(text)), rng.randrange(1, 9)) for _ in range(40))
         index = NgramIndex(size)
-        expected_drafts.append([index.propose(text[:end], k) for end, k in asks])
+        expected_drafts.append([[index.propose(text[:end], k), index.matched] for end, k in asks])
         proposals.append({"size": size, "text": text, "asks": asks})
-    assert sum(bool(d) for ds in expected_drafts for d in ds) > 100, "most asks find a draft"
+    assert sum(bool(d) for ds in expected_drafts for d, _ in ds) > 100, "most asks find a draft"
     lengths, expected_lengths = [], []
-    for most in (1, 4, 8, 16):
-        length = DraftLength(most, model=most == 8)
+    for most, sources in ((1, 1), (4, 2), (8, 1), (16, 3), (6, 3)):
+        length = DraftLength(most, model=most == 8, sources=sources)
+        length.overhead = 0.5 if most == 6 else 0.0
         job = {"most": most, "state": length.state(), "events": []}
         answers = []
-        for _ in range(200):
-            kind = rng.choice(["next", "next", "update", "timed", "drafted"])
+        for _ in range(300):
+            kind = rng.choice(["next", "next", "fit", "update", "shadow", "shadow", "timed", "drafted"])
             if kind == "next":
                 event = ["next", rng.randrange(0, 20), 0]
                 answers.append(length.next(event[1]))
+            elif kind == "fit":
+                event = ["fit", rng.randrange(sources), rng.randrange(0, most + 1)]
+                answers.append(length.fit(*event[1:]))
+            elif kind == "shadow":
+                event = ["shadow", rng.randrange(sources), rng.random() < 0.6]
+                length.shadow(*event[1:])
+                answers.append(None)
             elif kind == "update":
                 drafted = rng.randrange(1, 9)
                 event = ["update", drafted, rng.choice([drafted, rng.randrange(drafted + 1)])]

@@ -26,7 +26,7 @@ from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Work
 from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, RESAMPLE, REWIND, STOP, Lifecycle
 from ..plan import Plan
 from ..sampling.sampler import Sampler
-from .speculative import Speculator
+from .speculative import ROUND, Speculator
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,12 @@ class TokenGenerator:
             self.speculator is None and getattr(backend, "fused_sampling", False) and self.sampler.fusable
         )
         self._fused: FusedStep | None = fused if fusable and selects else None
+        # the plain steps between a speculating sampled request's rounds still run fused
+        plain = self.speculator is not None and getattr(backend, "fused_sampling", False)
+        plain = plain and self.sampler.fusable and self._fused is None
+        self._plain: FusedStep | None = fused if fusable and plain else None
+        if self.speculator is not None and self._fused is None:  # its rounds run here, with kernels
+            self.speculator.length.overhead = ROUND
 
     def resample(self, settings: SearchSettings) -> None:
         """Select the tokens from here on by `settings`: a fresh sampler (a seed starts over) and the path
@@ -244,17 +250,29 @@ class TokenGenerator:
                 tokens = yield from spec.round(self, budget)
                 if tokens:
                     return tokens
+                if self._plain is not None:  # no draft this step: plain fused steps, through the pause
+                    steps = spec.plain_steps() if budget is None else min(spec.plain_steps(), budget)
+                    tokens = yield from self._decode(self._plain, steps, speculate=False)
+                else:
+                    tokens = [(yield from self._step())]
+                spec.stepped(self.tokens, tokens)
+                spec.ran_plain(len(tokens))
+                return tokens
+        return [(yield from self._step())]
+
+    def _step(self) -> Work:
+        """One generic step: the graphs over the pending ids, the sampler's kernels over the logits."""
         logits = yield from self.flow.run_iteration(self._pending)
         self.sampler.label = self.flow.label
-        return [(yield from self.sampler.select(logits, self.tokens, self.generated))]
+        return (yield from self.sampler.select(logits, self.tokens, self.generated))
 
-    def _decode(self, fused: FusedStep, budget: int | None) -> Work:
-        """A burst of fused steps (speculative rounds, when the request speculates)."""
+    def _decode(self, fused: FusedStep, budget: int | None, speculate: bool = True) -> Work:
+        """A burst of fused steps (speculative rounds, when the request speculates and `speculate`)."""
         room = self.limits.max_length - len(self.tokens)
         limit = max(1, min(self._burst, room, room if budget is None else budget))
         pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
         cache = self.flow.caches[fused.session]
-        spec = self.speculator
+        spec = self.speculator if speculate else None
         answer = yield Decode(
             fused,
             cache.feeds,
@@ -271,8 +289,8 @@ class TokenGenerator:
         self.sampler.drew(len(tokens))
 
         self.flow.advance(fused.session, answer.cache, len(tokens))
-        if spec is not None:
-            spec.took(answer)
+        if self.speculator is not None:
+            self.speculator.took(answer)
         self.fused_steps += len(tokens)
         return tokens
 

@@ -15,11 +15,12 @@ The KV cache then keeps only the accepted positions: a shared buffer moves its l
 run's mask and writes start there), a concat cache is narrowed by a kernel.
 
 The draft length adapts (DraftLength): each round drafts the length that gives the most tokens per
-unit of time, from how often drafts were accepted and what a run of several tokens costs beside a
-run of one; when none pays, rounds are plain steps with a probe now and then, so open-ended text
-runs at about the speed of plain decoding. Targets that run rounds in their bursts measure the
-costs; the core's own rounds (sampling) use fixed guesses, so that a seeded run drafts the same
-everywhere.
+unit of time, from how often drafts were accepted (counted per source: the length of the n-gram a
+lookup matched) and what a run of several tokens costs beside a run of one; when none pays, steps
+are plain ones, during which prompt lookup's proposals are checked against the tokens chosen (at no
+cost) and a draft model probes now and then, so open-ended text runs at about the speed of plain
+decoding. Targets that run rounds in their bursts measure the costs; the core's own rounds
+(sampling) use fixed guesses, so that a seeded run drafts the same everywhere.
 
 Plain greedy requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a
 target runs whole rounds inside its burst (the CPython driver calls this module's Speculator, the
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 
 LOOKUP_NGRAM = 2  # the longest n-gram prompt lookup matches when only prompt_lookup_num_tokens is given
 MAX_PAUSE = 16  # steps without drafts after rounds that accepted nothing, at most
+SHADOW_STEPS = 8  # plain steps before prompt lookup looks again, when no draft length pays
+ROUND = 0.5  # the guess of what a round run by the core costs beyond a plain step, relative to a step
 SAMPLES = 15  # the measurements of run costs kept
 
 
@@ -70,6 +73,7 @@ class NgramIndex:
         self.size = size
         self.last: list[dict[tuple[int, ...], int]] = [{} for _ in range(size)]
         self.indexed = 0  # the n-grams ending before this position are in the index
+        self.matched = 0  # the length of the n-gram the last proposal matched (0: none)
 
     def reset(self) -> None:
         self.last = [{} for _ in range(self.size)]
@@ -91,7 +95,9 @@ class NgramIndex:
                 draft: list[int] = []
                 for i in range(at + 1, at + 1 + k):
                     draft.append(tokens[i] if i < len(tokens) else draft[i - len(tokens)])
+                self.matched = n
                 return draft
+        self.matched = 0
         return []
 
 
@@ -100,58 +106,98 @@ class DraftLength:
 
     A round of k drafts gives 1 + a + ... + a^k tokens on average, a being the chance that a draft
     is accepted (accepted drafts over accepted drafts plus rejections, a decaying count), and costs
-    1 + (extra + draft) * k times a plain step: `extra`, what each more token adds to one run, and
-    `draft`, what drafting one costs (a draft model's step), both measured by the target that runs the
-    rounds (`timed`), else guessed. When no length pays, a one-token probe runs after a pause of 1,
-    2, 4 ... MAX_PAUSE steps, so that text which starts repeating itself is noticed.
+    1 + overhead + (extra + draft) * k times a plain step: `extra`, what each more token adds to one
+    run, and `draft`, what drafting one costs (a draft model's step), both measured by the target
+    that runs the rounds (`timed`), else guessed; `overhead`, what a round run by the core (its
+    kernels) costs beyond a plain step, a guess (ROUND, see TokenGenerator) that no clock changes,
+    so that a seeded run drafts the same on every target.
+
+    Acceptance is counted per source: prompt lookup's drafts by the length of the n-gram they
+    matched (a draft after a 1-gram match is taken far less often than one after a 3-gram match),
+    a draft model's as one source. `next` gives the most a round may draft; `fit` its length once
+    the source is known. When no length pays:
+    - prompt lookup (`shadows`): plain steps, SHADOW_STEPS of them before the next look; at each,
+      the proposal lookup would have drafted is checked against the token the step chose
+      (`shadow`), which is what a one-token draft's check gives, without the cost of a check;
+    - a draft model: a one-token probe after a pause of 1, 2, 4 ... MAX_PAUSE plain steps (its
+      proposal costs a run).
     """
 
     DECAY = 0.9  # the weight of earlier rounds in the acceptance count
     EXTRA = 0.4  # the guess of what one more token costs a run, relative to a run of one
     DRAFT = 0.3  # the guess of what a draft model's step costs, relative to the model's
 
-    __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause")
+    __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause", "shadows",
+                 "overhead", "source", "probing")
 
-    def __init__(self, most: int, model: bool = False):
+    def __init__(self, most: int, model: bool = False, sources: int = 1):
         self.most = most
-        self.hits, self.misses = 2.0, 1.0  # a prior acceptance of 2/3
+        self.hits, self.misses = [2.0] * sources, [1.0] * sources  # a prior acceptance of 2/3
         # the last measurements (a median of them resists a busy machine's outliers): seconds of a run of
         # one token, and the extra and drafting costs of a token relative to it
         self.ones: deque[float] = deque(maxlen=SAMPLES)
         self.extras: deque[float] = deque([self.EXTRA], maxlen=SAMPLES)
         self.drafts: deque[float] = deque([self.DRAFT if model else 0.0], maxlen=SAMPLES)
         self.wait = self.pause = 0
+        self.shadows = not model
+        self.overhead = 0.0
+        self.source, self.probing = 0, False
 
     def next(self, room: int) -> int:
-        """The draft length of the next round (0: a plain step), at most `room`."""
+        """The most the next round may draft (0: a plain step), at most `room`."""
+        self.probing = False
         if room <= 0:
             return 0
         if self.wait:
             self.wait -= 1
             return 0
-        k = self.best(min(self.most, room))
-        if k:
+        most = min(self.most, room)
+        if any(self.best(most, source) for source in range(len(self.hits))):
             self.pause = 0
-            return k
+            return most
+        if self.shadows:
+            self.wait = SHADOW_STEPS - 1
+            return 0
         self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
         self.wait = self.pause
+        self.probing = True
         return 1
 
-    def best(self, most: int) -> int:
-        """The draft length (0 to most) with the most tokens per unit of time."""
-        rate = self.hits / (self.hits + self.misses)
+    def fit(self, source: int, k: int) -> int:
+        """How many of the k drafts proposed from `source` (k = 0: none was) the round checks: a probe
+        its one, else the best length. Where the core runs the rounds (`overhead`), a step that drafts
+        nothing starts SHADOW_STEPS plain ones, which run as one burst of fused steps."""
+        self.source = source
+        if self.probing:
+            return k
+        best = self.best(k, source) if k else 0
+        if not best and self.overhead:
+            self.wait = SHADOW_STEPS - 1
+        return best
+
+    def best(self, most: int, source: int = 0) -> int:
+        """The draft length (0 to most) with the most tokens per unit of time, drafting from `source`."""
+        rate = self.hits[source] / (self.hits[source] + self.misses[source])
         cost = statistics.median(self.extras) + statistics.median(self.drafts)
         best, best_k, tokens, term = 1.0, 0, 1.0, 1.0
         for k in range(1, most + 1):
             term *= rate
             tokens += term
-            if tokens / (1 + cost * k) > best:
-                best, best_k = tokens / (1 + cost * k), k
+            spent = 1 + self.overhead + cost * k
+            if tokens / spent > best:
+                best, best_k = tokens / spent, k
         return best_k
 
     def update(self, drafted: int, accepted: int) -> None:
-        self.hits = self.DECAY * self.hits + accepted
-        self.misses = self.DECAY * self.misses + (accepted < drafted)
+        """The round's drafts (from the source `fit` was last given): `accepted` of `drafted` taken."""
+        s = self.source
+        self.hits[s] = self.DECAY * self.hits[s] + accepted
+        self.misses[s] = self.DECAY * self.misses[s] + (accepted < drafted)
+
+    def shadow(self, source: int, taken: bool) -> None:
+        """A plain step chose the token a one-token draft from `source` proposed (`taken`), or not."""
+        self.source = source
+        self.update(1, int(taken))
 
     def one(self) -> float:
         """The median time of a run of one token; 0 before any (or when the clock is too coarse to see one:
@@ -172,14 +218,17 @@ class DraftLength:
 
     def state(self) -> dict[str, Any]:
         measured = {name: list(getattr(self, name)) for name in ("ones", "extras", "drafts")}
-        return {"hits": self.hits, "misses": self.misses, **measured, "wait": self.wait, "pause": self.pause}
+        return {"hits": list(self.hits), "misses": list(self.misses), **measured, "wait": self.wait,
+                "pause": self.pause, "shadows": self.shadows, "overhead": self.overhead}
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        self.hits, self.misses = float(state["hits"]), float(state["misses"])
+        self.hits = [float(x) for x in state["hits"]]
+        self.misses = [float(x) for x in state["misses"]]
         for name in ("ones", "extras", "drafts"):
             getattr(self, name).clear()
             getattr(self, name).extend(float(x) for x in state[name])
         self.wait, self.pause = int(state["wait"]), int(state["pause"])
+        self.shadows, self.overhead = bool(state["shadows"]), float(state["overhead"])
 
 
 class DraftDecode(NamedTuple):
@@ -223,8 +272,8 @@ class Speculator:
                                   "model's graph can run; lower max_length or max_new_tokens")
         self.backend, self.eos = backend, eos
         most = settings.prompt_lookup_num_tokens or settings.max_draft_tokens
-        self.length = DraftLength(most, draft is not None)
         self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
+        self.length = DraftLength(most, draft is not None, self.ngram.size if self.ngram is not None else 1)
         self.draft = DraftModel(draft, backend, max_length) if draft is not None else None
         entries = plan.step_phase[0].kv.entries
         self.seq_axes = {e.past_input: e.seq_axis for e in entries}
@@ -237,7 +286,29 @@ class Speculator:
         return self.length.next(room)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        return self.ngram.propose(tokens, k) if self.ngram is not None else []
+        """Prompt lookup's drafts for a round that may draft k: as many as pay, for the n-gram matched."""
+        drafts = self.ngram.propose(tokens, k) if self.ngram is not None else []
+        return drafts[: self.length.fit(max(0, self.ngram.matched - 1), len(drafts))]
+
+    def drafting(self, k: int) -> int:
+        """How many tokens the draft model drafts in a round that may draft k."""
+        return self.length.fit(0, k)
+
+    def shadow(self, tokens: list[int], token: int) -> None:
+        """A plain step after `tokens` chose `token`: prompt lookup's proposal there, checked against it
+        as a one-token draft would have been (DraftLength)."""
+        if self.ngram is not None and self.length.shadows:
+            proposal = self.ngram.propose(tokens, 1)
+            if proposal:
+                self.length.shadow(self.ngram.matched - 1, proposal[0] == token)
+
+    def stepped(self, tokens: list[int], new: list[int]) -> None:
+        """Plain steps after `tokens` chose `new`: each checked as `shadow` does."""
+        if self.ngram is not None and self.length.shadows:
+            seen = list(tokens)
+            for token in new:
+                self.shadow(seen, token)
+                seen.append(token)
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A target's run over `tokens` new tokens took `seconds` (see DraftLength)."""
@@ -249,6 +320,16 @@ class Speculator:
         self.drafted += drafted
         self.accepted += accepted
         self.length.update(drafted, accepted)
+
+    def plain_steps(self) -> int:
+        """How many plain steps may run as one burst after a step that drafted nothing: it and the
+        rest of the draft length's pause."""
+        return 1 + self.length.wait
+
+    def ran_plain(self, steps: int) -> None:
+        """`steps` plain steps ran: the first was the step that drafted nothing; the others count off
+        the pause, as steps one at a time would."""
+        self.length.wait = max(0, self.length.wait - (steps - 1))
 
     def absorb(self, state: Mapping[str, Any]) -> None:
         """What a target that mirrors this speculator (web/speculate.js) did in a burst: its draft
@@ -285,6 +366,8 @@ class Speculator:
         None when this step drafts nothing (the caller runs a plain step)."""
         room = gen.limits.max_length - len(gen.tokens)
         k = self.length.next(min(room, room if budget is None else budget) - 1)
+        if self.draft is not None and k:
+            k = self.drafting(k)
         if k == 0:
             return None
         if self.draft is not None:

@@ -56,28 +56,24 @@ class Picker:
 
     def _draw(self, scores: np.ndarray, u: np.float32) -> int:
         """The draw over the scores left: `ids` in index order and their scores in float64 (a
-        dropped score adds an exact 0 to every sum, so leaving it out changes none)."""
+        dropped score adds an exact 0 to every sum, so leaving it out changes none). exp(score - the
+        largest) is computed once: the largest score is never dropped, so every later step reads the
+        same values the kernels compute again."""
         p, vocab = self.pick, self.vocab
         top_k = p.top_k if 0 < p.top_k < vocab else 0
-        keep = scores > -np.inf
-        if top_k:
-            keep &= scores >= np.partition(scores, vocab - top_k)[vocab - top_k]
-        ids = np.flatnonzero(keep)
+        floor = np.partition(scores, vocab - top_k)[vocab - top_k] if top_k else -np.inf
+        ids = np.flatnonzero(scores >= floor) if floor > -np.inf else np.flatnonzero(scores > -np.inf)
         wide = scores[ids].astype(np.float64)
+        e = np.exp(wide - wide.max())
         if p.top_p < 1.0:
             order = np.argsort(-wide, kind="stable")[: top_k or vocab]  # ties: the lower id first
-            above = np.concatenate(([0.0], np.cumsum(_probs(wide)[order])[:-1]))
+            probs = e / e.cumsum()[-1]
+            above = np.concatenate(([0.0], probs[order].cumsum()[:-1]))
             kept = wide >= wide[order[np.count_nonzero(above < p.top_p) - 1]]
-            ids, wide = ids[kept], wide[kept]
+            ids, wide, e = ids[kept], wide[kept], e[kept]
         if p.min_p > 0.0:
-            probs = _probs(wide)
+            probs = e / e.cumsum()[-1]
             kept = probs >= probs.max() * p.min_p
-            ids, wide = ids[kept], wide[kept]
-        cdf = np.cumsum(np.exp(wide - wide.max()))
+            ids, e = ids[kept], e[kept]
+        cdf = e.cumsum()
         return int(ids[np.searchsorted(cdf, float(u) * cdf[-1], "left")])
-
-
-def _probs(wide: np.ndarray) -> np.ndarray:
-    """Probabilities: exp(score - the largest), over their sum in index order."""
-    e = np.exp(wide - wide.max())
-    return e / np.cumsum(e)[-1]

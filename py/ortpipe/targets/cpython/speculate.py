@@ -48,9 +48,11 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
             k = speculator.draft_length(d.limit - len(out) - 1)
             drafts: list[int] = []
             if k and draft is not None:
-                started = time.perf_counter()
-                drafts, drafted_to = _draft(draft, text, drafted_to, k, d.eos)
-                speculator.length.drafted(len(drafts), time.perf_counter() - started)
+                k = speculator.drafting(k)
+                if k:
+                    started = time.perf_counter()
+                    drafts, drafted_to = _draft(draft, text, drafted_to, k, d.eos)
+                    speculator.length.drafted(len(drafts), time.perf_counter() - started)
             elif k:
                 drafts = speculator.lookup(text, k)
             started = time.perf_counter()
@@ -60,6 +62,8 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
             new = cut_at_eos([*drafts[:accepted], picks[accepted]], d.eos)
             if drafts:
                 speculator.update(len(drafts), min(accepted, len(new)))
+            else:
+                speculator.shadow(text, new[0])
             target.keep(position + len(new))
             if draft is not None:
                 drafted_to = min(drafted_to, position + 1 + min(accepted, len(new)))
