@@ -92,10 +92,11 @@ Engine = Callable[[list[int], int], Trace]  # (prompt ids, new tokens) -> trace
 # --- the model folder -----------------------------------------------------------------------------
 
 
-def pinned_folder(src: Path, threads: int, dst: Path) -> Path:
+def pinned_folder(src: Path, threads: int, dst: Path, decoder_file: str | None = None) -> Path:
     """A copy of `src` whose genai_config.json pins the decoder's intra-op threads (genai defaults to
-    half the cores); every other file is a hard link where the file system allows (ortpipe opens no
-    symbolic link that leads out of a model folder), else a copy."""
+    half the cores) and, given `decoder_file`, names that graph (another variant of the decoder); every
+    other file is a hard link where the file system allows (ortpipe opens no symbolic link that leads
+    out of a model folder), else a copy."""
     for item in src.iterdir():
         if item.name == CONFIG:
             continue
@@ -109,6 +110,8 @@ def pinned_folder(src: Path, threads: int, dst: Path) -> Path:
     config = json.loads((src / CONFIG).read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
     options["intra_op_num_threads"] = threads
+    if decoder_file is not None:
+        config["model"]["decoder"]["filename"] = decoder_file
     (dst / CONFIG).write_text(json.dumps(config, indent=2))
     return dst
 
