@@ -116,7 +116,7 @@ def prompt_of(w: Workload) -> list[int]:
     """The workload's prompt ids. The demo's code prompt: an excerpt of bisect.py, a blank line and the
     excerpt's first tokens again, to be continued (joined as ids: text cut inside a word tokenizes
     otherwise than the same text whole, and no prompt-lookup n-gram would match across the cut)."""
-    if w.folder == "demo":
+    if w.folder.startswith("demo"):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(folder_of(w) / "tokenizer.json"))
