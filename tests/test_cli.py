@@ -54,6 +54,36 @@ def test_run_json_prints_tokens_text_and_timings(model: Path) -> None:
     assert result["timings"]["prefill_ms"] > 0 and result["timings"]["decode_tokens_per_s"] > 0
 
 
+def test_run_logprobs_come_out_in_json_and_after_the_text(model: Path) -> None:
+    import numpy as np
+
+    from tests.handloop import _run, _session, _step_feeds, empty_pasts
+
+    args = ["run", str(model), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "6",
+            "--threads", "1", "--logprobs", "3"]
+    out = ortpipe(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [p["token"] for p in result["logprobs"]] == result["tokens"]
+    # the reference: one run over prompt and tokens without a cache, log-softmax by hand
+    session = _session(model, "separate")
+    ids = PROMPT + result["tokens"]
+    logits = _run(session, _step_feeds(session, ids, len(ids)) | empty_pasts(session))["logits"][0]
+    logits = logits[len(PROMPT) - 1:-1].astype(np.float64)
+    expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    for row, given in zip(expected, result["logprobs"], strict=True):
+        top = np.argsort(-row)[:3]
+        assert [t for t, _ in given["top_logprobs"]] == top.tolist()
+        assert np.allclose([lp for _, lp in given["top_logprobs"]], row[top], atol=1e-4)
+        assert abs(given["logprob"] - row[given["token"]]) < 1e-4
+    streamed = ortpipe(*args)
+    assert streamed.returncode == 0, streamed.stderr
+    table = [line for line in streamed.stderr.splitlines() if line.startswith("[   ")]
+    assert len(table) == 6 and all("top: " in line for line in table)
+    assert table[0].split()[2] == str(result["tokens"][0])
+
+
 def test_validate_accepts_a_good_folder(model: Path) -> None:
     out = ortpipe("validate", str(model))
     assert out.returncode == 0 and "ok (v2 config, 1 session(s), 1 flow step(s))" in out.stdout

@@ -283,14 +283,14 @@ def _run(args: argparse.Namespace) -> int:
     elif staged:
         _staged(pipe, request, trace, args)
     elif args.json:
+        chunks = []
         try:
-            for _ in pipe.drive(request, trace):
-                pass
+            chunks.extend(pipe.drive(request, trace))
         except OrtpipeError as e:  # what was generated before the failure still comes out
             if e.partial is not None:
-                print(json.dumps(e.partial.as_dict()))
+                print(json.dumps(_with_logprobs(e.partial.as_dict(), request, chunks)))
             raise
-        print(json.dumps(request.result().as_dict()))
+        print(json.dumps(_with_logprobs(request.result().as_dict(), request, chunks)))
     else:
         _stream(pipe, request, trace, args.prompt)
     if files is not None:
@@ -307,8 +307,10 @@ def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
     status = LiveStatus() if sys.stdout.isatty() else None
     if prompt is not None:
         print(prompt, end="", flush=True)
+    chunks = []
     try:
         for chunk in pipe.drive(request, trace):
+            chunks.append(chunk)
             print(chunk.text if pipe.tokenizer else f"{chunk.token} ", end="", flush=True)
             if status:
                 status.show(request.timings)
@@ -321,6 +323,21 @@ def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
         f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
         file=sys.stderr,
     )
+    if request.settings.logprobs is not None:  # a table after the text, on stderr like the summary
+        for i, c in enumerate(chunks):
+            top = ", ".join(f"{token} {lp:.3f}" for token, lp in c.top_logprobs)
+            print(f"[{i:4d}] {c.token:6d} {c.text!r:14} {c.logprob:9.4f}" + (f"   top: {top}" if top else ""),
+                  file=sys.stderr)
+
+
+def _with_logprobs(out: dict[str, Any], request: Any, chunks: list[Any]) -> dict[str, Any]:
+    """`--json` with `--logprobs N`: each generated token's log-probability and the N most likely tokens."""
+    if request.settings.logprobs is not None:
+        out["logprobs"] = [
+            {"token": c.token, "logprob": c.logprob, "top_logprobs": [list(t) for t in c.top_logprobs]}
+            for c in chunks
+        ]
+    return out
 
 
 def _outputs(pipe: Any, request: Any, trace: Any, args: argparse.Namespace) -> None:
