@@ -112,8 +112,23 @@ def pinned_folder(src: Path, threads: int, dst: Path, decoder_file: str | None =
     options["intra_op_num_threads"] = threads
     if decoder_file is not None:
         config["model"]["decoder"]["filename"] = decoder_file
+        _describe_variant(config, dst / decoder_file)
     (dst / CONFIG).write_text(json.dumps(config, indent=2))
     return dst
+
+
+def _describe_variant(config: dict[str, Any], graph: Path) -> None:
+    """What onnxruntime-genai must be told of a variant exported otherwise than by its builder (the
+    demo's int8 graph is Optimum's): its position ids input, and a cache that grows by Concat instead of
+    a shared buffer. ortpipe finds both in the graph."""
+    from ortpipe.graphfacts import decoder_facts
+    from ortpipe.onnxinfo import read_model
+
+    model = read_model(graph)
+    if "position_ids" in {v.name for v in model.graph.inputs}:
+        config["model"]["decoder"].setdefault("inputs", {})["position_ids"] = "position_ids"
+    if decoder_facts(model).concatenated:
+        config["search"]["past_present_share_buffer"] = False
 
 
 def read_config(folder: Path) -> dict[str, Any]:

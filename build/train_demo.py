@@ -18,8 +18,8 @@ for it again does: the first stage's model, after 10M tokens, never copied from 
 is what prompt-lookup speculation and "write this again" prompts rely on.
 
 The end of a run measures the validation loss beside a unigram baseline, exports with
-onnxruntime-genai's model builder (int4, onnx/model_q4.onnx) and its int8 variant (build/variants.py:
-the fp32 export dynamically quantized, onnx/model_quantized.onnx, what the browser runs fastest),
+onnxruntime-genai's model builder (int4, onnx/model_q4.onnx) and an int8 variant (build/variants.py:
+Optimum's fp32 export dynamically quantized, onnx/model_quantized.onnx, what the browser runs fastest),
 with transformers.js's config.json beside genai_config.json, and writes TRAINING.md into the folder.
 """
 
@@ -472,6 +472,8 @@ def onnx_validation_loss(graph: Path, val_ids: np.ndarray, settings: Settings) -
     for window in validation_windows(val_ids, VALIDATION_SEQ):
         ids = window[None, :-1].astype(np.int64)
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **pasts}
+        if "position_ids" in {i.name for i in session.get_inputs()}:  # Optimum's export (the int8 variant)
+            feeds["position_ids"] = np.arange(ids.shape[1], dtype=np.int64)[None]
         logits = session.run(["logits"], feeds)[0][0].astype(np.float64)
         top = logits.max(axis=-1, keepdims=True)
         log_norm = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[:, 0]
@@ -538,7 +540,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def export(hf_dir: Path, out: Path) -> Path:
-    """The builder's int4 export (onnx/model_q4.onnx) and the int8 variant of its fp32 export
+    """The builder's int4 export (onnx/model_q4.onnx) and the int8 variant of Optimum's fp32 export
     (onnx/model_quantized.onnx) into a scratch folder beside out, with the demo's search defaults and
     transformers.js's config.json and generation_config.json."""
     import tempfile
@@ -546,7 +548,7 @@ def export(hf_dir: Path, out: Path) -> Path:
     import onnx
 
     from build import variants
-    from build.hfmodels import export_builder
+    from build.hfmodels import export_builder, export_concat
 
     scratch = out.parent / f".{out.name}.partial"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -561,7 +563,10 @@ def export(hf_dir: Path, out: Path) -> Path:
     os.replace(scratch / "model.onnx.data", scratch / "onnx" / "model_q4.onnx.data")
     (scratch / "model.onnx").unlink()
     with tempfile.TemporaryDirectory() as fp32_dir:
-        fp32 = export_builder(hf_dir, Path(fp32_dir), "fp32") / "model.onnx"
+        # int8 from Optimum's export: attention in plain ONNX ops (MatMul, Softmax) and a cache that grows
+        # by Concat, which onnxruntime-web runs on several new tokens at once in a fraction of the time
+        # its GroupQueryAttention takes (what speculative decoding's checks are)
+        fp32 = export_concat(hf_dir, Path(fp32_dir) / "concat") / "model.onnx"
         variants.quantize_q8(fp32, scratch / "onnx" / "model_quantized.onnx")
     config = json.loads((scratch / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = "onnx/model_q4.onnx"
@@ -658,8 +663,10 @@ def training_report(stages: list[dict], metrics: dict, examples: dict, params: i
 A {params / 1e6:.1f}M-parameter LlamaForCausalLM trained from scratch on the Python standard
 library's sources by `build/train_demo.py`, exported with onnxruntime-genai's model builder for
 the CPU EP: int4 weights (block size 32), the embedding table shared with the output layer
-(`onnx/model_q4.onnx`); and its int8 variant (`onnx/model_quantized.onnx`, build/variants.py), which
-the browser runs on wasm by default (the int4 graph has no fast wasm kernel). Its byte-level BPE
+(`onnx/model_q4.onnx`); and an int8 variant (`onnx/model_quantized.onnx`: Optimum's fp32 export,
+its attention in plain ONNX ops and its cache grown by Concat, quantized by build/variants.py), which
+the browser runs on wasm by default (the int4 graph has no fast wasm kernel, and onnxruntime-web
+checks several drafted tokens at once far faster without GroupQueryAttention). Its byte-level BPE
 tokenizer was trained on the same files. `training.json` holds the stages' records.
 
 ## Data

@@ -126,7 +126,7 @@ def test_load_runs_the_variant_asked_for(llama_variants: Path) -> None:
         ortpipe.load(llama_variants, dtype="bnb4")
 
 
-def _greedy(path: Path, ids: list[int], new: int) -> list[int]:
+def _greedy(path: Path, ids: list[int], new: int, positions: bool = False) -> list[int]:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     decoder = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]
     shape = (1, decoder["num_key_value_heads"], 0, decoder["head_size"])
@@ -135,10 +135,12 @@ def _greedy(path: Path, ids: list[int], new: int) -> list[int]:
     names = [o.name for o in session.get_outputs()]
     tokens, feed, length = [], ids, 0
     for _ in range(new):
-        length += len(feed)
-        out = dict(zip(names, session.run(None, {"input_ids": np.array([feed], np.int64),
-                                                  "attention_mask": np.ones((1, length), np.int64), **pasts}),
-                       strict=True))
+        start, length = length, length + len(feed)
+        feeds = {"input_ids": np.array([feed], np.int64), "attention_mask": np.ones((1, length), np.int64),
+                 **pasts}
+        if positions:  # Optimum's graphs take position ids
+            feeds["position_ids"] = np.arange(start, length, dtype=np.int64)[None]
+        out = dict(zip(names, session.run(None, feeds), strict=True))
         tokens.append(int(out["logits"][0, -1].astype(np.float32).argmax()))
         pasts = {k: out[k.replace("past_key_values", "present")] for k in pasts}
         feed = tokens[-1:]
@@ -184,3 +186,29 @@ def test_the_cli_takes_a_dtype(llama_variants: Path) -> None:
     assert json.loads(run("--dtype", "q4").stdout)["tokens"] == expected.tokens
     refused = run("--dtype", "fp8")
     assert refused.returncode == 2 and "invalid choice: 'fp8'" in refused.stderr
+
+
+def test_a_variant_that_concatenates_its_cache_runs_beside_a_shared_buffer_graph(
+        llama_builder_fp32: Path, llama_concat: Path, tmp_path: Path) -> None:
+    """The builder's config says past_present_share_buffer (its GroupQueryAttention graph writes presents into
+    its pasts' buffers); a q8 variant exported by Optimum from the same weights concatenates (present =
+    Concat(past, new)). Each graph runs with the cache it has; a v2 config that declares a shared buffer
+    for the concatenating graph is refused at load."""
+    from build.variants import quantize_q8
+
+    folder = shutil.copytree(llama_builder_fp32, tmp_path / "mixed")
+    quantize_q8(llama_concat / "model.onnx", folder / "model_quantized.onnx")
+    ids = [5, 17, 42, 8]
+    shared = ortpipe.load(folder, dtype="fp32")
+    assert shared.plan.step_phase[0].kv.share_buffer
+    concat = ortpipe.load(folder, dtype="q8")
+    assert not concat.plan.step_phase[0].kv.share_buffer
+    assert concat.generate(prompt_ids=ids, max_new_tokens=8).tokens == \
+        _greedy(folder / "model_quantized.onnx", ids, 8, positions=True)
+    v2 = {"version": 2, "pipeline": {"extends": "autoregressive-decoder",
+                                     "sessions": {"decoder": {"file": "model_quantized.onnx"}},
+                                     "state": {"kv_cache": {"share_buffer": True}}}}
+    (folder / "genai_config.json").write_text(json.dumps(v2))
+    with pytest.raises(ConfigError, match=r'"share_buffer" is true, but session "decoder" concatenates its '
+                                          r'cache: a Concat node joins "past_key_values.0.key"'):
+        ortpipe.load(folder)

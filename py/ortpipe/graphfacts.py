@@ -76,6 +76,9 @@ class DecoderFacts:
     vocab_size: int | None
     attention: tuple[AttentionSite, ...] = ()  # a merged decoder's two branches give two sites per layer
     how: Mapping[str, str] = field(default_factory=dict)  # fact name -> where the graph shows it
+    # past inputs a Concat node joins with the new positions into a graph output: a present that
+    # cannot be written into its past's buffer
+    concatenated: frozenset[str] = frozenset()
 
     def for_cache(self, name: str) -> AttentionSite | None:
         """The attention site that reads the past input `name` (its kv heads and head size)."""
@@ -97,7 +100,20 @@ def decoder_facts(model: Model) -> DecoderFacts:
         facts[fact] = value
         if why:
             how[fact] = why
-    return DecoderFacts(**facts, attention=tuple(sites), how=how)
+    return DecoderFacts(**facts, attention=tuple(sites), how=how, concatenated=_concatenated(ix))
+
+
+def _concatenated(ix: _Index) -> frozenset[str]:
+    """Graph inputs that a Concat node (through Identity nodes) makes into a graph output."""
+    producers = {out: node for node in ix.root.graph.nodes for out in node.outputs}
+    joined = set()
+    for output in ix.root.graph.outputs:
+        node = producers.get(output.name)
+        while node is not None and node.op_type == "Identity" and node.inputs:
+            node = producers.get(node.inputs[0])
+        if node is not None and node.op_type == "Concat":
+            joined.update(name for name in node.inputs if name in ix.inputs)
+    return frozenset(joined)
 
 
 def _agreed(sites: list[AttentionSite], key: str) -> tuple[int | None, str]:

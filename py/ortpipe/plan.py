@@ -672,6 +672,18 @@ def _kv_plan(
     share = spec.share_buffer
     if share is None:  # the builder's GroupQueryAttention graphs write presents into their pasts' buffers
         share = all(site is not None and site.op.endswith("GroupQueryAttention") for site in sites.values())
+    joined = sorted(past for _, past, _ in pairs if facts is not None and past in facts.concatenated)
+    if share and joined:
+        if config.source == "v1":
+            # the builder's past_present_share_buffer speaks of its own GroupQueryAttention graph; a
+            # variant exported otherwise (dtype) concatenates, and its cache grows by concatenation
+            share = False
+        else:
+            problems.add(
+                f'kv_cache "share_buffer" is true, but session "{session}" concatenates its cache: a Concat '
+                f'node joins "{joined[0]}" with the new positions into a graph output, which cannot be '
+                'written into the past\'s buffer. Set "share_buffer": false (or leave it out: it is detected)'
+            )
     return KVPlan(fmt, share and fmt == "separate", tuple(entries))
 
 
