@@ -86,6 +86,8 @@ WORKLOADS = {w.name: w for w in (
              "(temperature 0.8, top-k 40)", 64, {"do_sample": True, "temperature": 0.8, "top_k": 40}),
     Workload("demo-draft", "demo-fp32", "open-ended", "the demo's fp32 graph from `def `, greedy, its int4 "
              "graph drafting", 128, dtype="fp32", draft="demo"),
+    Workload("demo-draft-sampled", "demo-fp32", "open-ended", "the same sampled with the folder's defaults",
+             128, DEMO_SAMPLING, dtype="fp32", draft="demo"),
     Workload("200m-draft", "200m-fp32", "open-ended", "the ~200M fp32 model on 160 random ids, greedy, its "
              "int4 export drafting", 64, draft="200m-int4"),
     Workload("200m-draft-sampled", "200m-fp32", "open-ended", "the same sampled (temperature 0.8, top-k 40)",

@@ -70,3 +70,44 @@ def test_guide_last_mixes_the_last_position_of_both_halves() -> None:
     assert guided[:, 0].tolist() == [[1, 4, 7], [-4, 12, -2]]  # uncond + 3 * (cond - uncond)
     half = run("guide_last_float16", logits=logits.astype(np.float16), scale=np.array([3.0], np.float32))
     assert half.dtype == np.float32 and half[:, 0].tolist() == [[1, 4, 7], [-4, 12, -2]]
+
+
+def _speculative_reference(scores: np.ndarray, q_scores: np.ndarray | None, drafts: list[int],
+                           u: np.ndarray) -> tuple[int, int]:
+    """The acceptance rule by hand (float64): draft i kept when u_i * q_i(d) <= p_i(d) (q a point mass on
+    the draft without q_scores); after the first rejection, or all accepted, the first token whose share
+    of max(0, p - q) (p after all were accepted) reaches u[-1]."""
+    def softmax(x: np.ndarray) -> np.ndarray:
+        e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p = softmax(scores)
+    q = softmax(q_scores) if q_scores is not None else np.eye(p.shape[1])[drafts]
+    m = 0
+    while m < len(drafts) and u[m] * q[m, drafts[m]] <= p[m, drafts[m]]:
+        m += 1
+    residual = p[m] if m == len(drafts) else np.maximum(p[m] - q[m], 0)
+    cdf = np.cumsum(residual)
+    return m, int(np.searchsorted(cdf, u[-1] * cdf[-1]))
+
+
+def test_speculative_sampling_kernels_follow_the_rule() -> None:
+    rng = np.random.default_rng(0)
+    vocab, k = 12, 4
+    seen = set()
+    for trial in range(300):
+        scores = rng.normal(0, 2, (k + 1, vocab)).astype(np.float32)
+        q_scores = (scores[:k] + rng.normal(0, 1.5, (k, vocab))).astype(np.float32)
+        drafts = [int(rng.choice(vocab, p=np.exp(r) / np.exp(r).sum())) for r in q_scores.astype(np.float64)]
+        u = rng.uniform(1e-6, 1, k + 1).astype(np.float32)
+        feeds = {"scores": scores, "drafts": np.array(drafts, np.int64), "u": u}
+        session = ort.InferenceSession(str(Path(OUT_DIR) / "spec_accept_q_float32.onnx"),
+                                       providers=["CPUExecutionProvider"])
+        accepted, token = session.run(None, {**feeds, "draft_scores": q_scores})
+        assert (int(accepted[0]), int(token[0])) == _speculative_reference(scores, q_scores, drafts, u), trial
+        seen.add(int(accepted[0]))
+        session = ort.InferenceSession(str(Path(OUT_DIR) / "spec_accept_float32.onnx"),
+                                       providers=["CPUExecutionProvider"])
+        accepted, token = session.run(None, feeds)
+        assert (int(accepted[0]), int(token[0])) == _speculative_reference(scores, None, drafts, u), trial
+    assert seen == set(range(k + 1))  # every count of accepted drafts, none to all, was met

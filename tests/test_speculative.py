@@ -344,17 +344,19 @@ def chi_square_p(observed: Counter, expected: dict[tuple[int, ...], float], tota
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_speculative_sampling_keeps_the_distribution(llama_concat: Path,
+def test_speculative_sampling_keeps_the_distribution(llama_concat: Path, llama_draft_concat: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompt lookup's drafts come from text the model sampled before (here mostly outside the top k:
-    rejected); the model as its own draft model drafts its greedy choice (accepted or not). Every
-    round drafts all it may: the acceptance rule is what is tested."""
+    rejected); a draft model samples its drafts from its own distribution (the model's first layers:
+    accepted or not; the model itself: nearly always accepted, as q = p). Every round drafts all it
+    may: the acceptance rule is what is tested."""
     monkeypatch.setattr(DraftLength, "best", lambda self, most, source=0: most)
     pipe = ortpipe.load(llama_concat, threads=1)
     start = prompt_ids(llama_concat)[:20]
     ids = start + pipe.generate(prompt_ids=start, max_new_tokens=60, seed=0, **SAMPLED).tokens
     expected = exact_distribution(llama_concat, ids, 3)
-    for settings in ({}, {"prompt_lookup_num_tokens": 2}, {"draft_model": str(llama_concat)}):
+    for settings in ({}, {"prompt_lookup_num_tokens": 2}, {"draft_model": str(llama_draft_concat)},
+                     {"draft_model": str(llama_concat)}):
         counts: Counter = Counter()
         drafted = accepted = 0
         for seed in range(SEEDS):
@@ -362,8 +364,10 @@ def test_speculative_sampling_keeps_the_distribution(llama_concat: Path,
             counts[tuple(got.tokens)] += 1
             drafted, accepted = drafted + got.timings.drafted_tokens, accepted + got.timings.accepted_tokens
         assert drafted > SEEDS // 2 if settings else drafted == 0
-        if "draft_model" in settings:
+        if settings.get("draft_model") == str(llama_draft_concat):
             assert 0 < accepted < drafted, "drafts were both accepted and rejected"
+        elif "draft_model" in settings:
+            assert accepted > 0.99 * drafted, (accepted, drafted)  # its own distribution: min(1, p/q) = 1
         p = chi_square_p(counts, expected, SEEDS)
         assert p > 1e-3, (settings, p, counts.most_common(8))
 
@@ -427,3 +431,19 @@ def test_a_config_that_speculates_on_a_sliding_cache_is_refused_at_load(gemma_bu
     (folder / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="speculative decoding, which this model cannot run: its KV cache"):
         ortpipe.load(folder)
+
+
+def test_sampled_drafts_need_a_vocabulary_as_wide_as_the_model_s(llama_builder_fp32: Path,
+                                                                llama_draft_builder: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model whose logits are narrower (a vocabulary cut short) cannot weigh sampled drafts:
+    refused before any run; greedy drafting from it goes on."""
+    from ortpipe.loops import speculative
+
+    widths = iter([100, 96])  # the model's, then the draft model's
+    monkeypatch.setattr(speculative, "_vocab", lambda plan: next(widths))
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    with pytest.raises(GenerationError, match=r"the draft model's logits have 96 columns and the model's 1"):
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, draft_model=str(llama_draft_builder), **SAMPLED)
+    greedy = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, draft_model=str(llama_draft_builder))
+    assert greedy.tokens == pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4).tokens

@@ -69,7 +69,7 @@ function keepLast(values, value) {
 export class DraftLength {
   constructor(most, state) {
     this.most = most;
-    Object.assign(this, state); // hits, misses (per source), ones, extras, drafts, wait, pause, shadows, overhead
+    Object.assign(this, state); // hits, misses (per source), ones, extras, drafts, wait, pause, shadows, overhead, probe
     this.source = 0;
     this.probing = false;
   }
@@ -93,7 +93,7 @@ export class DraftLength {
     this.pause = Math.min(MAX_PAUSE, 2 * this.pause || 1);
     this.wait = this.pause;
     this.probing = true;
-    return 1;
+    return Math.min(this.probe, most);
   }
 
   fit(source, k) {
@@ -121,6 +121,7 @@ export class DraftLength {
     const s = this.source;
     this.hits[s] = DECAY * this.hits[s] + accepted;
     this.misses[s] = DECAY * this.misses[s] + (accepted < drafted ? 1 : 0);
+    if (this.probing) this.probe = accepted === drafted ? Math.min(this.most, 2 * this.probe) : 1;
   }
 
   shadow(source, taken) {
@@ -144,8 +145,8 @@ export class DraftLength {
   }
 
   state() {
-    const { hits, misses, ones, extras, drafts, wait, pause, shadows, overhead } = this;
-    return { hits, misses, ones, extras, drafts, wait, pause, shadows, overhead };
+    const { hits, misses, ones, extras, drafts, wait, pause, shadows, overhead, probe } = this;
+    return { hits, misses, ones, extras, drafts, wait, pause, shadows, overhead, probe };
   }
 }
 

@@ -1,15 +1,19 @@
 """Speculative decoding: draft several tokens cheaply, check them all with one run of the model.
 
 Drafts come from the text itself (prompt lookup: what followed the latest earlier occurrence of
-the last n tokens) or from a smaller draft model with the same tokenizer, run greedily. One
+the last n tokens) or from a smaller draft model with the same tokenizer, run greedily (sampled, for
+a sampled request). One
 decoder run over the pending token and k drafts gives the model's logits at all k+1 positions:
 
 - greedy: the model's choice at each position; the longest prefix of drafts it agrees with is
   accepted, plus its choice after them: exactly the tokens of plain greedy decoding;
-- sampling: draft i is accepted with probability p_i(draft i) (p: the processed distribution of
-  row i); the first rejection samples from p_i without that draft, all accepted samples from p_k
-  (speculative sampling with a one-token draft), so the output follows p exactly. The uniforms
-  come from the sampler's seeded generator (the `spec_accept` kernel).
+- sampling: a looked-up draft i is accepted with probability p_i(draft i) (p: the processed
+  distribution of row i); the first rejection samples from p_i without that draft, all accepted
+  samples from p_k (speculative sampling with a one-token draft: the `spec_accept` kernel). A draft
+  model samples its drafts from its own distributions q_i, processed with the request's settings,
+  and draft i is accepted with probability min(1, p_i/q_i); a rejection samples from max(0, p_i - q_i)
+  (`spec_accept_q`). Either way the output follows p exactly. The uniforms come from the request's
+  seeded generator.
 
 The KV cache then keeps only the accepted positions: a shared buffer moves its length (the next
 run's mask and writes start there), a concat cache is narrowed by a kernel.
@@ -42,6 +46,7 @@ from ..execute.flow import FlowRun
 from ..execute.work import Backend, Decoded, FusedStep, Handle, Run, Work, kernel
 from ..plan import Plan
 from ..sampling.processors import banned_ids
+from ..sampling.sampler import Sampler
 
 if TYPE_CHECKING:
     from .autoregressive import TokenGenerator
@@ -119,8 +124,9 @@ class DraftLength:
     - prompt lookup (`shadows`): plain steps, SHADOW_STEPS of them before the next look; at each,
       the proposal lookup would have drafted is checked against the token the step chose
       (`shadow`), which is what a one-token draft's check gives, without the cost of a check;
-    - a draft model: a one-token probe after a pause of 1, 2, 4 ... MAX_PAUSE plain steps (its
-      proposal costs a run).
+    - a draft model: a probe after a pause of 1, 2, 4 ... MAX_PAUSE plain steps (its proposal costs
+      a run), of one token, and twice as many after a probe whose drafts were all taken (up to the
+      most a round may draft), so that a draft model that agrees is found out in a few probes.
     """
 
     DECAY = 0.9  # the weight of earlier rounds in the acceptance count
@@ -128,7 +134,7 @@ class DraftLength:
     DRAFT = 0.3  # the guess of what a draft model's step costs, relative to the model's
 
     __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause", "shadows",
-                 "overhead", "source", "probing")
+                 "overhead", "source", "probing", "probe")
 
     def __init__(self, most: int, model: bool = False, sources: int = 1):
         self.most = most
@@ -142,6 +148,7 @@ class DraftLength:
         self.shadows = not model
         self.overhead = 0.0
         self.source, self.probing = 0, False
+        self.probe = 1  # the next probe's length
 
     def next(self, room: int) -> int:
         """The most the next round may draft (0: a plain step), at most `room`."""
@@ -161,7 +168,7 @@ class DraftLength:
         self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
         self.wait = self.pause
         self.probing = True
-        return 1
+        return min(self.probe, most)
 
     def fit(self, source: int, k: int) -> int:
         """How many of the k drafts proposed from `source` (k = 0: none was) the round checks: a probe
@@ -193,6 +200,8 @@ class DraftLength:
         s = self.source
         self.hits[s] = self.DECAY * self.hits[s] + accepted
         self.misses[s] = self.DECAY * self.misses[s] + (accepted < drafted)
+        if self.probing:
+            self.probe = min(self.most, 2 * self.probe) if accepted == drafted else 1
 
     def shadow(self, source: int, taken: bool) -> None:
         """A plain step chose the token a one-token draft from `source` proposed (`taken`), or not."""
@@ -219,7 +228,7 @@ class DraftLength:
     def state(self) -> dict[str, Any]:
         measured = {name: list(getattr(self, name)) for name in ("ones", "extras", "drafts")}
         return {"hits": list(self.hits), "misses": list(self.misses), **measured, "wait": self.wait,
-                "pause": self.pause, "shadows": self.shadows, "overhead": self.overhead}
+                "pause": self.pause, "shadows": self.shadows, "overhead": self.overhead, "probe": self.probe}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         self.hits = [float(x) for x in state["hits"]]
@@ -229,6 +238,7 @@ class DraftLength:
             getattr(self, name).extend(float(x) for x in state[name])
         self.wait, self.pause = int(state["wait"]), int(state["pause"])
         self.shadows, self.overhead = bool(state["shadows"]), float(state["overhead"])
+        self.probe = int(state["probe"])
 
 
 class DraftDecode(NamedTuple):
@@ -270,6 +280,14 @@ class Speculator:
         if positions is not None and max_length > positions:
             raise GenerationError(f"max_length {max_length} is more than the {positions} positions the draft "
                                   "model's graph can run; lower max_length or max_new_tokens")
+        if draft is not None and settings.sampling:
+            widths = [_vocab(p) for p in (plan, draft)]
+            if None not in widths and widths[0] != widths[1]:
+                raise GenerationError(
+                    f"the draft model's logits have {widths[1]} columns and the model's {widths[0]}: "
+                    "speculative sampling weighs each draft by both distributions, over the same vocabulary; "
+                    "decode greedily (do_sample=False) with this draft model, or draft with one whose "
+                    "vocabulary is the model's")
         self.backend, self.eos = backend, eos
         most = settings.prompt_lookup_num_tokens or settings.max_draft_tokens
         self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
@@ -370,18 +388,23 @@ class Speculator:
             k = self.drafting(k)
         if k == 0:
             return None
-        if self.draft is not None:
+        flow, sampler = gen.flow, gen.sampler
+        sampled = sampler.settings.sampling
+        draft_scores = None
+        if self.draft is not None and sampled:
+            drafts, draft_scores = yield from self.draft.sample(gen.tokens, k, sampler, gen.generated)
+        elif self.draft is not None:
             drafts = yield from self.draft.propose(gen.tokens, k, self.eos)
         else:
             drafts = self.lookup(gen.tokens, k)
         if not drafts:
             return None
-        flow, sampler = gen.flow, gen.sampler
         start = flow.position
         logits = yield from flow.run_iteration([gen.pending[0], *drafts])
         sampler.label = flow.label
-        if sampler.settings.sampling:
-            accepted, token = yield from verify_sampled(sampler, logits, drafts, gen.tokens, gen.generated)
+        if sampled:
+            accepted, token = yield from verify_sampled(sampler, logits, drafts, gen.tokens, gen.generated,
+                                                        draft_scores)
         else:
             picks = yield from verify_greedy(sampler, logits, drafts, gen.tokens, gen.generated)
             accepted = agreeing(drafts, picks)
@@ -392,6 +415,15 @@ class Speculator:
         if self.draft is not None:
             yield from self.draft.roll_back(start + 1 + min(accepted, len(tokens)))
         return tokens
+
+
+def _vocab(plan: Plan) -> int | None:
+    """The width of the fused step's logits, where the graph fixes it."""
+    step = plan.fused
+    if step is None:
+        return None
+    width = plan.signatures[step.session].output(step.logits).shape[-1]
+    return width if isinstance(width, int) else None
 
 
 def agreeing(drafts: list[int], picks: list[int]) -> int:
@@ -434,19 +466,19 @@ def verify_greedy(sampler: Any, logits: Handle, drafts: list[int], tokens: list[
 
 
 def verify_sampled(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int],
-                   generated: int) -> Work:
-    """(drafts accepted, the token after them) by the speculative-sampling rule (the spec_accept kernel)."""
+                   generated: int, draft_scores: Handle | None = None) -> Work:
+    """(drafts accepted, the token after them) by the speculative-sampling rule: for drafts that were
+    chosen (prompt lookup: the spec_accept kernel), or sampled from the rows of `draft_scores` (a draft
+    model's, processed as the model's are: spec_accept_q)."""
     b = sampler.backend
     scores = yield from _rows(sampler, logits, drafts, tokens, generated)
     u = [1.0 - sampler.rng.random() for _ in range(len(drafts) + 1)]
-    out = yield Run(
-        kernel("spec_accept", "float32"),
-        {"scores": scores, "drafts": b.tensor(drafts, (len(drafts),), "int64"),
-         "u": b.tensor(u, (len(u),), "float32")},
-        ("accepted", "token"),
-        None,
-        sampler.label,
-    )
+    feeds = {"scores": scores, "drafts": b.tensor(drafts, (len(drafts),), "int64"),
+             "u": b.tensor(u, (len(u),), "float32")}
+    name = "spec_accept"
+    if draft_scores is not None:
+        feeds["draft_scores"], name = draft_scores, "spec_accept_q"
+    out = yield Run(kernel(name, "float32"), feeds, ("accepted", "token"), None, sampler.label)
     return b.to_list(out["accepted"])[0], b.to_list(out["token"])[0]
 
 
@@ -460,6 +492,7 @@ class DraftModel:
         self.step = plan.fused
         self.seq_axes = {e.past_input: e.seq_axis for e in plan.step_phase[0].kv.entries}
         self.dtype = plan.signatures[self.step.session].output(self.step.logits).dtype
+        self.sampler: Sampler | None = None  # a sampled request's processors over the draft's logits
 
     def fused(self) -> DraftDecode:
         cache = self.flow.caches[self.step.session]
@@ -482,6 +515,34 @@ class DraftModel:
                 break
             fed = drafts[-1:]
         return drafts
+
+    def sample(self, tokens: list[int], k: int, sampler: Any, generated: int) -> Work:
+        """Up to k tokens after `tokens` sampled from the draft model's distributions, processed with the
+        request's settings as the model's are, with uniforms from the request's generator; and those
+        distributions' scores, one row per draft [drafts, vocab] (what spec_accept_q weighs them by)."""
+        b, settings, eos = self.backend, sampler.settings, sampler.eos
+        own = self.sampler
+        if own is None or own.settings is not settings:
+            own = self.sampler = Sampler(b, self.dtype, settings, eos)
+        own.rng, own.label = sampler.rng, "draft"  # one generator per request: a seeded run repeats
+        fed = tokens[self.flow.position :]
+        drafts: list[int] = []
+        rows = None
+        while len(drafts) < k:
+            logits = yield from self.flow.run_iteration(fed)
+            seen = tokens + drafts
+            banned = banned_ids(settings, seen, generated + len(drafts), eos)
+            scores = yield from own.scores(logits, [seen], [banned])
+            out = yield Run(kernel("sample", "float32"),
+                            {"scores": scores, "u": b.tensor([1.0 - own.rng.random()], (1,), "float32")},
+                            ("token",), None, "draft")
+            drafts.append(b.to_list(out["token"])[0])
+            rows = scores if rows is None else (
+                yield Run(kernel("concat0", "float32"), {"a": rows, "b": scores}, ("y",), None, "draft"))["y"]
+            if drafts[-1] in eos:
+                break
+            fed = drafts[-1:]
+        return drafts, rows
 
     def roll_back(self, length: int) -> Work:
         yield from roll_back(self.flow, min(length, self.flow.position))
