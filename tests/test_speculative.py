@@ -420,6 +420,15 @@ def test_the_draft_length_follows_acceptance_and_cost() -> None:
         k = length.next(20)
         got.append(length.fit(0, k) if k else 0)
     assert got == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0], "one-token probes, the pauses doubling"
+    length = DraftLength(4, model=True)  # probes whose drafts are all taken grow: 1, 2, 4, 4
+    length.extras.extend([2.0] * 15)  # where no round pays
+    probes = []
+    while len(probes) < 4:
+        k = length.next(20)
+        if k:
+            probes.append(length.fit(0, k))
+            length.update(probes[-1], probes[-1] if len(probes) < 4 else 0)
+    assert probes == [1, 2, 4, 4] and length.probe == 1, "a rejection starts the probes at one again"
 
 
 def test_a_config_that_speculates_on_a_sliding_cache_is_refused_at_load(gemma_builder: Path,
