@@ -412,6 +412,16 @@ def test_the_draft_length_follows_acceptance_and_cost() -> None:
     core = DraftLength(8)
     core.overhead = ROUND  # the rounds the core runs, with kernels, cost more: the prior no longer pays
     assert DraftLength(8).best(8) == 1 and core.best(8) == 0
+    waits = []
+    for _ in range(4):  # looks that draft nothing, where each ends a burst of fused steps: longer waits
+        assert core.next(20) == 0
+        waits.append(core.wait + 1)
+        core.wait = 0
+    assert waits == [8, 16, 32, 32]
+    core.hits[0] = 50.0  # drafts that pay again: the next fruitless look waits SHADOW_STEPS
+    assert core.next(20) == 8 and core.fit(0, 8) > 0
+    core.hits[0], core.misses[0] = 1.0, 5.0
+    assert core.next(20) == 0 and core.wait == SHADOW_STEPS - 1
     length = DraftLength(8, model=True)  # a draft model: its proposals cost a run, so it probes
     for _ in range(12):
         length.update(2, 0)

@@ -14,6 +14,7 @@ import { argmaxRow, typedArray } from './bridge.js';
 // The core's constants (loops/speculative.py).
 const MAX_PAUSE = 16;
 const SHADOW_STEPS = 8;
+const SHADOW_STEPS_MOST = 32; // where the core runs the rounds: looks that draft nothing wait longer
 const SAMPLES = 15;
 const DECAY = 0.9;
 const BURST_MS = 50; // as the plain Decoder's bursts
@@ -87,7 +88,7 @@ export class DraftLength {
       return most;
     }
     if (this.shadows) {
-      this.wait = SHADOW_STEPS - 1;
+      this.wait = this.quiet();
       return 0;
     }
     this.pause = Math.min(MAX_PAUSE, 2 * this.pause || 1);
@@ -100,8 +101,15 @@ export class DraftLength {
     this.source = source;
     if (this.probing) return k;
     const best = k ? this.best(k, source) : 0;
-    if (!best && this.overhead) this.wait = SHADOW_STEPS - 1;
+    if (!best && this.overhead) this.wait = this.quiet();
+    else if (best && this.shadows) this.pause = 0;
     return best;
+  }
+
+  quiet() {
+    if (!this.overhead) return SHADOW_STEPS - 1;
+    this.pause = Math.min(SHADOW_STEPS_MOST, 2 * this.pause || SHADOW_STEPS);
+    return this.pause - 1;
   }
 
   best(most, source = 0) {

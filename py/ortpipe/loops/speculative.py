@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 LOOKUP_NGRAM = 2  # the longest n-gram prompt lookup matches when only prompt_lookup_num_tokens is given
 MAX_PAUSE = 16  # steps without drafts after rounds that accepted nothing, at most
 SHADOW_STEPS = 8  # plain steps before prompt lookup looks again, when no draft length pays
+# where the core runs the rounds (sampling), each look that drafts nothing ends a burst of fused steps:
+# looks that keep drafting nothing wait twice as long each time, up to this
+SHADOW_STEPS_MOST = 32
 ROUND = 0.5  # the guess of what a round run by the core costs beyond a plain step, relative to a step
 SAMPLES = 15  # the measurements of run costs kept
 
@@ -121,7 +124,8 @@ class DraftLength:
     matched (a draft after a 1-gram match is taken far less often than one after a 3-gram match),
     a draft model's as one source. `next` gives the most a round may draft; `fit` its length once
     the source is known. When no length pays:
-    - prompt lookup (`shadows`): plain steps, SHADOW_STEPS of them before the next look; at each,
+    - prompt lookup (`shadows`): plain steps, SHADOW_STEPS of them before the next look (where the
+      core runs the rounds, 8, 16, 32, 32 ... while looks keep drafting nothing); at each,
       the proposal lookup would have drafted is checked against the token the step chose
       (`shadow`), which is what a one-token draft's check gives, without the cost of a check;
     - a draft model: a probe after a pause of 1, 2, 4 ... MAX_PAUSE plain steps (its proposal costs
@@ -163,7 +167,7 @@ class DraftLength:
             self.pause = 0
             return most
         if self.shadows:
-            self.wait = SHADOW_STEPS - 1
+            self.wait = self._quiet()
             return 0
         self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
         self.wait = self.pause
@@ -179,8 +183,19 @@ class DraftLength:
             return k
         best = self.best(k, source) if k else 0
         if not best and self.overhead:
-            self.wait = SHADOW_STEPS - 1
+            self.wait = self._quiet()
+        elif best and self.shadows:
+            self.pause = 0
         return best
+
+    def _quiet(self) -> int:
+        """Plain steps before prompt lookup looks again, after a look that drafts nothing: SHADOW_STEPS;
+        where the core runs the rounds, twice the last wait after another such look, up to
+        SHADOW_STEPS_MOST (its plain steps run as one burst, which a look ends)."""
+        if not self.overhead:
+            return SHADOW_STEPS - 1
+        self.pause = min(SHADOW_STEPS_MOST, 2 * self.pause or SHADOW_STEPS)
+        return self.pause - 1
 
     def best(self, most: int, source: int = 0) -> int:
         """The draft length (0 to most) with the most tokens per unit of time, drafting from `source`."""
