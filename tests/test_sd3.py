@@ -55,14 +55,20 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sd3_tiny: Path, fo
                            negative_prompt=case["negative_prompt"] if guided else None)
     assert result.finish_reason == "done" and result.timings.steps == len(case["timesteps"])
     expected = np.load(sd3_tiny / "references" / case["image"])
+    _assert_as_references(name, result.image, expected, folder, case, latents)
+
+
+def _assert_as_references(name: str, image: np.ndarray, expected: np.ndarray, folder: Path, case: dict,
+                          latents: np.ndarray) -> None:
+    """`image` equals diffusers' (`expected`) and the plain onnxruntime loop's, which equals diffusers'."""
     plain = refs.generate_image_sd3(folder, case["scheduler"], case["num_inference_steps"], latents,
                                     prompt_ids=case["prompt_ids"],
                                     negative_prompt_ids=case["negative_prompt_ids"],
                                     guidance_scale=case["guidance_scale"])
-    to_diffusers = float(np.abs(result.image - expected).max())
-    to_plain = float(np.abs(result.image - plain).max())
+    to_diffusers = float(np.abs(image - expected).max())
+    to_plain = float(np.abs(image - plain).max())
     print(f"{name}: max |ortpipe - diffusers| = {to_diffusers:.2e}, |ortpipe - plain loop| = {to_plain:.2e}")
-    assert result.image.shape == expected.shape == (1, 32, 32, 3)
+    assert image.shape == expected.shape == (1, 32, 32, 3)
     assert to_diffusers <= IMAGE_TOLERANCE and to_plain <= IMAGE_TOLERANCE
     assert np.abs(plain - expected).max() <= IMAGE_TOLERANCE  # the plain loop is diffusers' computation
 
@@ -319,16 +325,7 @@ def test_without_t5_images_equal_diffusers_and_the_plain_loop(name: str, sd3_tin
     result = pipe.generate(case["prompt"], **request)
     expected = np.load(references / case["image"])
     assert len(case["prompt_ids"]) == 2  # diffusers tokenized for the two CLIP encoders only
-    plain = refs.generate_image_sd3(folder, case["scheduler"], case["num_inference_steps"], latents,
-                                    prompt_ids=case["prompt_ids"],
-                                    negative_prompt_ids=case["negative_prompt_ids"],
-                                    guidance_scale=case["guidance_scale"])
-    to_diffusers = float(np.abs(result.image - expected).max())
-    to_plain = float(np.abs(result.image - plain).max())
-    print(f"{name}: max |ortpipe - diffusers| = {to_diffusers:.2e}, |ortpipe - plain loop| = {to_plain:.2e}")
-    assert result.image.shape == expected.shape == (1, 32, 32, 3)
-    assert to_diffusers <= IMAGE_TOLERANCE and to_plain <= IMAGE_TOLERANCE
-    assert np.abs(plain - expected).max() <= IMAGE_TOLERANCE
+    _assert_as_references(name, result.image, expected, folder, case, latents)
     assert np.abs(with_t5.image - expected).max() > 10 * IMAGE_TOLERANCE
 
 
