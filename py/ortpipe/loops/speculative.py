@@ -177,7 +177,7 @@ class DraftLength:
     def fit(self, source: int, k: int) -> int:
         """How many of the k drafts proposed from `source` (k = 0: none was) the round checks: a probe
         its one, else the best length. Where the core runs the rounds (`overhead`), a step that drafts
-        nothing starts SHADOW_STEPS plain ones, which run as one burst of fused steps."""
+        nothing starts the plain steps `_quiet` says, which run as one burst of fused steps."""
         self.source = source
         if self.probing:
             return k
@@ -406,10 +406,9 @@ class Speculator:
         flow, sampler = gen.flow, gen.sampler
         sampled = sampler.settings.sampling
         draft_scores = None
-        if self.draft is not None and sampled:
-            drafts, draft_scores = yield from self.draft.sample(gen.tokens, k, sampler, gen.generated)
-        elif self.draft is not None:
-            drafts = yield from self.draft.propose(gen.tokens, k, self.eos)
+        if self.draft is not None:
+            drafts, draft_scores = yield from self.draft.propose(gen.tokens, k, self.eos,
+                                                                 sampler if sampled else None, gen.generated)
         else:
             drafts = self.lookup(gen.tokens, k)
         if not drafts:
@@ -518,42 +517,37 @@ class DraftModel:
         kv.take(cache, 0)
         kv.length = self.flow.position = length
 
-    def propose(self, tokens: list[int], k: int, eos: frozenset[int]) -> Work:
-        """Up to k greedy tokens after `tokens`: the text it has not seen yet is run first."""
-        fed = tokens[self.flow.position :]
-        drafts: list[int] = []
-        while len(drafts) < k:
-            logits = yield from self.flow.run_iteration(fed)
-            out = yield Run(kernel("argmax_last", self.dtype), {"logits": logits}, ("token",), None, "draft")
-            drafts.append(self.backend.to_list(out["token"])[0])
-            if drafts[-1] in eos:
-                break
-            fed = drafts[-1:]
-        return drafts
-
-    def sample(self, tokens: list[int], k: int, sampler: Any, generated: int) -> Work:
-        """Up to k tokens after `tokens` sampled from the draft model's distributions, processed with the
-        request's settings as the model's are, with uniforms from the request's generator; and those
-        distributions' scores, one row per draft [drafts, vocab] (what spec_accept_q weighs them by)."""
-        b, settings, eos = self.backend, sampler.settings, sampler.eos
-        own = self.sampler
-        if own is None or own.settings is not settings:
-            own = self.sampler = Sampler(b, self.dtype, settings, eos)
-        own.rng, own.label = sampler.rng, "draft"  # one generator per request: a seeded run repeats
+    def propose(self, tokens: list[int], k: int, eos: frozenset[int], sampler: Any = None,
+                generated: int = 0) -> Work:
+        """Up to k tokens after `tokens` (the text it has not seen yet is run first): its greedy ones; or,
+        given a sampled request's sampler, ones sampled from its distributions, processed with the
+        request's settings as the model's are, with uniforms from the request's generator. Returns the
+        drafts and, when sampled, those distributions' scores, a row per draft (what spec_accept_q weighs
+        them by)."""
+        b = self.backend
+        own = None
+        if sampler is not None:
+            own = self.sampler
+            if own is None or own.settings is not sampler.settings:
+                own = self.sampler = Sampler(b, self.dtype, sampler.settings, sampler.eos)
+            own.rng, own.label = sampler.rng, "draft"  # one generator per request: a seeded run repeats
         fed = tokens[self.flow.position :]
         drafts: list[int] = []
         rows = None
         while len(drafts) < k:
             logits = yield from self.flow.run_iteration(fed)
-            seen = tokens + drafts
-            banned = banned_ids(settings, seen, generated + len(drafts), eos)
-            scores = yield from own.scores(logits, [seen], [banned])
-            out = yield Run(kernel("sample", "float32"),
-                            {"scores": scores, "u": b.tensor([1.0 - own.rng.random()], (1,), "float32")},
-                            ("token",), None, "draft")
+            if own is None:
+                feeds, name = {"logits": logits}, kernel("argmax_last", self.dtype)
+            else:
+                seen = tokens + drafts
+                banned = banned_ids(own.settings, seen, generated + len(drafts), own.eos)
+                scores = yield from own.scores(logits, [seen], [banned])
+                feeds = {"scores": scores, "u": b.tensor([1.0 - own.rng.random()], (1,), "float32")}
+                name = kernel("sample", "float32")
+                rows = scores if rows is None else (yield Run(
+                    kernel("concat0", "float32"), {"a": rows, "b": scores}, ("y",), None, "draft"))["y"]
+            out = yield Run(name, feeds, ("token",), None, "draft")
             drafts.append(b.to_list(out["token"])[0])
-            rows = scores if rows is None else (
-                yield Run(kernel("concat0", "float32"), {"a": rows, "b": scores}, ("y",), None, "draft"))["y"]
             if drafts[-1] in eos:
                 break
             fed = drafts[-1:]
