@@ -8,6 +8,9 @@ import numpy as np
 import onnxruntime as ort
 from build.kernels import OUT_DIR, build_all
 
+from ortpipe.sampling.sampler import Pick
+from ortpipe.targets.cpython.sampling import Picker
+
 
 def test_shipped_kernels_equal_a_fresh_build() -> None:
     fresh = build_all()
@@ -91,7 +94,9 @@ def _speculative_reference(scores: np.ndarray, q_scores: np.ndarray | None, draf
     return m, int(np.searchsorted(cdf, u[-1] * cdf[-1]))
 
 
-def test_speculative_sampling_kernels_follow_the_rule() -> None:
+def test_speculative_sampling_kernels_and_their_numpy_twin_follow_the_rule() -> None:
+    """The spec_accept kernels (the core's rounds) and the CPython driver's Picker.check (fused rounds,
+    float64 as web/sampling.js) against the rule by hand."""
     rng = np.random.default_rng(0)
     vocab, k = 12, 4
     seen = set()
@@ -110,4 +115,11 @@ def test_speculative_sampling_kernels_follow_the_rule() -> None:
                                        providers=["CPUExecutionProvider"])
         accepted, token = session.run(None, feeds)
         assert (int(accepted[0]), int(token[0])) == _speculative_reference(scores, None, drafts, u), trial
+        pick = Pick(True, 1.0, 0, 1.0, 0.0, 1.0, (), (), tuple(u.tolist()))
+        drafter = Picker(pick, vocab)
+        dists = [drafter.kept(drafter.scores(row, "draft", 0)) for row in q_scores]
+        twin = Picker(pick, vocab).check(scores, drafts, "model", 0, dists)
+        assert twin == _speculative_reference(scores, q_scores, drafts, u), trial
+        assert Picker(pick, vocab).check(scores, drafts, "model", 0) == _speculative_reference(
+            scores, None, drafts, u), trial
     assert seen == set(range(k + 1))  # every count of accepted drafts, none to all, was met

@@ -1,8 +1,10 @@
 """Speculative decoding (loops/speculative.py; the CPython driver's speculate.py).
 
 Greedy decoding with drafts (prompt lookup, or a draft model) checked in one run must give the
-tokens of plain greedy decoding, on the fused path (rounds inside the driver's bursts) and on the
-core's own rounds (forced with `min_length=1`, a processor that changes nothing after a prompt);
+tokens of plain greedy decoding, on the fused path (rounds inside the driver's bursts: plain greedy
+ones, and ones that select by a pick, forced with `min_length=1`, a processor that changes nothing
+after a prompt) and on the core's own rounds (forced with a `no_repeat_ngram_size` longer than any
+text, which bans nothing and is not fused);
 speculative sampling must keep the distribution of plain sampling (checked against the exact
 distribution, computed by hand with onnxruntime) and be reproducible from its seed.
 """
@@ -31,7 +33,9 @@ from tests.handloop import _run, _step_feeds, empty_pasts
 
 NEW = 48
 LOOKUP = ({"prompt_lookup_num_tokens": 4}, {"ngram_size": 3, "max_draft_tokens": 8})
-PATHS = ({}, {"min_length": 1})  # fused rounds in the driver's bursts; the core's rounds
+# fused rounds in the driver's bursts, plain greedy and by a pick; the core's rounds
+PATHS = ({}, {"min_length": 1}, {"no_repeat_ngram_size": 10_000})
+CORE = PATHS[2]
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo"
 
@@ -82,8 +86,9 @@ def test_greedy_with_prompt_lookup_equals_greedy(model: str, request: pytest.Fix
             assert got.tokens == plain.tokens, (settings, path)
             assert got.finish_reason == plain.finish_reason
             t = got.timings
-            # the core's rounds run its plain steps fused, its rounds with kernels
-            assert t.drafted_tokens > 0 and (t.fused_steps < NEW - 1 if path else t.fused_steps == NEW - 1)
+            # the core's rounds run with kernels; the driver's as fused steps
+            assert t.drafted_tokens > 0
+            assert t.fused_steps < NEW - 1 if path is CORE else t.fused_steps == NEW - 1
             if model in ("llama_builder_fp32", "llama_concat", "qwen2_builder"):  # their text loops
                 assert 0 < t.accepted_tokens <= t.drafted_tokens
 
@@ -344,12 +349,14 @@ def chi_square_p(observed: Counter, expected: dict[tuple[int, ...], float], tota
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+@pytest.mark.parametrize("path", [{}, CORE], ids=["fused", "core"])
 def test_speculative_sampling_keeps_the_distribution(llama_concat: Path, llama_draft_concat: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                     monkeypatch: pytest.MonkeyPatch, path: dict) -> None:
     """Prompt lookup's drafts come from text the model sampled before (here mostly outside the top k:
     rejected); a draft model samples its drafts from its own distribution (the model's first layers:
     accepted or not; the model itself: nearly always accepted, as q = p). Every round drafts all it
-    may: the acceptance rule is what is tested."""
+    may: the acceptance rule is what is tested, in the driver's rounds (numpy) and the core's
+    (kernels)."""
     monkeypatch.setattr(DraftLength, "best", lambda self, most, source=0: most)
     pipe = ortpipe.load(llama_concat, threads=1)
     start = prompt_ids(llama_concat)[:20]
@@ -360,7 +367,7 @@ def test_speculative_sampling_keeps_the_distribution(llama_concat: Path, llama_d
         counts: Counter = Counter()
         drafted = accepted = 0
         for seed in range(SEEDS):
-            got = pipe.generate(prompt_ids=ids, max_new_tokens=3, seed=seed, **SAMPLED, **settings)
+            got = pipe.generate(prompt_ids=ids, max_new_tokens=3, seed=seed, **SAMPLED, **settings, **path)
             counts[tuple(got.tokens)] += 1
             drafted, accepted = drafted + got.timings.drafted_tokens, accepted + got.timings.accepted_tokens
         assert drafted > SEEDS // 2 if settings else drafted == 0
@@ -376,9 +383,13 @@ def test_seeded_speculative_sampling_is_reproducible(llama_builder_fp32: Path) -
     ids = repeating(llama_builder_fp32)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
     for settings in ({"prompt_lookup_num_tokens": 4}, {"draft_model": str(llama_builder_fp32)}):
-        runs = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **SAMPLED, **settings).tokens
-                for seed in (1, 1, 2)]
-        assert runs[0] == runs[1] != runs[2]
+        for path in ({}, CORE):
+            runs = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **SAMPLED, **settings,
+                                  **path) for seed in (1, 1, 2)]
+            assert runs[0].tokens == runs[1].tokens != runs[2].tokens
+            if path != CORE or "draft_model" in settings:  # (lookup does not pay in the core's rounds here)
+                assert all(r.timings.drafted_tokens > 0 for r in runs), (settings, path)
+            assert (runs[0].timings.fused_steps == NEW - 1) == (path != CORE), (settings, path)
 
 
 def test_prompt_lookup_drafts() -> None:

@@ -10,15 +10,17 @@ export class Picker {
    * @param {{sample: boolean, temperature: number, top_k: number, top_p: number, min_p: number,
    *   penalty: number, seen: number[], banned: number[], uniforms: number[]}} pick
    * @param {number} vocab
+   * @param {Uniforms} [uniforms] the burst's uniforms (a draft model's Picker shares the model's)
    */
-  constructor(pick, vocab) {
+  constructor(pick, vocab, uniforms = null) {
     this.pick = pick;
     this.vocab = vocab;
     this.seen = new Set(pick.seen);
-    this.step = 0;
-    this.scores = new Float32Array(vocab);
+    this.uniforms = uniforms ?? new Uniforms(pick.uniforms);
+    this.buffer = new Float32Array(vocab);
     this.penalty = Math.fround(pick.penalty);
     this.temperature = Math.fround(pick.temperature);
+    this.topK = pick.top_k > 0 && pick.top_k < vocab ? pick.top_k : 0;
   }
 
   /**
@@ -26,40 +28,44 @@ export class Picker {
    * Uint16Array of float16 bits); throws NON_FINITE on NaN or +Infinity.
    */
   select(data, start) {
-    const { pick, vocab, scores } = this;
+    const scores = this.scores(data, start);
+    const token = this.pick.sample ? drawn(this.kept(scores), this.uniforms.next()) : argmax(scores);
+    this.took([token]);
+    return token;
+  }
+
+  /** The burst selected `tokens`: seen from now on, for the repetition penalty. */
+  took(tokens) {
+    if (this.pick.penalty !== 1) for (const token of tokens) this.seen.add(token);
+  }
+
+  /** The processed float32 scores of one row of logits, after the text and `drafts` (reused: read
+   * them before the next call). */
+  scores(data, start, drafts = []) {
+    const { pick, vocab, buffer: scores } = this;
     if (data instanceof Uint16Array) {
       for (let i = 0; i < vocab; i++) scores[i] = halfToFloat(data[start + i]);
     } else {
       scores.set(data.subarray(start, start + vocab));
     }
-    let top = -Infinity;
     for (let i = 0; i < vocab; i++) {
       const value = scores[i];
       if (value !== value || value === Infinity) throw new Error(NON_FINITE);
-      if (value > top) top = value;
     }
-    for (const id of this.seen) {
+    const seen = drafts.length && pick.penalty !== 1 ? new Set([...this.seen, ...drafts]) : this.seen;
+    for (const id of seen) {
       const value = scores[id];
       scores[id] = value < 0 ? value * this.penalty : value / this.penalty;
     }
     for (const id of pick.banned) scores[id] = -Infinity;
-    let token;
-    if (pick.sample) {
-      for (let i = 0; i < vocab; i++) scores[i] /= this.temperature;
-      token = this.draw(Math.fround(pick.uniforms[this.step]));
-    } else {
-      token = 0;
-      for (let i = 1; i < vocab; i++) if (scores[i] > scores[token]) token = i;
-    }
-    this.step += 1;
-    if (pick.penalty !== 1) this.seen.add(token);
-    return token;
+    if (pick.sample) for (let i = 0; i < vocab; i++) scores[i] /= this.temperature;
+    return scores;
   }
 
-  /** Top-k, top-p, min-p, then the draw with `u`, over the ids left (in index order). */
-  draw(u) {
-    const { pick, vocab, scores } = this;
-    const topK = pick.top_k > 0 && pick.top_k < vocab ? pick.top_k : 0;
+  /** {ids, e}: the ids top-k, top-p and min-p leave (in index order), and exp(score - the largest)
+   * of each (the largest is never dropped). */
+  kept(scores) {
+    const { pick, vocab, topK } = this;
     const floor = topK ? kthLargest(scores, topK) : -Infinity;
     let ids = [];
     for (let i = 0; i < vocab; i++) if (scores[i] >= floor && scores[i] > -Infinity) ids.push(i);
@@ -75,14 +81,100 @@ export class Picker {
       ids = ids.filter((_, j) => probs[j] >= least);
     }
     const top = maximum(ids, scores);
-    const cdf = new Float64Array(ids.length);
-    let sum = 0;
-    ids.forEach((id, j) => { sum += Math.exp(scores[id] - top); cdf[j] = sum; });
-    const target = u * sum;
-    let j = 0;
-    while (cdf[j] < target) j++;
-    return ids[j];
+    return { ids, e: Float64Array.from(ids, (id) => Math.exp(scores[id] - top)) };
   }
+
+  /** A draft model's sampled draft after `drafts` from its row of logits at `start`: [token, the
+   * distribution it was drawn from]. */
+  sample(data, start, drafts) {
+    const dist = this.kept(this.scores(data, start, drafts));
+    return [drawn(dist, this.uniforms.next()), dist];
+  }
+
+  /**
+   * [drafts accepted, the token after them] of a speculative round whose check gave the rows at
+   * `starts` of `data` (one per checked position), as the core's kernels decide: greedy, the longest
+   * prefix of drafts the processed argmax agrees with; sampling, the speculative-sampling rule for
+   * looked-up drafts (`dists` null) or drafts sampled from `dists` (a draft model's). Takes
+   * drafts.length + 1 uniforms when sampling (py/ortpipe/targets/cpython/sampling.py, `check`).
+   */
+  check(data, starts, drafts, dists = null) {
+    const n = drafts.length;
+    if (!this.pick.sample) {
+      for (let i = 0; ; i++) {
+        const pick = argmax(this.scores(data, starts[i], drafts.slice(0, i)));
+        if (i === n || pick !== drafts[i]) return [i, pick];
+      }
+    }
+    const us = Array.from({ length: n + 1 }, () => this.uniforms.next());
+    for (let i = 0; i < n; i++) {
+      const { ids, e } = this.kept(this.scores(data, starts[i], drafts.slice(0, i)));
+      const total = sum(e);
+      const p = share(ids, e, drafts[i]) / total;
+      let residual;
+      if (!dists) {
+        if (us[i] <= p) continue;
+        residual = Float64Array.from(e);
+        const at = ids.indexOf(drafts[i]);
+        if (at >= 0) residual[at] = 0;
+      } else {
+        const q = dists[i];
+        const qTotal = sum(q.e);
+        if (us[i] * (share(q.ids, q.e, drafts[i]) / qTotal) <= p) continue;
+        residual = Float64Array.from(ids, (id, j) => Math.max(e[j] / total - share(q.ids, q.e, id) / qTotal, 0));
+      }
+      if (sum(residual) === 0) residual = e; // rounding left nothing: p itself
+      return [i, drawn({ ids, e: residual }, us[n])];
+    }
+    return [n, drawn(this.kept(this.scores(data, starts[n], drafts)), us[n])];
+  }
+}
+
+/** The uniform numbers of a burst, taken in order (the core winds its generator to `taken`). */
+export class Uniforms {
+  constructor(values) {
+    this.values = values;
+    this.taken = 0;
+  }
+
+  next() {
+    return Math.fround(this.values[this.taken++]);
+  }
+}
+
+/** The first id whose running sum of `e`, in index order, reaches u times the sum. */
+function drawn({ ids, e }, u) {
+  const cdf = new Float64Array(e.length);
+  let total = 0;
+  e.forEach((value, j) => { total += value; cdf[j] = total; });
+  const target = u * total;
+  let j = 0;
+  while (cdf[j] < target) j++;
+  return ids[j];
+}
+
+/** The first index of the largest score. */
+function argmax(scores) {
+  let token = 0;
+  for (let i = 1; i < scores.length; i++) if (scores[i] > scores[token]) token = i;
+  return token;
+}
+
+function sum(values) {
+  let total = 0;
+  for (const value of values) total += value;
+  return total;
+}
+
+/** e of `token` among `ids` (ascending), 0 where it was dropped. */
+function share(ids, e, token) {
+  let [lo, hi] = [0, ids.length];
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (ids[mid] < token) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < ids.length && ids[lo] === token ? e[lo] : 0;
 }
 
 export const NON_FINITE = "the model's logits are NaN or infinite";

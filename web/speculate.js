@@ -1,15 +1,18 @@
 // Speculative decoding inside a burst of the worker's fused decode steps: the JS twin of the rounds
 // the CPython driver runs (py/ortpipe/targets/cpython/speculate.py) and of the core's drafting and
 // draft length (py/ortpipe/loops/speculative.py: NgramIndex, DraftLength), which it mirrors rule
-// for rule. A round drafts (prompt lookup over the text, or greedy steps of a draft model's
-// Decoder), runs the model's Decoder once over the pending token and the drafts, keeps the longest
-// prefix of drafts its argmax agrees with plus the argmax after it, and rolls the caches back to
+// for rule. A round drafts (prompt lookup over the text, or steps of a draft model's
+// Decoder: its argmax, or a draw from its processed distribution when the request samples), runs the
+// model's Decoder once over the pending token and the drafts, keeps the longest prefix of drafts its
+// argmax agrees with plus the argmax after it (a request with a pick: as its Picker checks them,
+// web/sampling.js, speculative sampling when it samples), and rolls the caches back to
 // what was kept: a shared buffer only by its length (the next run's mask says it), a concat cache
 // by narrowing each entry (a copy on the CPU; ortpipe's narrow kernel on the GPU). Python hands the
 // text and the draft length's state over before a burst (`prepare`) and takes them back after it
 // (`state`); tokens cross as ids only. The worker's bridge makes Speculators (`speculator` below).
 
 import { argmaxRow, typedArray } from './bridge.js';
+import { NON_FINITE, Picker } from './sampling.js';
 
 // The core's constants (loops/speculative.py).
 const MAX_PAUSE = 16;
@@ -169,7 +172,8 @@ class Tokens {
     this.narrow = narrow;
   }
 
-  /** Each new token's argmax, after feeding `tokens` from position `past`. */
+  /** Feed `tokens` from position `past`: {data, starts}, the logits and where each new token's row
+   * starts in them. */
   async run(tokens, past) {
     const d = this.decoder;
     const { ids, mask, positions, name, vocab, gpu } = d.spec;
@@ -194,14 +198,21 @@ class Tokens {
       logits.dispose();
       for (const other of d.others) result[other].dispose();
     }
-    const picks = [];
+    return { data, starts: Array.from({ length: n }, (_, i) => data.length - (n - i) * vocab) };
+  }
+
+  /** The argmax of each row (`past`: the first row's position, for the message). */
+  picks({ data, starts }, past) {
     try {
-      for (let row = n; row > 0; row--) picks.push(argmaxRow(data, data.length - row * vocab, vocab));
+      return starts.map((start) => argmaxRow(data, start, this.decoder.spec.vocab));
     } catch {
-      throw named(`session "${name}" gave NaN or infinite logits on the decode step at position ${past}: `
-        + "the model's weights or inputs are broken");
+      throw this.nonFinite(past);
     }
-    return picks;
+  }
+
+  nonFinite(past) {
+    return named(`session "${this.decoder.spec.name}" gave NaN or infinite logits on the decode step at `
+      + `position ${past}: the model's weights or inputs are broken`);
   }
 
   /** Forget the positions from `length` on: a concat cache is narrowed, a shared buffer is not. */
@@ -268,38 +279,66 @@ export class Speculator {
     this.rounds = 0;
   }
 
-  /** After a burst: JSON {length, drafted, accepted, rounds, draftedTo} for the core's speculator. */
+  /** After a burst: JSON {length, drafted, accepted, rounds, draftedTo, drew} for the core's speculator
+   * (drew: the pick's uniforms taken, or null). */
   state() {
     const { drafted, accepted, rounds, draftedTo } = this;
-    return JSON.stringify({ length: this.length.state(), drafted, accepted, rounds, draftedTo });
+    const drew = this.picker ? this.picker.uniforms.taken : null;
+    return JSON.stringify({ length: this.length.state(), drafted, accepted, rounds, draftedTo, drew });
   }
 
-  async burst(token, past, limit) {
+  /** Rounds from `token` at `past` until `limit` tokens, an eos or BURST_MS. `pick`: how the request
+   * selects (the core's Pick; null: the argmax): its Picker checks the drafts, and a sampled request's
+   * draft model samples them (web/sampling.js). A sampled request's rounds are not timed: its draft
+   * lengths follow acceptance alone, so that a seeded run drafts alike on every target. */
+  async burst(token, past, limit, pick = null) {
     const out = [];
     const started = performance.now();
     let position = past;
+    this.picker = pick ? new Picker(pick, this.target.decoder.spec.vocab) : null;
+    const timed = !pick?.sample;
+    this.drafter = null;
+    if (this.draft && !timed) {
+      this.drafter = new Picker(pick, this.draft.decoder.spec.vocab, this.picker.uniforms);
+      this.drafter.seen = this.picker.seen;
+    }
     for (;;) {
       let k = this.length.next(limit - out.length - 1);
       let drafts = [];
+      let dists = null;
       if (k && this.draft) {
         k = this.length.fit(0, k);
         if (k) {
           const t = performance.now();
-          drafts = await this.draftTokens(k);
-          this.length.drafted(drafts.length, (performance.now() - t) / 1000);
+          [drafts, dists] = await this.draftTokens(k);
+          if (timed) this.length.drafted(drafts.length, (performance.now() - t) / 1000);
         }
       } else if (k) {
         drafts = this.ngram.propose(this.text, k);
         drafts = drafts.slice(0, this.length.fit(Math.max(0, this.ngram.matched - 1), drafts.length));
       }
       const t = performance.now();
-      const picks = await this.target.run([this.text[this.text.length - 1], ...drafts], position);
-      this.length.timed(drafts.length + 1, (performance.now() - t) / 1000);
-      let accepted = 0;
-      while (accepted < drafts.length && drafts[accepted] === picks[accepted]) accepted += 1;
-      const kept = [...drafts.slice(0, accepted), picks[accepted]];
+      const rows = await this.target.run([this.text[this.text.length - 1], ...drafts], position);
+      if (timed) this.length.timed(drafts.length + 1, (performance.now() - t) / 1000);
+      let accepted;
+      let token;
+      if (this.picker) {
+        try {
+          [accepted, token] = this.picker.check(rows.data, rows.starts, drafts, dists);
+        } catch (error) {
+          if (error.message === NON_FINITE) throw this.target.nonFinite(position);
+          throw error;
+        }
+      } else {
+        const picks = this.target.picks(rows, position);
+        accepted = 0;
+        while (accepted < drafts.length && drafts[accepted] === picks[accepted]) accepted += 1;
+        token = picks[accepted];
+      }
+      const kept = [...drafts.slice(0, accepted), token];
       const eos = kept.findIndex((id) => this.eos.has(id));
       if (eos >= 0) kept.length = eos + 1;
+      this.picker?.took(kept);
       const took = Math.min(accepted, kept.length);
       if (drafts.length) {
         this.length.update(drafts.length, took);
@@ -324,16 +363,33 @@ export class Speculator {
     }
   }
 
-  /** Up to k greedy tokens of the draft model after the text; it runs what it has not seen first. */
+  /** Up to k tokens of the draft model after the text (it runs what it has not seen first): its
+   * argmax, or drawn by the drafter (a sampled request's); [drafts, the distributions they were drawn
+   * from or null]. */
   async draftTokens(k) {
     let fed = this.text.slice(this.draftedTo);
     const drafts = [];
+    const dists = this.drafter ? [] : null;
     for (;;) {
-      const picks = await this.draft.run(fed, this.draftedTo);
+      const rows = await this.draft.run(fed, this.draftedTo);
+      const last = { data: rows.data, starts: rows.starts.slice(-1) };
+      const at = this.draftedTo + fed.length - 1;
+      let token;
+      if (this.drafter) {
+        let dist;
+        try {
+          [token, dist] = this.drafter.sample(last.data, last.starts[0], drafts);
+        } catch (error) {
+          if (error.message === NON_FINITE) throw this.draft.nonFinite(at);
+          throw error;
+        }
+        dists.push(dist);
+      } else {
+        [token] = this.draft.picks(last, at);
+      }
       this.draftedTo += fed.length;
-      const token = picks[picks.length - 1];
       drafts.push(token);
-      if (drafts.length === k || this.eos.has(token)) return drafts;
+      if (drafts.length === k || this.eos.has(token)) return [drafts, dists];
       fed = [token];
     }
   }

@@ -1,6 +1,7 @@
 """Speculative decoding in Chromium: the JS Speculator (web/speculate.js) drafts and checks inside the
 worker's bursts; greedy results are CPython's plain greedy tokens, and seeded speculative sampling
-(the core's rounds, on onnxruntime-web's kernels) gives CPython's tokens."""
+(the JS Speculator's rounds, checked by web/sampling.js as CPython's driver checks them with numpy)
+gives CPython's tokens."""
 
 from __future__ import annotations
 
@@ -148,19 +149,18 @@ def test_demo_model_with_speculation_equals_cpython(page: Any, serve_model: Any,
 
 def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, serve_model: Any,
                                                                     llama_builder_fp32: Path) -> None:
-    """Speculative sampling runs the core's rounds (kernels on onnxruntime-web), its uniforms from the
-    seeded generator: the same tokens as CPython. A stop string inside an accepted run is cut there."""
+    """Speculative sampling runs in the JS Speculator's bursts (sampled drafts, the acceptance rule and
+    the draws of web/sampling.js), its uniforms from the seeded generator: the same tokens, drafts
+    and fused steps as CPython's driver. The model as its own draft model samples its drafts from p
+    itself, so they are taken. A stop string inside an accepted run is cut there."""
     ids = looping(llama_builder_fp32)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
     sampled = {"do_sample": True, "seed": 3, "temperature": 0.7, "top_k": 8}
-    # nearly greedy for prompt lookup: on this tiny model a round the core runs pays only when
-    # nearly every draft is taken (DraftLength's overhead). The model as its own draft model samples
-    # its drafts from p itself (spec_accept_q on wasm), so they are taken
-    cold = {**sampled, "temperature": 0.05}
-    expected = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold, prompt_lookup_num_tokens=4),
-                pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled,
+    expected = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled, prompt_lookup_num_tokens=4),
+                pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled, repetition_penalty=1.2,
                               draft_model=str(llama_builder_fp32))]
     assert all(r.timings.accepted_tokens > 0 for r in expected)
+    assert all(r.timings.fused_steps == NEW - 1 for r in expected)
     plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
     stop = plain.text[20:23]
     stopped = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, stop=stop)
@@ -168,13 +168,16 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
     serve_model("llama-builder", llama_builder_fp32)
     js = {"doSample": True, "seed": 3, "temperature": 0.7, "topK": 8}
     got = run_all(page, "llama-builder", "wasm", [
-        {"promptIds": ids, "maxNewTokens": NEW, **js, "temperature": 0.05, "promptLookupNumTokens": 4},
-        {"promptIds": ids, "maxNewTokens": NEW, **js, "draftModel": "models/llama-builder/"},
+        {"promptIds": ids, "maxNewTokens": NEW, **js, "promptLookupNumTokens": 4},
+        {"promptIds": ids, "maxNewTokens": NEW, **js, "repetitionPenalty": 1.2,
+         "draftModel": "models/llama-builder/"},
         {"promptIds": ids, "maxNewTokens": NEW, "stop": stop, "promptLookupNumTokens": 8},
     ])
     assert [r["result"]["tokens"] for r in got["runs"][:2]] == [r.tokens for r in expected]
-    assert [r["result"]["timings"]["acceptedTokens"] for r in got["runs"][:2]] == [
-        r.timings.accepted_tokens for r in expected]
+    for name, attr in (("acceptedTokens", "accepted_tokens"), ("draftedTokens", "drafted_tokens"),
+                       ("fusedSteps", "fused_steps")):
+        assert [r["result"]["timings"][name] for r in got["runs"][:2]] == [
+            getattr(r.timings, attr) for r in expected], name
     last = got["runs"][2]["result"]
     assert (last["tokens"], last["text"], last["finishReason"]) == (stopped.tokens, stopped.text, "stop")
 

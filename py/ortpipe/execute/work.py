@@ -115,9 +115,10 @@ class Decode(NamedTuple):
     most positions the request's mask can cover. `pick`: how each step selects its token when it is
     not the argmax of the logits (sampling/sampler.py `Pick`), for targets with `fused_sampling`.
 
-    `speculation` (loops/speculative.py, plain greedy requests only): the target may run the steps as
-    speculative rounds, drafts checked in one run, which give the same tokens; a target that does not
-    ignores it."""
+    `speculation` (loops/speculative.py): the target may run the steps as speculative rounds, drafts
+    checked in one run, which give the same tokens as plain steps (greedy) or follow the same
+    distribution (sampling, by `pick`); a target that does not ignores it. Only targets with
+    `fused_speculation` get one whose `pick` is not None."""
 
     step: FusedStep
     cache: Mapping[str, Handle]
@@ -135,6 +136,7 @@ class Decoded(NamedTuple):
     tokens: list[int]
     cache: Mapping[str, Handle]  # the cache after the steps, which the core holds from now on
     draft: tuple[Mapping[str, Handle], int] | None = None  # speculation's draft model: its cache and length
+    drew: int | None = None  # the pick's uniforms the burst took (None: one a token)
 
 
 Work = Generator[Any, Any, Any]
@@ -147,7 +149,9 @@ class Backend(Protocol):
     empty: the core never yields one. `decode_burst`: the most steps one `Decode` asks for (running
     several per answer saves the core's work per token and, in the browser, a crossing into Python).
     `fused_sampling`: the target selects tokens by a `Decode`'s `pick` (else only plain greedy
-    requests are fused). `row_views`: the `narrow` kernel along the first axis answers a tensor over
+    requests are fused). `fused_speculation`: the target runs speculative rounds of requests that
+    select by a `pick` too (else those run their rounds in the core, with kernels). `row_views`: the
+    `narrow` kernel along the first axis answers a tensor over
     the same memory, so a run that writes it in place writes the whole (a batch of rows in one
     preallocated buffer needs it, loops/batched.py).
     """
@@ -155,6 +159,7 @@ class Backend(Protocol):
     fused_layouts: frozenset[str]
     decode_burst: int
     fused_sampling: bool
+    fused_speculation: bool
     row_views: bool
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> Handle: ...

@@ -10,8 +10,9 @@ layout, runs every iteration after the first as a `Decode`: the target may answe
 of tokens, up to the `limit` set from the length limit and the caller's budget. Plain greedy
 requests select the argmax; others (sampling, penalties, bans) are fused on targets that select as
 the sampler does (`Backend.fused_sampling`), with the sampler's `Pick` and its random numbers.
-With speculative decoding (loops/speculative.py) a plain greedy request's Decode carries its
-speculator, and other requests run speculative rounds of drafts checked in one run.
+With speculative decoding (loops/speculative.py) the Decode carries the request's speculator: a
+plain greedy request's on every fusing target, a request with a `Pick` on targets that run those
+rounds too (`Backend.fused_speculation`); elsewhere such a request runs its rounds here, with kernels.
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ class TokenGenerator:
             Speculator(plan, backend, settings, self.limits.max_length, self.limits.eos, self._draft)
             if settings.speculative and settings.logprobs is None else None
         )
-        # a sampled request that speculates runs its rounds here (speculative sampling), not fused
-        selects = settings.plain_greedy or (
-            self.speculator is None and getattr(backend, "fused_sampling", False) and self.sampler.fusable
-        )
+        # a request that selects by a pick and speculates runs its rounds in the target's bursts where
+        # the target runs such rounds, else here (speculative sampling with kernels), not fused
+        picks = getattr(backend, "fused_sampling", False) and self.sampler.fusable
+        speculates = self.speculator is not None and not getattr(backend, "fused_speculation", False)
+        selects = settings.plain_greedy or (picks and not speculates)
         self._fused: FusedStep | None = fused if fusable and selects else None
         # the plain steps between a speculating sampled request's rounds still run fused
         plain = self.speculator is not None and getattr(backend, "fused_sampling", False)
@@ -270,9 +272,11 @@ class TokenGenerator:
         """A burst of fused steps (speculative rounds, when the request speculates and `speculate`)."""
         room = self.limits.max_length - len(self.tokens)
         limit = max(1, min(self._burst, room, room if budget is None else budget))
-        pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
-        cache = self.flow.caches[fused.session]
         spec = self.speculator if speculate else None
+        # a round takes a uniform for each draft a draft model samples and each checked position
+        per_token = 1 if spec is None else spec.length.most * (2 if spec.draft is not None else 1) + 1
+        pick, limit = self.sampler.pick(self.tokens, self.generated, limit, per_token)
+        cache = self.flow.caches[fused.session]
         answer = yield Decode(
             fused,
             cache.feeds,
@@ -286,7 +290,11 @@ class TokenGenerator:
             pick=pick,
         )
         tokens = self._check_burst(answer, limit)
-        self.sampler.drew(len(tokens))
+        drew = answer.drew
+        if drew is not None and not (type(drew) is int and 0 <= drew <= len(pick.uniforms if pick else ())):
+            raise GenerationError(f"the target answered a decode with {drew!r:.100} uniforms taken: it must "
+                                  "take at most the pick's, and say how many")
+        self.sampler.drew(len(tokens) if drew is None else drew)
 
         self.flow.advance(fused.session, answer.cache, len(tokens))
         if self.speculator is not None:

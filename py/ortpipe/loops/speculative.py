@@ -23,14 +23,16 @@ unit of time, from how often drafts were accepted (counted per source: the lengt
 lookup matched) and what a run of several tokens costs beside a run of one; when none pays, steps
 are plain ones, during which prompt lookup's proposals are checked against the tokens chosen (at no
 cost) and a draft model probes now and then, so open-ended text runs at about the speed of plain
-decoding. Targets that run rounds in their bursts measure the costs; the core's own rounds
-(sampling) use fixed guesses, so that a seeded run drafts the same everywhere.
+decoding. Targets that run a greedy request's rounds in their bursts measure the costs; a sampled
+request's rounds, and the core's own rounds, use fixed guesses, so that a seeded run drafts the same
+everywhere.
 
-Plain greedy requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a
-target runs whole rounds inside its burst (the CPython driver calls this module's Speculator, the
-browser's JS decoder mirrors it in web/speculate.js), or ignores it and runs plain steps. Every other
-request (sampling, logits processors) runs its rounds here, with `Run`s and kernels, the same way on
-every target.
+Requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a target runs whole
+rounds inside its burst (the CPython driver calls this module's Speculator, the browser's JS decoder
+mirrors it in web/speculate.js), or ignores it and runs plain steps. A request that selects by a
+`Pick` (sampling, penalties, bans) does so on targets with `fused_speculation` (its Picker, in numpy
+or JS, checks the drafts as the kernels below would); elsewhere, and for requests that cannot fuse
+(an n-gram ban), the rounds run here, with `Run`s and kernels, the same way on every target.
 """
 
 from __future__ import annotations

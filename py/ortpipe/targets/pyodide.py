@@ -109,6 +109,7 @@ class WebBackend:
     fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the worker runs
     decode_burst = 64  # steps per Decode at most; the JS Decoder also stops after BURST_MS
     fused_sampling = True  # the Decoder selects by a Decode's pick (web/sampling.js)
+    fused_speculation = True  # the JS Speculator runs rounds of such requests too (web/speculate.js)
     row_views = False  # every tensor is a copy on the JS side: the browser serves no batch of rows
 
     def __init__(self, bridge: JsProxy):
@@ -389,7 +390,7 @@ class Driver:
         draft = None
         if spec.draft is not None:
             draft = (self._decoders[spec.draft.step.session][1], state["draftedTo"])
-        return Decoded(tokens, cache, draft)
+        return Decoded(tokens, cache, draft, state["drew"])
 
     def _speculator(self, d: Decode) -> tuple[JsProxy, bool]:
         """The JS Speculator over the Decoders of the model and of the draft model, given the text so

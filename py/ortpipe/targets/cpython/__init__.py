@@ -41,6 +41,7 @@ class CpuBackend:
     fused_layouts = frozenset({"shared", "concat"})  # the cache layouts whose Decode the driver carries out
     decode_burst = 64  # steps per Decode at most; the driver also stops a burst after BURST_SECONDS
     fused_sampling = True  # the driver selects by a Decode's pick (sampling.py)
+    fused_speculation = True  # and runs speculative rounds of such requests (speculate.py)
     row_views = True  # narrowing the first axis of a contiguous array gives a view (the driver's narrow)
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:

@@ -1,10 +1,12 @@
 """Speculative rounds inside a fused `Decode` burst on onnxruntime (loops/speculative.py).
 
-Each round drafts (prompt lookup through the core's Speculator, or greedy steps of the draft
-model), runs the decoder once over the pending token and the drafts, keeps the longest prefix of
-drafts the argmax agrees with plus the argmax after it, and rolls both caches back to what was
-kept. A round with no draft is a plain step. The burst ends as a plain one does: at the limit, an
-eos, or after its time.
+Each round drafts (prompt lookup through the core's Speculator, or steps of the draft model: its
+argmax, or a draw from its processed distribution when the request samples), runs the decoder once
+over the pending token and the drafts, keeps the longest prefix of drafts the argmax agrees with
+plus the argmax after it (a request that selects by a pick: as its Picker checks them, sampling.py),
+and rolls both caches back to what was kept. A round with no draft is a plain step. The burst ends
+as a plain one does: at the limit, an eos, or after its time. A sampled request's rounds are not
+timed: its draft lengths follow acceptance alone, so that a seeded run drafts alike on every target.
 
 A shared buffer runs through the session's fused binding, with input ids, positions and logits
 arrays bound per width (tokens in one run); rolling it back moves only its length, which the next
@@ -23,6 +25,7 @@ import onnxruntime as ort
 from ...errors import OrtpipeError
 from ...execute.work import Decode, Decoded, FusedStep
 from ...loops.speculative import agreeing, cut_at_eos
+from .sampling import Dist, Picker
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -33,11 +36,9 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
     spec = d.speculation
     speculator = spec.speculator
     target = Tokens(driver, d, spec.seq_axes)
-    draft = None
-    if spec.draft is not None:
-        dd = spec.draft
-        draft = Tokens(driver, Decode(dd.step, dd.cache, dd.capacity, d.eos, 0, dd.length, 1, "draft"),
-                       dd.seq_axes)
+    picker = Picker(d.pick, d.step.logits_shape[-1]) if d.pick is not None else None
+    timed = picker is None or not d.pick.sample  # a sampled request's draft lengths: acceptance alone
+    draft, drafter = _draft_model(driver, d, picker)
     text = list(spec.tokens)  # ends with d.token
     position, drafted_to = d.position, spec.draft.length if draft else 0
     out: list[int] = []
@@ -47,19 +48,24 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
         while True:
             k = speculator.draft_length(d.limit - len(out) - 1)
             drafts: list[int] = []
+            dists: list[Dist] | None = None
             if k and draft is not None:
                 k = speculator.drafting(k)
                 if k:
                     started = time.perf_counter()
-                    drafts, drafted_to = _draft(draft, text, drafted_to, k, d.eos)
-                    speculator.length.drafted(len(drafts), time.perf_counter() - started)
+                    drafts, dists, drafted_to = _draft(draft, drafter, text, drafted_to, k, d.eos)
+                    if timed:
+                        speculator.length.drafted(len(drafts), time.perf_counter() - started)
             elif k:
                 drafts = speculator.lookup(text, k)
             started = time.perf_counter()
-            picks = target.run([text[-1], *drafts], position)
-            speculator.timed(len(drafts) + 1, time.perf_counter() - started)
-            accepted = agreeing(drafts, picks)
-            new = cut_at_eos([*drafts[:accepted], picks[accepted]], d.eos)
+            rows = target.run([text[-1], *drafts], position)
+            if timed:
+                speculator.timed(len(drafts) + 1, time.perf_counter() - started)
+            accepted, token = _checked(target, picker, rows, drafts, position, dists)
+            new = cut_at_eos([*drafts[:accepted], token], d.eos)
+            if picker is not None:
+                picker.took(new)
             if drafts:
                 speculator.update(len(drafts), min(accepted, len(new)))
             else:
@@ -77,19 +83,53 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
         target.close()
         if draft is not None:
             draft.close()
-    return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None)
+    return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None,
+                   picker.uniforms.taken if picker is not None else None)
 
 
-def _draft(draft: Tokens, text: list[int], length: int, k: int, eos: frozenset[int]) -> tuple[list[int], int]:
-    """Up to k greedy tokens of the draft model after `text`, of which it has seen `length`; and
-    how much it has seen after them (all the text, and the drafts but the last)."""
+def _draft_model(driver: Driver, d: Decode, picker: Picker | None) -> tuple[Tokens | None, Picker | None]:
+    """The draft model's session runs, and the Picker that samples its drafts (a sampled request's: the
+    model's uniforms and seen tokens), or Nones."""
+    dd = d.speculation.draft
+    if dd is None:
+        return None, None
+    alone = Decode(dd.step, dd.cache, dd.capacity, d.eos, 0, dd.length, 1, "draft")
+    draft = Tokens(driver, alone, dd.seq_axes)
+    if picker is None or not picker.pick.sample:
+        return draft, None
+    drafter = Picker(picker.pick, dd.step.logits_shape[-1], picker.uniforms)
+    drafter.seen = picker.seen
+    return draft, drafter
+
+
+def _checked(target: Tokens, picker: Picker | None, rows: np.ndarray, drafts: list[int], position: int,
+             dists: list[Dist] | None) -> tuple[int, int]:
+    """(drafts accepted, the token after them): the argmax's agreement, or as the request's Picker checks."""
+    if picker is None:
+        picks = target.picks(rows, position)
+        accepted = agreeing(drafts, picks)
+        return accepted, picks[accepted]
+    return picker.check(rows, drafts, target.step.session, position, dists)
+
+
+def _draft(draft: Tokens, drafter: Picker | None, text: list[int], length: int, k: int,
+           eos: frozenset[int]) -> tuple[list[int], list[Dist] | None, int]:
+    """Up to k tokens of the draft model after `text`, of which it has seen `length`: its argmax, or
+    drawn by `drafter` (then with the distributions they were drawn from); and how much it has seen
+    after them (all the text, and the drafts but the last)."""
     fed, drafts = text[length:], []
+    dists: list[Dist] | None = [] if drafter is not None else None
     while True:
-        token = draft.run(fed, length)[-1]
+        rows = draft.run(fed, length)
+        if drafter is None:
+            token = draft.picks(rows[-1:], length + len(fed) - 1)[0]
+        else:
+            token, dist = drafter.sample(rows[-1], draft.step.session, length + len(fed) - 1, drafts)
+            dists.append(dist)
         length += len(fed)
         drafts.append(token)
         if len(drafts) == k or token in eos:
-            return drafts, length
+            return drafts, dists, length
         fed = [token]
 
 
@@ -108,8 +148,8 @@ class _Width:
 
 class Tokens:
     """One session of a fused step run on several new tokens at once, its cache kept here between
-    runs: `run` gives each new token's argmax, `keep` rolls the cache back, `close` leaves the
-    session's binding as the plain fused steps expect it."""
+    runs: `run` gives each new token's row of logits (`picks`: their argmaxes), `keep` rolls the cache
+    back, `close` leaves the session's binding as the plain fused steps expect it."""
 
     def __init__(self, driver: Driver, d: Decode, seq_axes: Mapping[str, int]):
         self.driver, self.d, self.step = driver, d, d.step
@@ -122,9 +162,14 @@ class Tokens:
             self.f = driver._concat(d)
             self.cache = dict(d.cache)  # the core's stays as it was until the answer hands this one over
 
-    def run(self, tokens: list[int], position: int) -> list[int]:
-        shared = self.step.layout == "shared"
-        rows = self._shared(tokens, position) if shared else self._concat(tokens, position)
+    def run(self, tokens: list[int], position: int) -> np.ndarray:
+        """Feed `tokens` from `position`: the logits of each, a row each (valid until the next run)."""
+        if self.step.layout == "shared":
+            return self._shared(tokens, position)
+        return self._concat(tokens, position)
+
+    def picks(self, rows: np.ndarray, position: int) -> list[int]:
+        """The argmax of each row (`position`: the first row's, for the message)."""
         picks = rows.argmax(-1)
         if not np.isfinite(rows[np.arange(len(picks)), picks]).all():
             raise OrtpipeError(f'session "{self.step.session}" gave NaN or infinite logits on the decode '
