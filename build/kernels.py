@@ -393,38 +393,6 @@ def _spec_graph(nodes: list[onnx.NodeProto], name: str, *more: onnx.ValueInfoPro
     )
 
 
-def spec_accept(_: int) -> onnx.GraphProto:
-    """scores [s, v] (processed, one row per verified position), drafts [s-1], u [s] in (0, 1] ->
-    accepted [1], token [1]: speculative sampling with a deterministic draft.
-
-    Draft i is accepted when u[i] <= p_i(draft i) (p: the softmax of row i); `accepted` counts the
-    drafts before the first rejection. After a rejection at row m the token is sampled with u[s-1]
-    from p_m without the rejected draft (max(0, p - q) for a draft q that is one token), after all
-    were accepted from p of the last row: the output follows p exactly (Leviathan et al. 2023).
-    """
-    nodes = [
-        *_draft_probabilities(),
-        helper.make_node("LessOrEqual", ["u_draft", "p_draft"], ["accept"]),
-        *_leading_accepts(),
-        # the row to sample from, the rejected draft's probability set to 0 (a padding column when
-        # every draft was accepted)
-        helper.make_node("Gather", ["probs", "accepted"], ["row"], axis=0),
-        helper.make_node("Shape", ["scores"], ["shape"]),
-        helper.make_node("Slice", ["shape", "one", "end", "axis0"], ["vocab"]),
-        helper.make_node("Concat", ["drafts", "vocab"], ["padded_drafts"], axis=0),
-        helper.make_node("Gather", ["padded_drafts", "accepted"], ["removed"], axis=0),
-        helper.make_node("Unsqueeze", ["removed", "axis0"], ["removed2"]),
-        helper.make_node("Concat", ["one", "one"], ["cell_shape"], axis=0),
-        helper.make_node("ConstantOfShape", ["cell_shape"], ["cell"],
-                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
-        helper.make_node("Concat", ["row", "cell"], ["wide"], axis=1),
-        helper.make_node("ScatterElements", ["wide", "removed2", "cell"], ["residual_wide"], axis=1),
-        helper.make_node("Slice", ["residual_wide", "zero", "vocab", "axis1"], ["residual"]),
-        *_draw_residual(),
-    ]
-    return _spec_graph(nodes, "spec_accept")
-
-
 def spec_accept_q(_: int) -> onnx.GraphProto:
     """scores [s, v] (the model's, processed), draft_scores [s-1, v] (the draft model's, processed the same
     way, each row the distribution its draft was sampled from), drafts [s-1], u [s] in (0, 1] ->
@@ -534,7 +502,6 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "gather_rows0": (_gather_rows(0), tuple(FLOAT_TYPES)),
     "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
     "unfold": (unfold, tuple(FLOAT_TYPES)),
-    "spec_accept": (spec_accept, ("float32",)),
     "spec_accept_q": (spec_accept_q, ("float32",)),
 }
 KERNELS.update(PREPROCESS_KERNELS)  # image resize / normalize / patches, Whisper log-mel

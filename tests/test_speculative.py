@@ -379,17 +379,48 @@ def test_speculative_sampling_keeps_the_distribution(llama_concat: Path, llama_d
         assert p > 1e-3, (settings, p, counts.most_common(8))
 
 
-def test_seeded_speculative_sampling_is_reproducible(llama_builder_fp32: Path) -> None:
+def test_sampled_prompt_lookup_gives_plain_sampling_s_tokens(llama_builder_fp32: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each position's token is drawn with the uniform plain sampling draws there, and drafts equal to
+    them are kept: a seeded run's tokens are plain sampling's, whatever the rounds drafted (drafting
+    as DraftLength says, or all it may), in the driver's rounds and in the core's."""
     ids = repeating(llama_builder_fp32)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
-    for settings in ({"prompt_lookup_num_tokens": 4}, {"draft_model": str(llama_builder_fp32)}):
+    sampled = {**SAMPLED, "temperature": 0.5}
+    for path in ({}, {"repetition_penalty": 1.3}, CORE):
+        plain = {seed: pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **sampled, **path).tokens
+                 for seed in (1, 2)}
+        assert plain[1] != plain[2]
+        for greedy_lengths in (False, True):
+            if greedy_lengths:
+                monkeypatch.setattr(DraftLength, "best", lambda self, most, source=0: most)
+            drafted = accepted = 0
+            for seed in (1, 2):
+                got = pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **sampled, **path,
+                                    prompt_lookup_num_tokens=4)
+                assert got.tokens == plain[seed], (path, greedy_lengths, seed)
+                assert (got.timings.fused_steps == NEW - 1) == (path is not CORE)
+                drafted += got.timings.drafted_tokens
+                accepted += got.timings.accepted_tokens
+            if greedy_lengths:
+                assert drafted > 0, path
+                if not path:  # (the penalty keeps the text from repeating; the core's looks wait longer)
+                    assert 0 < accepted < drafted
+            monkeypatch.undo()
+            monkeypatch.setattr(DraftLength, "timed", lambda *_: None)
+
+
+def test_seeded_speculative_sampling_with_a_draft_model_is_reproducible(llama_builder_fp32: Path,
+                                                                        llama_draft_builder: Path) -> None:
+    ids = repeating(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    for draft in (llama_builder_fp32, llama_draft_builder):
         for path in ({}, CORE):
-            runs = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **SAMPLED, **settings,
-                                  **path) for seed in (1, 1, 2)]
+            runs = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, seed=seed, **SAMPLED, **path,
+                                  draft_model=str(draft)) for seed in (1, 1, 2)]
             assert runs[0].tokens == runs[1].tokens != runs[2].tokens
-            if path != CORE or "draft_model" in settings:  # (lookup does not pay in the core's rounds here)
-                assert all(r.timings.drafted_tokens > 0 for r in runs), (settings, path)
-            assert (runs[0].timings.fused_steps == NEW - 1) == (path != CORE), (settings, path)
+            assert all(r.timings.drafted_tokens > 0 for r in runs), (draft, path)
+            assert (runs[0].timings.fused_steps == NEW - 1) == (path is not CORE), (draft, path)
 
 
 def test_prompt_lookup_drafts() -> None:

@@ -34,8 +34,10 @@ export class Picker {
     return token;
   }
 
-  /** The burst selected `tokens`: seen from now on, for the repetition penalty. */
-  took(tokens) {
+  /** The burst selected `tokens`: seen from now on, for the repetition penalty. `coupled`: a round
+   * that checked looked-up drafts, which takes a uniform a token kept. */
+  took(tokens, coupled = false) {
+    if (coupled && this.pick.sample) this.uniforms.taken += tokens.length;
     if (this.pick.penalty !== 1) for (const token of tokens) this.seen.add(token);
   }
 
@@ -93,36 +95,29 @@ export class Picker {
 
   /**
    * [drafts accepted, the token after them] of a speculative round whose check gave the rows at
-   * `starts` of `data` (one per checked position), as the core's kernels decide: greedy, the longest
-   * prefix of drafts the processed argmax agrees with; sampling, the speculative-sampling rule for
-   * looked-up drafts (`dists` null) or drafts sampled from `dists` (a draft model's). Takes
-   * drafts.length + 1 uniforms when sampling (py/ortpipe/targets/cpython/sampling.py, `check`).
+   * `starts` of `data` (one per checked position), as the core's rounds decide. Looked-up drafts
+   * (`dists` null): the longest prefix of drafts equal to the rows' own selections, each as a plain
+   * step there would select (sampling: with the uniform of its position, left for `took`). Drafts
+   * sampled from `dists` (a draft model's): the speculative-sampling rule, taking drafts.length + 1
+   * uniforms (py/ortpipe/targets/cpython/sampling.py, `check`).
    */
   check(data, starts, drafts, dists = null) {
     const n = drafts.length;
-    if (!this.pick.sample) {
+    if (!dists) {
       for (let i = 0; ; i++) {
-        const pick = argmax(this.scores(data, starts[i], drafts.slice(0, i)));
-        if (i === n || pick !== drafts[i]) return [i, pick];
+        const scores = this.scores(data, starts[i], drafts.slice(0, i));
+        const token = this.pick.sample ? drawn(this.kept(scores), this.uniforms.peek(i)) : argmax(scores);
+        if (i === n || token !== drafts[i]) return [i, token];
       }
     }
     const us = Array.from({ length: n + 1 }, () => this.uniforms.next());
     for (let i = 0; i < n; i++) {
       const { ids, e } = this.kept(this.scores(data, starts[i], drafts.slice(0, i)));
       const total = sum(e);
-      const p = share(ids, e, drafts[i]) / total;
-      let residual;
-      if (!dists) {
-        if (us[i] <= p) continue;
-        residual = Float64Array.from(e);
-        const at = ids.indexOf(drafts[i]);
-        if (at >= 0) residual[at] = 0;
-      } else {
-        const q = dists[i];
-        const qTotal = sum(q.e);
-        if (us[i] * (share(q.ids, q.e, drafts[i]) / qTotal) <= p) continue;
-        residual = Float64Array.from(ids, (id, j) => Math.max(e[j] / total - share(q.ids, q.e, id) / qTotal, 0));
-      }
+      const q = dists[i];
+      const qTotal = sum(q.e);
+      if (us[i] * (share(q.ids, q.e, drafts[i]) / qTotal) <= share(ids, e, drafts[i]) / total) continue;
+      let residual = Float64Array.from(ids, (id, j) => Math.max(e[j] / total - share(q.ids, q.e, id) / qTotal, 0));
       if (sum(residual) === 0) residual = e; // rounding left nothing: p itself
       return [i, drawn({ ids, e: residual }, us[n])];
     }
@@ -139,6 +134,11 @@ export class Uniforms {
 
   next() {
     return Math.fround(this.values[this.taken++]);
+  }
+
+  /** The i-th number after those taken, not taken. */
+  peek(i) {
+    return Math.fround(this.values[this.taken + i]);
   }
 }
 

@@ -289,19 +289,20 @@ export class Speculator {
 
   /** Rounds from `token` at `past` until `limit` tokens, an eos or BURST_MS. `pick`: how the request
    * selects (the core's Pick; null: the argmax): its Picker checks the drafts, and a sampled request's
-   * draft model samples them (web/sampling.js). A sampled request's rounds are not timed: its draft
-   * lengths follow acceptance alone, so that a seeded run drafts alike on every target. */
+   * draft model samples them (web/sampling.js). Rounds with sampled drafts are not timed: the tokens
+   * depend on the draft lengths, which then follow acceptance alone, so that a seeded run drafts
+   * alike on every target. */
   async burst(token, past, limit, pick = null) {
     const out = [];
     const started = performance.now();
     let position = past;
     this.picker = pick ? new Picker(pick, this.target.decoder.spec.vocab) : null;
-    const timed = !pick?.sample;
     this.drafter = null;
-    if (this.draft && !timed) {
+    if (this.draft && pick?.sample) {
       this.drafter = new Picker(pick, this.draft.decoder.spec.vocab, this.picker.uniforms);
       this.drafter.seen = this.picker.seen;
     }
+    const timed = !this.drafter;
     for (;;) {
       let k = this.length.next(limit - out.length - 1);
       let drafts = [];
@@ -338,7 +339,7 @@ export class Speculator {
       const kept = [...drafts.slice(0, accepted), token];
       const eos = kept.findIndex((id) => this.eos.has(id));
       if (eos >= 0) kept.length = eos + 1;
-      this.picker?.took(kept);
+      this.picker?.took(kept, !dists);
       const took = Math.min(accepted, kept.length);
       if (drafts.length) {
         this.length.update(drafts.length, took);

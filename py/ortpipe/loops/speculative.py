@@ -7,13 +7,16 @@ decoder run over the pending token and k drafts gives the model's logits at all 
 
 - greedy: the model's choice at each position; the longest prefix of drafts it agrees with is
   accepted, plus its choice after them: exactly the tokens of plain greedy decoding;
-- sampling: a looked-up draft i is accepted with probability p_i(draft i) (p: the processed
-  distribution of row i); the first rejection samples from p_i without that draft, all accepted
-  samples from p_k (speculative sampling with a one-token draft: the `spec_accept` kernel). A draft
-  model samples its drafts from its own distributions q_i, processed with the request's settings,
-  and draft i is accepted with probability min(1, p_i/q_i); a rejection samples from max(0, p_i - q_i)
-  (`spec_accept_q`). Either way the output follows p exactly. The uniforms come from the request's
-  seeded generator.
+- sampling with looked-up drafts: each position's token is sampled from its processed distribution
+  p_i with the uniform number plain sampling would use there (one a token, from the request's seeded
+  generator), and the drafts that equal them are accepted, plus the token after them. Draft i is so
+  accepted with probability p_i(draft i), as speculative sampling with a one-token draft would, and
+  the tokens are exactly those of plain sampling with the same seed, whatever was drafted;
+- sampling with a draft model: it samples its drafts from its own distributions q_i, processed with
+  the request's settings, and draft i is accepted with probability min(1, p_i/q_i); a rejection
+  samples from max(0, p_i - q_i) (speculative sampling, the `spec_accept_q` kernel). The output
+  follows p exactly; its uniforms (one per draft and per checked position) come from the request's
+  seeded generator, so the tokens depend on the draft lengths, which follow acceptance alone.
 
 The KV cache then keeps only the accepted positions: a shared buffer moves its length (the next
 run's mask and writes start there), a concat cache is narrowed by a kernel.
@@ -23,9 +26,9 @@ unit of time, from how often drafts were accepted (counted per source: the lengt
 lookup matched) and what a run of several tokens costs beside a run of one; when none pays, steps
 are plain ones, during which prompt lookup's proposals are checked against the tokens chosen (at no
 cost) and a draft model probes now and then, so open-ended text runs at about the speed of plain
-decoding. Targets that run a greedy request's rounds in their bursts measure the costs; a sampled
-request's rounds, and the core's own rounds, use fixed guesses, so that a seeded run drafts the same
-everywhere.
+decoding. Targets that run rounds in their bursts measure the costs, but for a sampled request with
+a draft model; its rounds, and the core's own rounds, use fixed guesses, so that a seeded run drafts
+the same everywhere.
 
 Requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a target runs whole
 rounds inside its burst (the CPython driver calls this module's Speculator, the browser's JS decoder
@@ -418,14 +421,16 @@ class Speculator:
         start = flow.position
         logits = yield from flow.run_iteration([gen.pending[0], *drafts])
         sampler.label = flow.label
-        if sampled:
+        if draft_scores is not None:
             accepted, token = yield from verify_sampled(sampler, logits, drafts, gen.tokens, gen.generated,
                                                         draft_scores)
         else:
-            picks = yield from verify_greedy(sampler, logits, drafts, gen.tokens, gen.generated)
+            picks = yield from verify_picks(sampler, logits, drafts, gen.tokens, gen.generated)
             accepted = agreeing(drafts, picks)
             token = picks[accepted]
         tokens = cut_at_eos([*drafts[:accepted], token], self.eos)
+        if sampled and draft_scores is None:
+            sampler.skip(len(tokens))  # a uniform a token, as plain sampling draws them
         self.update(len(drafts), min(accepted, len(tokens)))
         yield from roll_back(flow, start + len(tokens))
         if self.draft is not None:
@@ -474,27 +479,31 @@ def _rows(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], ge
     return (yield from sampler.scores(rows, seen, banned))
 
 
-def verify_greedy(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], generated: int) -> Work:
-    """The model's choice at each of the k+1 positions (its processors applied)."""
+def verify_picks(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], generated: int) -> Work:
+    """The model's choice at each of the k+1 positions (its processors applied): the argmax, or when it
+    samples a draw with the uniform plain sampling would use there (left undrawn: the caller draws
+    one per token it keeps)."""
     scores = yield from _rows(sampler, logits, drafts, tokens, generated)
-    out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",), None, sampler.label)
-    return sampler.backend.to_list(out["token"])
+    b = sampler.backend
+    if not sampler.settings.sampling:
+        out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",), None, sampler.label)
+    else:
+        u = sampler.uniforms(len(drafts) + 1)
+        feeds = {"scores": scores, "u": b.tensor(u, (len(u),), "float32")}
+        out = yield Run(kernel("sample", "float32"), feeds, ("token",), None, sampler.label)
+    return b.to_list(out["token"])
 
 
 def verify_sampled(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int],
-                   generated: int, draft_scores: Handle | None = None) -> Work:
-    """(drafts accepted, the token after them) by the speculative-sampling rule: for drafts that were
-    chosen (prompt lookup: the spec_accept kernel), or sampled from the rows of `draft_scores` (a draft
-    model's, processed as the model's are: spec_accept_q)."""
+                   generated: int, draft_scores: Handle) -> Work:
+    """(drafts accepted, the token after them) by the speculative-sampling rule for drafts sampled from
+    the rows of `draft_scores` (a draft model's, processed as the model's are: spec_accept_q)."""
     b = sampler.backend
     scores = yield from _rows(sampler, logits, drafts, tokens, generated)
     u = [1.0 - sampler.rng.random() for _ in range(len(drafts) + 1)]
-    feeds = {"scores": scores, "drafts": b.tensor(drafts, (len(drafts),), "int64"),
-             "u": b.tensor(u, (len(u),), "float32")}
-    name = "spec_accept"
-    if draft_scores is not None:
-        feeds["draft_scores"], name = draft_scores, "spec_accept_q"
-    out = yield Run(kernel(name, "float32"), feeds, ("accepted", "token"), None, sampler.label)
+    feeds = {"scores": scores, "draft_scores": draft_scores, "u": b.tensor(u, (len(u),), "float32"),
+             "drafts": b.tensor(drafts, (len(drafts),), "int64")}
+    out = yield Run(kernel("spec_accept_q", "float32"), feeds, ("accepted", "token"), None, sampler.label)
     return b.to_list(out["accepted"])[0], b.to_list(out["token"])[0]
 
 

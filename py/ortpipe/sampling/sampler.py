@@ -114,6 +114,17 @@ class Sampler:
             for _ in range(taken):
                 self.rng.random()
 
+    def uniforms(self, n: int) -> list[float]:
+        """The next n uniform numbers in (0, 1], left undrawn: `skip` draws those used."""
+        state = self.rng.getstate()
+        values = [1.0 - self.rng.random() for _ in range(n)]
+        self.rng.setstate(state)
+        return values
+
+    def skip(self, n: int) -> None:
+        for _ in range(n):
+            self.rng.random()
+
     def select(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         """The next token; with `logprobs` set, its log-probability and the most likely alternatives
         are left in `last_logprobs` (from the model's own distribution, before any penalty or warper)."""

@@ -13,12 +13,13 @@ tokens on every target:
 - the draw: the first index whose running sum of exp(score - max), in index order, reaches
   u * the sum, with u the step's uniform number rounded to float32.
 
-Speculative rounds (`check`) decide as the `spec_accept` and `spec_accept_q` kernels, in the same
-float64 arithmetic: row i's scores see the drafts before it (the penalty); p = e / the sum of e over
-the kept ids (q: the draft model's, from the row its draft was drawn from); a looked-up draft is
-kept when u_i <= p(draft), a sampled one when u_i * q(draft) <= p(draft); at the first rejection the
-token is drawn with the round's last uniform from e with the draft's entry 0 (lookup) or from
-max(p - q, 0) (a draft model; p's e where that sums to 0), after all were kept from the last row.
+Speculative rounds (`check`) decide as the core's rounds do (loops/speculative.py). Looked-up
+drafts: each row's token selected as a plain step would select it there (sampling: with the uniform
+of its position), the drafts equal to them kept. Drafts a draft model sampled: as the `spec_accept_q`
+kernel, in float64: row i's scores see the drafts before it (the penalty); p = e / the sum of e over
+the kept ids (q: the draft model's, from the row its draft was drawn from); draft i is kept when
+u_i * q(draft) <= p(draft); at the first rejection the token is drawn with the round's last uniform
+from max(p - q, 0) (p's e where that sums to 0), after all were kept from the last row.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ class Picker:
         self.took([token])
         return token
 
-    def took(self, tokens: list[int]) -> None:
-        """The burst selected `tokens`: seen from now on, for the repetition penalty."""
+    def took(self, tokens: list[int], coupled: bool = False) -> None:
+        """The burst selected `tokens`: seen from now on, for the repetition penalty. `coupled`: a
+        round that checked looked-up drafts, which takes a uniform a token kept."""
+        if coupled and self.pick.sample:
+            self.uniforms.taken += len(tokens)
         if self.pick.penalty != 1.0:
             self.seen.update(tokens)
 
@@ -106,33 +110,28 @@ class Picker:
     def check(self, rows: np.ndarray, drafts: list[int], session: str, position: int,
               dists: list[Dist] | None = None) -> tuple[int, int]:
         """(drafts accepted, the token after them) of a speculative round whose check gave `rows` (one
-        per checked position), as the core's kernels decide (loops/speculative.py): greedy, the
-        longest prefix of drafts the processed argmax agrees with; sampling, the speculative-sampling
-        rule, for drafts that were chosen (`dists` None: prompt lookup, spec_accept) or sampled from
-        `dists` (a draft model's, spec_accept_q). Takes len(drafts) + 1 uniforms when sampling."""
-        if not self.pick.sample:
+        per checked position). Looked-up drafts (`dists` None): the longest prefix of drafts equal to
+        the rows' own selections, each as a plain step there would select (sampling: with the uniform
+        of its position, left for `took` to take). Drafts sampled from `dists` (a draft model's): the
+        speculative-sampling rule, taking len(drafts) + 1 uniforms."""
+        if dists is None:
             for i in range(len(drafts) + 1):
-                pick = int(self.scores(rows[i], session, position + i, drafts[:i]).argmax())
-                if i == len(drafts) or pick != drafts[i]:
-                    return i, pick
+                scores = self.scores(rows[i], session, position + i, drafts[:i])
+                if self.pick.sample:
+                    token = _draw(*self.kept(scores), self.uniforms.peek(i))
+                else:
+                    token = int(scores.argmax())
+                if i == len(drafts) or token != drafts[i]:
+                    return i, token
         us = [self.uniforms.next() for _ in range(len(drafts) + 1)]
         for i, draft in enumerate(drafts):
             ids, e = self.kept(self.scores(rows[i], session, position + i, drafts[:i]))
             total = e.cumsum()[-1]
-            p = _share(ids, e, draft) / total
-            if dists is None:
-                if float(us[i]) <= p:
-                    continue
-                residual = e.copy()
-                at = np.searchsorted(ids, draft)
-                if at < len(ids) and ids[at] == draft:
-                    residual[at] = 0.0
-            else:
-                q_ids, q_e = dists[i]
-                q_total = q_e.cumsum()[-1]
-                if float(us[i]) * (_share(q_ids, q_e, draft) / q_total) <= p:
-                    continue
-                residual = np.maximum(e / total - _shares(q_ids, q_e, ids) / q_total, 0.0)
+            q_ids, q_e = dists[i]
+            q_total = q_e.cumsum()[-1]
+            if float(us[i]) * (_share(q_ids, q_e, draft) / q_total) <= _share(ids, e, draft) / total:
+                continue
+            residual = np.maximum(e / total - _shares(q_ids, q_e, ids) / q_total, 0.0)
             if residual.cumsum()[-1] == 0.0:  # rounding left nothing: p itself
                 residual = e
             return i, _draw(ids, residual, us[-1])
@@ -152,6 +151,10 @@ class Uniforms:
         u = np.float32(self.values[self.taken])
         self.taken += 1
         return u
+
+    def peek(self, i: int) -> np.float32:
+        """The i-th number after those taken, not taken."""
+        return np.float32(self.values[self.taken + i])
 
 
 Dist = tuple  # (ids in index order, their exp(score - the largest) in float64): Picker.kept

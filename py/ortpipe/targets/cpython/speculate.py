@@ -5,8 +5,9 @@ argmax, or a draw from its processed distribution when the request samples), run
 over the pending token and the drafts, keeps the longest prefix of drafts the argmax agrees with
 plus the argmax after it (a request that selects by a pick: as its Picker checks them, sampling.py),
 and rolls both caches back to what was kept. A round with no draft is a plain step. The burst ends
-as a plain one does: at the limit, an eos, or after its time. A sampled request's rounds are not
-timed: its draft lengths follow acceptance alone, so that a seeded run drafts alike on every target.
+as a plain one does: at the limit, an eos, or after its time. Rounds of a request whose draft model
+samples are not timed: its tokens depend on the draft lengths, which then follow acceptance alone, so
+that a seeded run drafts alike on every target.
 
 A shared buffer runs through the session's fused binding, with input ids, positions and logits
 arrays bound per width (tokens in one run); rolling it back moves only its length, which the next
@@ -37,8 +38,8 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
     speculator = spec.speculator
     target = Tokens(driver, d, spec.seq_axes)
     picker = Picker(d.pick, d.step.logits_shape[-1]) if d.pick is not None else None
-    timed = picker is None or not d.pick.sample  # a sampled request's draft lengths: acceptance alone
     draft, drafter = _draft_model(driver, d, picker)
+    timed = drafter is None  # sampled drafts: the tokens depend on the draft lengths, set by acceptance alone
     text = list(spec.tokens)  # ends with d.token
     position, drafted_to = d.position, spec.draft.length if draft else 0
     out: list[int] = []
@@ -65,7 +66,7 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
             accepted, token = _checked(target, picker, rows, drafts, position, dists)
             new = cut_at_eos([*drafts[:accepted], token], d.eos)
             if picker is not None:
-                picker.took(new)
+                picker.took(new, coupled=dists is None)
             if drafts:
                 speculator.update(len(drafts), min(accepted, len(new)))
             else:
