@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -48,33 +48,28 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
     try:
         while True:
             k = speculator.draft_length(d.limit - len(out) - 1)
-            drafts: list[int] = []
-            dists: list[Dist] | None = None
-            if k and draft is not None:
-                k = speculator.drafting(k)
-                if k:
-                    started = time.perf_counter()
-                    drafts, dists, drafted_to = _draft(draft, drafter, text, drafted_to, k, d.eos)
-                    if timed:
-                        speculator.length.drafted(len(drafts), time.perf_counter() - started)
-            elif k:
-                drafts = speculator.lookup(text, k)
-            started = time.perf_counter()
-            rows = target.run([text[-1], *drafts], position)
-            if timed:
-                speculator.timed(len(drafts) + 1, time.perf_counter() - started)
-            accepted, token = _checked(target, picker, rows, drafts, position, dists)
-            new = cut_at_eos([*drafts[:accepted], token], d.eos)
-            if picker is not None:
-                picker.took(new, coupled=dists is None)
-            if drafts:
-                speculator.update(len(drafts), min(accepted, len(new)))
+            if k == 0 and speculator.length.wait and burst:  # a pause: plain steps, then their shadows
+                new = _pause(speculator, target, text, position, d.limit - len(out), picker, end, timed)
             else:
-                speculator.shadow(text, new[0])
-            target.keep(position + len(new))
-            if draft is not None:
-                drafted_to = min(drafted_to, position + 1 + min(accepted, len(new)))
-                draft.keep(drafted_to)
+                drafts, dists, drafted_to = _propose(speculator, draft, drafter, text, drafted_to, k, d.eos,
+                                                     timed)
+                # the round's cost: the run, the checks, and the cache rolled back
+                started = time.perf_counter()
+                rows = target.run([text[-1], *drafts], position)
+                accepted, token = _checked(target, picker, rows, drafts, position, dists)
+                new = cut_at_eos([*drafts[:accepted], token], d.eos)
+                target.keep(position + len(new))
+                if timed:
+                    speculator.timed(len(drafts) + 1, time.perf_counter() - started)
+                if picker is not None:
+                    picker.took(new, coupled=dists is None)
+                if drafts:
+                    speculator.update(len(drafts), min(accepted, len(new)))
+                else:
+                    speculator.shadow(text, new[0])
+                if draft is not None:
+                    drafted_to = min(drafted_to, position + 1 + min(accepted, len(new)))
+                    draft.keep(drafted_to)
             out += new
             text += new
             position += len(new)
@@ -86,6 +81,37 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
             draft.close()
     return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None,
                    picker.uniforms.taken if picker is not None else None)
+
+
+def _pause(speculator: Any, target: Tokens, text: list[int], position: int, room: int, picker: Picker | None,
+           end: float, timed: bool) -> list[int]:
+    """The plain steps of a pause in drafting, run as the driver's own fused steps (a round without
+    drafts costs more in Python), prompt lookup's proposals checked in their shadow afterwards."""
+    started = time.perf_counter()
+    new = target.steps(text[-1], position, min(speculator.plain_steps(), room), picker, end)
+    if timed:
+        speculator.timed(1, (time.perf_counter() - started) / len(new))
+    speculator.stepped(text, new)
+    speculator.ran_plain(len(new))
+    return new
+
+
+def _propose(speculator: Any, draft: Tokens | None, drafter: Picker | None, text: list[int], drafted_to: int,
+             k: int, eos: frozenset[int], timed: bool) -> tuple[list[int], list[Dist] | None, int]:
+    """A round's drafts (up to k), the distributions a draft model sampled them from (or None), and how
+    much of the text the draft model has seen after them."""
+    if not k:
+        return [], None, drafted_to
+    if draft is None:
+        return speculator.lookup(text, k), None, drafted_to
+    k = speculator.drafting(k)
+    if not k:
+        return [], None, drafted_to
+    started = time.perf_counter()
+    drafts, dists, drafted_to = _draft(draft, drafter, text, drafted_to, k, eos)
+    if timed:
+        speculator.length.drafted(len(drafts), time.perf_counter() - started)
+    return drafts, dists, drafted_to
 
 
 def _draft_model(driver: Driver, d: Decode, picker: Picker | None) -> tuple[Tokens | None, Picker | None]:
@@ -176,6 +202,22 @@ class Tokens:
             raise OrtpipeError(f'session "{self.step.session}" gave NaN or infinite logits on the decode '
                                f"step at position {position}: the model's weights or inputs are broken")
         return picks.tolist()
+
+    def steps(self, token: int, position: int, n: int, picker: Picker | None, end: float) -> list[int]:
+        """Up to n plain steps from `token` at `position` (the driver's own fused steps), stopping after
+        an eos or at `end`: the tokens they selected."""
+        driver, d, out = self.driver, self.d, []
+        if self.step.layout == "shared":
+            if self.width != 1:
+                self._bind(1)
+            step = lambda t, p: driver._shared_step(d, self.f, picker, t, p)  # noqa: E731
+        else:
+            step = lambda t, p: driver._concat_step(d, self.f, self.cache, picker, t, p)  # noqa: E731
+        while True:
+            token = step(token, position + len(out))
+            out.append(token)
+            if len(out) >= n or token in d.eos or time.perf_counter() >= end:
+                return out
 
     def keep(self, length: int) -> None:
         """Forget the positions from `length` on: a shared buffer's next run starts there (its mask
