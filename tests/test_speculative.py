@@ -435,13 +435,20 @@ def test_prompt_lookup_drafts() -> None:
 
 
 def test_the_draft_length_follows_acceptance_and_cost() -> None:
-    length = DraftLength(8, sources=3)  # prompt lookup with 3-grams: a source per match length
-    assert length.next(20) == 8 and length.fit(2, 8) == 1, "the prior (2/3 taken, 0.4 a token): one draft"
+    assert DraftLength(8, sources=3).best(8, 2) == 1, "the prior (2/3 taken, 0.4 a token): one draft"
+    # prompt lookup with 3-grams (a source per match length), sampled
+    length = DraftLength(8, sources=3, sampled=True)
+    assert length.next(20) == 0 and length.wait == SHADOW_STEPS - 1, (
+        "the prior (1/3 taken, 0.4 a token): plain steps, lookup's proposals checked in their shadow")
+    length.wait = 0
+    for _ in range(10):
+        length.shadow(2, True)  # plain steps that chose what a 3-gram match proposed
+    assert length.next(20) == 8 and 0 < length.fit(2, 8) < 8, "the shadows found drafts that pay"
     for _ in range(10):
         length.update(8, 8)  # drafts after 3-gram matches, all taken
     assert length.next(20) == 8 and length.fit(2, 8) == 8, "high acceptance: as many as allowed"
     assert length.next(3) == 3 and length.fit(2, 3) == 3
-    assert length.fit(0, 8) == 1, "1-gram matches keep their own count"
+    assert length.fit(0, 8) == 0, "1-gram matches keep their own count"
     for _ in range(10):
         length.shadow(0, False)  # plain steps where a 1-gram proposal was not the token chosen
     assert length.fit(0, 8) == 0 and length.fit(2, 8) == 8
@@ -451,9 +458,10 @@ def test_the_draft_length_follows_acceptance_and_cost() -> None:
     got = [length.next(20) for _ in range(steps)]
     assert got == [0] * steps, "plain steps, their proposals checked in their shadow"
     assert length.wait == SHADOW_STEPS - 1, "looked again every SHADOW_STEPS steps"
-    core = DraftLength(8)
-    core.overhead = ROUND  # the rounds the core runs, with kernels, cost more: the prior no longer pays
-    assert DraftLength(8).best(8) == 1 and core.best(8) == 0
+    even, core = DraftLength(8), DraftLength(8)
+    even.hits[0] = even.misses[0] = core.hits[0] = core.misses[0] = 1.0  # drafts taken half the time
+    core.overhead = ROUND  # the rounds the core runs, with kernels, cost more: they no longer pay
+    assert even.best(8) == 1 and core.best(8) == 0
     waits = []
     for _ in range(4):  # looks that draft nothing, where each ends a burst of fused steps: longer waits
         assert core.next(20) == 0

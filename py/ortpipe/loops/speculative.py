@@ -118,7 +118,8 @@ class DraftLength:
     """How many tokens the next round drafts: the length that gives the most tokens per unit of time.
 
     A round of k drafts gives 1 + a + ... + a^k tokens on average, a being the chance that a draft
-    is accepted (accepted drafts over accepted drafts plus rejections, a decaying count), and costs
+    is accepted (accepted drafts over accepted drafts plus rejections, a decaying count from a
+    prior), and costs
     1 + overhead + (extra + draft) * k times a plain step: `extra`, what each more token adds to one
     run, and `draft`, what drafting one costs (a draft model's step), both measured by the target
     that runs the rounds (`timed`), else guessed; `overhead`, what a round run by the core (its
@@ -145,9 +146,13 @@ class DraftLength:
     __slots__ = ("most", "hits", "misses", "ones", "extras", "drafts", "wait", "pause", "shadows",
                  "overhead", "source", "probing", "probe")
 
-    def __init__(self, most: int, model: bool = False, sources: int = 1):
+    def __init__(self, most: int, model: bool = False, sources: int = 1, sampled: bool = False):
         self.most = most
-        self.hits, self.misses = [2.0] * sources, [1.0] * sources  # a prior acceptance of 2/3
+        # the prior acceptance: 2/3; 1/3 for prompt lookup in a sampled request (a sampled token equals
+        # a proposal less often than the argmax does), whose proposals are checked in the shadow of
+        # plain steps at no cost until drafts pay
+        hit = 1.0 if sampled and not model else 2.0
+        self.hits, self.misses = [hit] * sources, [3.0 - hit] * sources
         # the last measurements (a median of them resists a busy machine's outliers): seconds of a run of
         # one token, and the extra and drafting costs of a token relative to it
         self.ones: deque[float] = deque(maxlen=SAMPLES)
@@ -311,7 +316,8 @@ class Speculator:
         self.backend, self.eos = backend, eos
         most = settings.prompt_lookup_num_tokens or settings.max_draft_tokens
         self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
-        self.length = DraftLength(most, draft is not None, self.ngram.size if self.ngram is not None else 1)
+        self.length = DraftLength(most, draft is not None, self.ngram.size if self.ngram is not None else 1,
+                                  settings.sampling)
         self.draft = DraftModel(draft, backend, max_length) if draft is not None else None
         entries = plan.step_phase[0].kv.entries
         self.seq_axes = {e.past_input: e.seq_axis for e in entries}
