@@ -319,7 +319,7 @@ def beam_topk(elem: int) -> onnx.GraphProto:
 
 
 # Speculative decoding (py/ortpipe/loops/speculative.py): the logits of every position of one verification
-# run become rows, processed like a batch, and the speculative-sampling rule accepts or resamples.
+# run become rows, processed like a batch, and each row selects its token as a plain step would.
 
 
 def unfold(elem: int) -> onnx.GraphProto:
@@ -329,108 +329,6 @@ def unfold(elem: int) -> onnx.GraphProto:
         nodes, "unfold",
         [helper.make_tensor_value_info("logits", elem, [1, "seq", "vocab"])],
         [helper.make_tensor_value_info("rows", elem, ["seq", 1, "vocab"])])
-
-
-def _draft_probabilities() -> list[onnx.NodeProto]:
-    """scores [s, v], drafts [d], u [s] -> probs (the rows' softmax), p_draft [d] (each draft's probability
-    in its row), u_draft [d], drafted, drafts2 and the constants the other parts use."""
-    return [
-        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
-        _const("zero", [0]), _const("one", [1]), _const("axis0", [0]), _const("axis1", [1]),
-        _const("last", [-1]), _const("end", [INT64_MAX]),
-        helper.make_node("Shape", ["drafts"], ["drafted"]),
-        helper.make_node("Slice", ["probs", "zero", "drafted", "axis0"], ["head"]),
-        helper.make_node("Unsqueeze", ["drafts", "axis1"], ["drafts2"]),
-        helper.make_node("GatherElements", ["head", "drafts2"], ["p_draft2"], axis=1),
-        helper.make_node("Squeeze", ["p_draft2", "axis1"], ["p_draft"]),
-        helper.make_node("Slice", ["u", "zero", "drafted", "axis0"], ["u_draft"]),
-    ]
-
-
-def _leading_accepts() -> list[onnx.NodeProto]:
-    """accept [d] (bool) -> accepted [1]: how many drafts, from the first, were accepted."""
-    return [
-        helper.make_node("Not", ["accept"], ["reject"]),
-        helper.make_node("Cast", ["reject"], ["reject_int"], to=TensorProto.INT64),
-        helper.make_node("CumSum", ["reject_int", "axis0"], ["rejected_before"]),
-        helper.make_node("Equal", ["rejected_before", "zero"], ["leading"]),
-        helper.make_node("Cast", ["leading"], ["leading_int"], to=TensorProto.INT64),
-        helper.make_node("ReduceSum", ["leading_int", "axis0"], ["accepted"], keepdims=1),
-    ]
-
-
-def _draw_residual() -> list[onnx.NodeProto]:
-    """residual [1, v] (unnormalized), u [s], vocab [1] -> token [1]: the first token whose share of the
-    residual reaches u[s-1]."""
-    return [
-        helper.make_node("CumSum", ["residual", "axis1"], ["cdf"]),
-        helper.make_node("Slice", ["cdf", "last", "end", "axis1"], ["total"]),
-        helper.make_node("Slice", ["u", "last", "end", "axis0"], ["u_last"]),
-        helper.make_node("Mul", ["u_last", "total"], ["target"]),
-        helper.make_node("Less", ["cdf", "target"], ["below"]),
-        helper.make_node("Cast", ["below"], ["below_int"], to=TensorProto.INT64),
-        helper.make_node("ReduceSum", ["below_int", "axis1"], ["count"], keepdims=0),
-        helper.make_node("Sub", ["vocab", "one"], ["last_id"]),
-        helper.make_node("Min", ["count", "last_id"], ["token"]),  # float rounding past the end
-    ]
-
-
-def _spec_graph(nodes: list[onnx.NodeProto], name: str, *more: onnx.ValueInfoProto) -> onnx.GraphProto:
-    """A speculative-sampling kernel: scores [s, v], `more`, drafts [s-1], u [s] -> accepted, token [1]."""
-    return helper.make_graph(
-        nodes,
-        name,
-        [
-            helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["seq", "vocab"]),
-            *more,
-            helper.make_tensor_value_info("drafts", TensorProto.INT64, ["drafted"]),
-            helper.make_tensor_value_info("u", TensorProto.FLOAT, ["seq"]),
-        ],
-        [
-            helper.make_tensor_value_info("accepted", TensorProto.INT64, [1]),
-            helper.make_tensor_value_info("token", TensorProto.INT64, [1]),
-        ],
-    )
-
-
-def spec_accept_q(_: int) -> onnx.GraphProto:
-    """scores [s, v] (the model's, processed), draft_scores [s-1, v] (the draft model's, processed the same
-    way, each row the distribution its draft was sampled from), drafts [s-1], u [s] in (0, 1] ->
-    accepted [1], token [1]: speculative sampling with a sampled draft.
-
-    Draft i is accepted when u[i] * q_i(draft i) <= p_i(draft i) (p, q: the rows' softmaxes), that is with
-    probability min(1, p/q); `accepted` counts the drafts before the first rejection. After a rejection at
-    row m the token is sampled with u[s-1] from max(0, p_m - q_m), normalized (p_m itself where rounding
-    left nothing); after all were accepted from p of the last row (q padded with a row of zeros): the
-    output follows p exactly (Leviathan et al. 2023; Chen et al. 2023).
-    """
-    nodes = [
-        *_draft_probabilities(),
-        helper.make_node("Softmax", ["draft_scores"], ["q"], axis=-1),
-        helper.make_node("GatherElements", ["q", "drafts2"], ["q_draft2"], axis=1),
-        helper.make_node("Squeeze", ["q_draft2", "axis1"], ["q_draft"]),
-        helper.make_node("Mul", ["u_draft", "q_draft"], ["u_q"]),
-        helper.make_node("LessOrEqual", ["u_q", "p_draft"], ["accept"]),
-        *_leading_accepts(),
-        # the rows at the first rejection (q's: zeros when every draft was accepted)
-        helper.make_node("Gather", ["probs", "accepted"], ["row"], axis=0),
-        helper.make_node("Shape", ["scores"], ["shape"]),
-        helper.make_node("Slice", ["shape", "one", "end", "axis0"], ["vocab"]),
-        helper.make_node("Concat", ["one", "vocab"], ["zeros_shape"], axis=0),
-        helper.make_node("ConstantOfShape", ["zeros_shape"], ["zeros"],
-                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
-        helper.make_node("Concat", ["q", "zeros"], ["q_padded"], axis=0),
-        helper.make_node("Gather", ["q_padded", "accepted"], ["q_row"], axis=0),
-        helper.make_node("Sub", ["row", "q_row"], ["difference"]),
-        _fconst("fzero", 0.0),
-        helper.make_node("Max", ["difference", "fzero"], ["excess"]),
-        helper.make_node("ReduceSum", ["excess", "axis1"], ["excess_total"], keepdims=1),
-        helper.make_node("Greater", ["excess_total", "fzero"], ["some"]),
-        helper.make_node("Where", ["some", "excess", "row"], ["residual"]),
-        *_draw_residual(),
-    ]
-    return _spec_graph(nodes, "spec_accept_q",
-                       helper.make_tensor_value_info("draft_scores", TensorProto.FLOAT, ["drafted", "vocab"]))
 
 
 def logprobs(elem: int) -> onnx.GraphProto:
@@ -502,7 +400,6 @@ KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "gather_rows0": (_gather_rows(0), tuple(FLOAT_TYPES)),
     "gather_rows1": (_gather_rows(1), tuple(FLOAT_TYPES)),
     "unfold": (unfold, tuple(FLOAT_TYPES)),
-    "spec_accept_q": (spec_accept_q, ("float32",)),
 }
 KERNELS.update(PREPROCESS_KERNELS)  # image resize / normalize / patches, Whisper log-mel
 KERNELS.update(LOOP_KERNELS)  # pooling, noise, scheduler steps, images (single_pass and denoising loops)

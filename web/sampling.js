@@ -29,15 +29,15 @@ export class Picker {
    */
   select(data, start) {
     const scores = this.scores(data, start);
-    const token = this.pick.sample ? drawn(this.kept(scores), this.uniforms.next()) : argmax(scores);
+    const token = this.pick.sample ? drawn(this.kept(scores), this.uniforms.peek(0)) : argmax(scores);
     this.took([token]);
     return token;
   }
 
-  /** The burst selected `tokens`: seen from now on, for the repetition penalty. `coupled`: a round
-   * that checked looked-up drafts, which takes a uniform a token kept. */
-  took(tokens, coupled = false) {
-    if (coupled && this.pick.sample) this.uniforms.taken += tokens.length;
+  /** The burst selected `tokens`: their uniforms taken (one a token, when sampling), and seen from now
+   * on, for the repetition penalty. */
+  took(tokens) {
+    if (this.pick.sample) this.uniforms.taken += tokens.length;
     if (this.pick.penalty !== 1) for (const token of tokens) this.seen.add(token);
   }
 
@@ -86,54 +86,33 @@ export class Picker {
     return { ids, e: Float64Array.from(ids, (id) => Math.exp(scores[id] - top)) };
   }
 
-  /** A draft model's sampled draft after `drafts` from its row of logits at `start`: [token, the
-   * distribution it was drawn from]. */
+  /** A draft model's draft after `drafts` from its row of logits at `start`, drawn with the uniform of
+   * its position (not taken: the model's selections take them). */
   sample(data, start, drafts) {
-    const dist = this.kept(this.scores(data, start, drafts));
-    return [drawn(dist, this.uniforms.next()), dist];
+    return drawn(this.kept(this.scores(data, start, drafts)), this.uniforms.peek(drafts.length));
   }
 
   /**
    * [drafts accepted, the token after them] of a speculative round whose check gave the rows at
-   * `starts` of `data` (one per checked position), as the core's rounds decide. Looked-up drafts
-   * (`dists` null): the longest prefix of drafts equal to the rows' own selections, each as a plain
-   * step there would select (sampling: with the uniform of its position, left for `took`). Drafts
-   * sampled from `dists` (a draft model's): the speculative-sampling rule, taking drafts.length + 1
-   * uniforms (py/ortpipe/targets/cpython/sampling.py, `check`).
+   * `starts` of `data` (one per checked position): the longest prefix of drafts equal to the rows'
+   * own selections, each as a plain step there would select (sampling: with the uniform of its
+   * position, left for `took`), as py/ortpipe/targets/cpython/sampling.py's `check`.
    */
-  check(data, starts, drafts, dists = null) {
-    const n = drafts.length;
-    if (!dists) {
-      for (let i = 0; ; i++) {
-        const scores = this.scores(data, starts[i], drafts.slice(0, i));
-        const token = this.pick.sample ? drawn(this.kept(scores), this.uniforms.peek(i)) : argmax(scores);
-        if (i === n || token !== drafts[i]) return [i, token];
-      }
+  check(data, starts, drafts) {
+    for (let i = 0; ; i++) {
+      const scores = this.scores(data, starts[i], drafts.slice(0, i));
+      const token = this.pick.sample ? drawn(this.kept(scores), this.uniforms.peek(i)) : argmax(scores);
+      if (i === drafts.length || token !== drafts[i]) return [i, token];
     }
-    const us = Array.from({ length: n + 1 }, () => this.uniforms.next());
-    for (let i = 0; i < n; i++) {
-      const { ids, e } = this.kept(this.scores(data, starts[i], drafts.slice(0, i)));
-      const total = sum(e);
-      const q = dists[i];
-      const qTotal = sum(q.e);
-      if (us[i] * (share(q.ids, q.e, drafts[i]) / qTotal) <= share(ids, e, drafts[i]) / total) continue;
-      let residual = Float64Array.from(ids, (id, j) => Math.max(e[j] / total - share(q.ids, q.e, id) / qTotal, 0));
-      if (sum(residual) === 0) residual = e; // rounding left nothing: p itself
-      return [i, drawn({ ids, e: residual }, us[n])];
-    }
-    return [n, drawn(this.kept(this.scores(data, starts[n], drafts)), us[n])];
   }
 }
 
-/** The uniform numbers of a burst, taken in order (the core winds its generator to `taken`). */
+/** The uniform numbers of a burst, one a token, taken in order (the core winds its generator to
+ * `taken`). */
 export class Uniforms {
   constructor(values) {
     this.values = values;
     this.taken = 0;
-  }
-
-  next() {
-    return Math.fround(this.values[this.taken++]);
   }
 
   /** The i-th number after those taken, not taken. */
@@ -158,23 +137,6 @@ function argmax(scores) {
   let token = 0;
   for (let i = 1; i < scores.length; i++) if (scores[i] > scores[token]) token = i;
   return token;
-}
-
-function sum(values) {
-  let total = 0;
-  for (const value of values) total += value;
-  return total;
-}
-
-/** e of `token` among `ids` (ascending), 0 where it was dropped. */
-function share(ids, e, token) {
-  let [lo, hi] = [0, ids.length];
-  while (lo < hi) {
-    const mid = (lo + hi) >> 1;
-    if (ids[mid] < token) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < ids.length && ids[lo] === token ? e[lo] : 0;
 }
 
 export const NON_FINITE = "the model's logits are NaN or infinite";

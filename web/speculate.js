@@ -2,10 +2,10 @@
 // the CPython driver runs (py/ortpipe/targets/cpython/speculate.py) and of the core's drafting and
 // draft length (py/ortpipe/loops/speculative.py: NgramIndex, DraftLength), which it mirrors rule
 // for rule. A round drafts (prompt lookup over the text, or steps of a draft model's
-// Decoder: its argmax, or a draw from its processed distribution when the request samples), runs the
-// model's Decoder once over the pending token and the drafts, keeps the longest prefix of drafts its
-// argmax agrees with plus the argmax after it (a request with a pick: as its Picker checks them,
-// web/sampling.js, speculative sampling when it samples), and rolls the caches back to
+// Decoder: its argmax, or when the request samples a draw from its processed distribution with the
+// uniform of the draft's position), runs the model's Decoder once over the pending token and the
+// drafts, keeps the longest prefix of drafts equal to its own selections (the argmax, or as the
+// request's Picker selects, web/sampling.js) plus its selection after them, and rolls the caches back to
 // what was kept: a shared buffer only by its length (the next run's mask says it), a concat cache
 // by narrowing each entry (a copy on the CPU; ortpipe's narrow kernel on the GPU). Python hands the
 // text and the draft length's state over before a burst (`prepare`) and takes them back after it
@@ -289,9 +289,9 @@ export class Speculator {
 
   /** Rounds from `token` at `past` until `limit` tokens, an eos or BURST_MS. `pick`: how the request
    * selects (the core's Pick; null: the argmax): its Picker checks the drafts, and a sampled request's
-   * draft model samples them (web/sampling.js). Rounds with sampled drafts are not timed: the tokens
-   * depend on the draft lengths, which then follow acceptance alone, so that a seeded run drafts
-   * alike on every target. */
+   * draft model samples them with the uniforms of their positions (web/sampling.js): no draft
+   * length changes the tokens. A round's measured cost takes in its checks and the caches rolled
+   * back. */
   async burst(token, past, limit, pick = null) {
     const out = [];
     const started = performance.now();
@@ -302,17 +302,15 @@ export class Speculator {
       this.drafter = new Picker(pick, this.draft.decoder.spec.vocab, this.picker.uniforms);
       this.drafter.seen = this.picker.seen;
     }
-    const timed = !this.drafter;
     for (;;) {
       let k = this.length.next(limit - out.length - 1);
       let drafts = [];
-      let dists = null;
       if (k && this.draft) {
         k = this.length.fit(0, k);
         if (k) {
           const t = performance.now();
-          [drafts, dists] = await this.draftTokens(k);
-          if (timed) this.length.drafted(drafts.length, (performance.now() - t) / 1000);
+          drafts = await this.draftTokens(k);
+          this.length.drafted(drafts.length, (performance.now() - t) / 1000);
         }
       } else if (k) {
         drafts = this.ngram.propose(this.text, k);
@@ -320,12 +318,11 @@ export class Speculator {
       }
       const t = performance.now();
       const rows = await this.target.run([this.text[this.text.length - 1], ...drafts], position);
-      if (timed) this.length.timed(drafts.length + 1, (performance.now() - t) / 1000);
       let accepted;
       let token;
       if (this.picker) {
         try {
-          [accepted, token] = this.picker.check(rows.data, rows.starts, drafts, dists);
+          [accepted, token] = this.picker.check(rows.data, rows.starts, drafts);
         } catch (error) {
           if (error.message === NON_FINITE) throw this.target.nonFinite(position);
           throw error;
@@ -339,7 +336,7 @@ export class Speculator {
       const kept = [...drafts.slice(0, accepted), token];
       const eos = kept.findIndex((id) => this.eos.has(id));
       if (eos >= 0) kept.length = eos + 1;
-      this.picker?.took(kept, !dists);
+      this.picker?.took(kept);
       const took = Math.min(accepted, kept.length);
       if (drafts.length) {
         this.length.update(drafts.length, took);
@@ -351,6 +348,7 @@ export class Speculator {
         if (proposal.length) this.length.shadow(this.ngram.matched - 1, proposal[0] === kept[0]);
       }
       await this.target.keep(position + kept.length);
+      this.length.timed(drafts.length + 1, (performance.now() - t) / 1000);
       if (this.draft) {
         this.draftedTo = Math.min(this.draftedTo, position + 1 + took);
         await this.draft.keep(this.draftedTo);
@@ -365,32 +363,28 @@ export class Speculator {
   }
 
   /** Up to k tokens of the draft model after the text (it runs what it has not seen first): its
-   * argmax, or drawn by the drafter (a sampled request's); [drafts, the distributions they were drawn
-   * from or null]. */
+   * argmax, or drawn by the drafter (a sampled request's, with the uniforms of their positions). */
   async draftTokens(k) {
     let fed = this.text.slice(this.draftedTo);
     const drafts = [];
-    const dists = this.drafter ? [] : null;
     for (;;) {
       const rows = await this.draft.run(fed, this.draftedTo);
       const last = { data: rows.data, starts: rows.starts.slice(-1) };
       const at = this.draftedTo + fed.length - 1;
       let token;
       if (this.drafter) {
-        let dist;
         try {
-          [token, dist] = this.drafter.sample(last.data, last.starts[0], drafts);
+          token = this.drafter.sample(last.data, last.starts[0], drafts);
         } catch (error) {
           if (error.message === NON_FINITE) throw this.draft.nonFinite(at);
           throw error;
         }
-        dists.push(dist);
       } else {
         [token] = this.draft.picks(last, at);
       }
       this.draftedTo += fed.length;
       drafts.push(token);
-      if (drafts.length === k || this.eos.has(token)) return [drafts, dists];
+      if (drafts.length === k || this.eos.has(token)) return drafts;
       fed = [token];
     }
   }

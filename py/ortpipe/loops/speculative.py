@@ -7,16 +7,14 @@ decoder run over the pending token and k drafts gives the model's logits at all 
 
 - greedy: the model's choice at each position; the longest prefix of drafts it agrees with is
   accepted, plus its choice after them: exactly the tokens of plain greedy decoding;
-- sampling with looked-up drafts: each position's token is sampled from its processed distribution
-  p_i with the uniform number plain sampling would use there (one a token, from the request's seeded
-  generator), and the drafts that equal them are accepted, plus the token after them. Draft i is so
-  accepted with probability p_i(draft i), as speculative sampling with a one-token draft would, and
-  the tokens are exactly those of plain sampling with the same seed, whatever was drafted;
-- sampling with a draft model: it samples its drafts from its own distributions q_i, processed with
-  the request's settings, and draft i is accepted with probability min(1, p_i/q_i); a rejection
-  samples from max(0, p_i - q_i) (speculative sampling, the `spec_accept_q` kernel). The output
-  follows p exactly; its uniforms (one per draft and per checked position) come from the request's
-  seeded generator, so the tokens depend on the draft lengths, which follow acceptance alone.
+- sampling: each checked position's token is drawn from its processed distribution p_i with the
+  uniform number plain sampling would use there (one a token, from the request's seeded generator),
+  and the drafts equal to them are accepted, plus the token after them: the tokens are exactly those
+  of plain sampling with the same seed, whatever was drafted. A draft model samples its drafts from
+  its own processed distributions q_i with the same uniform numbers (draft i with the uniform of its
+  position), so a draft is accepted when the two draws agree: always where q = p, and the closer q
+  is to p the more often (a looked-up draft is accepted with probability p_i(draft), as speculative
+  sampling with a one-token draft would).
 
 The KV cache then keeps only the accepted positions: a shared buffer moves its length (the next
 run's mask and writes start there), a concat cache is narrowed by a kernel.
@@ -26,16 +24,15 @@ unit of time, from how often drafts were accepted (counted per source: the lengt
 lookup matched) and what a run of several tokens costs beside a run of one; when none pays, steps
 are plain ones, during which prompt lookup's proposals are checked against the tokens chosen (at no
 cost) and a draft model probes now and then, so open-ended text runs at about the speed of plain
-decoding. Targets that run rounds in their bursts measure the costs, but for a sampled request with
-a draft model; its rounds, and the core's own rounds, use fixed guesses, so that a seeded run drafts
-the same everywhere.
+decoding. Targets that run rounds in their bursts measure the costs; the core's own rounds use
+fixed guesses. No draft length changes the tokens.
 
 Requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a target runs whole
 rounds inside its burst (the CPython driver calls this module's Speculator, the browser's JS decoder
 mirrors it in web/speculate.js), or ignores it and runs plain steps. A request that selects by a
 `Pick` (sampling, penalties, bans) does so on targets with `fused_speculation` (its Picker, in numpy
-or JS, checks the drafts as the kernels below would); elsewhere, and for requests that cannot fuse
-(an n-gram ban), the rounds run here, with `Run`s and kernels, the same way on every target.
+or JS, selects at each position as the kernels below would); elsewhere, and for requests that cannot
+fuse (an n-gram ban), the rounds run here, with `Run`s and kernels, the same way on every target.
 """
 
 from __future__ import annotations
@@ -305,14 +302,6 @@ class Speculator:
         if positions is not None and max_length > positions:
             raise GenerationError(f"max_length {max_length} is more than the {positions} positions the draft "
                                   "model's graph can run; lower max_length or max_new_tokens")
-        if draft is not None and settings.sampling:
-            widths = [_vocab(p) for p in (plan, draft)]
-            if None not in widths and widths[0] != widths[1]:
-                raise GenerationError(
-                    f"the draft model's logits have {widths[1]} columns and the model's {widths[0]}: "
-                    "speculative sampling weighs each draft by both distributions, over the same vocabulary; "
-                    "decode greedily (do_sample=False) with this draft model, or draft with one whose "
-                    "vocabulary is the model's")
         self.backend, self.eos = backend, eos
         most = settings.prompt_lookup_num_tokens or settings.max_draft_tokens
         self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
@@ -415,11 +404,8 @@ class Speculator:
         if k == 0:
             return None
         flow, sampler = gen.flow, gen.sampler
-        sampled = sampler.settings.sampling
-        draft_scores = None
         if self.draft is not None:
-            drafts, draft_scores = yield from self.draft.propose(gen.tokens, k, self.eos,
-                                                                 sampler if sampled else None, gen.generated)
+            drafts = yield from self.draft.propose(gen.tokens, k, self.eos, sampler, gen.generated)
         else:
             drafts = self.lookup(gen.tokens, k)
         if not drafts:
@@ -427,30 +413,16 @@ class Speculator:
         start = flow.position
         logits = yield from flow.run_iteration([gen.pending[0], *drafts])
         sampler.label = flow.label
-        if draft_scores is not None:
-            accepted, token = yield from verify_sampled(sampler, logits, drafts, gen.tokens, gen.generated,
-                                                        draft_scores)
-        else:
-            picks = yield from verify_picks(sampler, logits, drafts, gen.tokens, gen.generated)
-            accepted = agreeing(drafts, picks)
-            token = picks[accepted]
-        tokens = cut_at_eos([*drafts[:accepted], token], self.eos)
-        if sampled and draft_scores is None:
+        picks = yield from verify_picks(sampler, logits, drafts, gen.tokens, gen.generated)
+        accepted = agreeing(drafts, picks)
+        tokens = cut_at_eos([*drafts[:accepted], picks[accepted]], self.eos)
+        if sampler.settings.sampling:
             sampler.skip(len(tokens))  # a uniform a token, as plain sampling draws them
         self.update(len(drafts), min(accepted, len(tokens)))
         yield from roll_back(flow, start + len(tokens))
         if self.draft is not None:
             yield from self.draft.roll_back(start + 1 + min(accepted, len(tokens)))
         return tokens
-
-
-def _vocab(plan: Plan) -> int | None:
-    """The width of the fused step's logits, where the graph fixes it."""
-    step = plan.fused
-    if step is None:
-        return None
-    width = plan.signatures[step.session].output(step.logits).shape[-1]
-    return width if isinstance(width, int) else None
 
 
 def agreeing(drafts: list[int], picks: list[int]) -> int:
@@ -500,19 +472,6 @@ def verify_picks(sampler: Any, logits: Handle, drafts: list[int], tokens: list[i
     return b.to_list(out["token"])
 
 
-def verify_sampled(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int],
-                   generated: int, draft_scores: Handle) -> Work:
-    """(drafts accepted, the token after them) by the speculative-sampling rule for drafts sampled from
-    the rows of `draft_scores` (a draft model's, processed as the model's are: spec_accept_q)."""
-    b = sampler.backend
-    scores = yield from _rows(sampler, logits, drafts, tokens, generated)
-    u = [1.0 - sampler.rng.random() for _ in range(len(drafts) + 1)]
-    feeds = {"scores": scores, "draft_scores": draft_scores, "u": b.tensor(u, (len(u),), "float32"),
-             "drafts": b.tensor(drafts, (len(drafts),), "int64")}
-    out = yield Run(kernel("spec_accept_q", "float32"), feeds, ("accepted", "token"), None, sampler.label)
-    return b.to_list(out["accepted"])[0], b.to_list(out["token"])[0]
-
-
 class DraftModel:
     """A draft model's run for one request: its own flow and KV cache over a prefix of the text,
     caught up with the text when it drafts, rolled back to what the model accepted."""
@@ -534,23 +493,21 @@ class DraftModel:
         kv.take(cache, 0)
         kv.length = self.flow.position = length
 
-    def propose(self, tokens: list[int], k: int, eos: frozenset[int], sampler: Any = None,
-                generated: int = 0) -> Work:
+    def propose(self, tokens: list[int], k: int, eos: frozenset[int], sampler: Any, generated: int) -> Work:
         """Up to k tokens after `tokens` (the text it has not seen yet is run first): its greedy ones; or,
-        given a sampled request's sampler, ones sampled from its distributions, processed with the
-        request's settings as the model's are, with uniforms from the request's generator. Returns the
-        drafts and, when sampled, those distributions' scores, a row per draft (what spec_accept_q weighs
-        them by)."""
+        when the request samples, each drawn from its distribution, processed with the request's
+        settings as the model's are, with the uniform number of its position (left undrawn: the
+        model's check draws them)."""
         b = self.backend
         own = None
-        if sampler is not None:
+        if sampler.settings.sampling:
             own = self.sampler
             if own is None or own.settings is not sampler.settings:
                 own = self.sampler = Sampler(b, self.dtype, sampler.settings, sampler.eos)
-            own.rng, own.label = sampler.rng, "draft"  # one generator per request: a seeded run repeats
+            own.label = "draft"
+        uniforms = sampler.uniforms(k) if own is not None else []
         fed = tokens[self.flow.position :]
         drafts: list[int] = []
-        rows = None
         while len(drafts) < k:
             logits = yield from self.flow.run_iteration(fed)
             if own is None:
@@ -559,16 +516,14 @@ class DraftModel:
                 seen = tokens + drafts
                 banned = banned_ids(own.settings, seen, generated + len(drafts), own.eos)
                 scores = yield from own.scores(logits, [seen], [banned])
-                feeds = {"scores": scores, "u": b.tensor([1.0 - own.rng.random()], (1,), "float32")}
+                feeds = {"scores": scores, "u": b.tensor([uniforms[len(drafts)]], (1,), "float32")}
                 name = kernel("sample", "float32")
-                rows = scores if rows is None else (yield Run(
-                    kernel("concat0", "float32"), {"a": rows, "b": scores}, ("y",), None, "draft"))["y"]
             out = yield Run(name, feeds, ("token",), None, "draft")
             drafts.append(b.to_list(out["token"])[0])
             if drafts[-1] in eos:
                 break
             fed = drafts[-1:]
-        return drafts, rows
+        return drafts
 
     def roll_back(self, length: int) -> Work:
         yield from roll_back(self.flow, min(length, self.flow.position))

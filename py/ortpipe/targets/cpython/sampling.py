@@ -13,13 +13,10 @@ tokens on every target:
 - the draw: the first index whose running sum of exp(score - max), in index order, reaches
   u * the sum, with u the step's uniform number rounded to float32.
 
-Speculative rounds (`check`) decide as the core's rounds do (loops/speculative.py). Looked-up
-drafts: each row's token selected as a plain step would select it there (sampling: with the uniform
-of its position), the drafts equal to them kept. Drafts a draft model sampled: as the `spec_accept_q`
-kernel, in float64: row i's scores see the drafts before it (the penalty); p = e / the sum of e over
-the kept ids (q: the draft model's, from the row its draft was drawn from); draft i is kept when
-u_i * q(draft) <= p(draft); at the first rejection the token is drawn with the round's last uniform
-from max(p - q, 0) (p's e where that sums to 0), after all were kept from the last row.
+Speculative rounds select at each checked position as a plain step there would (`check`: sampling
+with the uniform number of that position), and a sampled draft model draws its drafts with the
+uniforms of their positions (`sample`): the drafts equal to the model's selections are kept, and a
+seeded run's tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -43,18 +40,14 @@ class Picker:
 
     def select(self, row: np.ndarray, session: str, position: int) -> int:
         scores = self.scores(row, session, position)
-        if self.pick.sample:
-            ids, e = self.kept(scores)
-            token = _draw(ids, e, self.uniforms.next())
-        else:
-            token = int(scores.argmax())
+        token = _draw(*self.kept(scores), self.uniforms.peek(0)) if self.pick.sample else int(scores.argmax())
         self.took([token])
         return token
 
-    def took(self, tokens: list[int], coupled: bool = False) -> None:
-        """The burst selected `tokens`: seen from now on, for the repetition penalty. `coupled`: a
-        round that checked looked-up drafts, which takes a uniform a token kept."""
-        if coupled and self.pick.sample:
+    def took(self, tokens: list[int]) -> None:
+        """The burst selected `tokens`: their uniforms taken (one a token, when sampling), and seen from
+        now on, for the repetition penalty."""
+        if self.pick.sample:
             self.uniforms.taken += len(tokens)
         if self.pick.penalty != 1.0:
             self.seen.update(tokens)
@@ -101,43 +94,23 @@ class Picker:
             ids, e = ids[kept], e[kept]
         return ids, e
 
-    def sample(self, row: np.ndarray, session: str, position: int, drafts: list[int]) -> tuple[int, Dist]:
-        """A draft model's sampled draft after `drafts` (`row`: its logits), and the distribution it
-        was drawn from."""
-        ids, e = self.kept(self.scores(row, session, position, drafts))
-        return _draw(ids, e, self.uniforms.next()), (ids, e)
+    def sample(self, row: np.ndarray, session: str, position: int, drafts: list[int]) -> int:
+        """A draft model's draft after `drafts` (`row`: its logits), drawn with the uniform of its
+        position (not taken: the model's selections take them)."""
+        return _draw(*self.kept(self.scores(row, session, position, drafts)), self.uniforms.peek(len(drafts)))
 
-    def check(self, rows: np.ndarray, drafts: list[int], session: str, position: int,
-              dists: list[Dist] | None = None) -> tuple[int, int]:
+    def check(self, rows: np.ndarray, drafts: list[int], session: str, position: int) -> tuple[int, int]:
         """(drafts accepted, the token after them) of a speculative round whose check gave `rows` (one
-        per checked position). Looked-up drafts (`dists` None): the longest prefix of drafts equal to
-        the rows' own selections, each as a plain step there would select (sampling: with the uniform
-        of its position, left for `took` to take). Drafts sampled from `dists` (a draft model's): the
-        speculative-sampling rule, taking len(drafts) + 1 uniforms."""
-        if dists is None:
-            for i in range(len(drafts) + 1):
-                scores = self.scores(rows[i], session, position + i, drafts[:i])
-                if self.pick.sample:
-                    token = _draw(*self.kept(scores), self.uniforms.peek(i))
-                else:
-                    token = int(scores.argmax())
-                if i == len(drafts) or token != drafts[i]:
-                    return i, token
-        us = [self.uniforms.next() for _ in range(len(drafts) + 1)]
-        for i, draft in enumerate(drafts):
-            ids, e = self.kept(self.scores(rows[i], session, position + i, drafts[:i]))
-            total = e.cumsum()[-1]
-            q_ids, q_e = dists[i]
-            q_total = q_e.cumsum()[-1]
-            if float(us[i]) * (_share(q_ids, q_e, draft) / q_total) <= _share(ids, e, draft) / total:
-                continue
-            residual = np.maximum(e / total - _shares(q_ids, q_e, ids) / q_total, 0.0)
-            if residual.cumsum()[-1] == 0.0:  # rounding left nothing: p itself
-                residual = e
-            return i, _draw(ids, residual, us[-1])
-        n = len(drafts)
-        ids, e = self.kept(self.scores(rows[n], session, position + n, drafts))
-        return n, _draw(ids, e, us[-1])
+        per checked position): the longest prefix of drafts equal to the rows' own selections, each
+        as a plain step there would select (sampling: with the uniform of its position, left for
+        `took` to take)."""
+        for i in range(len(drafts) + 1):
+            scores = self.scores(rows[i], session, position + i, drafts[:i])
+            sampled = self.pick.sample
+            token = _draw(*self.kept(scores), self.uniforms.peek(i)) if sampled else int(scores.argmax())
+            if i == len(drafts) or token != drafts[i]:
+                return i, token
+        raise AssertionError("unreachable")
 
 
 class Uniforms:
@@ -147,34 +120,9 @@ class Uniforms:
     def __init__(self, values: tuple[float, ...]):
         self.values, self.taken = values, 0
 
-    def next(self) -> np.float32:
-        u = np.float32(self.values[self.taken])
-        self.taken += 1
-        return u
-
     def peek(self, i: int) -> np.float32:
         """The i-th number after those taken, not taken."""
         return np.float32(self.values[self.taken + i])
-
-
-Dist = tuple  # (ids in index order, their exp(score - the largest) in float64): Picker.kept
-
-
-def _share(ids: np.ndarray, e: np.ndarray, token: int) -> float:
-    """e of `token` (0 where it was dropped)."""
-    at = int(np.searchsorted(ids, token))
-    return float(e[at]) if at < len(ids) and ids[at] == token else 0.0
-
-
-def _shares(ids: np.ndarray, e: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """e of each of the ids `wanted` (0 where dropped)."""
-    out = np.zeros(len(wanted))
-    at = np.searchsorted(ids, wanted)
-    inside = at < len(ids)
-    hit = np.zeros(len(wanted), bool)
-    hit[inside] = ids[at[inside]] == wanted[inside]
-    out[hit] = e[at[hit]]
-    return out
 
 
 def _draw(ids: np.ndarray, e: np.ndarray, u: np.float32) -> int:

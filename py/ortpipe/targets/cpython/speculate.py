@@ -1,13 +1,12 @@
 """Speculative rounds inside a fused `Decode` burst on onnxruntime (loops/speculative.py).
 
 Each round drafts (prompt lookup through the core's Speculator, or steps of the draft model: its
-argmax, or a draw from its processed distribution when the request samples), runs the decoder once
-over the pending token and the drafts, keeps the longest prefix of drafts the argmax agrees with
-plus the argmax after it (a request that selects by a pick: as its Picker checks them, sampling.py),
-and rolls both caches back to what was kept. A round with no draft is a plain step. The burst ends
-as a plain one does: at the limit, an eos, or after its time. Rounds of a request whose draft model
-samples are not timed: its tokens depend on the draft lengths, which then follow acceptance alone, so
-that a seeded run drafts alike on every target.
+argmax, or when the request samples a draw from its processed distribution with the uniform number
+of the draft's position), runs the decoder once over the pending token and the drafts, keeps the
+longest prefix of drafts equal to the model's own selections (the argmax, or as the request's Picker
+selects, sampling.py) plus its selection after them, and rolls both caches back to what was kept. A
+round with no draft is a plain step. The burst ends as a plain one does: at the limit, an eos, or
+after its time.
 
 A shared buffer runs through the session's fused binding, with input ids, positions and logits
 arrays bound per width (tokens in one run); rolling it back moves only its length, which the next
@@ -26,7 +25,7 @@ import onnxruntime as ort
 from ...errors import OrtpipeError
 from ...execute.work import Decode, Decoded, FusedStep
 from ...loops.speculative import agreeing, cut_at_eos
-from .sampling import Dist, Picker
+from .sampling import Picker
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -39,7 +38,6 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
     target = Tokens(driver, d, spec.seq_axes)
     picker = Picker(d.pick, d.step.logits_shape[-1]) if d.pick is not None else None
     draft, drafter = _draft_model(driver, d, picker)
-    timed = drafter is None  # sampled drafts: the tokens depend on the draft lengths, set by acceptance alone
     text = list(spec.tokens)  # ends with d.token
     position, drafted_to = d.position, spec.draft.length if draft else 0
     out: list[int] = []
@@ -49,20 +47,18 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
         while True:
             k = speculator.draft_length(d.limit - len(out) - 1)
             if k == 0 and speculator.length.wait and burst:  # a pause: plain steps, then their shadows
-                new = _pause(speculator, target, text, position, d.limit - len(out), picker, end, timed)
+                new = _pause(speculator, target, text, position, d.limit - len(out), picker, end)
             else:
-                drafts, dists, drafted_to = _propose(speculator, draft, drafter, text, drafted_to, k, d.eos,
-                                                     timed)
+                drafts, drafted_to = _propose(speculator, draft, drafter, text, drafted_to, k, d.eos)
                 # the round's cost: the run, the checks, and the cache rolled back
                 started = time.perf_counter()
                 rows = target.run([text[-1], *drafts], position)
-                accepted, token = _checked(target, picker, rows, drafts, position, dists)
+                accepted, token = _checked(target, picker, rows, drafts, position)
                 new = cut_at_eos([*drafts[:accepted], token], d.eos)
                 target.keep(position + len(new))
-                if timed:
-                    speculator.timed(len(drafts) + 1, time.perf_counter() - started)
+                speculator.timed(len(drafts) + 1, time.perf_counter() - started)
                 if picker is not None:
-                    picker.took(new, coupled=dists is None)
+                    picker.took(new)
                 if drafts:
                     speculator.update(len(drafts), min(accepted, len(new)))
                 else:
@@ -84,34 +80,31 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
 
 
 def _pause(speculator: Any, target: Tokens, text: list[int], position: int, room: int, picker: Picker | None,
-           end: float, timed: bool) -> list[int]:
+           end: float) -> list[int]:
     """The plain steps of a pause in drafting, run as the driver's own fused steps (a round without
     drafts costs more in Python), prompt lookup's proposals checked in their shadow afterwards."""
     started = time.perf_counter()
     new = target.steps(text[-1], position, min(speculator.plain_steps(), room), picker, end)
-    if timed:
-        speculator.timed(1, (time.perf_counter() - started) / len(new))
+    speculator.timed(1, (time.perf_counter() - started) / len(new))
     speculator.stepped(text, new)
     speculator.ran_plain(len(new))
     return new
 
 
 def _propose(speculator: Any, draft: Tokens | None, drafter: Picker | None, text: list[int], drafted_to: int,
-             k: int, eos: frozenset[int], timed: bool) -> tuple[list[int], list[Dist] | None, int]:
-    """A round's drafts (up to k), the distributions a draft model sampled them from (or None), and how
-    much of the text the draft model has seen after them."""
+             k: int, eos: frozenset[int]) -> tuple[list[int], int]:
+    """A round's drafts (up to k), and how much of the text the draft model has seen after them."""
     if not k:
-        return [], None, drafted_to
+        return [], drafted_to
     if draft is None:
-        return speculator.lookup(text, k), None, drafted_to
+        return speculator.lookup(text, k), drafted_to
     k = speculator.drafting(k)
     if not k:
-        return [], None, drafted_to
+        return [], drafted_to
     started = time.perf_counter()
-    drafts, dists, drafted_to = _draft(draft, drafter, text, drafted_to, k, eos)
-    if timed:
-        speculator.length.drafted(len(drafts), time.perf_counter() - started)
-    return drafts, dists, drafted_to
+    drafts, drafted_to = _draft(draft, drafter, text, drafted_to, k, eos)
+    speculator.length.drafted(len(drafts), time.perf_counter() - started)
+    return drafts, drafted_to
 
 
 def _draft_model(driver: Driver, d: Decode, picker: Picker | None) -> tuple[Tokens | None, Picker | None]:
@@ -129,34 +122,32 @@ def _draft_model(driver: Driver, d: Decode, picker: Picker | None) -> tuple[Toke
     return draft, drafter
 
 
-def _checked(target: Tokens, picker: Picker | None, rows: np.ndarray, drafts: list[int], position: int,
-             dists: list[Dist] | None) -> tuple[int, int]:
+def _checked(target: Tokens, picker: Picker | None, rows: np.ndarray, drafts: list[int],
+             position: int) -> tuple[int, int]:
     """(drafts accepted, the token after them): the argmax's agreement, or as the request's Picker checks."""
     if picker is None:
         picks = target.picks(rows, position)
         accepted = agreeing(drafts, picks)
         return accepted, picks[accepted]
-    return picker.check(rows, drafts, target.step.session, position, dists)
+    return picker.check(rows, drafts, target.step.session, position)
 
 
 def _draft(draft: Tokens, drafter: Picker | None, text: list[int], length: int, k: int,
-           eos: frozenset[int]) -> tuple[list[int], list[Dist] | None, int]:
+           eos: frozenset[int]) -> tuple[list[int], int]:
     """Up to k tokens of the draft model after `text`, of which it has seen `length`: its argmax, or
-    drawn by `drafter` (then with the distributions they were drawn from); and how much it has seen
-    after them (all the text, and the drafts but the last)."""
+    drawn by `drafter` (a sampled request's, with the uniforms of their positions); and how much it
+    has seen after them (all the text, and the drafts but the last)."""
     fed, drafts = text[length:], []
-    dists: list[Dist] | None = [] if drafter is not None else None
     while True:
         rows = draft.run(fed, length)
         if drafter is None:
             token = draft.picks(rows[-1:], length + len(fed) - 1)[0]
         else:
-            token, dist = drafter.sample(rows[-1], draft.step.session, length + len(fed) - 1, drafts)
-            dists.append(dist)
+            token = drafter.sample(rows[-1], draft.step.session, length + len(fed) - 1, drafts)
         length += len(fed)
         drafts.append(token)
         if len(drafts) == k or token in eos:
-            return drafts, dists, length
+            return drafts, length
         fed = [token]
 
 
