@@ -486,6 +486,17 @@ def test_the_draft_length_follows_acceptance_and_cost() -> None:
             probes.append(length.fit(0, k))
             length.update(probes[-1], probes[-1] if len(probes) < 4 else 0)
     assert probes == [1, 2, 4, 4] and length.probe == 1, "a rejection starts the probes at one again"
+    length = DraftLength(8, model=True)
+    length.drafts.extend([1.2] * 15)  # a draft model's step dearer than the model's: nothing could pay
+    pauses = []
+    for _ in range(9):
+        while length.next(20) == 0:
+            pass
+        pauses.append(length.pause)
+    length.wait = 0
+    assert pauses == [128] * 9, "probes only watch for costs that change"
+    length.drafts.extend([0.3] * 15)  # cheap again: a probe every 16 steps at most
+    assert length.next(20) and length.pause == 16
 
 
 def test_a_config_that_speculates_on_a_sliding_cache_is_refused_at_load(gemma_builder: Path,

@@ -16,6 +16,7 @@ import { NON_FINITE, Picker } from './sampling.js';
 
 // The core's constants (loops/speculative.py).
 const MAX_PAUSE = 16;
+const HOPELESS_PAUSE = 128;
 const SHADOW_STEPS = 8;
 const SHADOW_STEPS_MOST = 32; // where the core runs the rounds: looks that draft nothing wait longer
 const SAMPLES = 15;
@@ -94,7 +95,7 @@ export class DraftLength {
       this.wait = this.quiet();
       return 0;
     }
-    this.pause = Math.min(MAX_PAUSE, 2 * this.pause || 1);
+    this.pause = this.couldPay(most) ? Math.min(MAX_PAUSE, 2 * this.pause || 1) : HOPELESS_PAUSE;
     this.wait = this.pause;
     this.probing = true;
     return Math.min(this.probe, most);
@@ -126,6 +127,12 @@ export class DraftLength {
       if (tokens / spent > best) [best, bestK] = [tokens / spent, k];
     }
     return bestK;
+  }
+
+  couldPay(most) {
+    const cost = median(this.extras) + median(this.drafts);
+    for (let k = 1; k <= most; k++) if (k + 1 > 1 + this.overhead + cost * k) return true;
+    return false;
   }
 
   update(drafted, accepted) {

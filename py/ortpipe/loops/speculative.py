@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 LOOKUP_NGRAM = 2  # the longest n-gram prompt lookup matches when only prompt_lookup_num_tokens is given
 MAX_PAUSE = 16  # steps without drafts after rounds that accepted nothing, at most
+# ... and where a draft model's step costs so much that drafts always taken would not pay (a tiny model
+# in the browser, where every run costs about the same): its probes only watch for costs that change
+HOPELESS_PAUSE = 128
 SHADOW_STEPS = 8  # plain steps before prompt lookup looks again, when no draft length pays
 # where the core runs the rounds (sampling), each look that drafts nothing ends a burst of fused steps:
 # looks that keep drafting nothing wait twice as long each time, up to this
@@ -133,7 +136,8 @@ class DraftLength:
       (`shadow`), which is what a one-token draft's check gives, without the cost of a check;
     - a draft model: a probe after a pause of 1, 2, 4 ... MAX_PAUSE plain steps (its proposal costs
       a run), of one token, and twice as many after a probe whose drafts were all taken (up to the
-      most a round may draft), so that a draft model that agrees is found out in a few probes.
+      most a round may draft), so that a draft model that agrees is found out in a few probes; while
+      drafts always taken would not pay either, the pauses are HOPELESS_PAUSE steps.
     """
 
     DECAY = 0.9  # the weight of earlier rounds in the acceptance count
@@ -176,7 +180,7 @@ class DraftLength:
         if self.shadows:
             self.wait = self._quiet()
             return 0
-        self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
+        self.pause = min(MAX_PAUSE, 2 * self.pause or 1) if self.could_pay(most) else HOPELESS_PAUSE
         self.wait = self.pause
         self.probing = True
         return min(self.probe, most)
@@ -216,6 +220,11 @@ class DraftLength:
             if tokens / spent > best:
                 best, best_k = tokens / spent, k
         return best_k
+
+    def could_pay(self, most: int) -> bool:
+        """Whether rounds of up to `most` drafts would pay if every draft were taken, at the costs known."""
+        cost = statistics.median(self.extras) + statistics.median(self.drafts)
+        return any(k + 1 > 1 + self.overhead + cost * k for k in range(1, most + 1))
 
     def update(self, drafted: int, accepted: int) -> None:
         """The round's drafts (from the source `fit` was last given): `accepted` of `drafted` taken."""
