@@ -494,7 +494,8 @@ def test_the_draft_length_follows_acceptance_and_cost() -> None:
             pass
         pauses.append(length.pause)
     length.wait = 0
-    assert pauses == [128] * 9, "probes only watch for costs that change"
+    assert pauses == [128] * 9, "probes only watch for costs that change, after a first pause"
+    assert length.probing
     length.drafts.extend([0.3] * 15)  # cheap again: a probe every 16 steps at most
     assert length.next(20) and length.pause == 16
 

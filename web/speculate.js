@@ -95,6 +95,11 @@ export class DraftLength {
       this.wait = this.quiet();
       return 0;
     }
+    if (!this.couldPay(most) && this.pause !== HOPELESS_PAUSE) { // a first pause, before any probe
+      this.pause = HOPELESS_PAUSE;
+      this.wait = HOPELESS_PAUSE;
+      return 0;
+    }
     this.pause = this.couldPay(most) ? Math.min(MAX_PAUSE, 2 * this.pause || 1) : HOPELESS_PAUSE;
     this.wait = this.pause;
     this.probing = true;
@@ -303,6 +308,9 @@ export class Speculator {
     const out = [];
     const started = performance.now();
     let position = past;
+    // a shared buffer fed only the positions it holds, as the plain Decoder's bursts feed it (Decoder.narrow)
+    if (this.target.decoder.spec.grow) this.target.decoder.narrow(past);
+    if (this.draft?.decoder.spec.grow) this.draft.decoder.narrow(this.draftedTo);
     this.picker = pick ? new Picker(pick, this.target.decoder.spec.vocab) : null;
     this.drafter = null;
     if (this.draft && pick?.sample) {

@@ -137,7 +137,8 @@ class DraftLength:
     - a draft model: a probe after a pause of 1, 2, 4 ... MAX_PAUSE plain steps (its proposal costs
       a run), of one token, and twice as many after a probe whose drafts were all taken (up to the
       most a round may draft), so that a draft model that agrees is found out in a few probes; while
-      drafts always taken would not pay either, the pauses are HOPELESS_PAUSE steps.
+      drafts always taken would not pay either (at costs the target measured, perhaps in earlier
+      requests), a probe comes after each HOPELESS_PAUSE plain steps.
     """
 
     DECAY = 0.9  # the weight of earlier rounds in the acceptance count
@@ -179,6 +180,9 @@ class DraftLength:
             return most
         if self.shadows:
             self.wait = self._quiet()
+            return 0
+        if not self.could_pay(most) and self.pause != HOPELESS_PAUSE:  # a first pause, before any probe
+            self.pause = self.wait = HOPELESS_PAUSE
             return 0
         self.pause = min(MAX_PAUSE, 2 * self.pause or 1) if self.could_pay(most) else HOPELESS_PAUSE
         self.wait = self.pause
@@ -316,6 +320,14 @@ class Speculator:
         self.ngram = NgramIndex(settings.ngram_size or LOOKUP_NGRAM) if lookup else None
         self.length = DraftLength(most, draft is not None, self.ngram.size if self.ngram is not None else 1,
                                   settings.sampling)
+        # what runs cost belongs to the target and the models, not to one request: a target that keeps
+        # `speculation_costs` lets each request start from what the ones before it measured
+        costs = getattr(backend, "speculation_costs", None)
+        if costs is not None:
+            key = (id(plan), id(draft))  # the plans of the model and the draft model, as loaded
+            length = self.length
+            length.ones, length.extras, length.drafts = costs.setdefault(
+                key, (length.ones, length.extras, length.drafts))
         self.draft = DraftModel(draft, backend, max_length) if draft is not None else None
         entries = plan.step_phase[0].kv.entries
         self.seq_axes = {e.past_input: e.seq_axis for e in entries}

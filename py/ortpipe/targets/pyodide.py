@@ -114,6 +114,7 @@ class WebBackend:
 
     def __init__(self, bridge: JsProxy):
         self.bridge = bridge
+        self.speculation_costs: dict = {}  # loops/speculative.py: what runs cost here, kept across requests
 
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> Tensor:
         if dtype == "float16":

@@ -44,6 +44,9 @@ class CpuBackend:
     fused_speculation = True  # and runs speculative rounds of such requests (speculate.py)
     row_views = True  # narrowing the first axis of a contiguous array gives a view (the driver's narrow)
 
+    def __init__(self) -> None:
+        self.speculation_costs: dict = {}  # loops/speculative.py: what runs cost here, kept across requests
+
     def tensor(self, values: list[int], shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.array(values, dtype=dtype).reshape(shape)
 
