@@ -24,8 +24,8 @@ unit of time, from how often drafts were accepted (counted per source: the lengt
 lookup matched) and what a run of several tokens costs beside a run of one; when none pays, steps
 are plain ones, during which prompt lookup's proposals are checked against the tokens chosen (at no
 cost) and a draft model probes now and then, so open-ended text runs at about the speed of plain
-decoding. Targets that run rounds in their bursts measure the costs; the core's own rounds use
-fixed guesses. No draft length changes the tokens.
+decoding. Targets that run rounds in their bursts measure the costs (and keep them for the next
+request); the core's own rounds use fixed guesses. No draft length changes the tokens.
 
 Requests on a plan whose step fuses yield `Decode`s that carry a `Speculation`: a target runs whole
 rounds inside its burst (the CPython driver calls this module's Speculator, the browser's JS decoder
@@ -122,9 +122,9 @@ class DraftLength:
     prior), and costs
     1 + overhead + (extra + draft) * k times a plain step: `extra`, what each more token adds to one
     run, and `draft`, what drafting one costs (a draft model's step), both measured by the target
-    that runs the rounds (`timed`), else guessed; `overhead`, what a round run by the core (its
-    kernels) costs beyond a plain step, a guess (ROUND, see TokenGenerator) that no clock changes,
-    so that a seeded run drafts the same on every target.
+    that runs the rounds (`timed`; kept across requests where the target keeps `speculation_costs`),
+    else guessed; `overhead`, what a round run by the core (its kernels) costs beyond a plain step, a
+    guess (ROUND, see TokenGenerator).
 
     Acceptance is counted per source: prompt lookup's drafts by the length of the n-gram they
     matched (a draft after a 1-gram match is taken far less often than one after a 3-gram match),

@@ -46,10 +46,12 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
     try:
         while True:
             k = speculator.draft_length(d.limit - len(out) - 1)
-            if k == 0 and speculator.length.wait and burst:  # a pause: plain steps, then their shadows
+            drafts: list[int] = []
+            if k or not speculator.length.wait:
+                drafts, drafted_to = _propose(speculator, draft, drafter, text, drafted_to, k, d.eos)
+            if not drafts and burst:  # a plain step, or a pause's: the driver's own, then their shadows
                 new = _pause(speculator, target, text, position, d.limit - len(out), picker, end)
             else:
-                drafts, drafted_to = _propose(speculator, draft, drafter, text, drafted_to, k, d.eos)
                 # the round's cost: the run, the checks, and the cache rolled back
                 started = time.perf_counter()
                 rows = target.run([text[-1], *drafts], position)
@@ -81,8 +83,9 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
 
 def _pause(speculator: Any, target: Tokens, text: list[int], position: int, room: int, picker: Picker | None,
            end: float) -> list[int]:
-    """The plain steps of a pause in drafting, run as the driver's own fused steps (a round without
-    drafts costs more in Python), prompt lookup's proposals checked in their shadow afterwards."""
+    """A step that drafts nothing and the rest of the pause in drafting, run as the driver's own fused
+    steps (a round without drafts costs more), prompt lookup's proposals checked in their shadow
+    afterwards."""
     started = time.perf_counter()
     new = target.steps(text[-1], position, min(speculator.plain_steps(), room), picker, end)
     speculator.timed(1, (time.perf_counter() - started) / len(new))
