@@ -509,3 +509,21 @@ def test_a_config_that_speculates_on_a_sliding_cache_is_refused_at_load(gemma_bu
     (folder / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="speculative decoding, which this model cannot run: its KV cache"):
         ortpipe.load(folder)
+
+
+def test_measured_costs_carry_over_to_the_next_request(llama_builder_fp32: Path, llama_draft_builder: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What runs cost is measured by the driver and kept per model and draft model: a request starts
+    from what the ones before it measured."""
+    monkeypatch.undo()  # the driver's clock
+    ids = repeating(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    costs = pipe.model.backend.speculation_costs
+    pipe.generate(prompt_ids=ids, max_new_tokens=NEW, prompt_lookup_num_tokens=4)
+    pipe.generate(prompt_ids=ids, max_new_tokens=NEW, draft_model=str(llama_draft_builder))
+    assert len(costs) == 2 and all(len(ones) > 0 for ones, _, _ in costs.values()), "one entry a draft model"
+    request = pipe.request(prompt_ids=ids, max_new_tokens=NEW, prompt_lookup_num_tokens=4, do_sample=True)
+    length = request.gen.speculator.length
+    assert any(length.ones is ones and length.extras is extras for ones, extras, _ in costs.values())
+    list(pipe.drive(request))
+    assert len(costs) == 2
