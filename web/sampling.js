@@ -107,8 +107,7 @@ export class Picker {
   }
 }
 
-/** The uniform numbers of a burst, one a token, taken in order (the core winds its generator to
- * `taken`). */
+/** The uniform numbers of a burst, one a token, taken in order. */
 export class Uniforms {
   constructor(values) {
     this.values = values;

@@ -291,12 +291,10 @@ export class Speculator {
     this.rounds = 0;
   }
 
-  /** After a burst: JSON {length, drafted, accepted, rounds, draftedTo, drew} for the core's speculator
-   * (drew: the pick's uniforms taken, or null). */
+  /** After a burst: JSON {length, drafted, accepted, rounds, draftedTo} for the core's speculator. */
   state() {
     const { drafted, accepted, rounds, draftedTo } = this;
-    const drew = this.picker ? this.picker.uniforms.taken : null;
-    return JSON.stringify({ length: this.length.state(), drafted, accepted, rounds, draftedTo, drew });
+    return JSON.stringify({ length: this.length.state(), drafted, accepted, rounds, draftedTo });
   }
 
   /** Rounds from `token` at `past` until `limit` tokens, an eos or BURST_MS. `pick`: how the request

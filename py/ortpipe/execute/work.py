@@ -136,7 +136,6 @@ class Decoded(NamedTuple):
     tokens: list[int]
     cache: Mapping[str, Handle]  # the cache after the steps, which the core holds from now on
     draft: tuple[Mapping[str, Handle], int] | None = None  # speculation's draft model: its cache and length
-    drew: int | None = None  # the pick's uniforms the burst took (None: one a token)
 
 
 Work = Generator[Any, Any, Any]

@@ -273,9 +273,9 @@ class TokenGenerator:
         room = self.limits.max_length - len(self.tokens)
         limit = max(1, min(self._burst, room, room if budget is None else budget))
         spec = self.speculator if speculate else None
-        # a round takes a uniform for each draft a draft model samples and each checked position
-        per_token = 1 if spec is None else spec.length.most * (2 if spec.draft is not None else 1) + 1
-        pick, limit = self.sampler.pick(self.tokens, self.generated, limit, per_token)
+        # one uniform a token, speculating or not: a round draws its positions with the uniforms plain
+        # steps would use there, and drafts no further than the limit
+        pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
         cache = self.flow.caches[fused.session]
         answer = yield Decode(
             fused,
@@ -290,11 +290,7 @@ class TokenGenerator:
             pick=pick,
         )
         tokens = self._check_burst(answer, limit)
-        drew = answer.drew
-        if drew is not None and not (type(drew) is int and 0 <= drew <= len(pick.uniforms if pick else ())):
-            raise GenerationError(f"the target answered a decode with {drew!r:.100} uniforms taken: it must "
-                                  "take at most the pick's, and say how many")
-        self.sampler.drew(len(tokens) if drew is None else drew)
+        self.sampler.drew(len(tokens))
 
         self.flow.advance(fused.session, answer.cache, len(tokens))
         if self.speculator is not None:

@@ -74,13 +74,10 @@ class Sampler:
         return not self.settings.no_repeat_ngram_size and self.settings.logprobs is None
 
 
-    def pick(
-        self, tokens: list[int], generated: int, limit: int, per_token: int = 1
-    ) -> tuple[Pick | None, int]:
+    def pick(self, tokens: list[int], generated: int, limit: int) -> tuple[Pick | None, int]:
         """How a burst of at most `limit` fused steps after `tokens` selects (None: the argmax of the
         logits), and the limit that keeps its bans the same throughout: eos stays banned until
-        min_length and min_new_tokens are reached, and a burst stops there. A sampled pick carries
-        `per_token` uniforms for each token (speculative rounds take up to 2k + 1 of them a token)."""
+        min_length and min_new_tokens are reached, and a burst stops there."""
         s = self.settings
         if s.plain_greedy:
             return None, limit
@@ -90,7 +87,7 @@ class Sampler:
         uniforms: tuple[float, ...] = ()
         if s.sampling:
             self._drawn = self.rng.getstate()
-            uniforms = tuple(1.0 - self.rng.random() for _ in range(limit * per_token))
+            uniforms = tuple(1.0 - self.rng.random() for _ in range(limit))
         penalty = s.repetition_penalty
         pick = Pick(
             s.sampling,
@@ -106,8 +103,8 @@ class Sampler:
         return pick, limit
 
     def drew(self, taken: int) -> None:
-        """A burst took `taken` of its pick's uniforms (one a plain step): the generator as if they had
-        been drawn one at a time."""
+        """A burst took `taken` of its pick's uniforms (one a token): the generator as if they had been
+        drawn one at a time."""
         if self._drawn is not None:
             self.rng.setstate(self._drawn)
             self._drawn = None

@@ -391,7 +391,7 @@ class Driver:
         draft = None
         if spec.draft is not None:
             draft = (self._decoders[spec.draft.step.session][1], state["draftedTo"])
-        return Decoded(tokens, cache, draft, state["drew"])
+        return Decoded(tokens, cache, draft)
 
     def _speculator(self, d: Decode) -> tuple[JsProxy, bool]:
         """The JS Speculator over the Decoders of the model and of the draft model, given the text so

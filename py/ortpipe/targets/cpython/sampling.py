@@ -114,8 +114,8 @@ class Picker:
 
 
 class Uniforms:
-    """The uniform numbers of a burst, taken in order: the core drew them before it (`Pick.uniforms`) and
-    winds its generator to how many were taken (`taken`)."""
+    """The uniform numbers of a burst (`Pick.uniforms`, drawn by the core before it), one a token, taken
+    in order."""
 
     def __init__(self, values: tuple[float, ...]):
         self.values, self.taken = values, 0

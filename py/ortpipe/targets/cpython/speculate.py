@@ -77,8 +77,7 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
         target.close()
         if draft is not None:
             draft.close()
-    return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None,
-                   picker.uniforms.taken if picker is not None else None)
+    return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None)
 
 
 def _pause(speculator: Any, target: Tokens, text: list[int], position: int, room: int, picker: Picker | None,
