@@ -95,12 +95,13 @@ export class DraftLength {
       this.wait = this.quiet();
       return 0;
     }
-    if (!this.couldPay(most) && this.pause !== HOPELESS_PAUSE) { // a first pause, before any probe
+    const pays = this.couldPay(most);
+    if (!pays && this.pause !== HOPELESS_PAUSE) { // a first pause, before any probe
       this.pause = HOPELESS_PAUSE;
       this.wait = HOPELESS_PAUSE;
       return 0;
     }
-    this.pause = this.couldPay(most) ? Math.min(MAX_PAUSE, 2 * this.pause || 1) : HOPELESS_PAUSE;
+    this.pause = pays ? Math.min(MAX_PAUSE, 2 * this.pause || 1) : HOPELESS_PAUSE;
     this.wait = this.pause;
     this.probing = true;
     return Math.min(this.probe, most);

@@ -272,11 +272,11 @@ class TokenGenerator:
         """A burst of fused steps (speculative rounds, when the request speculates and `speculate`)."""
         room = self.limits.max_length - len(self.tokens)
         limit = max(1, min(self._burst, room, room if budget is None else budget))
-        spec = self.speculator if speculate else None
         # one uniform a token, speculating or not: a round draws its positions with the uniforms plain
         # steps would use there, and drafts no further than the limit
         pick, limit = self.sampler.pick(self.tokens, self.generated, limit)
         cache = self.flow.caches[fused.session]
+        spec = self.speculator if speculate else None
         answer = yield Decode(
             fused,
             cache.feeds,

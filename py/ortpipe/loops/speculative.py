@@ -59,7 +59,8 @@ MAX_PAUSE = 16  # steps without drafts after rounds that accepted nothing, at mo
 # in the browser, where every run costs about the same): its probes only watch for costs that change
 HOPELESS_PAUSE = 128
 SHADOW_STEPS = 8  # plain steps before prompt lookup looks again, when no draft length pays
-# where the core runs the rounds (sampling), each look that drafts nothing ends a burst of fused steps:
+# where the core runs the rounds (a request that cannot fuse), each look that drafts nothing ends a burst
+# of fused steps:
 # looks that keep drafting nothing wait twice as long each time, up to this
 SHADOW_STEPS_MOST = 32
 ROUND = 0.5  # the guess of what a round run by the core costs beyond a plain step, relative to a step
@@ -181,10 +182,11 @@ class DraftLength:
         if self.shadows:
             self.wait = self._quiet()
             return 0
-        if not self.could_pay(most) and self.pause != HOPELESS_PAUSE:  # a first pause, before any probe
+        pays = self.could_pay(most)
+        if not pays and self.pause != HOPELESS_PAUSE:  # a first pause, before any probe
             self.pause = self.wait = HOPELESS_PAUSE
             return 0
-        self.pause = min(MAX_PAUSE, 2 * self.pause or 1) if self.could_pay(most) else HOPELESS_PAUSE
+        self.pause = min(MAX_PAUSE, 2 * self.pause or 1) if pays else HOPELESS_PAUSE
         self.wait = self.pause
         self.probing = True
         return min(self.probe, most)
@@ -413,7 +415,7 @@ class Speculator:
         if self.draft is not None and answer.draft is not None:
             self.draft.take(*answer.draft)
 
-    # rounds run here (sampling, logits processors, targets that do not fuse)
+    # rounds run here (targets without `fused_speculation`, requests that cannot fuse)
 
     def round(self, gen: TokenGenerator, budget: int | None) -> Work:
         """One round: draft, check with one run, keep what was accepted. Returns the new tokens, or

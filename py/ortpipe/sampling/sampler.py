@@ -51,7 +51,7 @@ class Sampler:
         self.dtype = logits_dtype
         self.rng = generator(settings.seed)
         self._vocab = 0
-        self._drawn: object = None  # the generator's state before a burst's draws
+        self._peeked = False  # a burst's pick carries uniforms the generator has not drawn yet
         self.label = ""  # the step the logits come from, for messages and traces
         self.last_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
@@ -86,8 +86,8 @@ class Sampler:
             limit = min(limit, held)
         uniforms: tuple[float, ...] = ()
         if s.sampling:
-            self._drawn = self.rng.getstate()
-            uniforms = tuple(1.0 - self.rng.random() for _ in range(limit))
+            uniforms = tuple(self.uniforms(limit))
+            self._peeked = True
         penalty = s.repetition_penalty
         pick = Pick(
             s.sampling,
@@ -105,11 +105,9 @@ class Sampler:
     def drew(self, taken: int) -> None:
         """A burst took `taken` of its pick's uniforms (one a token): the generator as if they had been
         drawn one at a time."""
-        if self._drawn is not None:
-            self.rng.setstate(self._drawn)
-            self._drawn = None
-            for _ in range(taken):
-                self.rng.random()
+        if self._peeked:
+            self._peeked = False
+            self.skip(taken)
 
     def uniforms(self, n: int) -> list[float]:
         """The next n uniform numbers in (0, 1], left undrawn: `skip` draws those used."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -28,6 +28,7 @@ from ...loops.speculative import agreeing, cut_at_eos
 from .sampling import Picker
 
 if TYPE_CHECKING:
+    from ...loops.speculative import Speculator
     from .driver import Driver
 
 
@@ -80,8 +81,8 @@ def speculate(driver: Driver, d: Decode, seconds: float) -> Decoded:
     return Decoded(out, target.cache, (draft.cache, drafted_to) if draft is not None else None)
 
 
-def _pause(speculator: Any, target: Tokens, text: list[int], position: int, room: int, picker: Picker | None,
-           end: float) -> list[int]:
+def _pause(speculator: Speculator, target: Tokens, text: list[int], position: int, room: int,
+           picker: Picker | None, end: float) -> list[int]:
     """A step that drafts nothing and the rest of the pause in drafting, run as the driver's own fused
     steps (a round without drafts costs more), prompt lookup's proposals checked in their shadow
     afterwards."""
@@ -93,8 +94,8 @@ def _pause(speculator: Any, target: Tokens, text: list[int], position: int, room
     return new
 
 
-def _propose(speculator: Any, draft: Tokens | None, drafter: Picker | None, text: list[int], drafted_to: int,
-             k: int, eos: frozenset[int]) -> tuple[list[int], int]:
+def _propose(speculator: Speculator, draft: Tokens | None, drafter: Picker | None, text: list[int],
+             drafted_to: int, k: int, eos: frozenset[int]) -> tuple[list[int], int]:
     """A round's drafts (up to k), and how much of the text the draft model has seen after them."""
     if not k:
         return [], drafted_to
