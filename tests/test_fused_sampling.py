@@ -119,6 +119,54 @@ def test_the_picker_selects_what_the_kernel_graphs_select() -> None:
     assert len(checked) > 50
 
 
+def test_the_picker_selects_what_the_kernels_select_on_a_wide_vocabulary() -> None:
+    """A vocabulary as wide as the demo's, one Picker over a burst of rows, as the driver uses it: top-k
+    looks for its k-th largest score among those above an estimate and divides only those by the
+    temperature, and a few ids are drawn in Python's floats. Rows made to test each: heavy ties at the
+    k-th largest, scores one float32 step apart that the division merges, a k-th largest near 0, bans
+    that leave fewer than k ids."""
+    rng = np.random.default_rng(5)
+    vocab = 8192
+    rows = [(rng.standard_normal(vocab) * 3).astype(np.float32) for _ in range(12)]
+    tied = rows[0].copy()
+    tied[np.argsort(tied)[-60:-20]] = np.sort(tied)[-40]  # 40 scores equal to the 40th largest
+    close = rows[1] / np.float32(6.0)  # all below 3
+    order = np.argsort(close)
+    close[order[-39:]] += np.float32(4.0)
+    close[order[-40]] = np.float32(3.006)  # the 40th largest, and 3.0059998 five times: one quotient over 3
+    close[order[-45:-40]] = np.nextafter(np.float32(3.006), np.float32(-np.inf))
+    assert np.sort(close)[-40] == np.float32(3.006) and np.sort(close)[-46] < 3.0
+    assert close[order[-45]] / np.float32(3.0) == close[order[-40]] / np.float32(3.0)
+    zero = rows[2].copy()
+    zero[np.argsort(zero)[-40]] = 0.0
+    zero -= np.sort(zero)[-40]  # the 40th largest is 0
+    rows += [tied, zero] + [close] * 24  # a row drawn with many uniforms: the ids kept decide
+    cases = [
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.95},
+        {"temperature": 3.0, "top_k": 40},  # divides one-step neighbours into one quotient
+        {"temperature": 1.0, "top_k": 200, "min_p": 0.02},  # more than the few a Python draw takes
+        {"temperature": 0.9, "top_k": 8, "top_p": 0.5, "repetition_penalty": 1.3},
+        {"temperature": 1.1, "top_k": 40, "suppress_tokens": tuple(range(8000))},  # 192 ids left
+        {"temperature": 1.2, "top_k": 30},
+    ]
+    checked = 0
+    for settings in cases:
+        s = SearchSettings(do_sample=True, **settings)
+        seen = rng.integers(0, vocab, 12).tolist()
+        uniforms = [float(1.0 - rng.random()) for _ in rows]
+        pick = Pick(True, s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty,
+                    tuple(sorted(set(seen))) if s.repetition_penalty != 1.0 else (), s.suppress_tokens,
+                    tuple(uniforms))
+        picker = Picker(pick, vocab)
+        for row, u in zip(rows, uniforms, strict=True):
+            before = sorted(picker.seen)
+            ours = picker.select(row, "decoder", 0)
+            kernels = kernel_token(row, before, u, do_sample=True, **settings)
+            assert ours == kernels, settings
+            checked += 1
+    assert checked == len(cases) * len(rows)
+
+
 def test_nan_logits_are_an_error() -> None:
     pick = Pick(True, 1.0, 0, 1.0, 0.0, 1.0, (), (), (0.5,))
     with pytest.raises(ortpipe.OrtpipeError, match='session "decoder" gave NaN or infinite logits'):

@@ -21,10 +21,16 @@ seeded run's tokens are plain decoding's.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
+from itertools import accumulate
+
 import numpy as np
 
 from ...errors import OrtpipeError
 from ...sampling.sampler import Pick
+
+FEW = 256  # the most ids a Python draw takes
 
 
 class Picker:
@@ -37,10 +43,10 @@ class Picker:
         self.seen = set(pick.seen)
         self.uniforms = uniforms or Uniforms(pick.uniforms)
         self.top_k = pick.top_k if 0 < pick.top_k < vocab else 0
+        self.temperature = np.float32(pick.temperature)
 
     def select(self, row: np.ndarray, session: str, position: int) -> int:
-        scores = self.scores(row, session, position)
-        token = _draw(*self.kept(scores), self.uniforms.peek(0)) if self.pick.sample else int(scores.argmax())
+        token = self.token(row, session, position)
         self.took([token])
         return token
 
@@ -52,41 +58,98 @@ class Picker:
         if self.pick.penalty != 1.0:
             self.seen.update(tokens)
 
-    def scores(self, row: np.ndarray, session: str, position: int, drafts: list[int] = ()) -> np.ndarray:
-        """The processed float32 scores of one row of logits, after the text and `drafts`."""
+    def token(self, row: np.ndarray, session: str, position: int, drafts: list[int] = ()) -> int:
+        """The selection from one row of logits after the text and `drafts`: the argmax, or the draw
+        with the uniform of its position (`drafts` ahead of the next one; not taken)."""
         p = self.pick
-        scores = row.astype(np.float32)  # a copy, also of float32 rows
-        top = scores.max()
-        if np.isnan(top) or top == np.inf:
-            raise OrtpipeError(f'session "{session}" gave NaN or infinite logits on the decode step at '
-                               f"position {position}: the model's weights or inputs are broken")
         seen = self.seen.union(drafts) if drafts and p.penalty != 1.0 else self.seen
-        if seen:
-            ids = np.fromiter(seen, np.int64, len(seen))
-            values = scores[ids]
-            penalty = np.float32(p.penalty)
-            scores[ids] = np.where(values < 0, values * penalty, values / penalty)
-        if p.banned:
-            scores[list(p.banned)] = -np.inf
-        if p.sample:
-            scores /= np.float32(p.temperature)
-        return scores
+        if seen or p.banned:
+            scores = row.astype(np.float32)  # a copy
+            if seen:
+                ids = np.fromiter(seen, np.int64, len(seen))
+                values = scores[ids]
+                penalty = np.float32(p.penalty)
+                scores[ids] = np.where(values < 0, values * penalty, values / penalty)
+            if not float(scores.max()) < math.inf:  # NaN fails every comparison
+                _broken(session, position)
+            if p.banned:
+                scores[list(p.banned)] = -np.inf
+        else:  # nothing to change: the row itself, its NaN found by the selection
+            scores = row if row.dtype == np.float32 else row.astype(np.float32)
+        if not p.sample:
+            token = int(scores.argmax())  # NaN wins numpy's argmax
+            if not float(scores[token]) < math.inf:
+                _broken(session, position)
+            return token
+        kept = self._top_k if self.top_k else self._all
+        ids, wide = kept(scores, session, position)
+        u = self.uniforms.peek(len(drafts))
+        if len(ids) <= FEW:  # a few: Python's floats cost less than numpy's calls
+            return _drawn_few(ids.tolist(), wide.tolist(), p, float(u))
+        return _draw(*self._nucleus(ids, wide.astype(np.float64)), u)
 
-    def kept(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The ids top-k, top-p and min-p leave, in index order, and exp(score - the largest) of each in
-        float64 (a dropped score adds an exact 0 to every sum, so leaving it out changes none). The
-        largest score is never dropped, so exp is computed once and later steps read the same values
-        the kernels compute again."""
-        p, vocab, top_k = self.pick, self.vocab, self.top_k
-        floor = np.partition(scores, vocab - top_k)[vocab - top_k] if top_k else -np.inf
-        ids = np.flatnonzero(scores >= floor) if floor > -np.inf else np.flatnonzero(scores > -np.inf)
-        wide = scores[ids].astype(np.float64)
+    def _all(self, scores: np.ndarray, session: str, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, scores over the temperature) of every score above -inf."""
+        scores = scores / self.temperature
+        if not float(scores.max()) < math.inf:
+            _broken(session, position)
+        ids = np.flatnonzero(scores > -np.inf)
+        return ids, scores[ids]
+
+    def _top_k(self, scores: np.ndarray, session: str, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, scores over the temperature) of the scores over the temperature not below
+        their k-th largest (ties kept).
+
+        The k-th largest is looked for among the scores not below an estimate (the (k/4)-th largest of
+        every 16th score: at least k scores lie above it but in about one row in a thousand), else
+        among all. Only the scores near the top are divided: division rounds monotonically, so the
+        k-th largest quotient is the k-th largest score's, and a score more than 2^-20 (relative)
+        below that one stays below it once divided."""
+        k, n = self.top_k, len(scores)
+        top = float(scores.max())
+        if not top < math.inf:  # NaN fails every comparison
+            _broken(session, position)
+        near = None
+        rank = max(4, k // 4)
+        sample = scores[::16]
+        if len(sample) > 4 * rank:
+            estimate = np.partition(sample, len(sample) - rank)[len(sample) - rank]
+            near = np.flatnonzero(scores >= estimate)
+            if len(near) < k:
+                near = None
+        if near is None:
+            estimate = floor = np.partition(scores, n - k)[n - k]
+        else:
+            values = scores[near]
+            floor = np.partition(values, len(values) - k)[len(values) - k]
+        t = self.temperature
+        quotient = floor / t
+        normal = 1e-30 < abs(float(floor)) and 1e-30 < abs(float(quotient)) and top / t < 3e38
+        if floor == -np.inf or not normal:
+            ids, wide = self._all(scores, session, position)  # fewer than k scores, or near 0 or overflow
+            if floor == -np.inf:
+                return ids, wide
+            kept = wide >= quotient
+            return ids[kept], wide[kept]
+        low = floor - abs(floor) * np.float32(2**-20)
+        if near is None or estimate > low:
+            near = np.flatnonzero(scores >= low)
+        divided = scores[near] / t
+        kept = divided >= quotient
+        return near[kept], divided[kept]
+
+    def _nucleus(self, ids: np.ndarray, wide: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids top-p and min-p leave of `ids` (in index order, their scores `wide`), and
+        exp(score - the largest) of each in float64 (a dropped score adds an exact 0 to every sum, so
+        leaving it out changes none). The largest score is never dropped, so exp is computed once
+        and later steps read the same values the kernels compute again."""
+        p = self.pick
         e = np.exp(wide - wide.max())
         if p.top_p < 1.0:
-            order = np.argsort(-wide, kind="stable")[: top_k or vocab]  # ties: the lower id first
-            probs = e / e.cumsum()[-1]
-            above = np.concatenate(([0.0], probs[order].cumsum()[:-1]))
-            kept = wide >= wide[order[np.count_nonzero(above < p.top_p) - 1]]
+            order = np.argsort(-wide, kind="stable")  # ties: the lower id first
+            # the probability above each score, highest first, below top_p: the first always is (0)
+            above = (e / e.cumsum()[-1])[order].cumsum()
+            kept = wide >= wide[order[np.count_nonzero(above[:-1] < p.top_p)]]
             ids, wide, e = ids[kept], wide[kept], e[kept]
         if p.min_p > 0.0:
             probs = e / e.cumsum()[-1]
@@ -97,7 +160,7 @@ class Picker:
     def sample(self, row: np.ndarray, session: str, position: int, drafts: list[int]) -> int:
         """A draft model's draft after `drafts` (`row`: its logits), drawn with the uniform of its
         position (not taken: the model's selections take them)."""
-        return _draw(*self.kept(self.scores(row, session, position, drafts)), self.uniforms.peek(len(drafts)))
+        return self.token(row, session, position, drafts)
 
     def check(self, rows: np.ndarray, drafts: list[int], session: str, position: int) -> tuple[int, int]:
         """(drafts accepted, the token after them) of a speculative round whose check gave `rows` (one
@@ -105,9 +168,7 @@ class Picker:
         as a plain step there would select (sampling: with the uniform of its position, left for
         `took` to take)."""
         for i in range(len(drafts) + 1):
-            scores = self.scores(rows[i], session, position + i, drafts[:i])
-            sampled = self.pick.sample
-            token = _draw(*self.kept(scores), self.uniforms.peek(i)) if sampled else int(scores.argmax())
+            token = self.token(rows[i], session, position + i, drafts[:i])
             if i == len(drafts) or token != drafts[i]:
                 return i, token
         raise AssertionError("unreachable")
@@ -123,6 +184,40 @@ class Uniforms:
     def peek(self, i: int) -> np.float32:
         """The i-th number after those taken, not taken."""
         return np.float32(self.values[self.taken + i])
+
+
+def _broken(session: str, position: int) -> None:
+    raise OrtpipeError(f'session "{session}" gave NaN or infinite logits on the decode step at position '
+                       f"{position}: the model's weights or inputs are broken")
+
+
+def _drawn_few(ids: list[int], wide: list[float], p: Pick, u: float) -> int:
+    """`Picker._nucleus` and `_draw` in Python's floats (float64, the same operations in the same
+    order), for a few ids."""
+    top = max(wide)
+    e = [math.exp(v - top) for v in wide]
+    if p.top_p < 1.0:
+        total = _sum(e)
+        order = sorted(range(len(wide)), key=wide.__getitem__, reverse=True)  # stable: ties, the lower id
+        above = list(accumulate([e[j] / total for j in order]))
+        threshold = wide[order[bisect_left(above, p.top_p, 0, len(above) - 1)]]
+        kept = [j for j, v in enumerate(wide) if v >= threshold]
+        ids, e = [ids[j] for j in kept], [e[j] for j in kept]
+    if p.min_p > 0.0:
+        total = _sum(e)
+        least = max(e) / total * p.min_p
+        kept = [j for j, x in enumerate(e) if x / total >= least]
+        ids, e = [ids[j] for j in kept], [e[j] for j in kept]
+    cdf = list(accumulate(e))
+    return ids[bisect_left(cdf, u * cdf[-1])]
+
+
+def _sum(values: list[float]) -> float:
+    """The sum in order, one addition at a time (as numpy's cumsum; Python's sum compensates)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def _draw(ids: np.ndarray, e: np.ndarray, u: np.float32) -> int:
