@@ -29,7 +29,7 @@ import os
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from .errors import ConfigError
 
@@ -162,8 +162,7 @@ _VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
 _SIGN, _MASK = 1 << 63, (1 << 64) - 1
 
 
-@dataclass(frozen=True)
-class _Span:
+class _Span(NamedTuple):
     """The payload of a length-delimited field: [start, end) in the input."""
 
     start: int
@@ -229,6 +228,9 @@ class _Reader:
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
         """(value, position after it) of the varint at pos, which must end before `end`."""
+        off = pos - self.base
+        if pos < end and 0 <= off < len(self.data) and self.data[off] < 0x80:  # one byte: most are
+            return self.data[off], pos + 1
         n = min(10, end - pos)
         off = self.window(pos, n)
         data, result, shift = self.data, 0, 0
@@ -245,7 +247,11 @@ class _Reader:
         fixed-size values (the offset of the latter), a _Span for length-delimited ones."""
         pos, end = span.start, span.end
         while pos < end:
-            key, pos = self.varint(pos, end)
+            off = pos - self.base
+            if 0 <= off < len(self.data) and self.data[off] < 0x80:  # varint's one-byte case, inlined
+                key, pos = self.data[off], pos + 1
+            else:
+                key, pos = self.varint(pos, end)
             number, wire = key >> 3, key & 7
             if number == 0:
                 raise self.error(f"field number 0 in a {what}", pos)
@@ -254,7 +260,11 @@ class _Reader:
                 value, pos = self.varint(pos, end)
                 yield number, wire, value
             elif wire == _BYTES:
-                length, pos = self.varint(pos, end)
+                off = pos - self.base
+                if pos < end and 0 <= off < len(self.data) and self.data[off] < 0x80:
+                    length, pos = self.data[off], pos + 1
+                else:
+                    length, pos = self.varint(pos, end)
                 if length > end - pos:
                     raise self.error(f"a field of {length} bytes runs past the end of its {what}", pos)
                 yield number, wire, _Span(pos, pos + length)
@@ -289,6 +299,9 @@ class _Reader:
     def string(self, wire: int, value: int | _Span, number: int, what: str) -> str:
         span = self.span(wire, value, number, what)
         try:
+            start, end = span.start - self.base, span.end - self.base
+            if 0 <= start and end <= len(self.data) and span.end - span.start <= MAX_FIELD_BYTES:
+                return self.data[start:end].decode("utf-8")  # bytes_of's case in the window, inlined
             return self.bytes_of(span).decode("utf-8")
         except UnicodeDecodeError:
             raise self.error(f"a string that is not UTF-8 in a {what}", span.start) from None
