@@ -343,6 +343,9 @@ SD_CASES = (
     ("unipc-v-trailing", "UniPCMultistepScheduler", "v_prediction", "trailing", 4, 1.0, None),
     ("unipc3-karras-eps-leading", "UniPCMultistepScheduler", "epsilon", "leading", 6, 1.0, None),
     ("unipc-bh1-v-leading-cfg", "UniPCMultistepScheduler", "v_prediction", "leading", 5, 5.0, NEGATIVE),
+    ("lms-eps-linspace", "LMSDiscreteScheduler", "epsilon", "linspace", 6, 1.0, None),
+    ("lms-v-leading-cfg", "LMSDiscreteScheduler", "v_prediction", "leading", 5, 7.5, NEGATIVE),
+    ("lms-karras-eps-trailing", "LMSDiscreteScheduler", "epsilon", "trailing", 5, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -373,6 +376,7 @@ SD_CASE_FIELDS = {
     "dpm3-sde-v-min": {"solver_order": 3, "algorithm_type": "sde-dpmsolver++",
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},
     "unipc3-karras-eps-leading": {"solver_order": 3, "use_karras_sigmas": True},
+    "lms-karras-eps-trailing": {"use_karras_sigmas": True},
     # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
     "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
                                 "disable_corrector": [1], "lower_order_final": False},
@@ -479,6 +483,7 @@ IMG2IMG_CASES = (
     ("i2i-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 0.6, 1.0, None),
     ("i2i-euler-eps-linspace-full", "EulerDiscreteScheduler", "epsilon", "linspace", 3, 1.0, 1.0, None),
     ("i2i-unipc-eps-leading-cfg", "UniPCMultistepScheduler", "epsilon", "leading", 7, 0.6, 7.5, NEGATIVE),
+    ("i2i-lms-eps-leading-cfg", "LMSDiscreteScheduler", "epsilon", "leading", 7, 0.7, 7.5, NEGATIVE),
 )
 IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True}}  # Stable Diffusion 1.x's
 IMG2IMG_INIT = "init.png"
@@ -552,6 +557,7 @@ INPAINT_CASES = (
     ("inp-heun-eps-trailing", "HeunDiscreteScheduler", "epsilon", "trailing", 4, 0.5, 1.0, None),
     ("inp-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 1.0, 1.0, None),
     ("inp-unipc-v-linspace", "UniPCMultistepScheduler", "v_prediction", "linspace", 5, 0.8, 1.0, None),
+    ("inp-lms-v-trailing", "LMSDiscreteScheduler", "v_prediction", "trailing", 5, 0.6, 1.0, None),
 )
 INPAINT_MASK = "mask.png"
 

@@ -719,8 +719,49 @@ class KDPM2:
         return sample + (x - _x0_from_sigma(self.config, output, x, middle)) / middle * (after - sigma)
 
 
+class LMS:
+    """LMSDiscreteScheduler as diffusers writes it (its sigmas in float32; step's default order 4): the
+    slopes (x - x0) / sigma of the last runs, up to four, each weighted by the integral of its Lagrange
+    polynomial through those runs' sigmas over this step's sigma interval (Gauss-Legendre quadrature here,
+    scipy's quad in diffusers); as many weights used as there are slopes since the first run."""
+
+    order = 1
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
+               use_beta_sigmas=(False,))
+        euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
+        self.config, self.timesteps = config, euler.timesteps
+        self.sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
+        top = self.sigmas.max()
+        exact = config["timestep_spacing"] in ("linspace", "trailing")
+        self.init_noise_sigma, self.noise_steps = (top if exact else (top**2 + 1) ** 0.5), []
+        self.slopes: list[np.ndarray] = []
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x / (self.sigmas[i] ** 2 + 1) ** 0.5
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return sample + self.sigmas[i] * noise
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
+        self.slopes = [*self.slopes[-3:], (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma]
+        order = min(i + 1, 4)
+        nodes, weights = np.polynomial.legendre.leggauss(8)
+        taus = (sigma_next - sigma) / 2 * nodes + (sigma_next + sigma) / 2
+        for j, slope in zip(range(order), reversed(self.slopes), strict=False):
+            basis = np.ones_like(taus)
+            for k in range(order):
+                if k != j:
+                    basis *= (taus - self.sigmas[i - k]) / (self.sigmas[i - j] - self.sigmas[i - k])
+            x = x + (sigma_next - sigma) / 2 * float(weights @ basis) * slope
+        return x
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
+    "LMSDiscreteScheduler": LMS,
     "HeunDiscreteScheduler": Heun,
     "KDPM2DiscreteScheduler": KDPM2,
     "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),

@@ -5,10 +5,11 @@ the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which doe
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
 dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
-KDPM2Discrete; FlowMatchEulerDiscrete's flow matching, whose output is a velocity), for epsilon and
-v_prediction and the three timestep spacings (arXiv 2305.08891, table 2), and Karras or exponential sigmas
-(`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`) for EulerDiscrete, HeunDiscrete and
-KDPM2Discrete, Karras also for DPMSolverMultistep and UniPCMultistep. A field whose
+KDPM2Discrete, LMSDiscrete's linear multistep of order 4; FlowMatchEulerDiscrete's flow matching, whose
+output is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891,
+table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv 2206.00364;
+`use_exponential_sigmas`) for EulerDiscrete, HeunDiscrete, KDPM2Discrete and LMSDiscrete, Karras also for
+DPMSolverMultistep and UniPCMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -47,6 +48,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "heun": "HeunDiscreteScheduler",
     "k_dpm_2_discrete": "KDPM2DiscreteScheduler",
     "kdpm2": "KDPM2DiscreteScheduler",
+    "lms_discrete": "LMSDiscreteScheduler",
+    "lms": "LMSDiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
     "flow_match_euler": "FlowMatchEulerDiscreteScheduler",
     "unipc_multistep": "UniPCMultistepScheduler",
@@ -150,6 +153,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_beta_sigmas": False,
         "timestep_spacing": "linspace",
     },
+    "LMSDiscreteScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "timestep_spacing": "linspace",
+    },
     "UniPCMultistepScheduler": {
         **_BETAS,
         "timestep_spacing": "linspace",
@@ -241,6 +251,12 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "use_beta_sigmas": (False,),
     },
     "KDPM2DiscreteScheduler": {
+        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False, True),
+        "use_beta_sigmas": (False,),
+    },
+    "LMSDiscreteScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
@@ -683,6 +699,50 @@ def kdpm2(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
 
+LMS_ORDER = 4  # LMSDiscreteScheduler.step's default order, which StableDiffusionPipeline keeps
+
+
+def lms(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
+    """LMSDiscreteScheduler: each step moves x along the slopes d = (x - x0) / sigma of this run and the
+    three before it, x + c0 d + c1 d_prev + ..., the coefficients the integrals of the Lagrange
+    polynomials through those steps' sigmas from this sigma to the next (order min(step + 1, 4)).
+
+    The kernel's x0 is the slope here (x0_from_x (1 - c_skip) / sigma, x0_from_output -c_out / sigma), so
+    the memory holds past slopes. `begin`: the first run (image-to-image), from which diffusers keeps slopes:
+    a step uses as many of its coefficients as it has slopes."""
+    timesteps, sigmas, _ = _sigma_schedule(config, steps, True)
+    sigmas = [f32(s) for s in sigmas] + [0.0]  # diffusers keeps them in float32
+    out = []
+    for i in range(begin, steps):
+        sigma = sigmas[i]
+        order = min(i + 1, LMS_ORDER)
+        weights = [_lms_weight(sigmas, i, order, j) for j in range(min(i - begin + 1, order))]
+        c = [*weights, 0.0, 0.0, 0.0][:LMS_ORDER]
+        keep, scale = _x0_sigma(config, sigma)
+        out.append(_step(timesteps[i], 1 / (sigma * sigma + 1) ** 0.5, ((1 - keep) / sigma, -scale / sigma),
+                         x=1.0, from_x0=c[0], previous=c[1], previous2=c[2], previous3=c[3],
+                         noised=_noised_sigma(sigma)))
+    return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
+
+
+def _lms_weight(sigmas: list[float], i: int, order: int, j: int) -> float:
+    """The integral from sigmas[i] to sigmas[i + 1] of the Lagrange polynomial that is 1 at sigmas[i - j]
+    and 0 at the other sigmas[i - k], k < order: in u = (tau - sigmas[i]) / (sigmas[i + 1] - sigmas[i]),
+    whose factors' coefficients stay of the order of 1 however close the sigmas, expanded (ascending
+    powers of u) and integrated exactly over [0, 1]."""
+    low, width = sigmas[i], sigmas[i + 1] - sigmas[i]
+    poly = [1.0]
+    for k in range(order):
+        if k != j:  # (tau - s_k) / (s_j - s_k) = ((low - s_k) + width * u) / (s_j - s_k)
+            scale = sigmas[i - j] - sigmas[i - k]
+            if scale == 0:  # two runs at one float32 sigma: diffusers divides by zero; make_schedule refuses
+                return math.nan
+            constant, slope = (low - sigmas[i - k]) / scale, width / scale
+            poly = [(poly[p] if p < len(poly) else 0.0) * constant + (poly[p - 1] * slope if p else 0.0)
+                    for p in range(len(poly) + 1)]
+    return width * sum(c / (p + 1) for p, c in enumerate(poly))
+
+
 def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
     cumprod = alphas_cumprod(config)
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
@@ -1084,6 +1144,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "DPMSolverMultistepScheduler": dpm_solver,
     "HeunDiscreteScheduler": heun,
     "KDPM2DiscreteScheduler": kdpm2,
+    "LMSDiscreteScheduler": lms,
     "FlowMatchEulerDiscreteScheduler": flow_match,
     "UniPCMultistepScheduler": unipc,
 }
@@ -1091,7 +1152,8 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 
 # The classes whose steps start at a begin index for image-to-image: the steps from there (the others'
 # steps are the whole schedule's last ones as they are)
-BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc}
+BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc,
+         "LMSDiscreteScheduler": lms}
 ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler")  # two runs a timestep: diffusers' order 2
 # The classes whose image-to-image schedule is another one, made from (config, steps, strength), run whole
 SHORTENED = {"LCMScheduler": lcm}
