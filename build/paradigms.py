@@ -346,6 +346,11 @@ SD_CASES = (
     ("lms-eps-linspace", "LMSDiscreteScheduler", "epsilon", "linspace", 6, 1.0, None),
     ("lms-v-leading-cfg", "LMSDiscreteScheduler", "v_prediction", "leading", 5, 7.5, NEGATIVE),
     ("lms-karras-eps-trailing", "LMSDiscreteScheduler", "epsilon", "trailing", 5, 1.0, None),
+    ("euler-beta-eps-leading-cfg", "EulerDiscreteScheduler", "epsilon", "leading", 5, 5.0, NEGATIVE),
+    ("euler-beta-v-trailing-range", "EulerDiscreteScheduler", "v_prediction", "trailing", 4, 1.0, None),
+    ("heun-beta-v-linspace", "HeunDiscreteScheduler", "v_prediction", "linspace", 3, 1.0, None),
+    ("kdpm2-beta-eps-trailing", "KDPM2DiscreteScheduler", "epsilon", "trailing", 3, 1.0, None),
+    ("lms-beta-eps-linspace-cfg", "LMSDiscreteScheduler", "epsilon", "linspace", 5, 5.0, NEGATIVE),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -377,6 +382,11 @@ SD_CASE_FIELDS = {
                        "final_sigmas_type": "sigma_min", "lower_order_final": False},
     "unipc3-karras-eps-leading": {"solver_order": 3, "use_karras_sigmas": True},
     "lms-karras-eps-trailing": {"use_karras_sigmas": True},
+    "euler-beta-eps-leading-cfg": {"use_beta_sigmas": True},
+    "euler-beta-v-trailing-range": {"use_beta_sigmas": True, "sigma_min": 0.1, "sigma_max": 8.0},
+    "heun-beta-v-linspace": {"use_beta_sigmas": True},
+    "kdpm2-beta-eps-trailing": {"use_beta_sigmas": True},
+    "lms-beta-eps-linspace-cfg": {"use_beta_sigmas": True},
     # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
     "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
                                 "disable_corrector": [1], "lower_order_final": False},

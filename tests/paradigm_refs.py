@@ -155,6 +155,30 @@ def exponential_sigmas(sigma_max: float, sigma_min: float, steps: int) -> np.nda
     return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), steps))
 
 
+def beta_sigmas(sigma_max: float, sigma_min: float, steps: int, shape: float = 0.6) -> np.ndarray:
+    """Noise levels at the quantiles 1 ... 0 (evenly spaced) of Beta(shape, shape) (arXiv 2407.12173), the
+    distribution function summed as its power series, B_x(a, b) = sum (1 - b)_n x^(a + n) / (n! (a + n))
+    (for x up to 1/2; above, by the symmetry of a = b), and inverted by bisection."""
+    a = b = shape
+    whole = math.exp(math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+
+    def cdf(x: float) -> float:
+        if x > 0.5:
+            return 1.0 - cdf(1.0 - x)
+        n = np.arange(200)
+        rising = np.concatenate([[1.0], np.cumprod((1 - b + n[:-1]) / (n[:-1] + 1))])  # (1 - b)_n / n!
+        return float(np.sum(rising * x ** (a + n) / (a + n))) / whole
+
+    def quantile(p: float) -> float:
+        low, high = 0.0, 1.0
+        for _ in range(100):
+            middle = (low + high) / 2
+            low, high = (middle, high) if cdf(middle) < p else (low, middle)
+        return (low + high) / 2
+
+    return np.array([sigma_min + quantile(p) * (sigma_max - sigma_min) for p in 1 - np.linspace(0, 1, steps)])
+
+
 def sigma_to_t(sigmas: np.ndarray, all_sigmas: np.ndarray) -> np.ndarray:
     """The fractional training timesteps of `sigmas`: linear interpolation of t in log sigma between the
     two training sigmas around each (clipped to the table's ends), as diffusers maps Karras sigmas."""
@@ -199,7 +223,7 @@ class Euler:
     def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
         _check(config, interpolation_type=("linear",), use_karras_sigmas=(False, True),
                final_sigmas_type=("zero", "sigma_min"), timestep_type=("discrete",),
-               use_exponential_sigmas=(False, True), use_beta_sigmas=(False,))
+               use_exponential_sigmas=(False, True), use_beta_sigmas=(False, True))
         if ancestral and config.get("use_karras_sigmas"):
             raise ValueError("EulerAncestralDiscreteScheduler has no Karras sigmas")
         self.config, self.ancestral = config, ancestral
@@ -208,7 +232,8 @@ class Euler:
         all_sigmas = ((1 - cumprod) / cumprod) ** 0.5
         sigmas = np.interp(self.timesteps, np.arange(len(all_sigmas)), all_sigmas)
         spread = karras_sigmas if config.get("use_karras_sigmas") else (
-            exponential_sigmas if config.get("use_exponential_sigmas") else None)
+            exponential_sigmas if config.get("use_exponential_sigmas") else (
+                beta_sigmas if config.get("use_beta_sigmas") else None))
         if spread:  # between the spaced ends, unless the config names its own
             high, low = config.get("sigma_max"), config.get("sigma_min")
             high, low = sigmas[0] if high is None else high, sigmas[-1] if low is None else low
@@ -642,7 +667,7 @@ class Heun:
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
-               use_beta_sigmas=(False,))
+               use_beta_sigmas=(False, True))
         euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
         self.config = config
         self.timesteps = np.concatenate([euler.timesteps[:1], np.repeat(euler.timesteps[1:], 2)])
@@ -682,7 +707,7 @@ class KDPM2:
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
-               use_beta_sigmas=(False,))
+               use_beta_sigmas=(False, True))
         euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
         self.config = config
         sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
@@ -729,7 +754,7 @@ class LMS:
 
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
-               use_beta_sigmas=(False,))
+               use_beta_sigmas=(False, True))
         euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
         self.config, self.timesteps = config, euler.timesteps
         self.sigmas = euler.sigmas.astype(np.float32).astype(np.float64)

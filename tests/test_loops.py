@@ -381,7 +381,8 @@ def test_speech_and_embedding_cli(vits_tiny: Path, st_minilm: Path, tmp_path: Pa
      "scheduler \"DEISMultistepScheduler\" is not run by ortpipe; it runs Euler"),
     ("_class_name", "PNDMScheduler", "PNDMScheduler with skip_prk_steps False is not run by ortpipe (it runs "
                                      "True)"),  # the Runge-Kutta warm-up; Stable Diffusion's folders skip it
-    ("use_beta_sigmas", True, "EulerDiscreteScheduler with use_beta_sigmas True is not run"),
+    ("interpolation_type", "log_linear",
+     "EulerDiscreteScheduler with interpolation_type \"log_linear\" is not run"),
 
     ("sigma_max", -1, "sigma_max must be a positive number or null, found -1"),
     ("prediction_type", "sample", "prediction_type \"sample\" is not run by ortpipe (it runs \"epsilon\", "

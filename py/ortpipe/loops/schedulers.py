@@ -7,9 +7,9 @@ latents. The coefficients are computed in float64 from the config as diffusers 0
 dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
 KDPM2Discrete, LMSDiscrete's linear multistep of order 4; FlowMatchEulerDiscrete's flow matching, whose
 output is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891,
-table 2), and Karras or exponential sigmas (`use_karras_sigmas`, arXiv 2206.00364;
-`use_exponential_sigmas`) for EulerDiscrete, HeunDiscrete, KDPM2Discrete and LMSDiscrete, Karras also for
-DPMSolverMultistep and UniPCMultistep. A field whose
+table 2), and Karras, exponential or beta sigmas (`use_karras_sigmas`, arXiv 2206.00364;
+`use_exponential_sigmas`; `use_beta_sigmas`, arXiv 2407.12173) for EulerDiscrete, HeunDiscrete, KDPM2Discrete
+and LMSDiscrete, Karras also for DPMSolverMultistep and UniPCMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -212,7 +212,7 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "interpolation_type": ("linear",),
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False,),
+        "use_beta_sigmas": (False, True),
         "timestep_type": ("discrete",),
         "final_sigmas_type": ("zero", "sigma_min"),
     },
@@ -248,19 +248,19 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False,),
+        "use_beta_sigmas": (False, True),
     },
     "KDPM2DiscreteScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False,),
+        "use_beta_sigmas": (False, True),
     },
     "LMSDiscreteScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False,),
+        "use_beta_sigmas": (False, True),
     },
     "UniPCMultistepScheduler": {
         **_COMMON,
@@ -575,6 +575,64 @@ def karras(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
     return [(high + ramp * (low - high)) ** rho for ramp in _linspace(0.0, 1.0, steps)]
 
 
+BETA_SHAPE = 0.6  # diffusers' beta sigmas: the Beta(0.6, 0.6) distribution's quantiles (arXiv 2407.12173)
+
+
+def beta(sigma_max: float, sigma_min: float, steps: int) -> list[float]:
+    """`steps` noise levels from sigma_max to sigma_min at the quantiles 1 ... 0 (evenly spaced) of the
+    Beta(0.6, 0.6) distribution."""
+    return [sigma_min + _beta_quantile(1.0 - q, BETA_SHAPE, BETA_SHAPE) * (sigma_max - sigma_min)
+            for q in _linspace(0.0, 1.0, steps)]
+
+
+def _beta_quantile(p: float, a: float, b: float) -> float:
+    """The x in [0, 1] where the regularized incomplete beta function I_x(a, b) reaches p, by bisection (to
+    the last bit)."""
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    low, high = 0.0, 1.0
+    while True:
+        middle = (low + high) / 2
+        if middle in (low, high):
+            return middle
+        if _incomplete_beta(middle, a, b) < p:
+            low = middle
+        else:
+            high = middle
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b): x^a (1 - x)^b / (a B(a, b)) times the continued fraction 1 / (1 + d1 / (1 + d2 / ...)),
+    d(2m + 1) = -(a + m)(a + b + m) x / ((a + 2m)(a + 2m + 1)), d(2m) = m (b - m) x / ((a + 2m - 1)(a + 2m)),
+    evaluated from the front (modified Lentz); past its fast region, 1 - I_(1 - x)(b, a)."""
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _incomplete_beta(1.0 - x, b, a)
+    logs = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    front = math.exp(logs)
+    # the fraction 1 / (1 + d1 / (1 + d2 / ...)) by Lentz's method: numerators 1, d1, d2 ..., denominators 1
+    tiny = 1e-300
+    fraction, c, d = tiny, tiny, 0.0
+    for j in range(1, 400):
+        n = j - 1  # this numerator is d(n); the first, 1
+        m = n // 2
+        if n == 0:
+            numerator = 1.0
+        elif n % 2:
+            numerator = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        else:
+            numerator = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + numerator * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + numerator / c
+        c = c if abs(c) > tiny else tiny
+        fraction *= c * d
+        if abs(c * d - 1.0) < 1e-16:
+            break
+    return front * fraction / a
+
+
 def sigmas_to_t(sigmas: list[float], table: list[float]) -> list[float]:
     """The fractional training timesteps of `sigmas` (`table`: the training sigmas)."""
     logs = [math.log(s) if s > 0 else -INF for s in table]
@@ -607,6 +665,8 @@ def _sigma_schedule(config: Mapping[str, Any], steps: int, spreads: bool) -> tup
         spread = karras
     elif spreads and config["use_exponential_sigmas"]:
         spread = exponential
+    elif spreads and config["use_beta_sigmas"]:
+        spread = beta
     if spread:  # between the spaced ends, or the config's own
         high, low = config.get("sigma_max"), config.get("sigma_min")
         sigmas = spread(sigmas[0] if high is None else high, sigmas[-1] if low is None else low, steps)
