@@ -293,7 +293,8 @@ SCHEDULER_BASE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end"
 FOLDER_SCHEDULER = {**SCHEDULER_BASE, "prediction_type": "epsilon", "timestep_spacing": "leading"}  # Euler
 PROMPT, NEGATIVE = "a red cube on a wooden table", "blurry, low quality"
 # they draw noise inside step()
-NOISY_SCHEDULERS = ("EulerAncestralDiscreteScheduler", "LCMScheduler", "DDPMScheduler")
+NOISY_SCHEDULERS = ("EulerAncestralDiscreteScheduler", "LCMScheduler", "DDPMScheduler",
+                    "KDPM2AncestralDiscreteScheduler")
 
 # (name, scheduler class, prediction_type, timestep_spacing, steps, guidance_scale, negative prompt)
 SD_CASES = (
@@ -351,6 +352,9 @@ SD_CASES = (
     ("heun-beta-v-linspace", "HeunDiscreteScheduler", "v_prediction", "linspace", 3, 1.0, None),
     ("kdpm2-beta-eps-trailing", "KDPM2DiscreteScheduler", "epsilon", "trailing", 3, 1.0, None),
     ("lms-beta-eps-linspace-cfg", "LMSDiscreteScheduler", "epsilon", "linspace", 5, 5.0, NEGATIVE),
+    ("kdpm2_a-eps-linspace", "KDPM2AncestralDiscreteScheduler", "epsilon", "linspace", 4, 1.0, None),
+    ("kdpm2_a-v-leading-cfg", "KDPM2AncestralDiscreteScheduler", "v_prediction", "leading", 3, 5.0, NEGATIVE),
+    ("kdpm2_a-karras-eps-trailing", "KDPM2AncestralDiscreteScheduler", "epsilon", "trailing", 4, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -387,6 +391,7 @@ SD_CASE_FIELDS = {
     "heun-beta-v-linspace": {"use_beta_sigmas": True},
     "kdpm2-beta-eps-trailing": {"use_beta_sigmas": True},
     "lms-beta-eps-linspace-cfg": {"use_beta_sigmas": True},
+    "kdpm2_a-karras-eps-trailing": {"use_karras_sigmas": True},
     # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
     "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
                                 "disable_corrector": [1], "lower_order_final": False},

@@ -59,12 +59,9 @@ def expanded_config_makes_the_same_image(folder: Path, **request: object) -> Non
 
 def ortpipe_noise(pipe: ortpipe.Pipeline, case: dict, seed: int, latents: bool) -> tuple:
     """The initial latents (when not given) and the per-step noise ortpipe draws from `seed`, as the plain
-    loop takes them: noise[i] for step i (zeros where a step adds none)."""
+    loop takes them: noise[k], the k-th a step draws."""
     schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"])
     noise = Noise(pipe.model.backend, seed)
     first = None if latents else pipe.run(noise.draw((1, 4, 8, 8)))
-    steps = np.zeros((len(schedule.steps), 1, 4, 8, 8), np.float32)
-    for i, step in enumerate(schedule.steps):
-        if step.noise:
-            steps[i] = pipe.run(noise.draw((1, 4, 8, 8)))
-    return first, steps
+    steps = [pipe.run(noise.draw((1, 4, 8, 8))) for step in schedule.steps if step.noise]
+    return first, np.array(steps, np.float32).reshape(len(steps), 1, 4, 8, 8)

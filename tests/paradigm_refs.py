@@ -784,8 +784,57 @@ class LMS:
         return x
 
 
+class KDPM2Ancestral:
+    """KDPM2AncestralDiscreteScheduler as diffusers writes it (its sigmas in float32): KDPM2's two runs a
+    step, the middle sigma the geometric mean of the sigma and the ancestral step's down sigma, the second
+    run carrying the kept sample to down and adding noise times up (one draw each second run)."""
+
+    order = 2
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
+               use_beta_sigmas=(False, True))
+        euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
+        self.config = config
+        sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
+        now, after = sigmas[:-1], sigmas[1:]
+        self.ups = np.sqrt(after**2 * (now**2 - after**2) / now**2)
+        self.downs = np.sqrt(after**2 - self.ups**2)
+        middles = np.sqrt(now * self.downs)  # the last: 0
+        cumprod = alphas_cumprod(config)
+        table = ((1 - cumprod) / cumprod) ** 0.5
+        ticks = euler.timesteps.round() if config.get("use_karras_sigmas") else euler.timesteps
+        between = sigma_to_t(middles[:-1], table).astype(np.float32).astype(np.float64)
+        self.timesteps = np.concatenate([ticks[:1], np.stack([between, ticks[1:]], axis=1).ravel()])
+        self.inputs = np.concatenate([sigmas[:1], np.stack([middles[:-1], sigmas[1:-1]], axis=1).ravel()])
+        self.sigmas, self.middles = sigmas, middles
+        top = sigmas.max()
+        exact = config["timestep_spacing"] in ("linspace", "trailing")
+        self.init_noise_sigma = top if exact else (top**2 + 1) ** 0.5
+        self.noise_steps = list(range(1, len(self.timesteps), 2))  # the second runs
+        self.kept: np.ndarray | None = None
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x / (self.inputs[i] ** 2 + 1) ** 0.5
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return sample + self.sigmas[(i + 1) // 2] * noise
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        j = (i + 1) // 2
+        if self.kept is None:  # the Euler step to the middle sigma
+            sigma, middle = self.sigmas[j], self.middles[j]
+            self.kept = x
+            return x + (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma * (middle - sigma)
+        sigma, middle = self.sigmas[j - 1], self.middles[j - 1]
+        sample, self.kept = self.kept, None
+        slope = (x - _x0_from_sigma(self.config, output, x, middle)) / middle
+        return sample + slope * (self.downs[j - 1] - sigma) + noise * self.ups[j - 1]
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
+    "KDPM2AncestralDiscreteScheduler": KDPM2Ancestral,
     "LMSDiscreteScheduler": LMS,
     "HeunDiscreteScheduler": Heun,
     "KDPM2DiscreteScheduler": KDPM2,
@@ -832,7 +881,9 @@ def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, 
              after: Callable[[int, np.ndarray], np.ndarray] | None = None,
              extra: np.ndarray | None = None) -> np.ndarray:
     """The latents (float64, each step's result rounded to float32) after the UNet and `scheduler` ran from
-    run `start` of its schedule to the end from latents `x`; `noise[k]` is the noise of run start + k;
+    run `start` of its schedule to the end from latents `x`; `noise[k]` is the k-th noise a run from there
+    draws (diffusers' draws, in order: every run draws for an ancestral or SDE scheduler, KDPM2Ancestral's
+    second runs only);
     `added`: more UNet inputs, the same each run (Stable Diffusion XL's text_embeds and time_ids);
     `after(i, x)`: the latents after run i's step (inpainting's blend); `extra`: more input channels after
     the latents' (an inpainting UNet's mask and masked image's latents), one row repeated for each row."""
@@ -841,6 +892,7 @@ def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, 
     if drawing and noise is None:
         raise ValueError(f"{scheduler.config['_class_name']} adds noise at steps {drawing}: give `noise`")
     unet = session(folder / "unet" / "model.onnx")
+    drawn = 0  # the noises drawn so far
     for i in range(start, len(scheduler.timesteps)):
         batch = np.concatenate([x, x]) if guided else x
         sample = scheduler.scale_model_input(batch, i).astype(np.float32)
@@ -860,7 +912,10 @@ def _denoise(folder: Path, scheduler, x: np.ndarray, embeddings: np.ndarray, *, 
                 cond_std = cond.std(axis=axes, ddof=1, keepdims=True)
                 ratio = cond_std / output.std(axis=axes, ddof=1, keepdims=True)
                 output = guidance_rescale * output * ratio + (1 - guidance_rescale) * output
-        step_noise = noise[i - start].astype(np.float64) if i in scheduler.noise_steps else None
+        step_noise = None
+        if i in scheduler.noise_steps:  # past the noises given: a draw whose weight is 0 (ortpipe skips it)
+            step_noise = noise[drawn].astype(np.float64) if drawn < len(noise) else np.zeros_like(x)
+            drawn += 1
         x = scheduler.step(output, i, x, step_noise).astype(np.float32).astype(np.float64)
         if after is not None:
             x = after(i, x)
@@ -885,7 +940,7 @@ def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, la
 
     Guidance above 1 runs the UNet on [unconditional, conditional] in one batch; `guidance_rescale` mixes
     in the guided output rescaled to the conditional one's standard deviation (arXiv 2305.08891, 3.4);
-    `noise[i]` is the noise that step i of an ancestral, LCM or SDE scheduler adds; `timestep_cond`, the
+    `noise[k]` is the k-th noise a step draws (an ancestral, LCM or SDE scheduler's); `timestep_cond`, the
     guidance embedding a latent consistency model's UNet takes (guidance_scale then stays 1: no CFG).
     """
     folder = Path(folder)
@@ -946,7 +1001,7 @@ def image_to_image(folder: Path | str, scheduler_config: Mapping, steps: int, st
     The image's latents (`encode_image`, with `encode_noise`) are noised with `add_noise` to the level of
     the first run `strength` keeps (`strength_start`; not scaled by init_noise_sigma), then the UNet and
     scheduler run from there to the end of the `steps` schedule, with guidance as in generate_image;
-    `noise[k]` is the noise of the k-th run kept of a scheduler that draws at each step.
+    `noise[k]` is the k-th noise a kept run draws.
     """
     folder = Path(folder)
     embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)

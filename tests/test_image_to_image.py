@@ -60,16 +60,13 @@ def _request(case: dict) -> dict:
 def ortpipe_draws(pipe: ortpipe.Pipeline, case: dict, seed: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What ortpipe draws from `seed` for image-to-image, in its order: the distribution's sample, add_noise's
-    noise, then each noisy step's (zeros for a step that adds none)."""
+    noise, then each noisy step's, in order."""
     schedule = _schedule(pipe, case)
     noise = Noise(pipe.model.backend, seed)
     shape = (1, pipe.model.loop.denoising.latent_shape[0], *LATENTS[2:])  # SD3's 16 channels, 4 elsewhere
     sample, added = pipe.run(noise.draw(shape)), pipe.run(noise.draw(shape))
-    steps = np.zeros((len(schedule.steps), *shape), np.float32)
-    for i, step in enumerate(schedule.steps):
-        if step.noise:
-            steps[i] = pipe.run(noise.draw(shape))
-    return sample, added, steps
+    steps = [pipe.run(noise.draw(shape)) for step in schedule.steps if step.noise]
+    return sample, added, np.array(steps, np.float32).reshape(len(steps), *shape)
 
 
 def _schedule(pipe: ortpipe.Pipeline, case: dict):  # noqa: ANN202

@@ -129,7 +129,7 @@ def test_an_inpainting_unet_equals_diffusers_and_the_plain_loop(name: str, sd_in
 
 def _draws(pipe: ortpipe.Pipeline, case: dict, seed: int) -> tuple[np.ndarray, ...]:
     """What ortpipe draws from `seed` for an inpainting UNet's request, in its order: the image's sample,
-    the added noise, the masked image's sample, then each noisy step's (zeros for a step that adds none)."""
+    the added noise, the masked image's sample, then each noisy step's, in order."""
     from ortpipe.loops.denoising import Noise
     from ortpipe.loops.schedulers import make_schedule
 
@@ -138,11 +138,8 @@ def _draws(pipe: ortpipe.Pipeline, case: dict, seed: int) -> tuple[np.ndarray, .
     schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"], strength)
     noise = Noise(pipe.model.backend, seed)
     first = [np.asarray(pipe.run(noise.draw(shape))) for _ in range(3)]
-    steps = np.zeros((len(schedule.steps), *shape), np.float32)
-    for i, step in enumerate(schedule.steps):
-        if step.noise:
-            steps[i] = pipe.run(noise.draw(shape))
-    return (*first, steps)
+    steps = [pipe.run(noise.draw(shape)) for step in schedule.steps if step.noise]
+    return (*first, np.array(steps, np.float32).reshape(len(steps), *shape))
 
 
 def test_an_inpainting_unet_needs_a_mask_and_its_encoder(sd_inpaint_tiny: Path, tmp_path: Path) -> None:

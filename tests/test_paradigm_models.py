@@ -145,7 +145,7 @@ def test_a_folder_with_another_scheduler(sd_tiny: Path, sd_cases: dict[str, dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["euler_a-eps-leading", "lcm-eps-4"])
+@pytest.mark.parametrize("name", ["euler_a-eps-leading", "lcm-eps-4", "kdpm2_a-eps-linspace"])
 def test_noisy_schedulers_use_the_given_noise(name: str, sd_tiny: Path, sd_cases: dict[str, dict]) -> None:
     """Without the case's noise the image is far off: the references really depend on the injected noise."""
     case = sd_cases[name]

@@ -5,11 +5,12 @@ the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which doe
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
 dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
-KDPM2Discrete, LMSDiscrete's linear multistep of order 4; FlowMatchEulerDiscrete's flow matching, whose
-output is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891,
-table 2), and Karras, exponential or beta sigmas (`use_karras_sigmas`, arXiv 2206.00364;
-`use_exponential_sigmas`; `use_beta_sigmas`, arXiv 2407.12173) for EulerDiscrete, HeunDiscrete, KDPM2Discrete
-and LMSDiscrete, Karras also for DPMSolverMultistep and UniPCMultistep. A field whose
+KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4;
+FlowMatchEulerDiscrete's flow matching, whose output is a velocity), for epsilon and v_prediction and the
+three timestep spacings (arXiv 2305.08891, table 2), and Karras, exponential or beta sigmas
+(`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`; `use_beta_sigmas`, arXiv 2407.12173)
+for EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral variant) and LMSDiscrete, Karras also
+for DPMSolverMultistep and UniPCMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -48,6 +49,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "heun": "HeunDiscreteScheduler",
     "k_dpm_2_discrete": "KDPM2DiscreteScheduler",
     "kdpm2": "KDPM2DiscreteScheduler",
+    "k_dpm_2_ancestral_discrete": "KDPM2AncestralDiscreteScheduler",
+    "kdpm2_ancestral": "KDPM2AncestralDiscreteScheduler",
     "lms_discrete": "LMSDiscreteScheduler",
     "lms": "LMSDiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
@@ -145,6 +148,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "timestep_spacing": "linspace",
     },
     "KDPM2DiscreteScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "timestep_spacing": "linspace",
+    },
+    "KDPM2AncestralDiscreteScheduler": {
         **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
         "beta_start": 0.00085,
         "beta_end": 0.012,
@@ -251,6 +263,12 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "use_beta_sigmas": (False, True),
     },
     "KDPM2DiscreteScheduler": {
+        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False, True),
+        "use_beta_sigmas": (False, True),
+    },
+    "KDPM2AncestralDiscreteScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
@@ -733,12 +751,16 @@ def heun(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
 
-def kdpm2(config: Mapping[str, Any], steps: int) -> Schedule:
+def kdpm2(config: Mapping[str, Any], steps: int, ancestral: bool = False) -> Schedule:
     """KDPM2DiscreteScheduler: 2 * steps - 1 model runs. Each step but the last is an Euler step to the
     geometric mean si of its sigma s and the next s' (x0 kept), then a run there whose slope carries the first
     run's sample to s'; the last is an Euler step to 0. With x_mid the first step's result, the second is
     (s' x_mid + (si - s) x0_first - (s' - s) x0_mid) / si: linear in what the kernel holds (from diffusers'
-    sample + (x_mid - x0_mid) / si * (s' - s)). Karras timesteps are rounded, as diffusers rounds them."""
+    sample + (x_mid - x0_mid) / si * (s' - s)). Karras timesteps are rounded, as diffusers rounds them.
+
+    KDPM2AncestralDiscreteScheduler (`ancestral`): the second run carries the sample to the ancestral step's
+    down = sqrt(s'^2 - up^2) instead of s', the middle is the geometric mean of s and down, and noise times
+    up = s' sqrt(s^2 - s'^2) / s is added (drawn at each second run, as diffusers draws it)."""
     timesteps, sigmas, table = _sigma_schedule(config, steps, True)
     if config["use_karras_sigmas"]:  # rounded; diffusers runs a repeated one as any other (by step index)
         timesteps = [float(round(t)) for t in timesteps]  # numpy's round: half to even, as Python's
@@ -747,14 +769,18 @@ def kdpm2(config: Mapping[str, Any], steps: int) -> Schedule:
     out = []
     for j, t in enumerate(timesteps):
         sigma, after = sigmas[j], sigmas[j + 1]
-        middle = (sigma * after) ** 0.5  # 0 before the last sigma, 0
+        up = 0.0
+        if ancestral:  # sigmas that grow (hostile betas): NaN, which make_schedule refuses, as diffusers' is
+            up = (after**2 * (sigma**2 - after**2) / sigma**2) ** 0.5 if after <= sigma else math.nan
+        down = (after**2 - up**2) ** 0.5 if ancestral else after
+        middle = (sigma * down) ** 0.5  # 0 before the last sigma, 0
         dt = middle - sigma
         out.append(_step(t, 1 / (sigma * sigma + 1) ** 0.5, _x0_sigma(config, sigma), x=1 + dt / sigma,
                          from_x0=-dt / sigma, noised=_noised_sigma(sigma)))
         if middle > 0:
             out.append(_step(f32(_sigma_to_t(middle, logs)), 1 / (middle * middle + 1) ** 0.5,
-                             _x0_sigma(config, middle), x=after / middle, from_x0=-(after - sigma) / middle,
-                             previous=(middle - sigma) / middle, remember=False,
+                             _x0_sigma(config, middle), x=down / middle, from_x0=-(down - sigma) / middle,
+                             previous=(middle - sigma) / middle, noise=up, remember=False,
                              noised=_noised_sigma(after)))  # diffusers' add_noise: its sigmas, not the mean
     return Schedule(config["_class_name"], _init_sigma(config, sigmas), tuple(out))
 
@@ -1204,6 +1230,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "DPMSolverMultistepScheduler": dpm_solver,
     "HeunDiscreteScheduler": heun,
     "KDPM2DiscreteScheduler": kdpm2,
+    "KDPM2AncestralDiscreteScheduler": lambda config, steps: kdpm2(config, steps, ancestral=True),
     "LMSDiscreteScheduler": lms,
     "FlowMatchEulerDiscreteScheduler": flow_match,
     "UniPCMultistepScheduler": unipc,
@@ -1214,7 +1241,8 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 # steps are the whole schedule's last ones as they are)
 BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc,
          "LMSDiscreteScheduler": lms}
-ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler")  # two runs a timestep: diffusers' order 2
+# two runs a timestep: diffusers' order 2
+ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler")
 # The classes whose image-to-image schedule is another one, made from (config, steps, strength), run whole
 SHORTENED = {"LCMScheduler": lcm}
 
@@ -1260,7 +1288,7 @@ def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | Non
         )
     schedule = MAKERS[name](config, steps) if strength is None else SHORTENED[name](config, steps, strength)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
-    if name in ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler"):
+    if name in ORDER_2:
         runs = 2 * steps - 1  # two runs a step, but the last
     if len(schedule.steps) != runs:
         raise GenerationError(
