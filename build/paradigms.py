@@ -355,6 +355,9 @@ SD_CASES = (
     ("kdpm2_a-eps-linspace", "KDPM2AncestralDiscreteScheduler", "epsilon", "linspace", 4, 1.0, None),
     ("kdpm2_a-v-leading-cfg", "KDPM2AncestralDiscreteScheduler", "v_prediction", "leading", 3, 5.0, NEGATIVE),
     ("kdpm2_a-karras-eps-trailing", "KDPM2AncestralDiscreteScheduler", "epsilon", "trailing", 4, 1.0, None),
+    ("deis-eps-linspace-cfg", "DEISMultistepScheduler", "epsilon", "linspace", 5, 7.5, NEGATIVE),
+    ("deis3-v-leading", "DEISMultistepScheduler", "v_prediction", "leading", 6, 1.0, None),
+    ("deis3-karras-eps-trailing", "DEISMultistepScheduler", "epsilon", "trailing", 6, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -392,6 +395,8 @@ SD_CASE_FIELDS = {
     "kdpm2-beta-eps-trailing": {"use_beta_sigmas": True},
     "lms-beta-eps-linspace-cfg": {"use_beta_sigmas": True},
     "kdpm2_a-karras-eps-trailing": {"use_karras_sigmas": True},
+    "deis3-v-leading": {"solver_order": 3},
+    "deis3-karras-eps-trailing": {"solver_order": 3, "use_karras_sigmas": True, "lower_order_final": False},
     # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
     "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
                                 "disable_corrector": [1], "lower_order_final": False},
@@ -499,6 +504,7 @@ IMG2IMG_CASES = (
     ("i2i-euler-eps-linspace-full", "EulerDiscreteScheduler", "epsilon", "linspace", 3, 1.0, 1.0, None),
     ("i2i-unipc-eps-leading-cfg", "UniPCMultistepScheduler", "epsilon", "leading", 7, 0.6, 7.5, NEGATIVE),
     ("i2i-lms-eps-leading-cfg", "LMSDiscreteScheduler", "epsilon", "leading", 7, 0.7, 7.5, NEGATIVE),
+    ("i2i-deis-v-trailing", "DEISMultistepScheduler", "v_prediction", "trailing", 6, 0.6, 1.0, None),
 )
 IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True}}  # Stable Diffusion 1.x's
 IMG2IMG_INIT = "init.png"

@@ -832,8 +832,58 @@ class KDPM2Ancestral:
         return sample + slope * (self.downs[j - 1] - sigma) + noise * self.ups[j - 1]
 
 
+class DEIS(DPMSolverMultistep):
+    """DEISMultistepScheduler (log-rho DEIS) as diffusers writes it: DPM-Solver's timesteps and order rule,
+    the last sigma the smallest training one; each step converts the output to a noise prediction and
+    moves x with the closed-form integrals of the Lagrange polynomials in log rho (rho = sigma / alpha)
+    through the last one to three steps."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, algorithm_type=("deis",), solver_type=("logrho",), solver_order=(1, 2, 3),
+               thresholding=(False,), use_karras_sigmas=(False, True), use_exponential_sigmas=(False,),
+               use_beta_sigmas=(False,), use_flow_sigmas=(False,))
+        super().__init__({**config, "algorithm_type": "dpmsolver++", "solver_type": "midpoint",
+                          "final_sigmas_type": "sigma_min", "euler_at_final": False}, steps)
+        self.config = {**config, "final_sigmas_type": "sigma_min", "euler_at_final": False}
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        alpha_s0, sigma_s0, _ = self._alpha_sigma_lambda(self.sigmas[i])
+        alpha_t, sigma_t, _ = self._alpha_sigma_lambda(self.sigmas[i + 1])
+        if self.config["prediction_type"] == "epsilon":
+            x0 = (x - sigma_s0 * output) / alpha_s0
+        else:
+            x0 = alpha_s0 * x - sigma_s0 * output
+        self.outputs.append((x - alpha_s0 * x0) / sigma_s0)  # the noise prediction
+        order = self._order(i)
+        m = self.outputs[::-1]
+        rho = [self.sigmas[i + 1], *(self.sigmas[i - k] for k in range(order))]  # t, s0, s1, s2
+        if order == 1:
+            h = math.log(alpha_t / sigma_t) - math.log(alpha_s0 / sigma_s0)
+            return alpha_t / alpha_s0 * x - sigma_t * (math.exp(h) - 1.0) * m[0]
+        log = np.log
+        if order == 2:
+            def integral(t: float, b: float, c: float) -> float:
+                return t * (-log(c) + log(t) - 1) / (log(b) - log(c))
+
+            t, s0, s1 = rho
+            coefficients = [integral(t, s0, s1) - integral(s0, s0, s1),
+                            integral(t, s1, s0) - integral(s0, s1, s0)]
+        else:
+            def integral(t: float, b: float, c: float, d: float) -> float:  # type: ignore[misc]
+                top = t * (log(c) * (log(d) - log(t) + 1) - log(d) * log(t) + log(d) + log(t) ** 2
+                           - 2 * log(t) + 2)
+                return top / ((log(b) - log(c)) * (log(b) - log(d)))
+
+            t, s0, s1, s2 = rho
+            coefficients = [integral(t, s0, s1, s2) - integral(s0, s0, s1, s2),
+                            integral(t, s1, s2, s0) - integral(s0, s1, s2, s0),
+                            integral(t, s2, s0, s1) - integral(s0, s2, s0, s1)]
+        return alpha_t * (x / alpha_s0 + sum(c * e for c, e in zip(coefficients, m, strict=False)))
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
+    "DEISMultistepScheduler": DEIS,
     "KDPM2AncestralDiscreteScheduler": KDPM2Ancestral,
     "LMSDiscreteScheduler": LMS,
     "HeunDiscreteScheduler": Heun,

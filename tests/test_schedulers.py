@@ -63,17 +63,24 @@ def _compare(config: dict, steps: int, rng: np.random.Generator, strength: float
 def test_schedules_equal_the_numpy_ports(sd_tiny: Path) -> None:
     rng = np.random.default_rng(0)
     cases = json.loads((sd_tiny / "references" / "cases.json").read_text())["cases"]
-    worst = 0.0
+    worst, deis = 0.0, 0.0
     for case in cases:
         for spacing in ("linspace", "leading", "trailing"):
             config = {**case["scheduler"], "timestep_spacing": spacing}
             for steps in STEPS:
-                worst = max(worst, _compare(config, steps, rng))
+                difference = _compare(config, steps, rng)
+                if config["_class_name"] == "DEISMultistepScheduler":
+                    deis = max(deis, difference)
+                else:
+                    worst = max(worst, difference)
     ddim = next(c["scheduler"] for c in cases if c["scheduler"]["_class_name"] == "DDIMScheduler")
     for steps in (2, 5):  # clipping the predicted clean latents
         worst = max(worst, _compare({**ddim, "clip_sample": True, "clip_sample_range": 0.5}, steps, rng))
-    print(f"max relative difference of the latents after every step: {worst:.1e}")
+    print(f"max relative difference of the latents after every step: {worst:.1e} (DEIS {deis:.1e})")
     assert worst < 1e-12
+    # DEIS's weights are differences of antiderivatives at two close sigmas (diffusers' closed forms in the
+    # port, ortpipe's own expansion): each side loses about 1e-11 to the cancellation
+    assert 0 < deis < 1e-10
 
 
 @pytest.mark.slow

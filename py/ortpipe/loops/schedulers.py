@@ -5,12 +5,13 @@ the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which doe
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
 dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
-KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4;
+KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4, DEISMultistep's log-rho
+DEIS of order 1 to 3;
 FlowMatchEulerDiscrete's flow matching, whose output is a velocity), for epsilon and v_prediction and the
 three timestep spacings (arXiv 2305.08891, table 2), and Karras, exponential or beta sigmas
 (`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`; `use_beta_sigmas`, arXiv 2407.12173)
 for EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral variant) and LMSDiscrete, Karras also
-for DPMSolverMultistep and UniPCMultistep. A field whose
+for DPMSolverMultistep, UniPCMultistep and DEISMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -51,6 +52,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "kdpm2": "KDPM2DiscreteScheduler",
     "k_dpm_2_ancestral_discrete": "KDPM2AncestralDiscreteScheduler",
     "kdpm2_ancestral": "KDPM2AncestralDiscreteScheduler",
+    "deis_multistep": "DEISMultistepScheduler",
+    "deis": "DEISMultistepScheduler",
     "lms_discrete": "LMSDiscreteScheduler",
     "lms": "LMSDiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
@@ -155,6 +158,20 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_exponential_sigmas": False,
         "use_beta_sigmas": False,
         "timestep_spacing": "linspace",
+    },
+    "DEISMultistepScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+        "solver_order": 2,
+        "thresholding": False,
+        "algorithm_type": "deis",
+        "solver_type": "logrho",
+        "lower_order_final": True,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_flow_sigmas": False,
+        "timestep_spacing": "linspace",
+        "use_dynamic_shifting": False,
     },
     "KDPM2AncestralDiscreteScheduler": {
         **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
@@ -267,6 +284,19 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "use_karras_sigmas": (False, True),
         "use_exponential_sigmas": (False, True),
         "use_beta_sigmas": (False, True),
+    },
+    "DEISMultistepScheduler": {
+        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+        "solver_order": (1, 2, 3),
+        "algorithm_type": ("deis",),  # diffusers runs only its log-rho DEIS
+        "solver_type": ("logrho",),
+        "lower_order_final": (False, True),
+        "thresholding": (False,),
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False,),  # diffusers truncates its float timesteps, as DPM-Solver's
+        "use_beta_sigmas": (False,),
+        "use_flow_sigmas": (False,),
+        "use_dynamic_shifting": (False,),
     },
     "KDPM2AncestralDiscreteScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
@@ -763,7 +793,8 @@ def kdpm2(config: Mapping[str, Any], steps: int, ancestral: bool = False) -> Sch
     up = s' sqrt(s^2 - s'^2) / s is added (drawn at each second run, as diffusers draws it)."""
     timesteps, sigmas, table = _sigma_schedule(config, steps, True)
     if config["use_karras_sigmas"]:  # rounded; diffusers runs a repeated one as any other (by step index)
-        timesteps = [float(round(t)) for t in timesteps]  # numpy's round: half to even, as Python's
+        # numpy's round: half to even, as Python's (a NaN one, from sigmas that overflow, stays for the check)
+        timesteps = [float(round(t)) if math.isfinite(t) else t for t in timesteps]
     sigmas = [f32(s) for s in sigmas] + [0.0]  # diffusers keeps them in float32
     logs = [math.log(s) if s > 0 else -INF for s in table]
     out = []
@@ -1012,6 +1043,55 @@ def dpm_solver(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedul
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
+def deis(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
+    """DEISMultistepScheduler (log-rho DEIS, orders 1 to 3): DPM-Solver's timesteps, its last sigma the
+    smallest training one, and its order rule. The memory holds each step's noise prediction eps (the
+    kernel's x0 slot: the output itself for epsilon models, sigma x + alpha v for v_prediction); a step
+    is x_next = alpha_t (x / alpha_s + sum_j c_j eps_j), c_j the integral over rho = sigma / alpha, from
+    this step's to the next's, of the Lagrange polynomial in log rho through the steps' own (1 at step j,
+    0 at the others). `begin`: the first run (image-to-image), where the lower orders start."""
+    internal = {**config, "final_sigmas_type": "sigma_min", "euler_at_final": False}
+    table = [((1 - a) / a) ** 0.5 for a in alphas_cumprod(config)]
+    timesteps, sigmas = _dpm_timesteps(internal, steps, table)
+    out = []
+    for i in range(begin, len(timesteps)):
+        alpha_s, sigma_s, _ = _alpha_sigma_lambda(sigmas[i])
+        alpha_t, _, _ = _alpha_sigma_lambda(sigmas[i + 1])
+        eps = (0.0, 1.0) if config["prediction_type"] == "epsilon" else (sigma_s, alpha_s)
+        order = _dpm_order(internal, i, steps, begin)
+        nodes = [math.log(sigmas[i - j]) for j in range(order)]  # log rho of this step and those before
+        c = [alpha_t * _log_lagrange_integral(nodes, j, sigmas[i], sigmas[i + 1]) for j in range(order)]
+        c += [0.0] * (3 - order)
+        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
+        out.append(_step(float(timesteps[i]), 1.0, eps, x=alpha_t / alpha_s, from_x0=c[0], previous=c[1],
+                         previous2=c[2], noised=noised))
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def _log_lagrange_integral(nodes: list[float], j: int, low: float, high: float) -> float:
+    """The integral over rho from `low` to `high` of P(log rho), P the Lagrange polynomial that is 1 at
+    nodes[j] and 0 at the other nodes: with u = log rho, the integral of P(u) e^u du is
+    e^u (P - P' + P'' - ...)(u) between the ends."""
+    poly = [1.0]  # ascending powers of u
+    for k, node in enumerate(nodes):
+        if k != j:
+            scale = nodes[j] - node
+            if scale == 0:  # two steps at one sigma: diffusers divides by zero; make_schedule refuses
+                return math.nan
+            poly = [((poly[p - 1] if p else 0.0) - node * (poly[p] if p < len(poly) else 0.0)) / scale
+                    for p in range(len(poly) + 1)]
+    alternating, term, sign = [0.0] * len(poly), poly, 1.0
+    while term:  # P - P' + P'' - ...
+        alternating = [a + sign * (term[p] if p < len(term) else 0.0) for p, a in enumerate(alternating)]
+        term, sign = [p * term[p] for p in range(1, len(term))], -sign
+
+    def antiderivative(rho: float) -> float:
+        u = math.log(rho)
+        return rho * sum(a * u**p for p, a in enumerate(alternating))
+
+    return antiderivative(high) - antiderivative(low)
+
+
 def _multistep_weights(config: Mapping[str, Any], order: int, lambdas: list[float], alpha_t: float
                        ) -> list[float]:
     """The weights of (x0, the step before's x0, the one before that's) in an order-2 or 3 update's D1 and
@@ -1232,6 +1312,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "KDPM2DiscreteScheduler": kdpm2,
     "KDPM2AncestralDiscreteScheduler": lambda config, steps: kdpm2(config, steps, ancestral=True),
     "LMSDiscreteScheduler": lms,
+    "DEISMultistepScheduler": deis,
     "FlowMatchEulerDiscreteScheduler": flow_match,
     "UniPCMultistepScheduler": unipc,
 }
@@ -1240,7 +1321,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 # The classes whose steps start at a begin index for image-to-image: the steps from there (the others'
 # steps are the whole schedule's last ones as they are)
 BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc,
-         "LMSDiscreteScheduler": lms}
+         "LMSDiscreteScheduler": lms, "DEISMultistepScheduler": deis}
 # two runs a timestep: diffusers' order 2
 ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler")
 # The classes whose image-to-image schedule is another one, made from (config, steps, strength), run whole
