@@ -701,17 +701,23 @@ class KDPM2:
     """KDPM2DiscreteScheduler as diffusers writes it (its sigmas in float32): every step but the last an
     Euler step to the geometric mean of its sigma and the next, keeping the sample, then a run at that
     middle sigma (its timestep interpolated in log sigma) whose slope carries the kept sample to the next
-    sigma; the last an Euler step to 0. Karras timesteps rounded."""
+    sigma; the last an Euler step to 0. Karras timesteps rounded.
+
+    KDPM2AncestralDiscreteScheduler (`ancestral`): the middle between the sigma and the ancestral step's down
+    sigma, the second run carrying the kept sample to down and adding noise times up (one draw each)."""
 
     order = 2
 
-    def __init__(self, config: Mapping, steps: int) -> None:
+    def __init__(self, config: Mapping, steps: int, ancestral: bool = False) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
                use_beta_sigmas=(False, True))
         euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
         self.config = config
         sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
-        middles = np.sqrt(sigmas[:-1] * sigmas[1:])  # the last: 0
+        now, after = sigmas[:-1], sigmas[1:]
+        self.ups = np.sqrt(after**2 * (now**2 - after**2) / now**2) if ancestral else np.zeros_like(after)
+        self.downs = np.sqrt(after**2 - self.ups**2)
+        middles = np.sqrt(now * self.downs)  # the last: 0
         cumprod = alphas_cumprod(config)
         table = ((1 - cumprod) / cumprod) ** 0.5
         ticks = euler.timesteps.round() if config.get("use_karras_sigmas") else euler.timesteps
@@ -722,7 +728,8 @@ class KDPM2:
         self.sigmas, self.middles = sigmas, middles
         top = sigmas.max()
         exact = config["timestep_spacing"] in ("linspace", "trailing")
-        self.init_noise_sigma, self.noise_steps = (top if exact else (top**2 + 1) ** 0.5), []
+        self.init_noise_sigma = top if exact else (top**2 + 1) ** 0.5
+        self.noise_steps = list(range(1, len(self.timesteps), 2)) if ancestral else []  # the second runs
         self.kept: np.ndarray | None = None
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
@@ -739,35 +746,29 @@ class KDPM2:
             sigma, middle = self.sigmas[j], self.middles[j]
             self.kept = x
             return x + (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma * (middle - sigma)
-        sigma, middle, after = self.sigmas[j - 1], self.middles[j - 1], self.sigmas[j]
+        sigma, middle = self.sigmas[j - 1], self.middles[j - 1]
         sample, self.kept = self.kept, None
-        return sample + (x - _x0_from_sigma(self.config, output, x, middle)) / middle * (after - sigma)
+        slope = (x - _x0_from_sigma(self.config, output, x, middle)) / middle
+        moved = sample + slope * (self.downs[j - 1] - sigma)
+        return moved if noise is None else moved + noise * self.ups[j - 1]
 
 
-class LMS:
+class LMS(Euler):
     """LMSDiscreteScheduler as diffusers writes it (its sigmas in float32; step's default order 4): the
     slopes (x - x0) / sigma of the last runs, up to four, each weighted by the integral of its Lagrange
     polynomial through those runs' sigmas over this step's sigma interval (Gauss-Legendre quadrature here,
     scipy's quad in diffusers); as many weights used as there are slopes since the first run."""
 
-    order = 1
-
     def __init__(self, config: Mapping, steps: int) -> None:
         _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
                use_beta_sigmas=(False, True))
-        euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
-        self.config, self.timesteps = config, euler.timesteps
-        self.sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
+        super().__init__({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
+        self.config = config
+        self.sigmas = self.sigmas.astype(np.float32).astype(np.float64)
         top = self.sigmas.max()
         exact = config["timestep_spacing"] in ("linspace", "trailing")
-        self.init_noise_sigma, self.noise_steps = (top if exact else (top**2 + 1) ** 0.5), []
+        self.init_noise_sigma = top if exact else (top**2 + 1) ** 0.5
         self.slopes: list[np.ndarray] = []
-
-    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
-        return x / (self.sigmas[i] ** 2 + 1) ** 0.5
-
-    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
-        return sample + self.sigmas[i] * noise
 
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
@@ -782,54 +783,6 @@ class LMS:
                     basis *= (taus - self.sigmas[i - k]) / (self.sigmas[i - j] - self.sigmas[i - k])
             x = x + (sigma_next - sigma) / 2 * float(weights @ basis) * slope
         return x
-
-
-class KDPM2Ancestral:
-    """KDPM2AncestralDiscreteScheduler as diffusers writes it (its sigmas in float32): KDPM2's two runs a
-    step, the middle sigma the geometric mean of the sigma and the ancestral step's down sigma, the second
-    run carrying the kept sample to down and adding noise times up (one draw each second run)."""
-
-    order = 2
-
-    def __init__(self, config: Mapping, steps: int) -> None:
-        _check(config, use_karras_sigmas=(False, True), use_exponential_sigmas=(False, True),
-               use_beta_sigmas=(False, True))
-        euler = Euler({**config, "final_sigmas_type": "zero", "sigma_min": None, "sigma_max": None}, steps)
-        self.config = config
-        sigmas = euler.sigmas.astype(np.float32).astype(np.float64)
-        now, after = sigmas[:-1], sigmas[1:]
-        self.ups = np.sqrt(after**2 * (now**2 - after**2) / now**2)
-        self.downs = np.sqrt(after**2 - self.ups**2)
-        middles = np.sqrt(now * self.downs)  # the last: 0
-        cumprod = alphas_cumprod(config)
-        table = ((1 - cumprod) / cumprod) ** 0.5
-        ticks = euler.timesteps.round() if config.get("use_karras_sigmas") else euler.timesteps
-        between = sigma_to_t(middles[:-1], table).astype(np.float32).astype(np.float64)
-        self.timesteps = np.concatenate([ticks[:1], np.stack([between, ticks[1:]], axis=1).ravel()])
-        self.inputs = np.concatenate([sigmas[:1], np.stack([middles[:-1], sigmas[1:-1]], axis=1).ravel()])
-        self.sigmas, self.middles = sigmas, middles
-        top = sigmas.max()
-        exact = config["timestep_spacing"] in ("linspace", "trailing")
-        self.init_noise_sigma = top if exact else (top**2 + 1) ** 0.5
-        self.noise_steps = list(range(1, len(self.timesteps), 2))  # the second runs
-        self.kept: np.ndarray | None = None
-
-    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
-        return x / (self.inputs[i] ** 2 + 1) ** 0.5
-
-    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
-        return sample + self.sigmas[(i + 1) // 2] * noise
-
-    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
-        j = (i + 1) // 2
-        if self.kept is None:  # the Euler step to the middle sigma
-            sigma, middle = self.sigmas[j], self.middles[j]
-            self.kept = x
-            return x + (x - _x0_from_sigma(self.config, output, x, sigma)) / sigma * (middle - sigma)
-        sigma, middle = self.sigmas[j - 1], self.middles[j - 1]
-        sample, self.kept = self.kept, None
-        slope = (x - _x0_from_sigma(self.config, output, x, middle)) / middle
-        return sample + slope * (self.downs[j - 1] - sigma) + noise * self.ups[j - 1]
 
 
 class DEIS(DPMSolverMultistep):
@@ -884,7 +837,7 @@ class DEIS(DPMSolverMultistep):
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
     "DEISMultistepScheduler": DEIS,
-    "KDPM2AncestralDiscreteScheduler": KDPM2Ancestral,
+    "KDPM2AncestralDiscreteScheduler": lambda config, steps: KDPM2(config, steps, ancestral=True),
     "LMSDiscreteScheduler": LMS,
     "HeunDiscreteScheduler": Heun,
     "KDPM2DiscreteScheduler": KDPM2,

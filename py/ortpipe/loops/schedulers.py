@@ -71,6 +71,15 @@ _BETAS = {
     "steps_offset": 0,
     "rescale_betas_zero_snr": False,
 }
+_KDPM2 = {  # KDPM2Discrete's and KDPM2AncestralDiscrete's
+    **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "timestep_spacing": "linspace",
+}
 # diffusers' defaults of each class: what a field the config leaves out means.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "EulerDiscreteScheduler": {
@@ -150,15 +159,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "clip_sample_range": 1.0,
         "timestep_spacing": "linspace",
     },
-    "KDPM2DiscreteScheduler": {
-        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
-        "beta_start": 0.00085,
-        "beta_end": 0.012,
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
-        "timestep_spacing": "linspace",
-    },
+    "KDPM2DiscreteScheduler": _KDPM2,
     "DEISMultistepScheduler": {
         **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
         "solver_order": 2,
@@ -173,15 +174,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "timestep_spacing": "linspace",
         "use_dynamic_shifting": False,
     },
-    "KDPM2AncestralDiscreteScheduler": {
-        **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
-        "beta_start": 0.00085,
-        "beta_end": 0.012,
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
-        "timestep_spacing": "linspace",
-    },
+    "KDPM2AncestralDiscreteScheduler": _KDPM2,
     "LMSDiscreteScheduler": {
         **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
         "use_karras_sigmas": False,
@@ -235,6 +228,13 @@ _COMMON: dict[str, tuple[Any, ...] | None] = {
     "timestep_spacing": ("linspace", "leading", "trailing"),
     "rescale_betas_zero_snr": (False, True),
 }
+# the sigma schedules' classes without a zero-SNR rescale: Karras, exponential or beta sigmas
+_SPREAD: dict[str, tuple[Any, ...] | None] = {
+    **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
+    "use_karras_sigmas": (False, True),
+    "use_exponential_sigmas": (False, True),
+    "use_beta_sigmas": (False, True),
+}
 ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
     "EulerDiscreteScheduler": {
         **_COMMON,
@@ -273,18 +273,8 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "variance_type": (None,),
         "lambda_min_clipped": (-INF,),
     },
-    "HeunDiscreteScheduler": {
-        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
-        "use_karras_sigmas": (False, True),
-        "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False, True),
-    },
-    "KDPM2DiscreteScheduler": {
-        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
-        "use_karras_sigmas": (False, True),
-        "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False, True),
-    },
+    "HeunDiscreteScheduler": dict(_SPREAD),
+    "KDPM2DiscreteScheduler": dict(_SPREAD),
     "DEISMultistepScheduler": {
         **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
         "solver_order": (1, 2, 3),
@@ -298,18 +288,8 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "use_flow_sigmas": (False,),
         "use_dynamic_shifting": (False,),
     },
-    "KDPM2AncestralDiscreteScheduler": {
-        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
-        "use_karras_sigmas": (False, True),
-        "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False, True),
-    },
-    "LMSDiscreteScheduler": {
-        **{k: v for k, v in _COMMON.items() if k != "rescale_betas_zero_snr"},
-        "use_karras_sigmas": (False, True),
-        "use_exponential_sigmas": (False, True),
-        "use_beta_sigmas": (False, True),
-    },
+    "KDPM2AncestralDiscreteScheduler": dict(_SPREAD),
+    "LMSDiscreteScheduler": dict(_SPREAD),
     "UniPCMultistepScheduler": {
         **_COMMON,
         "solver_order": (1, 2, 3),
