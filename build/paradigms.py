@@ -358,6 +358,10 @@ SD_CASES = (
     ("deis-eps-linspace-cfg", "DEISMultistepScheduler", "epsilon", "linspace", 5, 7.5, NEGATIVE),
     ("deis3-v-leading", "DEISMultistepScheduler", "v_prediction", "leading", 6, 1.0, None),
     ("deis3-karras-eps-trailing", "DEISMultistepScheduler", "epsilon", "trailing", 6, 1.0, None),
+    # EDMEuler has no timestep spacing (its sigmas run between sigma_max and sigma_min)
+    ("edm-eps-karras-cfg", "EDMEulerScheduler", "epsilon", "linspace", 5, 7.5, NEGATIVE),
+    ("edm-v-exponential-min", "EDMEulerScheduler", "v_prediction", "linspace", 4, 1.0, None),
+    ("edm-eps-range", "EDMEulerScheduler", "epsilon", "linspace", 3, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
@@ -397,6 +401,9 @@ SD_CASE_FIELDS = {
     "kdpm2_a-karras-eps-trailing": {"use_karras_sigmas": True},
     "deis3-v-leading": {"solver_order": 3},
     "deis3-karras-eps-trailing": {"solver_order": 3, "use_karras_sigmas": True, "lower_order_final": False},
+    "edm-v-exponential-min": {"sigma_schedule": "exponential", "final_sigmas_type": "sigma_min",
+                              "sigma_max": 14.6, "sigma_min": 0.03},
+    "edm-eps-range": {"sigma_max": 14.6, "sigma_min": 0.03, "sigma_data": 1.0, "rho": 5.0},
     # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
     "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
                                 "disable_corrector": [1], "lower_order_final": False},

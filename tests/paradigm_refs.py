@@ -834,8 +834,47 @@ class DEIS(DPMSolverMultistep):
         return alpha_t * (x / alpha_s0 + sum(c * e for c, e in zip(coefficients, m, strict=False)))
 
 
+class EDMEuler:
+    """EDMEulerScheduler as diffusers writes it (s_churn 0): sigmas from sigma_max to sigma_min (Karras of
+    its rho, or even in log sigma) in float32, the UNet's timestep 0.25 log sigma and its input
+    x / sqrt(sigma^2 + sigma_data^2), an Euler step on EDM's preconditioned clean latents."""
+
+    order = 1
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, sigma_schedule=("karras", "exponential"), final_sigmas_type=("zero", "sigma_min"))
+        self.config = config
+        low, high = config.get("sigma_min", 0.002), config.get("sigma_max", 80.0)
+        rho = config.get("rho", 7.0)
+        ramp = np.linspace(0.0, 1.0, steps)
+        if config.get("sigma_schedule", "karras") == "karras":
+            sigmas = (high ** (1 / rho) + ramp * (low ** (1 / rho) - high ** (1 / rho))) ** rho
+        else:
+            sigmas = np.exp(np.linspace(math.log(low), math.log(high), steps))[::-1]
+        sigmas = sigmas.astype(np.float32)
+        # diffusers takes the log in float32 (torch's): within one float32 step of this
+        self.timesteps = (0.25 * np.log(sigmas.astype(np.float64))).astype(np.float32).astype(np.float64)
+        last = sigmas[-1] if config.get("final_sigmas_type", "zero") == "sigma_min" else 0.0
+        self.sigmas = np.append(sigmas.astype(np.float64), last)
+        self.init_noise_sigma, self.noise_steps = (high**2 + 1) ** 0.5, []
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x / (self.sigmas[i] ** 2 + self.config.get("sigma_data", 0.5) ** 2) ** 0.5
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return sample + self.sigmas[i] * noise
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        sigma, data = self.sigmas[i], self.config.get("sigma_data", 0.5)
+        sign = 1.0 if self.config.get("prediction_type", "epsilon") == "epsilon" else -1.0
+        c_skip, c_out = data**2 / (sigma**2 + data**2), sign * sigma * data / (sigma**2 + data**2) ** 0.5
+        denoised = c_skip * x + c_out * output
+        return x + (x - denoised) / sigma * (self.sigmas[i + 1] - sigma)
+
+
 SCHEDULERS = {
     "EulerDiscreteScheduler": Euler,
+    "EDMEulerScheduler": EDMEuler,
     "DEISMultistepScheduler": DEIS,
     "KDPM2AncestralDiscreteScheduler": lambda config, steps: KDPM2(config, steps, ancestral=True),
     "LMSDiscreteScheduler": LMS,

@@ -6,12 +6,11 @@ latents. The coefficients are computed in float64 from the config as diffusers 0
 (EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
 dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
 KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4, DEISMultistep's log-rho
-DEIS of order 1 to 3;
-FlowMatchEulerDiscrete's flow matching, whose output is a velocity), for epsilon and v_prediction and the
-three timestep spacings (arXiv 2305.08891, table 2), and Karras, exponential or beta sigmas
-(`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`; `use_beta_sigmas`, arXiv 2407.12173)
-for EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral variant) and LMSDiscrete, Karras also
-for DPMSolverMultistep, UniPCMultistep and DEISMultistep. A field whose
+DEIS of order 1 to 3, EDMEuler's preconditioned Euler; FlowMatchEulerDiscrete's flow matching, whose output
+is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2),
+and Karras, exponential or beta sigmas (`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`;
+`use_beta_sigmas`, arXiv 2407.12173) for EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral
+variant) and LMSDiscrete, Karras also for DPMSolverMultistep, UniPCMultistep and DEISMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
@@ -54,6 +53,7 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "kdpm2_ancestral": "KDPM2AncestralDiscreteScheduler",
     "deis_multistep": "DEISMultistepScheduler",
     "deis": "DEISMultistepScheduler",
+    "edm_euler": "EDMEulerScheduler",
     "lms_discrete": "LMSDiscreteScheduler",
     "lms": "LMSDiscreteScheduler",
     "flow_match_euler_discrete": "FlowMatchEulerDiscreteScheduler",
@@ -201,6 +201,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "sigma_max": None,
         "shift_terminal": None,
     },
+    # EDM (Karras et al., arXiv 2206.00364): no betas; sigmas between sigma_max and sigma_min, preconditioned
+    "EDMEulerScheduler": {
+        "num_train_timesteps": 1000,
+        "sigma_min": 0.002,
+        "sigma_max": 80.0,
+        "sigma_data": 0.5,
+        "sigma_schedule": "karras",
+        "prediction_type": "epsilon",
+        "rho": 7.0,
+        "final_sigmas_type": "zero",
+    },
     # flow matching (Stable Diffusion 3): no betas; sigma runs from 1 (noise) to 0 along a straight line
     "FlowMatchEulerDiscreteScheduler": {
         "num_train_timesteps": 1000,
@@ -220,7 +231,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 SCHEDULERS = tuple(DEFAULTS)
-FLOW = ("FlowMatchEulerDiscreteScheduler",)  # the classes without a beta schedule
+FLOW = ("FlowMatchEulerDiscreteScheduler",)  # flow matching (its image-to-image keeps its own step count)
+BETALESS = (*FLOW, "EDMEulerScheduler")  # the classes without a beta schedule
 # The values of the fields this module follows, per class (None: any value of the right kind).
 _COMMON: dict[str, tuple[Any, ...] | None] = {
     "beta_schedule": ("linear", "scaled_linear"),
@@ -309,6 +321,11 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "sigma_max": (None,),
         "shift_terminal": (None,),
     },
+    "EDMEulerScheduler": {
+        "prediction_type": ("epsilon", "v_prediction"),
+        "sigma_schedule": ("karras", "exponential"),
+        "final_sigmas_type": ("zero", "sigma_min"),
+    },
     "FlowMatchEulerDiscreteScheduler": {
         "use_dynamic_shifting": (False,),  # its shift depends on the image's size (mu): not followed
         "invert_sigmas": (False,),
@@ -361,7 +378,7 @@ def scheduler_config(raw: Mapping[str, Any], name: str | None, where: str) -> di
                 f"(it runs {', '.join(map(quote, allowed))})"
             )
     problems += _field_problems(config, wanted, where)
-    if not problems and wanted not in FLOW:
+    if not problems and wanted not in BETALESS:
         problems += _schedule_problems(config, where)
     if problems:
         raise ConfigError(problems)
@@ -375,11 +392,13 @@ def _field_problems(config: Mapping[str, Any], wanted: str, where: str) -> list[
         value = config.get(key)
         if key in config and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
             problems.append(f"{where}: {key} must be a number of 0 or more, found {quote(value)}")
-    for key in ("sigma_min", "sigma_max"):  # EulerDiscrete's and UniPC's (the others have no such field)
+    edm = wanted == "EDMEulerScheduler"  # its ends, data scale and rho are numbers it needs
+    for key in ("sigma_min", "sigma_max", "sigma_data", "rho"):  # EulerDiscrete's and UniPC's ends, EDM's
         value = config.get(key) if key in DEFAULTS[wanted] else None
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if value is not None and (not number or value <= 0):
-            problems.append(f"{where}: {key} must be a positive number or null, found {quote(value)}")
+        if (value is not None or edm) and (not number or not 0 < value < INF):
+            problems.append(f"{where}: {key} must be a positive number{'' if edm else ' or null'}, found "
+                            f"{quote(value)}")
     skipped = config.get("disable_corrector", [])
     if not isinstance(skipped, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                 for i in skipped):
@@ -840,6 +859,32 @@ def _lms_weight(sigmas: list[float], i: int, order: int, j: int) -> float:
     return width * sum(c / (p + 1) for p, c in enumerate(poly))
 
 
+def edm_euler(config: Mapping[str, Any], steps: int) -> Schedule:
+    """EDMEulerScheduler (s_churn 0, as the pipelines call it): Karras sigmas of its rho, or sigmas even in
+    log sigma, from sigma_max to sigma_min (float32, as diffusers keeps them); the UNet's timestep is
+    0.25 log sigma, its input x / sqrt(sigma^2 + sigma_data^2), and the clean latents
+    c_skip x + c_out output with sigma_data's preconditioning (c_out's sign is the prediction type's)."""
+    low, high, rho, data = config["sigma_min"], config["sigma_max"], config["rho"], config["sigma_data"]
+    if config["sigma_schedule"] == "karras":
+        sigmas = [(high ** (1 / rho) + r * (low ** (1 / rho) - high ** (1 / rho))) ** rho
+                  for r in _linspace(0.0, 1.0, steps)]
+    else:
+        sigmas = [math.exp(v) for v in _linspace(math.log(low), math.log(high), steps)][::-1]
+    sigmas = [f32(sigma) for sigma in sigmas]
+    timesteps = [f32(0.25 * math.log(sigma)) for sigma in sigmas]
+    _distinct(timesteps, config)
+    sigmas.append(sigmas[-1] if config["final_sigmas_type"] == "sigma_min" else 0.0)
+    sign = 1.0 if config["prediction_type"] == "epsilon" else -1.0
+    out = []
+    for i, t in enumerate(timesteps):
+        sigma, after = sigmas[i], sigmas[i + 1]
+        x0 = (data**2 / (sigma**2 + data**2), sign * sigma * data / (sigma**2 + data**2) ** 0.5)
+        dt = after - sigma
+        out.append(_step(t, 1 / (sigma**2 + data**2) ** 0.5, x0, x=1 + dt / sigma, from_x0=-dt / sigma,
+                         noised=_noised_sigma(sigma)))
+    return Schedule(config["_class_name"], (high**2 + 1) ** 0.5, tuple(out))
+
+
 def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
     cumprod = alphas_cumprod(config)
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
@@ -1293,6 +1338,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "KDPM2AncestralDiscreteScheduler": lambda config, steps: kdpm2(config, steps, ancestral=True),
     "LMSDiscreteScheduler": lms,
     "DEISMultistepScheduler": deis,
+    "EDMEulerScheduler": edm_euler,
     "FlowMatchEulerDiscreteScheduler": flow_match,
     "UniPCMultistepScheduler": unipc,
 }
