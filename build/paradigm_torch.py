@@ -533,8 +533,10 @@ def img2img_refs(spec: dict) -> None:
                  "add_noise": torch.randn(shape, generator=gen).numpy()}
         if inpaint:  # the masked image's encoding, which a UNet of the latents' channels does not read
             drawn["masked_noise"] = torch.randn(shape, generator=gen).numpy()
-        if case["noisy"]:  # LCM adds none after its last step
-            drawn["noise"] = torch.randn([runs - 1 if lcm else runs, *shape], generator=gen).numpy()
+        if case["noisy"]:  # LCM adds none after its last step, KDPM2Ancestral at its second runs only
+            second_runs = case["scheduler"]["_class_name"] == "KDPM2AncestralDiscreteScheduler"
+            draws = runs - 1 if lcm else runs // 2 if second_runs else runs
+            drawn["noise"] = torch.randn([draws, *shape], generator=gen).numpy()
         files = {key: f"{name}.{key}.npy" for key in drawn}
         for key, value in drawn.items():
             np.save(refs / files[key], value)

@@ -512,6 +512,7 @@ IMG2IMG_CASES = (
     ("i2i-unipc-eps-leading-cfg", "UniPCMultistepScheduler", "epsilon", "leading", 7, 0.6, 7.5, NEGATIVE),
     ("i2i-lms-eps-leading-cfg", "LMSDiscreteScheduler", "epsilon", "leading", 7, 0.7, 7.5, NEGATIVE),
     ("i2i-deis-v-trailing", "DEISMultistepScheduler", "v_prediction", "trailing", 6, 0.6, 1.0, None),
+    ("i2i-kdpm2_a-eps-leading", "KDPM2AncestralDiscreteScheduler", "epsilon", "leading", 5, 0.6, 1.0, None),
 )
 IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True}}  # Stable Diffusion 1.x's
 IMG2IMG_INIT = "init.png"
@@ -586,6 +587,8 @@ INPAINT_CASES = (
     ("inp-kdpm2-v-leading", "KDPM2DiscreteScheduler", "v_prediction", "leading", 4, 1.0, 1.0, None),
     ("inp-unipc-v-linspace", "UniPCMultistepScheduler", "v_prediction", "linspace", 5, 0.8, 1.0, None),
     ("inp-lms-v-trailing", "LMSDiscreteScheduler", "v_prediction", "trailing", 5, 0.6, 1.0, None),
+    ("inp-kdpm2_a-v-trailing", "KDPM2AncestralDiscreteScheduler", "v_prediction", "trailing", 4, 1.0, 1.0,
+     None),
 )
 INPAINT_MASK = "mask.png"
 
