@@ -206,30 +206,35 @@ class Driver:
     def decode(self, d: Decode) -> Decoded:
         """`d.limit` decode steps at most, stopping after an eos or once BURST_SECONDS have passed;
         each selects the argmax, or as `d.pick` says. A traced request runs one step per Decode, so
-        that every step has its own label. A Decode that speculates (plain greedy only) runs
-        speculative rounds instead (speculate.py)."""
+        that every step has its own label. A Decode that speculates runs speculative rounds instead
+        (speculate.py)."""
         if d.speculation is not None:
             return speculate(self, d, BURST_SECONDS)
         picker = Picker(d.pick, d.step.logits_shape[-1]) if d.pick is not None else None
         if d.step.layout == "shared":
-            f = self._shared(d)
-            cache = d.cache
-
-            def step(token: int, position: int) -> int:
-                return self._shared_step(d, f, picker, token, position)
-        else:
-            f = self._concat(d)
-            cache = dict(d.cache)  # the core's stays as it was until the answer hands this one over
-
-            def step(token: int, position: int) -> int:
-                return self._concat_step(d, f, cache, picker, token, position)
-
+            f, cache = self._shared(d), d.cache
+        else:  # the core's cache stays as it was until the answer hands this one over
+            f, cache = self._concat(d), dict(d.cache)
         burst = d.limit > 1 and self.trace is None
         end = time.perf_counter() + BURST_SECONDS if burst else 0.0  # one step: no clock read
-        tokens = [step(d.token, d.position)]
-        while burst and len(tokens) < d.limit and tokens[-1] not in d.eos and time.perf_counter() < end:
-            tokens.append(step(tokens[-1], d.position + len(tokens)))
-        return Decoded(tokens, cache)
+        step = self._stepper(d, f, cache, picker)
+        return Decoded(self._steps(step, d.token, d.position, d.limit if burst else 1, d.eos, end), cache)
+
+    def _stepper(self, d: Decode, f: _Fused, cache: dict[str, Any], picker: Picker | None) -> Any:
+        """The fused step of `d` over `f` (a concat cache's runs replace the pasts in `cache`):
+        (token, position) -> the token it selects."""
+        if d.step.layout == "shared":
+            return lambda token, position: self._shared_step(d, f, picker, token, position)
+        return lambda token, position: self._concat_step(d, f, cache, picker, token, position)
+
+    @staticmethod
+    def _steps(step: Any, token: int, position: int, n: int, eos: frozenset[int], end: float) -> list[int]:
+        """Up to n steps from `token` at `position`, stopping after an eos or at `end` (the first always
+        runs): the tokens they selected."""
+        tokens = [step(token, position)]
+        while len(tokens) < n and tokens[-1] not in eos and time.perf_counter() < end:
+            tokens.append(step(tokens[-1], position + len(tokens)))
+        return tokens
 
     def _shared_step(self, d: Decode, f: _Fused, picker: Picker | None, token: int, position: int) -> int:
         """A step over a shared buffer: the id written into the bound input array, a ready mask

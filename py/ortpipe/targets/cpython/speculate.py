@@ -200,18 +200,10 @@ class Tokens:
     def steps(self, token: int, position: int, n: int, picker: Picker | None, end: float) -> list[int]:
         """Up to n plain steps from `token` at `position` (the driver's own fused steps), stopping after
         an eos or at `end`: the tokens they selected."""
-        driver, d, out = self.driver, self.d, []
-        if self.step.layout == "shared":
-            if self.width != 1:
-                self._bind(1)
-            step = lambda t, p: driver._shared_step(d, self.f, picker, t, p)  # noqa: E731
-        else:
-            step = lambda t, p: driver._concat_step(d, self.f, self.cache, picker, t, p)  # noqa: E731
-        while True:
-            token = step(token, position + len(out))
-            out.append(token)
-            if len(out) >= n or token in d.eos or time.perf_counter() >= end:
-                return out
+        if self.step.layout == "shared" and self.width != 1:
+            self._bind(1)
+        step = self.driver._stepper(self.d, self.f, self.cache, picker)
+        return self.driver._steps(step, token, position, n, self.d.eos, end)
 
     def keep(self, length: int) -> None:
         """Forget the positions from `length` on: a shared buffer's next run starts there (its mask
