@@ -326,21 +326,61 @@ async function resolveDevice(device) {
 
 /** Pyodide with ortpipe's package unpacked into its site-packages, started from the bundle's memory
  * snapshot (build/python_snapshot.mjs): the interpreter comes up with ortpipe already imported.
- * `_loadSnapshot` is a private option of Pyodide's loader, hence the exact version in package.json. */
+ * `_loadSnapshot` is a private option of Pyodide's loader, hence the exact version in package.json.
+ * A helper worker (web/unpack.js) fetches and unpacks the snapshot and ortpipe's zip on a thread of
+ * its own, while this one starts onnxruntime-web and creates the model's sessions. */
 async function startPython() {
+  const unpacked = unpackElsewhere();
   const { loadPyodide } = await import('./pyodide/pyodide.mjs');
-  const [python, zip] = await Promise.all([
-    loadPyodide({ indexURL: here('./pyodide/'), _loadSnapshot: snapshot() }),
-    bundleFile('./ortpipe.zip'),
-  ]);
+  const python = await loadPyodide({ indexURL: here('./pyodide/'), _loadSnapshot: unpacked.snapshot });
   // The snapshot holds memory, not files: ortpipe's kernels and modules it imports later are read
   // from site-packages. And Python's `random` would start from the build's seed on every page: it
   // is seeded here from the page's crypto (unseeded requests take their seeds from it).
   const sitePackages = python.runPython("import sysconfig; sysconfig.get_path('purelib')");
-  python.unpackArchive(zip, 'zip', { extractDir: sitePackages });
+  const files = await unpacked.files;
+  if (files) {
+    for (const [path, bytes] of files) {
+      const file = `${sitePackages}/${path}`;
+      python.FS.mkdirTree(file.slice(0, file.lastIndexOf('/')));
+      python.FS.writeFile(file, bytes);
+    }
+  } else {
+    python.unpackArchive(await bundleFile('./ortpipe.zip'), 'zip', { extractDir: sitePackages });
+  }
   const entropy = Array.from(crypto.getRandomValues(new Uint32Array(8)), (word) => word.toString(16).padStart(8, '0'));
   python.runPython(`import random; random.seed(0x${entropy.join('')})`);
   return python;
+}
+
+/**
+ * {snapshot, files}: promises of the snapshot's bytes and of ortpipe's files ([[path, bytes]]), from
+ * the helper worker; where a worker cannot start one (or the helper fails), the snapshot is read on
+ * this thread and `files` is null (Python unpacks the zip itself).
+ */
+function unpackElsewhere() {
+  let helper = null;
+  try {
+    helper = typeof Worker === 'undefined' ? null : new Worker(here('./unpack.js'), { type: 'module' });
+  } catch {
+    helper = null;
+  }
+  if (!helper) return { snapshot: snapshot(), files: Promise.resolve(null) };
+  const settle = {};
+  const snapshotBytes = new Promise((resolve) => { settle.snapshot = resolve; });
+  const files = new Promise((resolve) => { settle.files = resolve; });
+  helper.onmessage = ({ data }) => {
+    if (data.snapshot) settle.snapshot(new Uint8Array(data.snapshot));
+    else if (data.files) settle.files(data.files);
+    else if (data.of === 'snapshot') settle.snapshot(snapshot()); // read here, which reports what fails
+    else settle.files(null);
+  };
+  helper.onerror = () => {
+    settle.snapshot(snapshot());
+    settle.files(null);
+  };
+  Promise.allSettled([snapshotBytes, files]).then(() => helper.terminate());
+  helper.postMessage({ snapshot: here(SNAPSHOT), zip: here('./ortpipe.zip') });
+  return { snapshot: snapshotBytes, files };
 }
 
 /** The snapshot's bytes: gzipped in the bundle, unless the server already undid the gzip. */
