@@ -447,6 +447,8 @@ def _run_case(pipe, case: dict, folder: Path) -> dict:
         # arguments that some pipelines do not take (a latent consistency model's: negative_prompt), given
         # only when set
         optional = {"guidance_rescale": rescale} if rescale else {}
+        if case.get("eta"):  # StableDiffusionPipeline hands it to the schedulers whose step takes it (DDIM)
+            optional["eta"] = case["eta"]
         if case.get("negative_prompt") is not None:  # "" is a negative prompt, unlike None
             optional["negative_prompt"] = case["negative_prompt"]
         image = pipe(case["prompt"], num_inference_steps=case["num_inference_steps"],

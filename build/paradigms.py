@@ -362,9 +362,13 @@ SD_CASES = (
     ("edm-eps-karras-cfg", "EDMEulerScheduler", "epsilon", "linspace", 5, 7.5, NEGATIVE),
     ("edm-v-exponential-min", "EDMEulerScheduler", "v_prediction", "linspace", 4, 1.0, None),
     ("edm-eps-range", "EDMEulerScheduler", "epsilon", "linspace", 3, 1.0, None),
+    # DDIM with eta (the pipeline's argument): noise every step
+    ("ddim-eta-eps-leading-cfg", "DDIMScheduler", "epsilon", "leading", 4, 7.5, NEGATIVE),
+    ("ddim-eta1-v-trailing", "DDIMScheduler", "v_prediction", "trailing", 3, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
-SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7}}
+SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7},
+                   "ddim-eta-eps-leading-cfg": {"eta": 0.6}, "ddim-eta1-v-trailing": {"eta": 1.0}}
 # scheduler fields beyond the table's, per case
 SD_CASE_FIELDS = {
     "euler-karras-eps-leading-cfg": {"use_karras_sigmas": True},
@@ -416,12 +420,15 @@ def sd_cases() -> list[dict]:
     for seed, (name, cls, prediction, spacing, steps, guidance, negative) in enumerate(SD_CASES):
         scheduler = {"_class_name": cls, **SCHEDULER_BASE, "prediction_type": prediction,
                      "timestep_spacing": spacing, **SD_CASE_FIELDS.get(name, {})}
-        noisy = str(scheduler.get("algorithm_type", "")).startswith("sde")  # DPM-Solver's SDE: noise per step
+        options = SD_CASE_OPTIONS.get(name, {})
+        # DPM-Solver's SDE and DDIM with eta: noise per step
+        noisy = str(scheduler.get("algorithm_type", "")).startswith("sde") or options.get("eta", 0.0) > 0
         cases.append({"name": name, "scheduler": scheduler, "num_inference_steps": steps,
                       "guidance_scale": guidance, "prompt": PROMPT, "negative_prompt": negative, "seed": seed,
                       "latents": f"{name}.latents.npy",
                       "noise": f"{name}.noise.npy" if cls in NOISY_SCHEDULERS or noisy else None,
-                      "guidance_rescale": SD_CASE_OPTIONS.get(name, {}).get("guidance_rescale", 0.0)})
+                      "guidance_rescale": options.get("guidance_rescale", 0.0),
+                      "eta": options.get("eta", 0.0)})
     return cases
 
 

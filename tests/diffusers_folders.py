@@ -60,7 +60,8 @@ def expanded_config_makes_the_same_image(folder: Path, **request: object) -> Non
 def ortpipe_noise(pipe: ortpipe.Pipeline, case: dict, seed: int, latents: bool) -> tuple:
     """The initial latents (when not given) and the per-step noise ortpipe draws from `seed`, as the plain
     loop takes them: noise[k], the k-th a step draws."""
-    schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"])
+    schedule = make_schedule(pipe.model.loop.denoising.scheduler, case["num_inference_steps"],
+                             eta=case.get("eta", 0.0))
     noise = Noise(pipe.model.backend, seed)
     first = None if latents else pipe.run(noise.draw((1, 4, 8, 8)))
     steps = [pipe.run(noise.draw((1, 4, 8, 8))) for step in schedule.steps if step.noise]

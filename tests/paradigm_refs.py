@@ -7,7 +7,7 @@ single_pass and denoising loops are tested against (issue 16).
 - `generate_image`: Stable Diffusion over optimum's folder: the text encoder, the UNet once per step with
   classifier-free guidance as one batch [unconditional, conditional], a scheduler, the VAE decoder.
   The schedulers are numpy ports of diffusers 0.42's (`make_scheduler`): Euler, Euler ancestral, DDIM
-  (eta 0), LCM and DPM-Solver++ multistep (orders 1-2), with epsilon and v_prediction and the three
+  (eta 0 to 1), LCM and DPM-Solver++ multistep (orders 1-2), with epsilon and v_prediction and the three
   timestep spacings. The ancestral and LCM schedulers take their per-step noise as an argument.
 - `image_to_image`: StableDiffusionImg2ImgPipeline over the same folder: the VAE encoder's latents of an
   image, noised to the first timestep that `strength` keeps, then the same loop from there on.
@@ -264,17 +264,18 @@ class Euler:
 
 
 class DDIM:
-    """DDIMScheduler with eta 0 (no noise)."""
+    """DDIMScheduler; with eta above 0, every step adds noise, eta times the square root of its variance."""
 
     order = 1
 
-    def __init__(self, config: Mapping, steps: int) -> None:
+    def __init__(self, config: Mapping, steps: int, eta: float = 0.0) -> None:
         _check(config, thresholding=(False,))
-        self.config, self.steps = config, steps
+        self.config, self.steps, self.eta = config, steps, eta
         self.cumprod = alphas_cumprod(config)
         self.final = 1.0 if config.get("set_alpha_to_one", True) else self.cumprod[0]
         self.timesteps = spaced(config, steps).round().astype(np.int64)
-        self.init_noise_sigma, self.noise_steps = 1.0, []
+        self.init_noise_sigma = 1.0
+        self.noise_steps = list(range(steps)) if eta > 0 else []  # diffusers draws at every step then
 
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
@@ -295,7 +296,14 @@ class DDIM:
         eps = output
         if self.config["prediction_type"] == "v_prediction":
             eps = a_t**0.5 * output + (1 - a_t) ** 0.5 * x
-        return a_prev**0.5 * x0 + (1 - a_prev) ** 0.5 * eps
+        variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
+        std = self.eta * variance**0.5
+        x_prev = a_prev**0.5 * x0 + (1 - a_prev - std**2) ** 0.5 * eps
+        if self.eta > 0:
+            if noise is None:
+                raise ValueError(f"DDIM step {i} with eta {self.eta} needs its noise")
+            x_prev = x_prev + std * noise
+        return x_prev
 
 
 class DDPM:
@@ -890,15 +898,18 @@ SCHEDULERS = {
 }
 
 
-def make_scheduler(config: Mapping, steps: int, strength: float | None = None):
+def make_scheduler(config: Mapping, steps: int, strength: float | None = None, eta: float = 0.0):
     """A scheduler of SCHEDULERS from a diffusers scheduler_config.json (its `_class_name` and fields);
-    `strength` for LCM's image-to-image schedule (the others enter theirs part-way: strength_start)."""
+    `strength` for LCM's image-to-image schedule (the others enter theirs part-way: strength_start); `eta`,
+    the pipeline's, for DDIM (the pipelines pass it to the schedulers whose step takes it)."""
     name = config["_class_name"]
     if name not in SCHEDULERS:
         raise ValueError(f"scheduler {name!r} is not written by hand here; known: {', '.join(SCHEDULERS)}")
     if strength is not None and name == "LCMScheduler":
         return LCM(config, steps, strength)
-    return SCHEDULERS[name](config, steps)
+    if eta and name != "DDIMScheduler":
+        raise ValueError(f"eta is DDIM's here, not {name}'s")
+    return DDIM(config, steps, eta) if eta else SCHEDULERS[name](config, steps)
 
 
 # --- Stable Diffusion ----------------------------------------------------------------------------
@@ -975,19 +986,20 @@ def _decode(folder: Path, x: np.ndarray) -> np.ndarray:
 def generate_image(folder: Path | str, scheduler_config: Mapping, steps: int, latents: np.ndarray, *,
                    prompt_ids: Sequence[int], negative_prompt_ids: Sequence[int] | None = None,
                    guidance_scale: float = 1.0, guidance_rescale: float = 0.0,
-                   noise: np.ndarray | None = None,
-                   timestep_cond: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   noise: np.ndarray | None = None, timestep_cond: np.ndarray | None = None,
+                   eta: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(image [batch, height, width, 3] in [0, 1] before uint8, final latents), as StableDiffusionPipeline
     computes them from the same initial `latents` (before scaling by init_noise_sigma).
 
     Guidance above 1 runs the UNet on [unconditional, conditional] in one batch; `guidance_rescale` mixes
     in the guided output rescaled to the conditional one's standard deviation (arXiv 2305.08891, 3.4);
     `noise[k]` is the k-th noise a step draws (an ancestral, LCM or SDE scheduler's); `timestep_cond`, the
-    guidance embedding a latent consistency model's UNet takes (guidance_scale then stays 1: no CFG).
+    guidance embedding a latent consistency model's UNet takes (guidance_scale then stays 1: no CFG); `eta`,
+    DDIM's noise (the pipeline's argument).
     """
     folder = Path(folder)
     embeddings = _conditioning(folder, prompt_ids, negative_prompt_ids, guidance_scale > 1)
-    scheduler = make_scheduler(scheduler_config, steps)
+    scheduler = make_scheduler(scheduler_config, steps, eta=eta)
     x = _denoise(folder, scheduler, latents.astype(np.float64) * scheduler.init_noise_sigma, embeddings,
                  guidance_scale=guidance_scale, guidance_rescale=guidance_rescale, noise=noise,
                  timestep_cond=timestep_cond)

@@ -196,7 +196,7 @@ def _case_request(case: dict) -> dict:
     guided = case["guidance_scale"] > 1
     return {"num_steps": case["num_inference_steps"], "guidance_scale": case["guidance_scale"],
             "negative_prompt": case["negative_prompt"] if guided else None,
-            "guidance_rescale": case["guidance_rescale"]}
+            "guidance_rescale": case["guidance_rescale"], **({"eta": case["eta"]} if case["eta"] else {})}
 
 
 @pytest.mark.slow
@@ -214,7 +214,7 @@ def test_images_equal_diffusers_and_the_plain_loop(name: str, sd_tiny: Path, sd_
                                    prompt_ids=case["prompt_ids"],
                                    negative_prompt_ids=case["negative_prompt_ids"],
                                    guidance_scale=case["guidance_scale"],
-                                   guidance_rescale=case["guidance_rescale"], noise=noise)
+                                   guidance_rescale=case["guidance_rescale"], noise=noise, eta=case["eta"])
     to_plain = float(np.abs(result.image - plain).max())
     assert result.image.shape == (1, 32, 32, 3)
     assert to_plain <= IMAGE_TOLERANCE
@@ -441,11 +441,17 @@ def test_requests_a_loop_does_not_take_are_refused(vits_tiny: Path, sd_copy: Pat
         (image, {"guidance_scale": 1.0, "guidance_rescale": 0.7}, "guidance_rescale rescales guidance: raise "
                                                                   "guidance_scale above 1"),
         (image, {"guidance_scale": 5.0, "guidance_rescale": 1.5}, "guidance_rescale"),
+        (image, {"eta": 1.5}, "eta 1.5 is out of range"),
         (image, {"latents": np.zeros((1, 3, 8, 8), np.float32)}, r"latents must be float32 \[1, 4, height"),
         (speech, {"latents": np.zeros((1, 4, 8, 8), np.float32)}, 'latents are an input of the "denoising"'),
     ]:
         with pytest.raises(GenerationError, match=message):
             pipe.generate("a cube", **options)
+    euler = ortpipe.load(_with_scheduler(sd_copy, {"_class_name": "EulerDiscreteScheduler",
+                                                   **paradigms.FOLDER_SCHEDULER}), threads=1)
+    with pytest.raises(GenerationError, match="eta is DDIMScheduler's .*; this folder's scheduler is "
+                                              "EulerDiscreteScheduler: drop eta, or use DDIMScheduler"):
+        euler.generate("a cube", num_steps=2, eta=0.5)
     with pytest.raises(GenerationError, match="chat makes tokens"):
         speech.chat()
     with pytest.raises(GenerationError, match="embed needs a folder whose outputs are embeddings"):

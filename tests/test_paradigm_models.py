@@ -99,7 +99,7 @@ def _generate(folder: Path, case: dict, noise: np.ndarray | None = None) -> tupl
                                np.load(references / case["latents"]), prompt_ids=case["prompt_ids"],
                                negative_prompt_ids=case["negative_prompt_ids"],
                                guidance_scale=case["guidance_scale"],
-                               guidance_rescale=case["guidance_rescale"], noise=noise)
+                               guidance_rescale=case["guidance_rescale"], noise=noise, eta=case["eta"])
 
 
 def _against_references(folder: Path, name: str, case: dict, image: np.ndarray, latents: np.ndarray
@@ -118,7 +118,7 @@ def _against_references(folder: Path, name: str, case: dict, image: np.ndarray, 
 @pytest.mark.parametrize("name", [case[0] for case in paradigms.SD_CASES])
 def test_image_matches_diffusers(name: str, sd_tiny: Path, sd_cases: dict[str, dict]) -> None:
     case = sd_cases[name]
-    scheduler = refs.make_scheduler(case["scheduler"], case["num_inference_steps"])
+    scheduler = refs.make_scheduler(case["scheduler"], case["num_inference_steps"], eta=case["eta"])
     assert np.allclose(scheduler.timesteps, case["timesteps"], rtol=0, atol=1e-3)
     assert len(scheduler.noise_steps) == case["noise_draws"]
     difference, drift = _against_references(sd_tiny, name, case, *_generate(sd_tiny, case))
@@ -145,7 +145,8 @@ def test_a_folder_with_another_scheduler(sd_tiny: Path, sd_cases: dict[str, dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["euler_a-eps-leading", "lcm-eps-4", "kdpm2_a-eps-linspace"])
+@pytest.mark.parametrize("name", ["euler_a-eps-leading", "lcm-eps-4", "kdpm2_a-eps-linspace",
+                                  "ddim-eta-eps-leading-cfg"])
 def test_noisy_schedulers_use_the_given_noise(name: str, sd_tiny: Path, sd_cases: dict[str, dict]) -> None:
     """Without the case's noise the image is far off: the references really depend on the injected noise."""
     case = sd_cases[name]

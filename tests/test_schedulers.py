@@ -30,11 +30,13 @@ def _step(coefficients: tuple[float, ...], x: np.ndarray, output: np.ndarray, no
     return after, x0
 
 
-def _compare(config: dict, steps: int, rng: np.random.Generator, strength: float | None = None) -> float:
+def _compare(config: dict, steps: int, rng: np.random.Generator, strength: float | None = None,
+             eta: float = 0.0) -> float:
     """The largest difference of the latents after a step, relative to their largest, over the schedule;
-    with `strength`, image-to-image's part of it, from the latents the port's add_noise makes."""
-    port = refs.make_scheduler(config, steps)
-    schedule = make_schedule(scheduler_config(config, None, "test"), steps, strength)
+    with `strength`, image-to-image's part of it, from the latents the port's add_noise makes; `eta`,
+    DDIM's."""
+    port = refs.make_scheduler(config, steps, eta=eta)
+    schedule = make_schedule(scheduler_config(config, None, "test"), steps, strength, eta)
     start = 0 if strength is None else refs.strength_start(port, steps, strength)
     assert [s.timestep for s in schedule.steps] == [float(t) for t in port.timesteps[start:]]
     x = rng.normal(size=8) * 5
@@ -76,6 +78,15 @@ def test_schedules_equal_the_numpy_ports(sd_tiny: Path) -> None:
     ddim = next(c["scheduler"] for c in cases if c["scheduler"]["_class_name"] == "DDIMScheduler")
     for steps in (2, 5):  # clipping the predicted clean latents
         worst = max(worst, _compare({**ddim, "clip_sample": True, "clip_sample_range": 0.5}, steps, rng))
+    for spacing in ("linspace", "leading", "trailing"):  # eta: noise every step, a shorter direction
+        for prediction in ("epsilon", "v_prediction"):
+            config = {**ddim, "timestep_spacing": spacing, "prediction_type": prediction}
+            for steps in STEPS:
+                for eta in (0.3, 1.0):
+                    worst = max(worst, _compare(config, steps, rng, eta=eta))
+                    for strength in (0.5, 1.0):
+                        if int(steps * strength) >= 1:
+                            worst = max(worst, _compare(config, steps, rng, strength, eta))
     print(f"max relative difference of the latents after every step: {worst:.1e} (DEIS {deis:.1e})")
     assert worst < 1e-12
     # DEIS's weights are differences of antiderivatives at two close sigmas (diffusers' closed forms in the

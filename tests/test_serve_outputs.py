@@ -172,9 +172,26 @@ def test_images_equal_the_pipelines_and_a_seed_per_image(sd_tiny: Path) -> None:
             ({**image, "num_inference_steps": 0}, "num_inference_steps", "minimum value"),
             ({**image, "guidance_scale": 1.0, "negative_prompt": "x"}, None, "is used by guidance"),
             ({**image, "guidance_rescale": 2}, "guidance_rescale", "maximum value"),
+            ({**image, "eta": 2}, "eta", "maximum value"),
+            ({**image, "eta": 0.5}, None, "eta is DDIMScheduler's"),  # this folder's scheduler is Euler's
         ]:
             refused(server.url, "/v1/images/generations", body, 400, param, words)
         refused(server.url, "/v1/embeddings", {"model": "m", "input": "a"}, 404, None, "is an image model")
+
+
+def test_eta_reaches_a_ddim_folders_pipeline(sd_tiny: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(sd_tiny, tmp_path / "sd", ignore=shutil.ignore_patterns("references")))
+    config = folder / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "DDIMScheduler"}))
+    pipe = ortpipe.load(folder, threads=1)
+    noisy = np.round(pipe.generate("a red cube", seed=3, num_steps=3, eta=0.7).image[0] * 255)
+    plain = np.round(pipe.generate("a red cube", seed=3, num_steps=3).image[0] * 255)
+    noisy, plain = noisy.astype(np.uint8), plain.astype(np.uint8)
+    assert np.abs(noisy.astype(int) - plain).max() > 10  # eta's noise changes the image
+    with served(folder) as server:
+        got = server.client().images.generate(model="sd", prompt="a red cube",
+                                               extra_body={"seed": 3, "num_inference_steps": 3, "eta": 0.7})
+        assert np.array_equal(png_pixels(got.data[0].b64_json), noisy)
 
 
 def form(fields: list[tuple[str, str | tuple[str, bytes]]]) -> tuple[bytes, str]:

@@ -119,6 +119,8 @@ export interface GenerateOptions {
   guidanceScale?: number;
   /** With guidance: mix in the guided prediction rescaled to the conditional one's standard deviation (diffusers' guidance_rescale, for zero terminal SNR models; 0 keeps it as it is). */
   guidanceRescale?: number;
+  /** DDIMScheduler's noise: the share of its step's variance each step adds as fresh noise, 0 (none) to 1 (diffusers' eta; other schedulers refuse it). */
+  eta?: number;
   /** What the image should not show (the unconditional row's text). */
   negativePrompt?: string;
   /** Image-to-image: how far the image is noised, 0 to 1 (the last int(num_steps * strength) steps run; 1 keeps nothing of it). */

@@ -289,14 +289,16 @@ def test_wasm_sdxl_sd3_lcm_images_equal_cpython(page: Any, serve_model: Any, tmp
                                                ("kdpm2-beta-eps-trailing", 0.0),
                                                ("kdpm2_a-v-leading-cfg", 0.0),
                                                ("deis3-v-leading", 0.0),
-                                               ("edm-eps-range", 0.0)])
+                                               ("edm-eps-range", 0.0),
+                                               ("ddim-eta-eps-leading-cfg", 0.0)])
 def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path, tmp_path: Path,
                                              case: str, rescale: float) -> None:
     """DPM-Solver++ (2M) SDE with Karras sigmas, guided and rescaled, seeded; PNDM (PLMS, Stable Diffusion
     1.x's own, its memory of past outputs); Heun and KDPM2 (two UNet runs a step); UniPC of order 3 (its
     corrector folded into the step's weights); LMS (its memory of past slopes); beta sigmas (the incomplete
     beta function inverted in Python); KDPM2Ancestral (noise at each second run); DEIS of order 3 (its memory
-    of noise predictions); EDM Euler (its timesteps 0.25 log sigma): the schedule is the core's
+    of noise predictions); EDM Euler (its timesteps 0.25 log sigma); DDIM with eta (noise every step, the
+    request's eta): the schedule is the core's
     arithmetic and each step's noise the core's generator, the same in Pyodide; the image is CPython's within
     1e-4."""
     from build import paradigms
@@ -305,10 +307,12 @@ def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_fol
     folder = Path(shutil.copytree(sd_folder, tmp_path / "sd-scheduler"))
     scheduler = cases[case]["scheduler"]
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
+    eta = cases[case]["eta"]
     request = {"prompt": "a red cube", "negativePrompt": "blurry", "numSteps": 4, "guidanceScale": 5.0,
-               "guidanceRescale": rescale, "seed": 9}
+               "guidanceRescale": rescale, "seed": 9, **({"eta": eta} if eta else {})}
     expected = ortpipe.load(folder).generate("a red cube", negative_prompt="blurry", num_steps=4,
-                                             guidance_scale=5.0, guidance_rescale=rescale, seed=9).image
+                                             guidance_scale=5.0, guidance_rescale=rescale, seed=9,
+                                             eta=eta).image
     serve_model(case, folder)
     (run,) = in_page(page, case, [{"kind": "generate", "args": [request]}])["runs"]
     data = np.array(run["data"], np.float32).reshape(run["dims"])

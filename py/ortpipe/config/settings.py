@@ -326,6 +326,17 @@ SETTINGS: tuple[Setting, ...] = (
         loops=DENOISING_LOOP,
     ),
     Setting(
+        "eta",
+        "float",
+        0.0,
+        "DDIMScheduler's noise: the share of its step's variance each step adds as fresh noise, 0 (none) "
+        "to 1 (diffusers' eta; other schedulers refuse it)",
+        low=0.0,
+        high=1.0,
+        v2="eta",
+        loops=DENOISING_LOOP,
+    ),
+    Setting(
         "negative_prompt",
         "string",
         None,

@@ -3,7 +3,7 @@
 A scheduler here is the schedule of one request: each step's timestep, the scale of the UNet's input and
 the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
 latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
-(EulerDiscrete, EulerAncestralDiscrete, DDIM with eta 0, DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
+(EulerDiscrete, EulerAncestralDiscrete, DDIM (eta 0 to 1), DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
 dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
 KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4, DEISMultistep's log-rho
 DEIS of order 1 to 3, EDMEuler's preconditioned Euler; FlowMatchEulerDiscrete's flow matching, whose output
@@ -885,7 +885,10 @@ def edm_euler(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], (high**2 + 1) ** 0.5, tuple(out))
 
 
-def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
+def ddim(config: Mapping[str, Any], steps: int, eta: float = 0.0) -> Schedule:
+    """DDIMScheduler's steps; with `eta` above 0, each adds noise of standard deviation eta times the
+    square root of its variance (1 - a_prev) / (1 - a) (1 - a / a_prev), and its direction to the next
+    latents shrinks to sqrt(1 - a_prev - that squared), as diffusers' step does."""
     cumprod = alphas_cumprod(config)
     final = 1.0 if config["set_alpha_to_one"] else cumprod[0]
     clip = config["clip_sample_range"] if config["clip_sample"] else INF
@@ -895,12 +898,14 @@ def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
     for t in timesteps:
         prev = t - config["num_train_timesteps"] // steps  # whatever the spacing, as diffusers does
         a, a_prev = _alpha(cumprod, t, config, steps), (cumprod[prev] if prev >= 0 else final)
-        # x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) eps, eps the model's own (before any clipping)
+        # x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev - std^2) eps + std noise, eps the model's own (before
+        # any clipping)
         if config["prediction_type"] == "epsilon":
             eps = (0.0, 1.0)
         else:
             eps = ((1 - a) ** 0.5, a**0.5)
-        direction = (1 - a_prev) ** 0.5
+        std = eta * ((1 - a_prev) / (1 - a) * (1 - a / a_prev)) ** 0.5 if eta else 0.0
+        direction = (1 - a_prev - std**2) ** 0.5
         out.append(
             _step(
                 float(t),
@@ -910,6 +915,7 @@ def ddim(config: Mapping[str, Any], steps: int) -> Schedule:
                 x=direction * eps[0],
                 from_x0=a_prev**0.5,
                 output=direction * eps[1],
+                noise=std,
                 noised=_noised_alpha(a),
             )
         )
@@ -1363,12 +1369,19 @@ def kept_steps(name: str, steps: int, strength: float) -> int:
     return min(int(steps * strength), steps)
 
 
-def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None) -> Schedule:
+def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None,
+                  eta: float = 0.0) -> Schedule:
     """The schedule of `steps` steps for a config scheduler_config() made; with `strength`, image-to-image's
     (diffusers' StableDiffusionImg2ImgPipeline, StableDiffusion3Img2ImgPipeline): the last kept_steps() of
     the steps, run from the image's latents noised to the first of them; LCMScheduler's (SHORTENED), all the
-    steps of the schedule it makes with the strength."""
-    schedule = _whole_schedule(config, steps, strength if config["_class_name"] in SHORTENED else None)
+    steps of the schedule it makes with the strength. `eta`: DDIMScheduler's noise (the pipelines' eta, which
+    the other classes' steps do not take: refused for them)."""
+    if eta and config["_class_name"] != "DDIMScheduler":
+        raise GenerationError(
+            f"eta is DDIMScheduler's (the share of its variance each step adds as noise); this folder's "
+            f"scheduler is {config['_class_name']}: drop eta, or use DDIMScheduler"
+        )
+    schedule = _whole_schedule(config, steps, strength if config["_class_name"] in SHORTENED else None, eta)
     if strength is None:
         return schedule
     name = config["_class_name"]
@@ -1386,14 +1399,20 @@ def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None 
     return Schedule(name, 1.0, tuple(picked), first.noised)
 
 
-def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None) -> Schedule:
+def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | None = None,
+                    eta: float = 0.0) -> Schedule:
     name = config["_class_name"]
     if steps > config["num_train_timesteps"]:
         raise GenerationError(
             f"num_steps {steps} is more than the scheduler's num_train_timesteps "
             f"{config['num_train_timesteps']}"
         )
-    schedule = MAKERS[name](config, steps) if strength is None else SHORTENED[name](config, steps, strength)
+    if eta:
+        schedule = ddim(config, steps, eta)
+    elif strength is None:
+        schedule = MAKERS[name](config, steps)
+    else:
+        schedule = SHORTENED[name](config, steps, strength)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
     if name in ORDER_2:
         runs = 2 * steps - 1  # two runs a step, but the last

@@ -170,7 +170,7 @@ def output_request(
             default = settings["strength"]
         strength = given["strength"] if given.get("strength") is not None else default
         strength = None if strength == 1.0 else strength
-    schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"], strength)
+    schedule = make_schedule(setup.denoising.scheduler, settings["num_steps"], strength, settings["eta"])
     return DenoisingRequest(
         plan,
         backend,

@@ -19,7 +19,7 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 - images: `prompt`, `n` (1 to 10; with a seed, image i draws from seed + i), `size` auto or the model's
   own, `response_format` b64_json (there are no files to give URLs of), `output_format` png; beside them,
   as vLLM and diffusers servers take them through `extra_body`: `seed`, `num_inference_steps`,
-  `guidance_scale`, `guidance_rescale` and `negative_prompt`;
+  `guidance_scale`, `guidance_rescale`, `negative_prompt` and `eta` (a DDIMScheduler folder's);
 - edits: OpenAI's multipart form (forms.py): one `image` file, `prompt`, `n`, `size` auto or the image's;
   the extras above and `strength` (diffusers' name); `mask`, OpenAI's (a PNG whose fully transparent
   pixels are the region to edit), makes it inpainting (strength 1 unless given, 0.9999 on an XL
@@ -237,7 +237,7 @@ def parse_speech(body: Any) -> OutputQuery:
     return OutputQuery("speech", body["model"], (text,), audio_format=audio_format)
 
 
-IMAGE_EXTRAS = {"seed", "num_inference_steps", "guidance_scale", "guidance_rescale", "negative_prompt"}
+IMAGE_EXTRAS = {"seed", "num_inference_steps", "guidance_scale", "guidance_rescale", "negative_prompt", "eta"}
 IMAGE_NAMES = {"model", "prompt", "n", "size", "response_format", "quality", "background", "output_format",
                "output_compression", "partial_images", "stream"}
 
@@ -248,7 +248,7 @@ def parse_images(body: Any) -> OutputQuery:
 
 # the edit form's text fields that are numbers and booleans (a form sends every value as text)
 FORM_INTEGERS = {"n", "seed", "num_inference_steps", "output_compression", "partial_images"}
-FORM_DECIMALS = {"guidance_scale", "guidance_rescale", "strength"}
+FORM_DECIMALS = {"guidance_scale", "guidance_rescale", "strength", "eta"}
 
 
 def parse_image_edit(form: Form) -> OutputQuery:
@@ -398,6 +398,8 @@ def _image_query(body: dict[str, Any]) -> OutputQuery:
         settings["guidance_rescale"] = _decimal(body["guidance_rescale"], "guidance_rescale", 0.0, 1.0)
     if body.get("negative_prompt") is not None:
         settings["negative_prompt"] = _text(body["negative_prompt"], "negative_prompt", 32000)
+    if body.get("eta") is not None:
+        settings["eta"] = _decimal(body["eta"], "eta", 0.0, 1.0)
     return OutputQuery(
         "images",
         body["model"],
