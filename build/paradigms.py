@@ -365,10 +365,15 @@ SD_CASES = (
     # DDIM with eta (the pipeline's argument): noise every step
     ("ddim-eta-eps-leading-cfg", "DDIMScheduler", "epsilon", "leading", 4, 7.5, NEGATIVE),
     ("ddim-eta1-v-trailing", "DDIMScheduler", "v_prediction", "trailing", 3, 1.0, None),
+    # TCD (its gamma the pipeline's eta; its timesteps LCM's, whatever the spacing)
+    ("tcd-eps-cfg", "TCDScheduler", "epsilon", "leading", 4, 3.0, NEGATIVE),
+    ("tcd-v-eta0", "TCDScheduler", "v_prediction", "leading", 3, 1.0, None),
+    ("tcd-eps-eta1-8", "TCDScheduler", "epsilon", "leading", 8, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7},
-                   "ddim-eta-eps-leading-cfg": {"eta": 0.6}, "ddim-eta1-v-trailing": {"eta": 1.0}}
+                   "ddim-eta-eps-leading-cfg": {"eta": 0.6}, "ddim-eta1-v-trailing": {"eta": 1.0},
+                   "tcd-eps-cfg": {"eta": 0.3}, "tcd-eps-eta1-8": {"eta": 1.0}}
 # scheduler fields beyond the table's, per case
 SD_CASE_FIELDS = {
     "euler-karras-eps-leading-cfg": {"use_karras_sigmas": True},

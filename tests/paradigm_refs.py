@@ -7,8 +7,8 @@ single_pass and denoising loops are tested against (issue 16).
 - `generate_image`: Stable Diffusion over optimum's folder: the text encoder, the UNet once per step with
   classifier-free guidance as one batch [unconditional, conditional], a scheduler, the VAE decoder.
   The schedulers are numpy ports of diffusers 0.42's (`make_scheduler`): Euler, Euler ancestral, DDIM
-  (eta 0 to 1), LCM and DPM-Solver++ multistep (orders 1-2), with epsilon and v_prediction and the three
-  timestep spacings. The ancestral and LCM schedulers take their per-step noise as an argument.
+  and TCD (eta 0 to 1), LCM and DPM-Solver++ multistep (orders 1-2), with epsilon and v_prediction and the
+  three timestep spacings. The ancestral and LCM schedulers take their per-step noise as an argument.
 - `image_to_image`: StableDiffusionImg2ImgPipeline over the same folder: the VAE encoder's latents of an
   image, noised to the first timestep that `strength` keeps, then the same loop from there on.
 """
@@ -212,6 +212,24 @@ def _noised_by_alpha(cumprod: np.ndarray, t: int, sample: np.ndarray, noise: np.
     return cumprod[t] ** 0.5 * sample + (1 - cumprod[t]) ** 0.5 * noise
 
 
+class _AlphaSteps:
+    """What DDIM and TCD share: one run a step on the unscaled latents, the alpha schedulers' forward process,
+    and the model's own epsilon."""
+
+    order = 1
+
+    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
+        return x
+
+    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        return _noised_by_alpha(self.cumprod, self.timesteps[i], sample, noise)
+
+    def epsilon(self, output: np.ndarray, x: np.ndarray, alpha_prod: float) -> np.ndarray:
+        if self.config["prediction_type"] == "v_prediction":
+            return alpha_prod**0.5 * output + (1 - alpha_prod) ** 0.5 * x
+        return output
+
+
 class Euler:
     """EulerDiscreteScheduler (s_churn 0) and, with `ancestral`, EulerAncestralDiscreteScheduler.
 
@@ -263,10 +281,8 @@ class Euler:
         return x + derivative * (down - sigma) + noise * up
 
 
-class DDIM:
+class DDIM(_AlphaSteps):
     """DDIMScheduler; with eta above 0, every step adds noise, eta times the square root of its variance."""
-
-    order = 1
 
     def __init__(self, config: Mapping, steps: int, eta: float = 0.0) -> None:
         _check(config, thresholding=(False,))
@@ -276,12 +292,6 @@ class DDIM:
         self.timesteps = spaced(config, steps).round().astype(np.int64)
         self.init_noise_sigma = 1.0
         self.noise_steps = list(range(steps)) if eta > 0 else []  # diffusers draws at every step then
-
-    def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
-        return x
-
-    def add_noise(self, sample: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
-        return _noised_by_alpha(self.cumprod, self.timesteps[i], sample, noise)
 
     def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
         t = self.timesteps[i]
@@ -293,9 +303,7 @@ class DDIM:
             limit = self.config.get("clip_sample_range", 1.0)
             x0 = np.clip(x0, -limit, limit)
         # the model's own epsilon, even after clipping (the pipeline never asks for use_clipped_model_output)
-        eps = output
-        if self.config["prediction_type"] == "v_prediction":
-            eps = a_t**0.5 * output + (1 - a_t) ** 0.5 * x
+        eps = self.epsilon(output, x, a_t)
         variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
         std = self.eta * variance**0.5
         x_prev = a_prev**0.5 * x0 + (1 - a_prev - std**2) ** 0.5 * eps
@@ -304,6 +312,37 @@ class DDIM:
                 raise ValueError(f"DDIM step {i} with eta {self.eta} needs its noise")
             x_prev = x_prev + std * noise
         return x_prev
+
+
+class TCD(_AlphaSteps):
+    """TCDScheduler: LCM's timesteps; each step to x0 noised to s = floor((1 - eta) * the next timestep) (0
+    after the last; float32's product, as torch computes it), then, but at the last, forward to the next
+    timestep with noise."""
+
+    def __init__(self, config: Mapping, steps: int, eta: float = 0.0) -> None:
+        _check(config, prediction_type=("epsilon", "v_prediction"))
+        self.config, self.steps, self.eta = config, steps, eta
+        self.cumprod = alphas_cumprod(config)
+        original = config.get("original_inference_steps", 50)
+        stride = config["num_train_timesteps"] // original
+        origin = (np.arange(1, original + 1) * stride - 1)[::-1]
+        picked = np.floor(np.linspace(0, len(origin), num=steps, endpoint=False)).astype(np.int64)
+        self.timesteps = origin[picked]
+        self.init_noise_sigma = 1.0
+        self.noise_steps = list(range(steps - 1)) if eta > 0 else []  # every step but the last draws
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        t = self.timesteps[i]
+        after = self.timesteps[i + 1] if i + 1 < self.steps else 0
+        s = int(np.floor(np.float32(1 - self.eta) * np.float32(after)))
+        a_t, a_after, a_s = self.cumprod[t], self.cumprod[after], self.cumprod[s]
+        x0 = _x0_from_alpha(self.config, output, x, a_t)
+        x_s = a_s**0.5 * x0 + (1 - a_s) ** 0.5 * self.epsilon(output, x, a_t)
+        if self.eta > 0 and i != self.steps - 1:
+            if noise is None:
+                raise ValueError(f"TCD step {i} with eta {self.eta} needs its noise")
+            return (a_after / a_s) ** 0.5 * x_s + (1 - a_after / a_s) ** 0.5 * noise
+        return x_s
 
 
 class DDPM:
@@ -890,6 +929,7 @@ SCHEDULERS = {
     "KDPM2DiscreteScheduler": KDPM2,
     "EulerAncestralDiscreteScheduler": lambda config, steps: Euler(config, steps, ancestral=True),
     "DDIMScheduler": DDIM,
+    "TCDScheduler": TCD,
     "DDPMScheduler": DDPM,
     "LCMScheduler": LCM,
     "DPMSolverMultistepScheduler": DPMSolverMultistep,
@@ -907,9 +947,9 @@ def make_scheduler(config: Mapping, steps: int, strength: float | None = None, e
         raise ValueError(f"scheduler {name!r} is not written by hand here; known: {', '.join(SCHEDULERS)}")
     if strength is not None and name == "LCMScheduler":
         return LCM(config, steps, strength)
-    if eta and name != "DDIMScheduler":
-        raise ValueError(f"eta is DDIM's here, not {name}'s")
-    return DDIM(config, steps, eta) if eta else SCHEDULERS[name](config, steps)
+    if eta and name not in ("DDIMScheduler", "TCDScheduler"):
+        raise ValueError(f"eta is DDIM's and TCD's here, not {name}'s")
+    return SCHEDULERS[name](config, steps, eta) if eta else SCHEDULERS[name](config, steps)
 
 
 # --- Stable Diffusion ----------------------------------------------------------------------------

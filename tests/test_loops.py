@@ -377,8 +377,8 @@ def test_speech_and_embedding_cli(vits_tiny: Path, st_minilm: Path, tmp_path: Pa
 # --- what is refused -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("_class_name", "TCDScheduler",
-     "scheduler \"TCDScheduler\" is not run by ortpipe; it runs Euler"),
+    ("_class_name", "DPMSolverSinglestepScheduler",
+     "scheduler \"DPMSolverSinglestepScheduler\" is not run by ortpipe; it runs Euler"),
     ("_class_name", "PNDMScheduler", "PNDMScheduler with skip_prk_steps False is not run by ortpipe (it runs "
                                      "True)"),  # the Runge-Kutta warm-up; Stable Diffusion's folders skip it
     ("interpolation_type", "log_linear",
@@ -449,8 +449,9 @@ def test_requests_a_loop_does_not_take_are_refused(vits_tiny: Path, sd_copy: Pat
             pipe.generate("a cube", **options)
     euler = ortpipe.load(_with_scheduler(sd_copy, {"_class_name": "EulerDiscreteScheduler",
                                                    **paradigms.FOLDER_SCHEDULER}), threads=1)
-    with pytest.raises(GenerationError, match="eta is DDIMScheduler's .*; this folder's scheduler is "
-                                              "EulerDiscreteScheduler: drop eta, or use DDIMScheduler"):
+    refusal = ("eta is DDIMScheduler's and TCDScheduler's .*; this folder's scheduler is "
+               "EulerDiscreteScheduler: drop eta, or use one of those")
+    with pytest.raises(GenerationError, match=refusal):
         euler.generate("a cube", num_steps=2, eta=0.5)
     with pytest.raises(GenerationError, match="chat makes tokens"):
         speech.chat()

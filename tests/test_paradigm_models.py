@@ -146,7 +146,7 @@ def test_a_folder_with_another_scheduler(sd_tiny: Path, sd_cases: dict[str, dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["euler_a-eps-leading", "lcm-eps-4", "kdpm2_a-eps-linspace",
-                                  "ddim-eta-eps-leading-cfg"])
+                                  "ddim-eta-eps-leading-cfg", "tcd-eps-cfg"])
 def test_noisy_schedulers_use_the_given_noise(name: str, sd_tiny: Path, sd_cases: dict[str, dict]) -> None:
     """Without the case's noise the image is far off: the references really depend on the injected noise."""
     case = sd_cases[name]
@@ -260,5 +260,5 @@ def test_cases_cover_the_issue() -> None:
         assert {row[2] for row in rows} == {"epsilon", "v_prediction"}, cls
         assert {row[5] > 1 for row in rows} == {False, True}, cls
         assert any(row[5] > 1 and row[6] for row in rows), cls
-        if cls not in ("LCMScheduler", "EDMEulerScheduler"):  # they have no timestep spacing
+        if cls not in ("LCMScheduler", "TCDScheduler", "EDMEulerScheduler"):  # they have no timestep spacing
             assert {row[3] for row in rows} == {"linspace", "leading", "trailing"}, cls

@@ -6,6 +6,7 @@ give the port's step, for every scheduler of the test cases, every spacing and m
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -78,15 +79,16 @@ def test_schedules_equal_the_numpy_ports(sd_tiny: Path) -> None:
     ddim = next(c["scheduler"] for c in cases if c["scheduler"]["_class_name"] == "DDIMScheduler")
     for steps in (2, 5):  # clipping the predicted clean latents
         worst = max(worst, _compare({**ddim, "clip_sample": True, "clip_sample_range": 0.5}, steps, rng))
-    for spacing in ("linspace", "leading", "trailing"):  # eta: noise every step, a shorter direction
-        for prediction in ("epsilon", "v_prediction"):
-            config = {**ddim, "timestep_spacing": spacing, "prediction_type": prediction}
-            for steps in STEPS:
-                for eta in (0.3, 1.0):
-                    worst = max(worst, _compare(config, steps, rng, eta=eta))
-                    for strength in (0.5, 1.0):
-                        if int(steps * strength) >= 1:
-                            worst = max(worst, _compare(config, steps, rng, strength, eta))
+    tcd = next(c["scheduler"] for c in cases if c["scheduler"]["_class_name"] == "TCDScheduler")
+    # eta: DDIM's noise every step and its shorter direction; TCD's noise and its intermediate timestep
+    for base, spacings in ((ddim, ("linspace", "leading", "trailing")), (tcd, ("leading",))):
+        for spacing, prediction in itertools.product(spacings, ("epsilon", "v_prediction")):
+            config = {**base, "timestep_spacing": spacing, "prediction_type": prediction}
+            for steps, eta in itertools.product(STEPS, (0.3, 0.75, 1.0)):
+                worst = max(worst, _compare(config, steps, rng, eta=eta))
+                for strength in (0.5, 1.0):
+                    if int(steps * strength) >= 1:
+                        worst = max(worst, _compare(config, steps, rng, strength, eta))
     print(f"max relative difference of the latents after every step: {worst:.1e} (DEIS {deis:.1e})")
     assert worst < 1e-12
     # DEIS's weights are differences of antiderivatives at two close sigmas (diffusers' closed forms in the
@@ -142,6 +144,9 @@ def test_what_a_schedule_cannot_do_is_refused() -> None:
         scheduler_config({"use_exponential_sigmas": True}, "DPMSolverMultistepScheduler", "x")
     with pytest.raises(ConfigError, match="thresholding"):
         scheduler_config({"thresholding": True}, "DDIMScheduler", "x")
+    with pytest.raises(GenerationError, match="num_steps 51 is more than the TCD scheduler's "
+                                              "original_inference_steps 50; lower num_steps"):
+        make_schedule(scheduler_config({}, "tcd", "x"), 51)
     zero_snr = scheduler_config({"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"},
                                 "DDIMScheduler", "x")
     refusal = "no signal left at its last training timestep, where an epsilon prediction gives no clean"

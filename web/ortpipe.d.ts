@@ -119,7 +119,7 @@ export interface GenerateOptions {
   guidanceScale?: number;
   /** With guidance: mix in the guided prediction rescaled to the conditional one's standard deviation (diffusers' guidance_rescale, for zero terminal SNR models; 0 keeps it as it is). */
   guidanceRescale?: number;
-  /** DDIMScheduler's noise: the share of its step's variance each step adds as fresh noise, 0 (none) to 1 (diffusers' eta; other schedulers refuse it). */
+  /** The noise DDIMScheduler's and TCDScheduler's steps add, 0 (none) to 1 (diffusers' eta: DDIM's share of each step's variance, TCD's gamma; other schedulers refuse it). */
   eta?: number;
   /** What the image should not show (the unconditional row's text). */
   negativePrompt?: string;

@@ -329,8 +329,8 @@ SETTINGS: tuple[Setting, ...] = (
         "eta",
         "float",
         0.0,
-        "DDIMScheduler's noise: the share of its step's variance each step adds as fresh noise, 0 (none) "
-        "to 1 (diffusers' eta; other schedulers refuse it)",
+        "the noise DDIMScheduler's and TCDScheduler's steps add, 0 (none) to 1 (diffusers' eta: DDIM's share "
+        "of each step's variance, TCD's gamma; other schedulers refuse it)",
         low=0.0,
         high=1.0,
         v2="eta",

@@ -1,14 +1,14 @@
 """Denoising schedulers, read from diffusers' scheduler_config.json by class name and fields.
 
-A scheduler here is the schedule of one request: each step's timestep, the scale of the UNet's input and
-the coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the
-latents. The coefficients are computed in float64 from the config as diffusers 0.42 computes them
-(EulerDiscrete, EulerAncestralDiscrete, DDIM (eta 0 to 1), DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's
-dpmsolver++ and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete,
-KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4, DEISMultistep's log-rho
-DEIS of order 1 to 3, EDMEuler's preconditioned Euler; FlowMatchEulerDiscrete's flow matching, whose output
-is a velocity), for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2),
-and Karras, exponential or beta sigmas (`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`;
+A scheduler here is the schedule of one request: each step's timestep, the scale of the UNet's input and the
+coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the latents.
+The coefficients are computed in float64 from the config as diffusers 0.42 computes them (EulerDiscrete,
+EulerAncestralDiscrete, DDIM and TCD (eta 0 to 1), DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's dpmsolver++
+and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete, KDPM2Discrete
+and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4, DEISMultistep's log-rho DEIS of order 1
+to 3, EDMEuler's preconditioned Euler; FlowMatchEulerDiscrete's flow matching, whose output is a velocity),
+for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2), and Karras,
+exponential or beta sigmas (`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`;
 `use_beta_sigmas`, arXiv 2407.12173) for EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral
 variant) and LMSDiscrete, Karras also for DPMSolverMultistep, UniPCMultistep and DEISMultistep. A field whose
 value changes what diffusers computes and that is not followed here is a ConfigError at load.
@@ -41,6 +41,7 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "euler_ancestral": "EulerAncestralDiscreteScheduler",
     "ddim": "DDIMScheduler",
     "lcm": "LCMScheduler",
+    "tcd": "TCDScheduler",
     "dpm_solver_multistep": "DPMSolverMultistepScheduler",
     "dpmsolver_multistep": "DPMSolverMultistepScheduler",
     "pndm": "PNDMScheduler",
@@ -80,6 +81,19 @@ _KDPM2 = {  # KDPM2Discrete's and KDPM2AncestralDiscrete's
     "use_beta_sigmas": False,
     "timestep_spacing": "linspace",
 }
+_CONSISTENCY = {  # LCMScheduler's and TCDScheduler's
+    **_BETAS,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "original_inference_steps": 50,
+    "clip_sample": False,
+    "clip_sample_range": 1.0,
+    "set_alpha_to_one": True,
+    "thresholding": False,
+    "timestep_spacing": "leading",
+    "timestep_scaling": 10.0,
+}
 # diffusers' defaults of each class: what a field the config leaves out means.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "EulerDiscreteScheduler": {
@@ -103,19 +117,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "set_alpha_to_one": True,
         "thresholding": False,
     },
-    "LCMScheduler": {
-        **_BETAS,
-        "beta_start": 0.00085,
-        "beta_end": 0.012,
-        "beta_schedule": "scaled_linear",
-        "original_inference_steps": 50,
-        "clip_sample": False,
-        "clip_sample_range": 1.0,
-        "set_alpha_to_one": True,
-        "thresholding": False,
-        "timestep_spacing": "leading",
-        "timestep_scaling": 10.0,
-    },
+    "LCMScheduler": _CONSISTENCY,
+    "TCDScheduler": _CONSISTENCY,
     "DDPMScheduler": {
         **_BETAS,
         "variance_type": "fixed_small",
@@ -270,6 +273,8 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "skip_prk_steps": (True,),  # PLMS; the Runge-Kutta warm-up is not run
     },
     "LCMScheduler": {**_COMMON, "thresholding": (False,)},
+    # its step neither clips nor thresholds (whatever the config says, as diffusers' step)
+    "TCDScheduler": {**_COMMON, "thresholding": (False, True)},
     "DPMSolverMultistepScheduler": {
         **_COMMON,
         "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
@@ -593,9 +598,12 @@ def _step(
     previous3: float = 0.0,
     remember: bool = True,
     noised: tuple[float, float],
+    draws: bool | None = None,
 ) -> Step:
+    """A step; it draws noise when its noise has a weight, or when `draws` says so (diffusers draws there
+    even at weight 0: the draws after it keep their order)."""
     coefficients = (x0[0], x0[1], -clip, clip, x, from_x0, output, noise, previous, previous2, previous3)
-    return Step(timestep, scale, coefficients, noise != 0.0, noised, remember)
+    return Step(timestep, scale, coefficients, noise != 0.0 if draws is None else draws, noised, remember)
 
 
 def _noised_sigma(sigma: float) -> tuple[float, float]:
@@ -917,6 +925,7 @@ def ddim(config: Mapping[str, Any], steps: int, eta: float = 0.0) -> Schedule:
                 output=direction * eps[1],
                 noise=std,
                 noised=_noised_alpha(a),
+                draws=eta > 0,
             )
         )
     return Schedule(config["_class_name"], 1.0, tuple(out))
@@ -986,6 +995,53 @@ def lcm(config: Mapping[str, Any], steps: int, strength: float = 1.0) -> Schedul
                 from_x0=keep * c_out,
                 noise=0.0 if last else (1 - a_prev) ** 0.5,
                 noised=_noised_alpha(a),
+            )
+        )
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
+def tcd(config: Mapping[str, Any], steps: int, eta: float = 0.0) -> Schedule:
+    """TCDScheduler's steps (trajectory consistency distillation, arXiv 2402.19159), with the pipeline's eta
+    (TCD's gamma): LCMScheduler's timesteps; each step goes to the noised x0 at s = floor((1 - eta) t')
+    (t' the next timestep, 0 after the last, the product in float32 as diffusers computes it), then, but at
+    the last, forward to t' with noise: sqrt(a' / a_s) x_s + sqrt(1 - a' / a_s) noise. It never clips."""
+    original = config["original_inference_steps"]
+    if steps > original:
+        raise GenerationError(
+            f"num_steps {steps} is more than the TCD scheduler's original_inference_steps {original}; lower "
+            "num_steps"
+        )
+    cumprod = alphas_cumprod(config)
+    count = config["num_train_timesteps"]
+    origin = [(i + 1) * (count // original) - 1 for i in range(original)][::-1]
+    stride = len(origin) / steps  # numpy.linspace(0, len, steps, endpoint=False), floored
+    timesteps = [origin[int(math.floor(i * stride))] for i in range(steps)]
+    _distinct(timesteps, config)
+    out = []
+    for i, t in enumerate(timesteps):
+        last = i == steps - 1
+        after = 0 if last else timesteps[i + 1]
+        s = math.floor(f32(f32(1 - eta) * float(after)))
+        a, a_after, a_s = _alpha(cumprod, t, config, steps), cumprod[after], cumprod[s]
+        if config["prediction_type"] == "epsilon":
+            eps = (0.0, 1.0)
+        else:
+            eps = ((1 - a) ** 0.5, a**0.5)
+        # x_s = sqrt(a_s) x0 + sqrt(1 - a_s) eps, eps the model's own
+        forward = eta > 0 and not last
+        keep = (a_after / a_s) ** 0.5 if forward else 1.0
+        direction = keep * (1 - a_s) ** 0.5
+        out.append(
+            _step(
+                float(t),
+                1.0,
+                _x0_alpha(config, a),
+                x=direction * eps[0],
+                from_x0=keep * a_s**0.5,
+                output=direction * eps[1],
+                noise=(1 - a_after / a_s) ** 0.5 if forward else 0.0,
+                noised=_noised_alpha(a),
+                draws=forward,
             )
         )
     return Schedule(config["_class_name"], 1.0, tuple(out))
@@ -1337,6 +1393,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "DDIMScheduler": ddim,
     "DDPMScheduler": ddpm,
     "LCMScheduler": lcm,
+    "TCDScheduler": tcd,
     "PNDMScheduler": pndm,
     "DPMSolverMultistepScheduler": dpm_solver,
     "HeunDiscreteScheduler": heun,
@@ -1350,6 +1407,8 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 }
 
 
+# The classes whose steps take the pipelines' eta: their schedules from (config, steps, eta)
+ETA = {"DDIMScheduler": ddim, "TCDScheduler": tcd}
 # The classes whose steps start at a begin index for image-to-image: the steps from there (the others'
 # steps are the whole schedule's last ones as they are)
 BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc,
@@ -1376,10 +1435,10 @@ def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None 
     the steps, run from the image's latents noised to the first of them; LCMScheduler's (SHORTENED), all the
     steps of the schedule it makes with the strength. `eta`: DDIMScheduler's noise (the pipelines' eta, which
     the other classes' steps do not take: refused for them)."""
-    if eta and config["_class_name"] != "DDIMScheduler":
+    if eta and config["_class_name"] not in ETA:
         raise GenerationError(
-            f"eta is DDIMScheduler's (the share of its variance each step adds as noise); this folder's "
-            f"scheduler is {config['_class_name']}: drop eta, or use DDIMScheduler"
+            f"eta is DDIMScheduler's and TCDScheduler's (the noise their steps add); this folder's scheduler "
+            f"is {config['_class_name']}: drop eta, or use one of those"
         )
     schedule = _whole_schedule(config, steps, strength if config["_class_name"] in SHORTENED else None, eta)
     if strength is None:
@@ -1408,7 +1467,7 @@ def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | Non
             f"{config['num_train_timesteps']}"
         )
     if eta:
-        schedule = ddim(config, steps, eta)
+        schedule = ETA[name](config, steps, eta)
     elif strength is None:
         schedule = MAKERS[name](config, steps)
     else:

@@ -19,7 +19,7 @@ model cannot honour is a 400 naming the parameter, as for completions (protocol.
 - images: `prompt`, `n` (1 to 10; with a seed, image i draws from seed + i), `size` auto or the model's
   own, `response_format` b64_json (there are no files to give URLs of), `output_format` png; beside them,
   as vLLM and diffusers servers take them through `extra_body`: `seed`, `num_inference_steps`,
-  `guidance_scale`, `guidance_rescale`, `negative_prompt` and `eta` (a DDIMScheduler folder's);
+  `guidance_scale`, `guidance_rescale`, `negative_prompt` and `eta` (a DDIM or TCD scheduler's);
 - edits: OpenAI's multipart form (forms.py): one `image` file, `prompt`, `n`, `size` auto or the image's;
   the extras above and `strength` (diffusers' name); `mask`, OpenAI's (a PNG whose fully transparent
   pixels are the region to edit), makes it inpainting (strength 1 unless given, 0.9999 on an XL
