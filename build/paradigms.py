@@ -369,6 +369,10 @@ SD_CASES = (
     ("tcd-eps-cfg", "TCDScheduler", "epsilon", "leading", 4, 3.0, NEGATIVE),
     ("tcd-v-eta0", "TCDScheduler", "v_prediction", "leading", 3, 1.0, None),
     ("tcd-eps-eta1-8", "TCDScheduler", "epsilon", "leading", 8, 1.0, None),
+    # DPM-Solver singlestep: its timesteps DPM-Solver's linspace ones whatever the spacing
+    ("dpms-eps-linspace-cfg", "DPMSolverSinglestepScheduler", "epsilon", "linspace", 6, 7.5, NEGATIVE),
+    ("dpms3-heun-v-min", "DPMSolverSinglestepScheduler", "v_prediction", "leading", 6, 1.0, None),
+    ("dpms3-karras-eps-trailing", "DPMSolverSinglestepScheduler", "epsilon", "trailing", 7, 1.0, None),
 )
 # request options beyond the table's, per case (diffusers' StableDiffusionPipeline arguments)
 SD_CASE_OPTIONS = {"ddim-v-trailing-zsnr-cfg-rescale": {"guidance_rescale": 0.7},
@@ -413,6 +417,9 @@ SD_CASE_FIELDS = {
     "edm-v-exponential-min": {"sigma_schedule": "exponential", "final_sigmas_type": "sigma_min",
                               "sigma_max": 14.6, "sigma_min": 0.03},
     "edm-eps-range": {"sigma_max": 14.6, "sigma_min": 0.03, "sigma_data": 1.0, "rho": 5.0},
+    # order 3 without lower_order_final: groups 1, 2, 3 to the end
+    "dpms3-heun-v-min": {"solver_order": 3, "solver_type": "heun", "final_sigmas_type": "sigma_min"},
+    "dpms3-karras-eps-trailing": {"solver_order": 3, "use_karras_sigmas": True},
     # B(h) = h (bh1) needs a last sigma above 0; the corrector left out after step 1
     "unipc-bh1-v-leading-cfg": {"solver_type": "bh1", "final_sigmas_type": "sigma_min",
                                 "disable_corrector": [1], "lower_order_final": False},
@@ -525,8 +532,11 @@ IMG2IMG_CASES = (
     ("i2i-lms-eps-leading-cfg", "LMSDiscreteScheduler", "epsilon", "leading", 7, 0.7, 7.5, NEGATIVE),
     ("i2i-deis-v-trailing", "DEISMultistepScheduler", "v_prediction", "trailing", 6, 0.6, 1.0, None),
     ("i2i-kdpm2_a-eps-leading", "KDPM2AncestralDiscreteScheduler", "epsilon", "leading", 5, 0.6, 1.0, None),
+    # starts inside an order-3 group: the group's first steps run lower
+    ("i2i-dpms3-eps-cfg", "DPMSolverSinglestepScheduler", "epsilon", "leading", 7, 0.75, 7.5, NEGATIVE),
 )
-IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True}}  # Stable Diffusion 1.x's
+IMG2IMG_FIELDS = {"i2i-pndm-eps-leading-cfg": {"skip_prk_steps": True},  # Stable Diffusion 1.x's
+                  "i2i-dpms3-eps-cfg": {"solver_order": 3}}
 IMG2IMG_INIT = "init.png"
 
 

@@ -544,6 +544,69 @@ class DPMSolverMultistep:
         return out
 
 
+class DPMSolverSinglestep(DPMSolverMultistep):
+    """DPMSolverSinglestepScheduler, dpmsolver++ (midpoint or heun) of order 1 to 3, as diffusers' step: the
+    order list of its set_timesteps (groups 1, 2, ...), each step of a group updating from the sample the
+    group began with (kept here) and the group's x0s; DPM-Solver's linspace timesteps whatever the
+    spacing. Started at a later run (image to image), a group cut there starts lower (no x0s before)."""
+
+    def __init__(self, config: Mapping, steps: int) -> None:
+        _check(config, algorithm_type=("dpmsolver++",), rescale_betas_zero_snr=(False, None))
+        super().__init__({**config, "timestep_spacing": "linspace"}, steps)
+        order = config.get("solver_order", 2)
+        final_zero = config.get("final_sigmas_type", "zero") == "zero"
+        lower = config.get("lower_order_final", False) or steps % order != 0 or final_zero
+        if not lower:
+            orders = [1, 2, 3][:order] * (steps // order)
+        elif order == 3:
+            orders = {0: [1, 2, 3] * (steps // 3 - 1) + [1, 2, 1], 1: [1, 2, 3] * (steps // 3) + [1],
+                      2: [1, 2, 3] * (steps // 3) + [1, 2]}[steps % 3]
+        elif order == 2:
+            orders = [1, 2] * (steps // 2 - 1) + [1, 1] if steps % 2 == 0 else [1, 2] * (steps // 2) + [1]
+        else:
+            orders = [1] * steps
+        if final_zero:
+            orders[-1] = 1
+        self.orders, self.group_sample = orders, None
+
+    def step(self, output: np.ndarray, i: int, x: np.ndarray, noise: np.ndarray | None) -> np.ndarray:
+        lam = [self._alpha_sigma_lambda(self.sigmas[k]) for k in range(max(i - 2, 0), i + 2)]
+        (alpha_s0, sigma_s0, lambda_s0), (alpha_t, sigma_t, lambda_t) = lam[-2], lam[-1]
+        if self.config["prediction_type"] == "epsilon":
+            x0 = (x - sigma_s0 * output) / alpha_s0
+        else:
+            x0 = alpha_s0 * x - sigma_s0 * output
+        self.outputs.append(x0)
+        order = min(self.orders[i], len(self.outputs))  # no outputs before a later start
+        if order == 1:
+            self.group_sample = x
+        sample, m = self.group_sample, self.outputs
+        heun = self.config.get("solver_type", "midpoint") == "heun"
+        if order == 1:
+            return (sigma_t / sigma_s0) * sample - alpha_t * (np.exp(-(lambda_t - lambda_s0)) - 1.0) * m[-1]
+        if order == 2:
+            sigma_s1, lambda_s1 = lam[-3][1], lam[-3][2]
+            h = lambda_t - lambda_s1
+            r0 = (lambda_s0 - lambda_s1) / h
+            d0, d1 = m[-2], (m[-1] - m[-2]) / r0
+            out = (sigma_t / sigma_s1) * sample - alpha_t * (np.exp(-h) - 1.0) * d0
+            if heun:
+                return out + alpha_t * ((np.exp(-h) - 1.0) / h + 1.0) * d1
+            return out - 0.5 * alpha_t * (np.exp(-h) - 1.0) * d1
+        sigma_s2, lambda_s2, lambda_s1 = lam[-4][1], lam[-4][2], lam[-3][2]
+        h, h0, h1 = lambda_t - lambda_s2, lambda_s0 - lambda_s2, lambda_s1 - lambda_s2
+        r0, r1 = h0 / h, h1 / h
+        d0 = m[-3]
+        d1_0, d1_1 = (m[-2] - m[-3]) / r1, (m[-1] - m[-3]) / r0
+        out = (sigma_t / sigma_s2) * sample - alpha_t * (np.exp(-h) - 1.0) * d0
+        if not heun:
+            return out + alpha_t * ((np.exp(-h) - 1.0) / h + 1.0) * d1_1
+        d1 = (r0 * d1_0 - r1 * d1_1) / (r0 - r1)
+        d2 = 2.0 * (d1_1 - d1_0) / (r0 - r1)
+        return (out + alpha_t * ((np.exp(-h) - 1.0) / h + 1.0) * d1
+                - alpha_t * ((np.exp(-h) - 1.0 + h) / h**2 - 0.5) * d2)
+
+
 class UniPC:
     """UniPCMultistepScheduler in its data-prediction form (predict_x0), B(h) bh1 or bh2, orders 1 to 3, no
     noise: each step first corrects the latents it was given (UniC, from the sample the step before started
@@ -933,6 +996,7 @@ SCHEDULERS = {
     "DDPMScheduler": DDPM,
     "LCMScheduler": LCM,
     "DPMSolverMultistepScheduler": DPMSolverMultistep,
+    "DPMSolverSinglestepScheduler": DPMSolverSinglestep,
     "PNDMScheduler": PNDM,
     "UniPCMultistepScheduler": UniPC,
 }

@@ -377,8 +377,8 @@ def test_speech_and_embedding_cli(vits_tiny: Path, st_minilm: Path, tmp_path: Pa
 # --- what is refused -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("_class_name", "DPMSolverSinglestepScheduler",
-     "scheduler \"DPMSolverSinglestepScheduler\" is not run by ortpipe; it runs Euler"),
+    ("_class_name", "DPMSolverSDEScheduler",
+     "scheduler \"DPMSolverSDEScheduler\" is not run by ortpipe; it runs Euler"),
     ("_class_name", "PNDMScheduler", "PNDMScheduler with skip_prk_steps False is not run by ortpipe (it runs "
                                      "True)"),  # the Runge-Kutta warm-up; Stable Diffusion's folders skip it
     ("interpolation_type", "log_linear",

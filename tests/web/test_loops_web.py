@@ -291,7 +291,8 @@ def test_wasm_sdxl_sd3_lcm_images_equal_cpython(page: Any, serve_model: Any, tmp
                                                ("deis3-v-leading", 0.0),
                                                ("edm-eps-range", 0.0),
                                                ("ddim-eta-eps-leading-cfg", 0.0),
-                                               ("tcd-eps-cfg", 0.0)])
+                                               ("tcd-eps-cfg", 0.0),
+                                               ("dpms3-heun-v-min", 0.0)])
 def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_folder: Path, tmp_path: Path,
                                              case: str, rescale: float) -> None:
     """DPM-Solver++ (2M) SDE with Karras sigmas, guided and rescaled, seeded; PNDM (PLMS, Stable Diffusion
@@ -299,7 +300,8 @@ def test_wasm_scheduler_images_equal_cpython(page: Any, serve_model: Any, sd_fol
     corrector folded into the step's weights); LMS (its memory of past slopes); beta sigmas (the incomplete
     beta function inverted in Python); KDPM2Ancestral (noise at each second run); DEIS of order 3 (its memory
     of noise predictions); EDM Euler (its timesteps 0.25 log sigma); DDIM with eta (noise every step, the
-    request's eta) and TCD (eta 0.3, its gamma): the schedule is the core's
+    request's eta), TCD (eta 0.3, its gamma) and DPM-Solver singlestep of order 3 (each step from its group's
+    first sample): the schedule is the core's
     arithmetic and each step's noise the core's generator, the same in Pyodide; the image is CPython's within
     1e-4."""
     from build import paradigms

@@ -4,14 +4,15 @@ A scheduler here is the schedule of one request: each step's timestep, the scale
 coefficients of the `denoise_step` kernel (build/loop_kernels.py), which does the arithmetic on the latents.
 The coefficients are computed in float64 from the config as diffusers 0.42 computes them (EulerDiscrete,
 EulerAncestralDiscrete, DDIM and TCD (eta 0 to 1), DDPM, LCM, PNDM's PLMS, DPMSolverMultistep's dpmsolver++
-and sde-dpmsolver++ of order 1 to 3, UniPCMultistep's bh1 and bh2 of order 1 to 3, HeunDiscrete, KDPM2Discrete
-and KDPM2AncestralDiscrete, LMSDiscrete's linear multistep of order 4, DEISMultistep's log-rho DEIS of order 1
-to 3, EDMEuler's preconditioned Euler; FlowMatchEulerDiscrete's flow matching, whose output is a velocity),
-for epsilon and v_prediction and the three timestep spacings (arXiv 2305.08891, table 2), and Karras,
-exponential or beta sigmas (`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`;
-`use_beta_sigmas`, arXiv 2407.12173) for EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral
-variant) and LMSDiscrete, Karras also for DPMSolverMultistep, UniPCMultistep and DEISMultistep. A field whose
-value changes what diffusers computes and that is not followed here is a ConfigError at load.
+and sde-dpmsolver++ of order 1 to 3, DPMSolverSinglestep's dpmsolver++ of order 1 to 3, UniPCMultistep's bh1
+and bh2 of order 1 to 3, HeunDiscrete, KDPM2Discrete and KDPM2AncestralDiscrete, LMSDiscrete's linear
+multistep of order 4, DEISMultistep's log-rho DEIS of order 1 to 3, EDMEuler's preconditioned Euler;
+FlowMatchEulerDiscrete's flow matching, whose output is a velocity), for epsilon and v_prediction and the
+three timestep spacings (arXiv 2305.08891, table 2), and Karras, exponential or beta sigmas
+(`use_karras_sigmas`, arXiv 2206.00364; `use_exponential_sigmas`; `use_beta_sigmas`, arXiv 2407.12173) for
+EulerDiscrete, HeunDiscrete, KDPM2Discrete (and its ancestral variant) and LMSDiscrete, Karras also for
+DPMSolverMultistep, UniPCMultistep and DEISMultistep. A field whose value changes what diffusers computes and
+that is not followed here is a ConfigError at load.
 
 Each step is linear in the latents x, the guided model output, the predicted clean latents x0 (clipped
 when the config says so), the step's noise and the x0 of up to three steps before (DPM-Solver's second and
@@ -44,6 +45,8 @@ ALIASES = {  # the seed's snake-case names (section 12.3)
     "tcd": "TCDScheduler",
     "dpm_solver_multistep": "DPMSolverMultistepScheduler",
     "dpmsolver_multistep": "DPMSolverMultistepScheduler",
+    "dpm_solver_singlestep": "DPMSolverSinglestepScheduler",
+    "dpmsolver_singlestep": "DPMSolverSinglestepScheduler",
     "pndm": "PNDMScheduler",
     "ddpm": "DDPMScheduler",
     "heun_discrete": "HeunDiscreteScheduler",
@@ -93,6 +96,14 @@ _CONSISTENCY = {  # LCMScheduler's and TCDScheduler's
     "thresholding": False,
     "timestep_spacing": "leading",
     "timestep_scaling": 10.0,
+}
+_SOLVER = {  # DPM-Solver singlestep's and UniPC's: no thresholding, training sigmas, a last sigma of 0
+    "thresholding": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "use_flow_sigmas": False,
+    "final_sigmas_type": "zero",
 }
 # diffusers' defaults of each class: what a field the config leaves out means.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -151,6 +162,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "lambda_min_clipped": -INF,
         "variance_type": None,
     },
+    "DPMSolverSinglestepScheduler": {
+        **{k: v for k, v in _BETAS.items() if k != "steps_offset"},
+        "timestep_spacing": "linspace",  # no field of its own: its timesteps are spaced so whatever it says
+        "solver_order": 2,
+        "algorithm_type": "dpmsolver++",
+        "solver_type": "midpoint",
+        "lower_order_final": False,
+        **_SOLVER,
+        "lambda_min_clipped": -INF,
+        "variance_type": None,
+        "use_dynamic_shifting": False,
+    },
     "HeunDiscreteScheduler": {
         **{k: v for k, v in _BETAS.items() if k != "rescale_betas_zero_snr"},
         "beta_start": 0.00085,
@@ -193,12 +216,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "solver_type": "bh2",
         "lower_order_final": True,
         "disable_corrector": [],
-        "thresholding": False,
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
-        "use_flow_sigmas": False,
-        "final_sigmas_type": "zero",
+        **_SOLVER,
         "use_dynamic_shifting": False,
         "sigma_min": None,
         "sigma_max": None,
@@ -289,6 +307,24 @@ ALLOWED: dict[str, dict[str, tuple[Any, ...] | None]] = {
         "final_sigmas_type": ("zero", "sigma_min"),
         "variance_type": (None,),
         "lambda_min_clipped": (-INF,),
+    },
+    # its timesteps are DPM-Solver's linspace ones whatever the spacing; it has no zero-SNR rescale
+    "DPMSolverSinglestepScheduler": {
+        **_COMMON,
+        "rescale_betas_zero_snr": (False,),
+        "algorithm_type": ("dpmsolver++",),
+        "solver_order": (1, 2, 3),
+        "solver_type": ("midpoint", "heun"),
+        "thresholding": (False,),
+        "use_karras_sigmas": (False, True),
+        "use_exponential_sigmas": (False,),  # float timesteps, as DPM-Solver's multistep ones: not followed
+        "use_beta_sigmas": (False,),
+        "use_flow_sigmas": (False,),
+        "final_sigmas_type": ("zero", "sigma_min"),
+        "lower_order_final": (False, True),
+        "variance_type": (None,),
+        "lambda_min_clipped": (-INF,),
+        "use_dynamic_shifting": (False,),
     },
     "HeunDiscreteScheduler": dict(_SPREAD),
     "KDPM2DiscreteScheduler": dict(_SPREAD),
@@ -1130,6 +1166,89 @@ def dpm_solver(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedul
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
+def _singlestep_orders(config: Mapping[str, Any], steps: int) -> list[int]:
+    """DPMSolverSinglestepScheduler's order at each step: groups 1, 2, ... up to solver_order, each step of
+    a group updating from the sample its group began with; lower at the end when lower_order_final, which
+    diffusers' set_timesteps turns on when the steps do not divide into groups or the last sigma is 0."""
+    order = config["solver_order"]
+    lower = config["lower_order_final"] or steps % order != 0 or config["final_sigmas_type"] == "zero"
+    group = list(range(1, order + 1))
+    if not lower:
+        orders = group * (steps // order)
+    elif order == 1:
+        orders = [1] * steps
+    elif steps % order == 0:
+        orders = group * (steps // order - 1) + group[:-1] + [1]
+    else:
+        orders = group * (steps // order) + group[: steps % order]
+    if config["final_sigmas_type"] == "zero":
+        orders[-1] = 1
+    return orders
+
+
+def _singlestep_update(config: Mapping[str, Any], order: int, lambdas: list[float], alpha_t: float
+                       ) -> list[float]:
+    """The weights of (this step's x0, the one before's, the one before that's) in an order-2 or 3 singlestep
+    update from its group's first sample; `lambdas`: log(alpha / sigma) of the group's steps and the next."""
+    heun = config["solver_type"] == "heun"
+    lambda_t, first = lambdas[-1], lambdas[0]
+    h = lambda_t - first
+    decay = math.expm1(-h)  # exp(-h) - 1
+    if order == 2:  # D0 = m1, D1 = (m0 - m1) / r0
+        r0 = (lambdas[1] - first) / h
+        d1 = alpha_t * (decay / h + 1.0) if heun else -0.5 * alpha_t * decay
+        return [d1 / r0, -alpha_t * decay - d1 / r0, 0.0]
+    r0, r1 = (lambdas[2] - first) / h, (lambdas[1] - first) / h  # D0 = m2; m0 this step's, m1, m2 before
+    d1_0 = [0.0, 1.0 / r1, -1.0 / r1]  # (m1 - m2) / r1, over (m0, m1, m2)
+    d1_1 = [1.0 / r0, 0.0, -1.0 / r0]  # (m0 - m2) / r0
+    weights = [0.0, 0.0, -alpha_t * decay]
+    if heun:
+        d1 = [(r0 * a - r1 * b) / (r0 - r1) for a, b in zip(d1_0, d1_1, strict=True)]
+        d2 = [2.0 * (b - a) / (r0 - r1) for a, b in zip(d1_0, d1_1, strict=True)]
+        w1, w2 = alpha_t * (decay / h + 1.0), -alpha_t * ((decay + h) / h**2 - 0.5)
+        return [w + w1 * a + w2 * b for w, a, b in zip(weights, d1, d2, strict=True)]
+    w1 = alpha_t * (decay / h + 1.0)
+    return [w + w1 * a for w, a in zip(weights, d1_1, strict=True)]
+
+
+def dpm_singlestep(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
+    """DPMSolverSinglestepScheduler (dpmsolver++, orders 1 to 3): DPM-Solver's linspace timesteps (Karras
+    sigmas if asked), each step of an order-k group an update from the sample the group began with and the
+    group's x0s. That sample is the step's own latents undone by the group's earlier updates, so each step is
+    still linear in its latents and the last three x0s. `begin`: image-to-image's first step (a group cut
+    there starts lower, as diffusers' model outputs are empty there)."""
+    table = [((1 - a) / a) ** 0.5 for a in alphas_cumprod(config)]
+    timesteps, sigmas = _dpm_timesteps({**config, "timestep_spacing": "linspace"}, steps, table)
+    levels = [_alpha_sigma_lambda(s) for s in sigmas]
+    orders = _singlestep_orders(config, steps)
+    out, before = [], None  # before: the last update, (from the group's sample, its x0s' weights)
+    for i, t in enumerate(timesteps):
+        if i < begin:
+            continue
+        order = min(orders[i], i - begin + 1)
+        start = i - order + 1  # the group's first step
+        alpha_s, sigma_s, _ = levels[i]
+        alpha_t, sigma_t, lambda_t = levels[i + 1]
+        epsilon = config["prediction_type"] == "epsilon"
+        x0 = (1 / alpha_s, -sigma_s / alpha_s) if epsilon else (alpha_s, -sigma_s)
+        if order == 1:
+            weights = [-alpha_t * math.expm1(-(lambda_t - levels[i][2])), 0.0, 0.0]
+        else:
+            weights = _singlestep_update(config, order, [levels[k][2] for k in range(start, i + 2)], alpha_t)
+        from_sample = sigma_t / levels[start][1]
+        update = (from_sample, weights)  # x after this step, from the group's sample and the x0s
+        ratio, kernel = from_sample, weights
+        if order > 1:  # the group's sample = (x - the step before's x0 weights) / its from_sample
+            kept, earlier = before
+            ratio = from_sample / kept
+            kernel = [weights[0], weights[1] - ratio * earlier[0], weights[2] - ratio * earlier[1]]
+        before = update
+        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
+        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=kernel[0], previous=kernel[1],
+                         previous2=kernel[2], noised=noised))
+    return Schedule(config["_class_name"], 1.0, tuple(out))
+
+
 def deis(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
     """DEISMultistepScheduler (log-rho DEIS, orders 1 to 3): DPM-Solver's timesteps, its last sigma the
     smallest training one, and its order rule. The memory holds each step's noise prediction eps (the
@@ -1396,6 +1515,7 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
     "TCDScheduler": tcd,
     "PNDMScheduler": pndm,
     "DPMSolverMultistepScheduler": dpm_solver,
+    "DPMSolverSinglestepScheduler": dpm_singlestep,
     "HeunDiscreteScheduler": heun,
     "KDPM2DiscreteScheduler": kdpm2,
     "KDPM2AncestralDiscreteScheduler": lambda config, steps: kdpm2(config, steps, ancestral=True),
@@ -1411,8 +1531,9 @@ MAKERS: dict[str, Any] = {  # each class's schedule, from (config, steps)
 ETA = {"DDIMScheduler": ddim, "TCDScheduler": tcd}
 # The classes whose steps start at a begin index for image-to-image: the steps from there (the others'
 # steps are the whole schedule's last ones as they are)
-BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc,
-         "LMSDiscreteScheduler": lms, "DEISMultistepScheduler": deis}
+BEGUN = {"DPMSolverMultistepScheduler": dpm_solver, "DPMSolverSinglestepScheduler": dpm_singlestep,
+         "PNDMScheduler": pndm, "UniPCMultistepScheduler": unipc, "LMSDiscreteScheduler": lms,
+         "DEISMultistepScheduler": deis}
 # two runs a timestep: diffusers' order 2
 ORDER_2 = ("HeunDiscreteScheduler", "KDPM2DiscreteScheduler", "KDPM2AncestralDiscreteScheduler")
 # The classes whose image-to-image schedule is another one, made from (config, steps, strength), run whole
