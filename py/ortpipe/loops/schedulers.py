@@ -843,10 +843,16 @@ def kdpm2(config: Mapping[str, Any], steps: int, ancestral: bool = False) -> Sch
     out = []
     for j, t in enumerate(timesteps):
         sigma, after = sigmas[j], sigmas[j + 1]
+        if sigma == 0:  # a sigma below float32's range (hostile betas): diffusers divides by it
+            raise GenerationError(
+                f"num_steps {steps} gives {config['_class_name']} a sigma of 0 at step {j + 1} (below "
+                "float32's range): check beta_start, beta_end and trained_betas"
+            )
         up = 0.0
         if ancestral:  # sigmas that grow (hostile betas): NaN, which make_schedule refuses, as diffusers' is
             up = (after**2 * (sigma**2 - after**2) / sigma**2) ** 0.5 if after <= sigma else math.nan
-        down = (after**2 - up**2) ** 0.5 if ancestral else after
+        # below 0 only by rounding, on sigmas hostile betas make: NaN, refused as diffusers' NaN would be
+        down = ((after**2 - up**2) ** 0.5 if after**2 >= up**2 else math.nan) if ancestral else after
         middle = (sigma * down) ** 0.5  # 0 before the last sigma, 0
         dt = middle - sigma
         out.append(_step(t, 1 / (sigma * sigma + 1) ** 0.5, _x0_sigma(config, sigma), x=1 + dt / sigma,
@@ -989,11 +995,25 @@ def ddpm(config: Mapping[str, Any], steps: int) -> Schedule:
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
+def _original_steps(config: Mapping[str, Any]) -> int:
+    """LCM's and TCD's original_inference_steps: the schedule they pick their timesteps from, every
+    num_train_timesteps // it training timesteps."""
+    original, count = config["original_inference_steps"], config["num_train_timesteps"]
+    if isinstance(original, float) and original.is_integer():  # 50.0: the whole number it writes
+        original = int(original)
+    if isinstance(original, bool) or not isinstance(original, int) or not 1 <= original <= count:
+        raise GenerationError(
+            f"{config['_class_name']}'s original_inference_steps must be a whole number from 1 to "
+            f"num_train_timesteps {count}, found {quote(original)}"
+        )
+    return original
+
+
 def lcm(config: Mapping[str, Any], steps: int, strength: float = 1.0) -> Schedule:
     """LCMScheduler's steps: `steps` timesteps evenly picked from its original_inference_steps schedule;
     image-to-image (LatentConsistencyModelImg2ImgPipeline) picks them from the schedule's first
     int(original_inference_steps * strength) timesteps, the lowest ones, and runs them all."""
-    original = config["original_inference_steps"]
+    original = _original_steps(config)
     if steps > original:
         raise GenerationError(
             f"num_steps {steps} is more than the LCM scheduler's original_inference_steps "
@@ -1041,14 +1061,13 @@ def tcd(config: Mapping[str, Any], steps: int, eta: float = 0.0) -> Schedule:
     (TCD's gamma): LCMScheduler's timesteps; each step goes to the noised x0 at s = floor((1 - eta) t')
     (t' the next timestep, 0 after the last, the product in float32 as diffusers computes it), then, but at
     the last, forward to t' with noise: sqrt(a' / a_s) x_s + sqrt(1 - a' / a_s) noise. It never clips."""
-    original = config["original_inference_steps"]
+    original, count = _original_steps(config), config["num_train_timesteps"]
     if steps > original:
         raise GenerationError(
             f"num_steps {steps} is more than the TCD scheduler's original_inference_steps {original}; lower "
             "num_steps"
         )
     cumprod = alphas_cumprod(config)
-    count = config["num_train_timesteps"]
     origin = [(i + 1) * (count // original) - 1 for i in range(original)][::-1]
     stride = len(origin) / steps  # numpy.linspace(0, len, steps, endpoint=False), floored
     timesteps = [origin[int(math.floor(i * stride))] for i in range(steps)]
@@ -1575,7 +1594,7 @@ def make_schedule(config: Mapping[str, Any], steps: int, strength: float | None 
         )
     begin = (steps - kept) * (2 if name in ORDER_2 else 1)
     first = schedule.steps[begin]
-    picked = BEGUN[name](config, steps, begin).steps if name in BEGUN else schedule.steps[begin:]
+    picked = _computed(BEGUN[name], config, steps, begin).steps if name in BEGUN else schedule.steps[begin:]
     return Schedule(name, 1.0, tuple(picked), first.noised)
 
 
@@ -1588,11 +1607,11 @@ def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | Non
             f"{config['num_train_timesteps']}"
         )
     if eta:
-        schedule = ETA[name](config, steps, eta)
+        schedule = _computed(ETA[name], config, steps, eta)
     elif strength is None:
-        schedule = MAKERS[name](config, steps)
+        schedule = _computed(MAKERS[name], config, steps)
     else:
-        schedule = SHORTENED[name](config, steps, strength)
+        schedule = _computed(SHORTENED[name], config, steps, strength)
     runs = steps + 1 if name == "PNDMScheduler" and steps > 1 else steps  # PLMS: the 2nd timestep twice
     if name in ORDER_2:
         runs = 2 * steps - 1  # two runs a step, but the last
@@ -1611,6 +1630,22 @@ def _whole_schedule(config: Mapping[str, Any], steps: int, strength: float | Non
                 "and rescale_betas_zero_snr"
             )
     return schedule
+
+
+def _computed(make: Any, config: Mapping[str, Any], steps: int, *args: Any) -> Schedule:
+    """make(config, steps, *args); arithmetic that fails on the config's numbers (a division by a sigma that
+    underflowed to 0, a NaN timestep rounded, an overflow) is a GenerationError naming the fields that make
+    them, where diffusers would compute NaN latents or fail inside its set_timesteps."""
+    try:
+        return make(config, steps, *args)
+    except (ConfigError, GenerationError):
+        raise  # the makers' own refusals, with what to change
+    except (ArithmeticError, ValueError) as e:
+        raise GenerationError(
+            f"num_steps {steps} gives {config['_class_name']} a schedule that cannot be computed ({e}: its "
+            "noise schedule's sigmas underflow, overflow or stop decreasing): check beta_start, beta_end, "
+            "trained_betas, rescale_betas_zero_snr and sigma_min / sigma_max"
+        ) from e
 
 
 def _distinct(timesteps: list[Any], config: Mapping[str, Any]) -> None:
