@@ -104,7 +104,10 @@ def mutate(config: dict, rng: random.Random) -> dict:
     """One to three changes: a value replaced by an odd one, a key dropped, renamed or added."""
     config = copy.deepcopy(config)
     for _ in range(rng.randint(1, 3)):
-        path = rng.choice([p for p in paths(config) if p])
+        candidates = [p for p in paths(config) if p]
+        if not candidates:  # earlier changes left nothing to change (an emptied config)
+            break
+        path = rng.choice(candidates)
         parent = config
         for step in path[:-1]:
             parent = parent[step]
@@ -117,7 +120,8 @@ def mutate(config: dict, rng: random.Random) -> dict:
         elif kind < 0.9 and isinstance(parent, dict):
             parent[_typo(str(key), rng)] = parent.pop(key)
         elif isinstance(parent, dict):
-            parent[rng.choice(["extra", "eos_toen_id", "filenam", "temprature", "type"])] = rng.choice(ODD)
+            parent[rng.choice(["extra", "eos_toen_id", "filenam", "temprature", "type"])] = copy.deepcopy(
+                rng.choice(ODD))  # a copy: later changes must not reach ODD's own lists
     return config
 
 
@@ -377,3 +381,15 @@ def test_the_watch_sees_a_read_outside_the_folder_and_a_hang(base: Path, tmp_pat
             outcome(lambda: any(False for _ in iter(int, 1)), base)  # an endless loop
     finally:
         HANG_SECONDS = before
+
+
+def test_image_paths_the_file_system_refuses(base: Path) -> None:
+    """A path too long for the file system (or a NUL byte in it) is a GenerationError, not an OSError."""
+    pipe = ortpipe.load(base, threads=1)
+    refusal = (r"the image path .*\.\.\. \(\d+ characters\) cannot be a file here \(File name too long\); "
+               r"give the path of an existing file")
+    for path in ("A" * 5000, "a/" * 3000 + "x.png"):
+        with pytest.raises(GenerationError, match=refusal):
+            pipe.generate("x", images=[path], max_new_tokens=1)
+    with pytest.raises(GenerationError, match="the image file .* does not exist"):
+        pipe.generate("x", images=["a\x00b.png"], max_new_tokens=1)

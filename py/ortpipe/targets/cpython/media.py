@@ -110,7 +110,15 @@ def read_wav(path: str | os.PathLike[str], rate: int = WHISPER_RATE) -> np.ndarr
 
 def _existing(path: str | os.PathLike[str], what: str) -> Path:
     file = Path(path)
-    if not file.is_file():
+    try:
+        found = file.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
+        text = str(file)
+        shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+        reason = getattr(e, "strerror", None) or e
+        raise GenerationError(f"the {what} path {shown} cannot be a file here ({reason}); give the path of "
+                              "an existing file") from e
+    if not found:
         raise GenerationError(f"the {what} file {file} does not exist")
     return file
 
