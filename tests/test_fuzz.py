@@ -383,13 +383,29 @@ def test_the_watch_sees_a_read_outside_the_folder_and_a_hang(base: Path, tmp_pat
         HANG_SECONDS = before
 
 
-def test_image_paths_the_file_system_refuses(base: Path) -> None:
+def test_image_paths_the_file_system_refuses() -> None:
     """A path too long for the file system (or a NUL byte in it) is a GenerationError, not an OSError."""
-    pipe = ortpipe.load(base, threads=1)
+    from ortpipe.targets.cpython.media import decode_image
+
     refusal = (r"the image path .*\.\.\. \(\d+ characters\) cannot be a file here \(File name too long\); "
                r"give the path of an existing file")
     for path in ("A" * 5000, "a/" * 3000 + "x.png"):
         with pytest.raises(GenerationError, match=refusal):
-            pipe.generate("x", images=[path], max_new_tokens=1)
+            decode_image(path)
     with pytest.raises(GenerationError, match="the image file .* does not exist"):
-        pipe.generate("x", images=["a\x00b.png"], max_new_tokens=1)
+        decode_image("a\x00b.png")
+
+
+def test_media_a_folder_does_not_read_is_refused_before_any_file_is_opened(base: Path) -> None:
+    """A text folder given images, audio or a mask as paths refuses them without opening the files."""
+    pipe = ortpipe.load(base, threads=1)
+    outside = str(Path(__file__).resolve())  # a file that exists, outside the folder
+    for request, message in [
+        ({"images": [outside]}, "the request has images, but no session of this pipeline reads pixel_val"),
+        ({"audios": [outside]}, "the request has audio, but no session of this pipeline reads input_feat"),
+        ({"mask": outside}, "a mask is inpainting's"),
+    ]:
+        result = outcome(lambda: pipe.generate("x", max_new_tokens=1, **request), base)  # noqa: B023
+        assert result == "GenerationError", request
+        with pytest.raises(GenerationError, match=message):
+            pipe.generate("x", max_new_tokens=1, **request)

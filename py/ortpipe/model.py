@@ -36,7 +36,7 @@ from .outputs import OutputRequest
 from .plan import FROM_REQUEST, Plan, make_plan
 from .plugins import Context, Factory, load_factory, unread_settings
 from .preprocess import load_audio_config
-from .preprocess.request import Image, media_inputs
+from .preprocess.request import Image, check_media, media_inputs
 from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
@@ -46,6 +46,7 @@ from .vocab_tokenizers import load_vits_tokenizer, load_vocab_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 256
+MASK_REFUSED = "a mask is inpainting's: it goes with an image to a denoising folder"
 
 
 class Platform(Protocol):
@@ -334,6 +335,14 @@ class Model:
 
     # requests
 
+    def check_media(self, images: bool, audios: bool, mask: bool = False) -> None:
+        """Refuse images, audio or a mask this folder does not read, before the target decodes any (a path
+        is then never opened); a folder with a loop of its own or a plugin refuses the rest in `request`."""
+        if mask and (self.loop is None or self.loop.denoising is None):
+            raise GenerationError(MASK_REFUSED)
+        if self.loop is None and self.plugin is None:
+            check_media(self.plan, images, audios)
+
     def request(
         self,
         prompt: str | None = None,
@@ -353,7 +362,7 @@ class Model:
         waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs.
         A single_pass or denoising folder makes an OutputRequest (loops/setup.py)."""
         if mask is not None and (self.loop is None or self.loop.denoising is None):
-            raise GenerationError("a mask is inpainting's: it goes with an image to a denoising folder")
+            raise GenerationError(MASK_REFUSED)
         if self.loop is not None:
             if messages is not None or audios or (images and self.loop.denoising is None):
                 raise GenerationError(

@@ -76,6 +76,10 @@ class StagedModel:
     def prepare(self, settings: Any) -> Work:
         return (yield from self.models[self.stages[0].name].prepare(settings))
 
+    def check_media(self, images: bool, audios: bool, mask: bool = False) -> None:
+        """The first stage's: the request's images, audio and mask go to it."""
+        self.models[self.stages[0].name].check_media(images, audios, mask)
+
     def _only_requests(self, *_: Any, **__: Any) -> Any:
         raise GenerationError("a pipeline of stages runs requests (generate, stream), not chats, step-wise "
                               "generators or embeddings")

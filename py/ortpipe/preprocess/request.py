@@ -27,7 +27,8 @@ def media_inputs(
     plan: Plan, folder: Folder, backend: Backend, images: list[Image], audios: list[Handle]
 ) -> Work:
     """The request inputs made from images and waveforms, named as the plan's sessions read them."""
-    wanted = {f.input: f.dtype for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
+    wanted = _wanted(plan)
+    check_media(plan, bool(images), bool(audios))
     made: dict[str, list[Handle]] = {}
     values: dict[str, list[tuple[int, ...]]] = {}
     prep = plan.config.pipeline.preprocessing
@@ -59,6 +60,21 @@ def media_inputs(
 def _config_name(prep: dict, kind: str) -> str | None:
     section = prep.get(kind)
     return section.get("config") if isinstance(section, dict) else None
+
+
+def check_media(plan: Plan, images: bool, audios: bool) -> None:
+    """A GenerationError for images or audio that no session of the plan reads, before any is decoded or
+    a processor config is read."""
+    wanted = _wanted(plan)
+    if images:
+        _target("pixel_values", wanted)
+    if audios:
+        _target("input_features", wanted)
+
+
+def _wanted(plan: Plan) -> dict[str, str]:
+    """The request inputs the plan's init steps read, with their element types."""
+    return {f.input: f.dtype for s in plan.init_steps for f in s.feeds if f.kind == FROM_REQUEST}
 
 
 def _target(name: str, wanted: dict[str, str]) -> str:

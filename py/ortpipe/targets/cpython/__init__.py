@@ -148,7 +148,9 @@ class Pipeline:
         [h, w, 3] arrays; `audios`: .wav paths or float32 mono arrays at the feature extractor's rate;
         `inputs`: arrays for named session inputs; `mask`: inpainting's, a path or uint8 [h, w, 3] array of
         the image's size (white repaints, black keeps)."""
-        decoded = [_image(i) for i in _listed(images, "images")]
+        given, heard = _listed(images, "images"), _listed(audios, "audios")
+        self.model.check_media(bool(given), bool(heard), mask is not None)  # before a path is opened
+        decoded = [_image(i) for i in given]
         masked = None if mask is None else _image(mask)
         latents = options.get("latents")
         if latents is not None and not isinstance(latents, np.ndarray):
@@ -156,7 +158,7 @@ class Pipeline:
                 f"latents must be a numpy array (float32 [1, channels, height, width]), found "
                 f"{type(latents).__name__}"
             )
-        waves = [_waveform(a, self.model) for a in _listed(audios, "audios")]
+        waves = [_waveform(a, self.model) for a in heard]
         if inputs is not None and (
             not isinstance(inputs, dict)
             or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in inputs.items())
