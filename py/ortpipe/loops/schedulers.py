@@ -1107,6 +1107,17 @@ def _alpha_sigma_lambda(sigma: float) -> tuple[float, float, float]:
     return alpha, sigma * alpha, (INF if sigma == 0 else math.log(alpha) - math.log(sigma * alpha))
 
 
+def _x0_dpm(config: Mapping[str, Any], alpha: float, sigma: float) -> tuple[float, float]:
+    """(from x, from output) of the clean latents at (alpha, sigma), DPM-Solver's family's parametrisation."""
+    return (1 / alpha, -sigma / alpha) if config["prediction_type"] == "epsilon" else (alpha, -sigma)
+
+
+def _noised_dpm(sigma: float) -> tuple[float, float]:
+    """add_noise of DPM-Solver's family: alpha z + sigma_t noise at sigma (float32, as diffusers keeps it)."""
+    sigma = f32(sigma)
+    return 1 / (sigma**2 + 1) ** 0.5, sigma / (sigma**2 + 1) ** 0.5
+
+
 def _dpm_timesteps(config: Mapping[str, Any], steps: int, table: list[float]
                    ) -> tuple[list[int], list[float]]:
     """DPM-Solver's timesteps and their sigmas (the final sigma appended)."""
@@ -1153,11 +1164,7 @@ def dpm_solver(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedul
             continue
         alpha_s, sigma_s, lambda_s = _alpha_sigma_lambda(sigmas[i])
         alpha_t, sigma_t, lambda_t = _alpha_sigma_lambda(sigmas[i + 1])
-        x0 = (
-            (1 / alpha_s, -sigma_s / alpha_s)
-            if config["prediction_type"] == "epsilon"
-            else (alpha_s, -sigma_s)
-        )
+        x0 = _x0_dpm(config, alpha_s, sigma_s)
         decay = math.exp(-(lambda_t - lambda_s))  # exp(-h); 0 when the next sigma is 0
         if sde:  # the SDE variant: exp(-h) more decay of x, fresh noise of sigma_t sqrt(1 - exp(-2h))
             ratio, from_x0 = sigma_t / sigma_s * decay, alpha_t * (1.0 - decay * decay)
@@ -1165,7 +1172,7 @@ def dpm_solver(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedul
         else:
             ratio, from_x0, noise = sigma_t / sigma_s, -alpha_t * (decay - 1.0), 0.0
         order = _dpm_order(config, i, steps, begin)
-        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
+        noised = _noised_dpm(sigmas[i])
         if order == 1:
             out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=from_x0, noise=noise, noised=noised))
             continue
@@ -1240,31 +1247,26 @@ def dpm_singlestep(config: Mapping[str, Any], steps: int, begin: int = 0) -> Sch
     timesteps, sigmas = _dpm_timesteps({**config, "timestep_spacing": "linspace"}, steps, table)
     levels = [_alpha_sigma_lambda(s) for s in sigmas]
     orders = _singlestep_orders(config, steps)
-    out, before = [], None  # before: the last update, (from the group's sample, its x0s' weights)
-    for i, t in enumerate(timesteps):
-        if i < begin:
-            continue
+    out, before = [], (1.0, [0.0, 0.0, 0.0])  # the step before's update: (from its group's sample, x0s)
+    for i in range(begin, steps):
         order = min(orders[i], i - begin + 1)
         start = i - order + 1  # the group's first step
-        alpha_s, sigma_s, _ = levels[i]
+        alpha_s, sigma_s, lambda_s = levels[i]
         alpha_t, sigma_t, lambda_t = levels[i + 1]
-        epsilon = config["prediction_type"] == "epsilon"
-        x0 = (1 / alpha_s, -sigma_s / alpha_s) if epsilon else (alpha_s, -sigma_s)
         if order == 1:
-            weights = [-alpha_t * math.expm1(-(lambda_t - levels[i][2])), 0.0, 0.0]
+            weights = [-alpha_t * math.expm1(-(lambda_t - lambda_s)), 0.0, 0.0]
         else:
             weights = _singlestep_update(config, order, [levels[k][2] for k in range(start, i + 2)], alpha_t)
         from_sample = sigma_t / levels[start][1]
-        update = (from_sample, weights)  # x after this step, from the group's sample and the x0s
         ratio, kernel = from_sample, weights
         if order > 1:  # the group's sample = (x - the step before's x0 weights) / its from_sample
             kept, earlier = before
             ratio = from_sample / kept
             kernel = [weights[0], weights[1] - ratio * earlier[0], weights[2] - ratio * earlier[1]]
-        before = update
-        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
-        out.append(_step(float(t), 1.0, x0, x=ratio, from_x0=kernel[0], previous=kernel[1],
-                         previous2=kernel[2], noised=noised))
+        before = (from_sample, weights)
+        x0 = _x0_dpm(config, alpha_s, sigma_s)
+        out.append(_step(float(timesteps[i]), 1.0, x0, x=ratio, from_x0=kernel[0], previous=kernel[1],
+                         previous2=kernel[2], noised=_noised_dpm(sigmas[i])))
     return Schedule(config["_class_name"], 1.0, tuple(out))
 
 
@@ -1287,7 +1289,7 @@ def deis(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
         nodes = [math.log(sigmas[i - j]) for j in range(order)]  # log rho of this step and those before
         c = [alpha_t * _log_lagrange_integral(nodes, j, sigmas[i], sigmas[i + 1]) for j in range(order)]
         c += [0.0] * (3 - order)
-        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
+        noised = _noised_dpm(sigmas[i])
         out.append(_step(float(timesteps[i]), 1.0, eps, x=alpha_t / alpha_s, from_x0=c[0], previous=c[1],
                          previous2=c[2], noised=noised))
     return Schedule(config["_class_name"], 1.0, tuple(out))
@@ -1399,9 +1401,8 @@ def unipc(config: Mapping[str, Any], steps: int, begin: int = 0) -> Schedule:
                 "of zero (two equal noise levels, or an order above 1 onto sigma 0, where diffusers' latents "
                 "become infinite): set lower_order_final true, or choose another number of steps"
             ) from None
-        epsilon = config["prediction_type"] == "epsilon"
-        x0 = (1 / alpha_s, -sigma_s / alpha_s) if epsilon else (alpha_s, -sigma_s)
-        noised = (1 / (f32(sigmas[i]) ** 2 + 1) ** 0.5, f32(sigmas[i]) / (f32(sigmas[i]) ** 2 + 1) ** 0.5)
+        x0 = _x0_dpm(config, alpha_s, sigma_s)
+        noised = _noised_dpm(sigmas[i])
         out.append(_step(float(timesteps[i]), 1.0, x0, x=ratio, from_x0=weights[0], previous=weights[1],
                          previous2=weights[2], previous3=weights[3], noised=noised))
         before = order

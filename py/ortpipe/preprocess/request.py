@@ -28,7 +28,7 @@ def media_inputs(
 ) -> Work:
     """The request inputs made from images and waveforms, named as the plan's sessions read them."""
     wanted = _wanted(plan)
-    check_media(plan, bool(images), bool(audios))
+    _check_media(wanted, bool(images), bool(audios))
     made: dict[str, list[Handle]] = {}
     values: dict[str, list[tuple[int, ...]]] = {}
     prep = plan.config.pipeline.preprocessing
@@ -65,7 +65,10 @@ def _config_name(prep: dict, kind: str) -> str | None:
 def check_media(plan: Plan, images: bool, audios: bool) -> None:
     """A GenerationError for images or audio that no session of the plan reads, before any is decoded or
     a processor config is read."""
-    wanted = _wanted(plan)
+    _check_media(_wanted(plan), images, audios)
+
+
+def _check_media(wanted: dict[str, str], images: bool, audios: bool) -> None:
     if images:
         _target("pixel_values", wanted)
     if audios:
