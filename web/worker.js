@@ -144,12 +144,16 @@ async function generate(id, options, interrupted) {
   if (!worker) throw new Error('no model is loaded');
   interruptedEarly = interrupted;
   const { images, mask, latents, inputs, ...settings } = options;
+  const masked = mask !== undefined && mask !== null;
+  // refused by the core before any is decoded (or fetched) when the folder reads none
+  const given = Boolean(images) && images.length !== 0;
+  if (given || masked) await pump(worker.task('media', JSON.stringify({ images: given, mask: masked })), id);
   const tensors = images ? await imageTensors(images) : null;
   // inpainting's mask, decoded as images are (a value of the wrong kind is refused there)
-  const masked = mask === undefined || mask === null ? undefined : (await imageTensors([mask]))[0];
+  const maskTensor = masked ? (await imageTensors([mask]))[0] : undefined;
   const named = inputs || latents ? inputTensors({ ...inputs, ...(latents ? { latents } : {}) }) : undefined;
   const json = JSON.stringify({ ...settings, interrupted: interruptedEarly });
-  const task = worker.task('generate', json, tensors, named, masked);
+  const task = worker.task('generate', json, tensors, named, maskTensor);
   return withOutputs(await pump(task, id));
 }
 

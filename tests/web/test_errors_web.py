@@ -136,3 +136,20 @@ def test_a_refusing_template_is_the_same_error(page: Any, models: dict[str, Path
     assert want == ["GenerationError",
                     "the chat template refused the conversation: a system message must come first"]
     assert seen == want
+
+
+def test_images_for_a_text_folder_are_refused_before_they_are_fetched(page: Any, models: dict[str, Path],
+                                                                       requests_seen: list[str]) -> None:
+    """The worker asks the core before it decodes a request's images or mask: a folder that reads none
+    refuses them as CPython does (which never opens such a path), and the image's URL is never fetched."""
+    asked = {"promptIds": [5, 6], "maxNewTokens": 2}
+    requests = [["v2", "generate", {**asked, "images": ["never-fetched.png"]}],
+                ["v2", "generate", {**asked, "mask": "never-fetched-mask.png"}]]
+    want = [cpython_error(models[name], kind, options) for name, kind, options in requests]
+    page.goto("/")
+    seen = page.evaluate(TRY_ALL, {"folders": [], "requests": [
+        [f"models/{name}/", kind, options] for name, kind, options in requests]})
+    assert want[0] is not None and want[0][0] == "GenerationError" and "pixel_values" in want[0][1], want
+    assert want[1] is not None and "inpainting" in want[1][1], want
+    assert seen == want
+    assert not [url for url in requests_seen if "never-fetched" in url], requests_seen

@@ -619,6 +619,8 @@ class Worker:
             plugins = bool(options.get("allow_plugins", False))
             return self._load(folder, options.get("dtype"), options.get("f16", True), plugins)
 
+        if kind == "media":
+            return self._check_media(options)
         if kind == "generate":
             decoded = [(Tensor(image), *tuple(image.dims)[:2]) for image in images] if images else None
             if tensors:
@@ -654,6 +656,13 @@ class Worker:
         dtype = model.plan.signatures[gen.session].output(gen.logits).dtype
         generation = model.config.generation
         return Sampler(model.backend, dtype, generation.settings, frozenset()).kernels()
+
+    def _check_media(self, options: dict[str, Any]) -> Work:
+        """Refuse images or a mask the loaded folder does not read, before the worker decodes (or
+        fetches) any: options {images, mask}, whether the request gives them."""
+        self._loaded().check_media(bool(options.get("images")), False, bool(options.get("mask")))
+        return None
+        yield  # a generator, like every task's work
 
     def _generate(self, options: dict[str, Any], images: list[Any] | None) -> Work:
         self._interrupted = bool(options.pop("interrupted", False))
