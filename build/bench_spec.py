@@ -100,6 +100,8 @@ def folder(name: str) -> Path:
     from the int4 one: build/variants.py --from-q4), or a folder of build/bench_models.py."""
     if name == "demo":
         return REPO / "models" / "demo"
+    if name == "200m-q8":
+        return optimum_q8(cache_root() / "bench" / "hf" / "200m")
     path = cache_root() / "bench" / name
     if name == "demo-fp32" and not (path / "onnx" / "model.onnx").is_file():
         from build import variants
@@ -112,6 +114,32 @@ def folder(name: str) -> Path:
 
 def folder_of(w: Workload) -> Path:
     return folder(w.folder)
+
+
+def optimum_q8(hf_dir: Path) -> Path:
+    """The ~200M model (build/bench_models.py's HF folder) as the browser's users meet such a model:
+    Optimum's export in transformers.js's layout (present = Concat(past, new), attention in MatMul and
+    Softmax), with only its q8 variant (build/variants.py: int8 weights), the wasm default. The fp32
+    graph it came from is not kept (800 MB the bundle would copy)."""
+    from build import hfmodels, variants
+    from build.bench_web import transformers_js_layout
+
+    def build(out: Path) -> Path:
+        with tempfile.TemporaryDirectory(prefix="bench-200m-q8-", dir=out.parent) as scratch:
+            export = hfmodels.export_concat(hf_dir, Path(scratch) / "export")
+            transformers_js_layout(export, out)
+            for name in ("tokenizer.json", "tokenizer_config.json"):  # Optimum's export drops them
+                if not (out / name).is_file():
+                    shutil.copy2(hf_dir / name, out / name)
+            variants.write_variants(out / "onnx" / "model.onnx", ["q8"])
+            for item in (out / "onnx").iterdir():
+                if item.name.startswith("model.onnx"):
+                    item.unlink()
+        return out
+
+    recipe = "\0".join([(hf_dir / "config.json").read_text(), inspect.getsource(optimum_q8),
+                        (REPO / "build" / "variants.py").read_text(), *hfmodels.OPTIMUM_REQUIREMENTS])
+    return hfmodels.cached("200m-q8", build, root=cache_root() / "bench", recipe=recipe)
 
 
 def prompt_of(w: Workload) -> list[int]:

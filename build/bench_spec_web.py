@@ -2,8 +2,10 @@
 
 The workloads of build/bench_spec.py that fit a browser: the demo model (its wasm default, the int8
 variant) on its long code prompt, greedy, and sampled from `def `; its fp32 graph with the demo folder
-(int8 on wasm) drafting, greedy and sampled; and the ~200M model (fp32) on a repetitive prompt,
-greedy (a ~100M Optimum export, build/bench_web.py's "100m", on request). One page per workload loads
+(int8 on wasm) drafting, greedy and sampled; and the ~200M model on a repetitive prompt, greedy: the
+model builder's fp32 export, and Optimum's export of the same weights as its q8 variant (made on
+first use: build/bench_spec.py's optimum_q8); a ~100M Optimum export, build/bench_web.py's "100m", on
+request. One page per workload loads
 the model once (wasm, one thread), warms up, then runs plain decoding and speculation (prompt lookup,
 or the draft model) in turns, `--rounds` times each, the order swapped every round. Decode speed is
 the worker's own timing (the core's Request: decode tokens over decode time, the first token left
@@ -55,12 +57,13 @@ LOOKUP = {"ngramSize": bench_spec.SPECULATIVE["ngram_size"],
 DRAFTING = {"draftModel": "models/demo/", "maxDraftTokens": bench_spec.DRAFTING["max_draft_tokens"]}
 
 
-DEFAULT = ("demo-code", "demo-open", "demo-draft", "demo-draft-sampled", "200m-repetitive")
+DEFAULT = ("demo-code", "demo-open", "demo-draft", "demo-draft-sampled", "200m-repetitive",
+           "200m-q8-repetitive")
 
 
-def workloads() -> dict[str, tuple[str, Path, dict[str, Any], dict[str, Any], str | None]]:
-    """name -> (the served model's name, its folder, the request in the JS API's names, what makes it
-    speculate, the variant loaded)."""
+def workloads() -> dict[str, tuple[str, Any, dict[str, Any], dict[str, Any], str | None]]:
+    """name -> (the served model's name, its folder (or what makes it, when chosen), the request in
+    the JS API's names, what makes it speculate, the variant loaded)."""
     demo = bench_spec.WORKLOADS["demo-code"]
     sampled = bench_spec.WORKLOADS["demo-open"]
     drafted = bench_spec.WORKLOADS["demo-draft"]
@@ -84,6 +87,10 @@ def workloads() -> dict[str, tuple[str, Path, dict[str, Any], dict[str, Any], st
         "200m-repetitive": ("200m", bench_spec.folder_of(bench_spec.WORKLOADS["200m-repetitive"]),
                             {"promptIds": bench_spec.prompt_of(bench_spec.WORKLOADS["200m-repetitive"]),
                              "maxNewTokens": 128, "doSample": False}, LOOKUP, None),
+        # the same weights as the browser's users get such a model: Optimum's export, its q8 variant
+        "200m-q8-repetitive": ("200m-q8", lambda: bench_spec.folder("200m-q8"),
+                               {"promptIds": bench_spec.prompt_of(bench_spec.WORKLOADS["200m-repetitive"]),
+                                "maxNewTokens": 128, "doSample": False}, LOOKUP, None),
     }
 
 
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     chosen = {name: workloads()[name] for name in args.workloads.split(",")}
-    models = {model: folder for model, folder, *_ in chosen.values()}
+    models = {model: folder() if callable(folder) else folder for model, folder, *_ in chosen.values()}
     if any(speculative is DRAFTING for *_, speculative, _ in chosen.values()):
         models["demo"] = bench_spec.folder("demo")
     bundle = web.build(OUT, list(models.items()))
