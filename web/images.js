@@ -21,10 +21,7 @@ function requestError(message) {
  * @param {Array<string|Blob|ImageBitmap|ImageData>} sources
  */
 export async function decodeImages(sources) {
-  if (!Array.isArray(sources)) {
-    const found = typeof sources === 'string' ? JSON.stringify(sources) : describe(sources);
-    throw requestError(`images must be an array (URLs, Blobs, ImageBitmaps or ImageData), not ${found}`);
-  }
+  checkSources(sources);
   const decoded = [];
   for (const [i, source] of sources.entries()) {
     const name = `image ${i + 1} of ${sources.length} (${describe(source)})`;
@@ -35,6 +32,14 @@ export async function decodeImages(sources) {
     }
   }
   return decoded;
+}
+
+/** Refuse `sources` that are not an array of images (before anything is fetched or decoded). */
+export function checkSources(sources) {
+  if (!Array.isArray(sources)) {
+    const found = typeof sources === 'string' ? JSON.stringify(sources) : describe(sources);
+    throw requestError(`images must be an array (URLs, Blobs, ImageBitmaps or ImageData), not ${found}`);
+  }
 }
 
 /** The source's RGBA pixels, unpremultiplied: an ImageData. */

@@ -52,8 +52,8 @@ export type ImageSource = string | URL | Blob | ImageBitmap | ImageData;
 export interface GenerateOptions {
   /** Text, encoded with the folder's tokenizer.json. */
   prompt?: string;
-  /** Token ids. */
-  promptIds?: number[];
+  /** Token ids (a typed array, e.g. a tokenizer's BigInt64Array, is taken as its numbers). */
+  promptIds?: number[] | Int32Array | Uint32Array | BigInt64Array;
   /** A conversation, rendered with tokenizer_config.json's chat_template. */
   messages?: ChatMessage[];
   /**

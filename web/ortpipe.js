@@ -155,12 +155,11 @@ export class Pipeline {
    *   onProgress?: (p: Progress) => void}} [options]
    * @returns {Promise<{data: Float32Array, dims: number[]}>}
    */
-  async embed(texts, { batchSize, pooling, normalize, onProgress } = {}) {
-    const given = { batch_size: batchSize, pooling, normalize };
-    const message = {
-      options: { texts, ...Object.fromEntries(Object.entries(given).filter(([, v]) => v !== undefined)) },
-    };
-    const result = await this._enqueue(() => this._call('embed', message, undefined, onProgress));
+  async embed(texts, { onProgress, ...given } = {}) {
+    // every other key goes to the core, which refuses those it does not take
+    const defined = Object.fromEntries(Object.entries({ texts, ...given }).filter(([, v]) => v !== undefined));
+    const result = await this._enqueue(() => this._call('embed', { options: pythonOptions(defined) }, undefined,
+      onProgress));
     const embedding = Object.values(result.outputs ?? {}).find((o) => o.kind === 'embedding');
     return { data: embedding.data, dims: embedding.dims };
   }
@@ -356,14 +355,47 @@ const disposedError = () => new OrtpipeError({ name: 'OrtpipeError', message: 't
 const camelToSnake = (key) => key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
 const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
 
+// Options handed to the worker as they are (images, tensors); the others travel to Python as JSON.
+const AS_GIVEN = new Set(['images', 'mask', 'inputs', 'latents']);
+
 /** The JS options with Python's names (maxNewTokens -> max_new_tokens), image URLs made absolute. */
 function pythonOptions(options) {
-  const named = Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => [camelToSnake(k), v]));
+  const named = Object.fromEntries(Object.entries(options ?? {}).map(([k, v]) => {
+    const key = camelToSnake(k);
+    return [key, AS_GIVEN.has(key) ? v : jsonValue(key, v)];
+  }));
   if (Array.isArray(named.images)) named.images = named.images.map(absoluteImageUrl);
   if (named.mask !== undefined && named.mask !== null) named.mask = absoluteImageUrl(named.mask);
   // a draft model folder is a URL relative to the page, as the model's is
   if (typeof named.draft_model === 'string' && named.draft_model) named.draft_model = folderUrl(named.draft_model);
   return named;
+}
+
+/**
+ * An option's value as JSON carries it to Python: a typed array becomes an array of numbers (token ids
+ * from a tokenizer), a BigInt a number. What JSON would drop or change without a word (NaN and
+ * infinities become null, a Date a string) and what cannot travel at all (a function, a symbol) is a
+ * GenerationError naming the option.
+ */
+function jsonValue(key, value) {
+  const refuse = (what) => {
+    throw new OrtpipeError({
+      name: 'GenerationError',
+      message: `${key} must be plain data (finite numbers, strings, booleans, null, arrays and objects of them), `
+        + `not ${what}`,
+    });
+  };
+  if (typeof value === 'bigint') return Number.isSafeInteger(Number(value)) ? Number(value) : refuse(`the BigInt ${value}`);
+  if (typeof value === 'number') return Number.isFinite(value) ? value : refuse(String(value));
+  if (typeof value === 'function' || typeof value === 'symbol') return refuse(`a ${typeof value}`);
+  if (ArrayBuffer.isView(value) && !(value instanceof DataView)) return Array.from(value, (v) => jsonValue(key, v));
+  if (Array.isArray(value)) return value.map((v) => jsonValue(key, v));
+  if (value !== null && typeof value === 'object') {
+    const prototype = Object.getPrototypeOf(value);
+    if (prototype !== Object.prototype && prototype !== null) return refuse(`a ${value.constructor?.name ?? 'object'}`);
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [k, jsonValue(key, v)]));
+  }
+  return value;
 }
 
 /** A URL relative to the page, resolved here: the worker's base URL is its script's. A URL that does

@@ -10,7 +10,7 @@
 // and onnxruntime-web again.
 
 import { Bridge, createInferenceSession, downloadBytes, sessionOptions } from './bridge.js';
-import { decodeImages } from './images.js';
+import { checkSources, decodeImages } from './images.js';
 import { Prefetch } from './prefetch.js';
 import { speculator } from './speculate.js';
 
@@ -144,14 +144,22 @@ async function generate(id, options, interrupted) {
   if (!worker) throw new Error('no model is loaded');
   interruptedEarly = interrupted;
   const { images, mask, latents, inputs, ...settings } = options;
-  const masked = mask !== undefined && mask !== null;
+  // null or absent: none; any other value is checked (0, false or "" is no way to say none)
+  const [imaged, masked, latent] = [images, mask, latents].map((value) => value !== undefined && value !== null);
+  if (imaged) checkSources(images);
   // refused by the core before any is decoded (or fetched) when the folder reads none
-  const given = Boolean(images) && images.length !== 0;
+  const given = imaged && images.length !== 0;
   if (given || masked) await pump(worker.task('media', JSON.stringify({ images: given, mask: masked })), id);
-  const tensors = images ? await imageTensors(images) : null;
+  if (inputs !== undefined && inputs !== null && (typeof inputs !== 'object' || Array.isArray(inputs))) {
+    const found = Array.isArray(inputs) ? 'an array' : `a ${typeof inputs}`;
+    throw new TaskError({
+      type: 'GenerationError', message: `inputs must be an object of named tensors, {name: {data, dims}}, not ${found}`,
+    });
+  }
+  const tensors = imaged ? await imageTensors(images) : null;
   // inpainting's mask, decoded as images are (a value of the wrong kind is refused there)
   const maskTensor = masked ? (await imageTensors([mask]))[0] : undefined;
-  const named = inputs || latents ? inputTensors({ ...inputs, ...(latents ? { latents } : {}) }) : undefined;
+  const named = inputs || latent ? inputTensors({ ...inputs, ...(latent ? { latents } : {}) }) : undefined;
   const json = JSON.stringify({ ...settings, interrupted: interruptedEarly });
   const task = worker.task('generate', json, tensors, named, maskTensor);
   return withOutputs(await pump(task, id));

@@ -495,6 +495,12 @@ class Model:
         if self.platform is None:
             raise OrtpipeError("this model was not made by load_model: it cannot load a draft model")
         folder = self.platform.folder(location)
+        if not any(folder.exists(name) for name in ("genai_config.json", "config.json", TOKENIZER_FILE)):
+            # a URL the browser cannot list: nothing there (a path that is no folder failed above)
+            raise GenerationError(
+                f"the draft model {folder.describe()} is not a model folder: it has no genai_config.json, "
+                f"config.json or {TOKENIZER_FILE}"
+            )
         why = same_vocabulary(self.folder, folder)
         if why:
             raise GenerationError(

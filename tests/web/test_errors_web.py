@@ -153,3 +153,70 @@ def test_images_for_a_text_folder_are_refused_before_they_are_fetched(page: Any,
     assert want[1] is not None and "inpainting" in want[1][1], want
     assert seen == want
     assert not [url for url in requests_seen if "never-fetched" in url], requests_seen
+
+
+NOT_MEDIA = [{"images": ""}, {"images": 0}, {"images": "a.png"}, {"inputs": 0}, {"inputs": ""},
+             {"inputs": [1, 2]}, {"latents": 0}, {"latents": False}, {"latents": [1, 2]}]
+NONE_GIVEN = [{"images": None}, {"inputs": None}, {"latents": None}, {"mask": None}]
+
+
+def test_values_that_are_no_images_inputs_or_latents_are_refused_and_null_is_none(
+        page: Any, models: dict[str, Path]) -> None:
+    """A value of the wrong kind for images, inputs or latents is a GenerationError on both targets,
+    never taken as none (0, false and "" were dropped in the browser); null (None) is none on both.
+    A draft model URL with nothing there says so (CPython: the path is no folder)."""
+    asked = {"promptIds": [5, 6], "maxNewTokens": 2}
+    absent = {**asked, "draftModel": "models/no-such-folder/"}
+    requests = [["v2", "generate", {**asked, **given}] for given in [*NOT_MEDIA, *NONE_GIVEN]]
+    page.goto("/")
+    everything = [*requests, ["v2", "generate", absent]]
+    seen = page.evaluate(TRY_ALL, {"folders": [], "requests": [
+        [f"models/{name}/", kind, options] for name, kind, options in everything]})
+    words = {"images": "images must be", "inputs": "inputs must", "latents": "latents"}
+    for (_, kind, options), got in zip(requests, seen, strict=False):
+        want = cpython_error(models["v2"], kind, options)
+        key = next(k for k in ("images", "inputs", "latents", "mask") if k in options)
+        if options[key] is None:
+            assert want is None and got is None, (options, want, got)
+        else:
+            for error in (want, got):
+                assert error is not None and error[0] == "GenerationError", (options, error)
+                assert words[key] in error[1], (options, error)
+    url = f"{page.url.rstrip('/')}/models/no-such-folder/"
+    assert seen[-1] == ["GenerationError", f"the draft model {url} is not a model folder: it has no "
+                        "genai_config.json, config.json or tokenizer.json"], seen[-1]
+
+
+def test_options_json_cannot_carry_are_refused_and_typed_ids_are_numbers(page: Any,
+                                                                         models: dict[str, Path]) -> None:
+    """Settings travel to Python as JSON: a function, a symbol, NaN, a Date or a BigInt beyond 2^53 is
+    a GenerationError naming the option (JSON dropped NaN to null, a default, and a page's function
+    or symbol threw the browser's DataCloneError); token ids in a typed array, or as BigInts, are
+    taken as numbers. embed() passes every key to the core, which refuses those it does not take."""
+    expected = ortpipe.load(models["v2"]).generate(prompt_ids=[5, 6], max_new_tokens=3).tokens
+    page.goto("/")
+    got = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load('models/v2/', {device: 'wasm'});
+      const asked = {promptIds: [5, 6], maxNewTokens: 3};
+      const tries = [{temperature: () => 1}, {stop: [Symbol('x')]}, {maxNewTokens: NaN}, {topP: Infinity},
+                     {stop: [new Date(0)]}, {seed: 2n ** 60n}, {promptIds: new BigInt64Array([5n, 6n])},
+                     {promptIds: new Int32Array([5, 6])}, {maxNewTokens: 3n}];
+      const out = [];
+      for (const t of tries) {
+        try { out.push((await pipe.generate({...asked, ...t})).tokens); }
+        catch (e) { out.push([e.name, e.message]); }
+      }
+      try { await pipe.embed(['a'], {batchsize: 8}); out.push(null); }
+      catch (e) { out.push([e.name, e.message]); }
+      pipe.dispose();
+      return out;
+    }""")
+    refused = [("temperature", "a function"), ("stop", "a symbol"), ("max_new_tokens", "NaN"),
+               ("top_p", "Infinity"), ("stop", "a Date"), ("seed", "the BigInt 1152921504606846976")]
+    plain = "must be plain data (finite numbers, strings, booleans, null, arrays and objects of them)"
+    for (name, what), error in zip(refused, got, strict=False):
+        assert error == ["GenerationError", f"{name} {plain}, not {what}"], error
+    assert got[6:9] == [expected] * 3, (got[6:9], expected)
+    unknown = "embed takes texts, batchSize, pooling and normalize, not batchsize"
+    assert got[9] == ["GenerationError", unknown], got[9]

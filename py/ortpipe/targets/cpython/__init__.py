@@ -152,6 +152,8 @@ class Pipeline:
         self.model.check_media(bool(given), bool(heard), mask is not None)  # before a path is opened
         decoded = [_image(i) for i in given]
         masked = None if mask is None else _image(mask)
+        if "latents" in options and options["latents"] is None:  # no latents, as diffusers' latents=None
+            del options["latents"]
         latents = options.get("latents")
         if latents is not None and not isinstance(latents, np.ndarray):
             raise GenerationError(
