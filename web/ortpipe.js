@@ -44,13 +44,18 @@ export class OrtpipeError extends Error {
  * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
  */
 export async function load(modelUrl, options = {}) {
-  const { device = 'auto', dtype = null, allowPlugins = false, onProgress, ...unknown } = options;
+  const { device: asked, dtype = null, allowPlugins = false, onProgress, ...unknown } = options;
+  const device = asked ?? 'auto'; // null, as undefined: the default
   const names = Object.keys(unknown);
   if (names.length) {
     throw new OrtpipeError({
       name: 'OrtpipeError',
       message: `load() takes device, dtype, allowPlugins and onProgress, not ${names.join(', ')}`,
     });
+  }
+  if (!['auto', 'wasm', 'webgpu'].includes(device)) { // checked here too: a function would not reach the worker
+    const shown = typeof device === 'string' ? JSON.stringify(device) : typeof device;
+    throw new OrtpipeError({ name: 'OrtpipeError', message: `device must be "auto", "webgpu" or "wasm", not ${shown}` });
   }
   if (typeof allowPlugins !== 'boolean') {
     throw new OrtpipeError({ name: 'OrtpipeError', message: 'load(): allowPlugins must be true or false' });

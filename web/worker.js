@@ -313,6 +313,15 @@ async function unload() {
   await oldBridge?.release();
 }
 
+/** A value as a message shows it: its JSON, or its type where JSON has none (a BigInt). */
+function shown(value) {
+  try {
+    return JSON.stringify(value) ?? typeof value;
+  } catch {
+    return typeof value;
+  }
+}
+
 /** `promise`, after arranging for `forget()` to run if it rejects. */
 function forgetOnFailure(promise, forget) {
   promise.catch(forget);
@@ -325,13 +334,15 @@ function forgetOnFailure(promise, forget) {
  */
 async function resolveDevice(device) {
   if (!['auto', 'wasm', 'webgpu'].includes(device)) {
-    throw new Error(`device must be "auto", "webgpu" or "wasm", not ${JSON.stringify(device)}`);
+    throw new TaskError({ type: 'OrtpipeError', message: `device must be "auto", "webgpu" or "wasm", not ${shown(device)}` });
   }
   if (device === 'wasm') return { device: 'wasm', f16: true };
   const adapter = await navigator.gpu?.requestAdapter().catch(() => null);
   if (adapter) return { device: 'webgpu', f16: adapter.features.has('shader-f16') };
   if (device === 'webgpu') {
-    throw new Error('WebGPU is not available in this browser (no GPU adapter); use device "wasm" or "auto"');
+    throw new TaskError({
+      type: 'OrtpipeError', message: 'WebGPU is not available in this browser (no GPU adapter); use device "wasm" or "auto"',
+    });
   }
   return { device: 'wasm', f16: true };
 }

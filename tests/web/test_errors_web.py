@@ -220,3 +220,20 @@ def test_options_json_cannot_carry_are_refused_and_typed_ids_are_numbers(page: A
     assert got[6:9] == [expected] * 3, (got[6:9], expected)
     unknown = "embed takes texts, batchSize, pooling and normalize, not batchsize"
     assert got[9] == ["GenerationError", unknown], got[9]
+
+
+def test_a_device_load_does_not_know_is_an_ortpipe_error(page: Any) -> None:
+    page.goto("/")
+    got = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const out = [];
+      for (const device of ['cpu', 5n, () => 'wasm', {}, null]) {
+        try { (await load('models/v2/', {device})).dispose(); out.push(null); }
+        catch (e) { out.push([e.constructor.name, e.name, e.message]); }
+      }
+      return out;
+    }""")
+    names = ['"cpu"', "bigint", "function", "object"]
+    words = 'device must be "auto", "webgpu" or "wasm", not'
+    refused = [["OrtpipeError", "OrtpipeError", f"{words} {n}"] for n in names]
+    assert got == [*refused, None]  # null: the default, "auto"
