@@ -278,7 +278,7 @@ export class Chat {
 }
 
 /** Load a model folder (genai_config.json v1 or v2, or an Optimum / transformers.js export). */
-export function load(modelUrl: string, options?: LoadOptions): Promise<Pipeline>;
+export function load(modelUrl: string | URL, options?: LoadOptions): Promise<Pipeline>;
 
 /** Whether this browser offers a WebGPU adapter. */
 export function webgpuAvailable(): Promise<boolean>;

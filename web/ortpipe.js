@@ -31,7 +31,7 @@ export class OrtpipeError extends Error {
 /**
  * Load a model folder: a URL prefix holding genai_config.json (v1 or v2) and its ONNX files, or
  * an Optimum / transformers.js export (model.onnx or onnx/model.onnx beside config.json).
- * @param {string} modelUrl the folder's URL, relative to the page or absolute
+ * @param {string|URL} modelUrl the folder's URL, relative to the page or absolute
  * @param {{device?: 'auto'|'webgpu'|'wasm', dtype?: string|Object<string, string>, allowPlugins?: boolean,
  *   onProgress?: (p: Progress) => void}} [options]
  *   device: "auto" (the default) takes WebGPU when the browser has an adapter, else wasm.
@@ -44,7 +44,14 @@ export class OrtpipeError extends Error {
  * @throws {OrtpipeError} when the folder cannot be run (a ConfigError lists every problem)
  */
 export async function load(modelUrl, options = {}) {
-  const { device: asked, dtype = null, allowPlugins = false, onProgress, ...unknown } = options;
+  if (modelUrl instanceof URL) modelUrl = modelUrl.href;
+  if (typeof modelUrl !== 'string' || !modelUrl) {
+    throw new OrtpipeError({
+      name: 'OrtpipeError', message: `load() takes the model folder's URL (a string or URL), not ${kindOf(modelUrl)}`,
+    });
+  }
+  const { device: asked, dtype = null, allowPlugins = false, onProgress, ...unknown } = optionsObject(
+    options, 'load()', 'OrtpipeError');
   const device = asked ?? 'auto'; // null, as undefined: the default
   const names = Object.keys(unknown);
   if (names.length) {
@@ -146,7 +153,7 @@ export class Pipeline {
    * @returns {Promise<{audio: Float32Array, samplingRate: number}>}
    */
   async speak(text, options = {}) {
-    const { audio } = await this._result({ ...options, prompt: text });
+    const { audio } = await this._result(options, undefined, { prompt: text }, 'speak()');
     if (!audio) throw new OrtpipeError({ name: 'GenerationError', message: 'speak needs a folder whose output is audio' });
     return audio;
   }
@@ -160,7 +167,8 @@ export class Pipeline {
    *   onProgress?: (p: Progress) => void}} [options]
    * @returns {Promise<{data: Float32Array, dims: number[]}>}
    */
-  async embed(texts, { onProgress, ...given } = {}) {
+  async embed(texts, options = {}) {
+    const { onProgress, ...given } = optionsObject(options, 'embed()');
     // every other key goes to the core, which refuses those it does not take
     const defined = Object.fromEntries(Object.entries({ texts, ...given }).filter(([, v]) => v !== undefined));
     const result = await this._enqueue(() => this._call('embed', { options: pythonOptions(defined) }, undefined,
@@ -188,18 +196,19 @@ export class Pipeline {
    * @returns {Promise<Chat>}
    */
   async chat(options = {}) {
-    const number = await this._enqueue(() => this._call('chat', { options: pythonOptions(options) }));
+    const settings = pythonOptions(optionsObject(options, 'chat()'));
+    const number = await this._enqueue(() => this._call('chat', { options: settings }));
     return new Chat(this, number);
   }
 
-  async _result(options, chat) {
+  async _result(options, chat, extra = {}, what = 'generate()') {
     const started = performance.now();
     let firstToken = null;
-    const { call } = this._generate(options, () => { firstToken ??= performance.now(); }, chat);
+    const { call } = this._generate(options, () => { firstToken ??= performance.now(); }, chat, extra, what);
     return finish(await call, started, firstToken);
   }
 
-  async *_chunks(options, chat) {
+  async *_chunks(options, chat, extra = {}, what = 'stream()') {
     const chunks = [];
     let wake = null;
     const started = performance.now();
@@ -208,7 +217,7 @@ export class Pipeline {
       firstToken ??= performance.now();
       chunks.push(chunk);
       wake?.();
-    }, chat);
+    }, chat, extra, what);
     let settled = false;
     call.then(() => { settled = true; wake?.(); }, () => { settled = true; wake?.(); });
     try {
@@ -256,9 +265,10 @@ export class Pipeline {
    * Queue a generation: each waits for the one before to end. `cancel` interrupts this one only,
    * whether it runs or waits.
    */
-  _generate(options, onChunk, chat) {
+  _generate(options, onChunk, chat, extra, what) {
+    const { onProgress, ...given } = optionsObject(options, what); // a function stays on this side
+    const rest = { ...given, ...extra };
     const number = ++this._queued;
-    const { onProgress, ...rest } = options ?? {}; // a function stays on this side
     const call = this._enqueue(() => {
       this._running = number;
       const interrupted = number <= this._interruptedUpTo || this._cancelled.delete(number);
@@ -330,7 +340,7 @@ export class Chat {
    * @returns {Promise<GenerateResult>}
    */
   say(content, options = {}) {
-    return this._pipeline._result({ ...options, content }, this._number);
+    return this._pipeline._result(options, this._number, { content }, 'say()');
   }
 
   /**
@@ -338,7 +348,7 @@ export class Chat {
    * @returns {AsyncGenerator<Chunk, GenerateResult>}
    */
   stream(content, options = {}) {
-    return this._pipeline._chunks({ ...options, content }, this._number);
+    return this._pipeline._chunks(options, this._number, { content }, 'a chat\'s stream()');
   }
 
   /**
@@ -357,6 +367,30 @@ export class Chat {
 }
 
 const disposedError = () => new OrtpipeError({ name: 'OrtpipeError', message: 'the pipeline was disposed' });
+
+/** What a value is, for a message: "a number", "an array", "a Date", "null". */
+function kindOf(value) {
+  if (value === null) return 'null';
+  if (Array.isArray(value)) return 'an array';
+  if (typeof value === 'object') return `a ${value.constructor?.name ?? 'object'}`;
+  return `a ${typeof value}`;
+}
+
+/** A call's options: an object ({...}), or undefined or null for none; anything else is refused (a
+ * number or a string spread to nothing, or to its characters' indexes), as an onProgress that is no
+ * function is. */
+function optionsObject(options, what, name = 'GenerationError') {
+  if (options === undefined || options === null) return {};
+  const prototype = typeof options === 'object' ? Object.getPrototypeOf(options) : undefined;
+  if (prototype !== Object.prototype && prototype !== null) {
+    const hint = typeof options === 'string' && what === 'generate()' ? ` (a prompt is {prompt: ${JSON.stringify(options.slice(0, 20))}})` : '';
+    throw new OrtpipeError({ name, message: `${what} takes an options object, {...}, not ${kindOf(options)}${hint}` });
+  }
+  if (options.onProgress !== undefined && typeof options.onProgress !== 'function') {
+    throw new OrtpipeError({ name, message: `${what}: onProgress must be a function, not ${kindOf(options.onProgress)}` });
+  }
+  return options;
+}
 const camelToSnake = (key) => key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
 const snakeToCamel = (key) => key.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
 

@@ -237,3 +237,40 @@ def test_a_device_load_does_not_know_is_an_ortpipe_error(page: Any) -> None:
     words = 'device must be "auto", "webgpu" or "wasm", not'
     refused = [["OrtpipeError", "OrtpipeError", f"{words} {n}"] for n in names]
     assert got == [*refused, None]  # null: the default, "auto"
+
+
+def test_calls_given_no_options_object_are_refused(page: Any) -> None:
+    """Options that are no object (a number spread to nothing, a string to its characters' indexes) and
+    an onProgress that is no function are refused, naming the call; a URL object is a folder's URL."""
+    page.goto("/")
+    got = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const out = [];
+      const attempt = async (f) => {
+        try { await f(); out.push(null); } catch (e) { out.push([e.constructor.name, e.name, e.message]); }
+      };
+      const pipe = await load(new URL('models/v2/', location.href), {device: 'wasm'});
+      const chat = await pipe.chat(null);
+      await attempt(() => pipe.generate(5));
+      await attempt(() => pipe.generate('hello'));
+      await attempt(async () => { for await (const c of pipe.stream([])) {} });
+      await attempt(() => pipe.chat('x'));
+      await attempt(() => chat.say('hi', 5));
+      await attempt(() => pipe.generate({promptIds: [5], maxNewTokens: 1, onProgress: 'log'}));
+      await attempt(() => load(5));
+      await attempt(() => load('models/v2/', 5));
+      pipe.dispose();
+      return out;
+    }""")
+    assert got == [
+        ["OrtpipeError", "GenerationError", "generate() takes an options object, {...}, not a number"],
+        ["OrtpipeError", "GenerationError",
+         'generate() takes an options object, {...}, not a string (a prompt is {prompt: "hello"})'],
+        ["OrtpipeError", "GenerationError", "stream() takes an options object, {...}, not an array"],
+        ["OrtpipeError", "GenerationError", "chat() takes an options object, {...}, not a string"],
+        ["OrtpipeError", "GenerationError", "say() takes an options object, {...}, not a number"],
+        ["OrtpipeError", "GenerationError", "generate(): onProgress must be a function, not a string"],
+        ["OrtpipeError", "OrtpipeError",
+         "load() takes the model folder's URL (a string or URL), not a number"],
+        ["OrtpipeError", "OrtpipeError", "load() takes an options object, {...}, not a number"],
+    ], got
