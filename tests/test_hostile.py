@@ -17,7 +17,7 @@ import pytest
 from build import graphs
 
 import ortpipe
-from ortpipe.errors import ConfigError
+from ortpipe.errors import ConfigError, GenerationError
 from tests.handloop import hand_greedy
 
 PROMPT = [5, 17, 42, 8, 23, 61, 3, 77]
@@ -253,3 +253,18 @@ def test_nan_logits_in_a_fused_step_name_the_session_and_position() -> None:
             match='session "decoder" gave NaN or infinite logits on the decode step at position 7',
         ):
             _checked(np.array(bad, np.float32), "decoder", 7)
+
+
+@pytest.mark.parametrize(("given", "found"),
+                         [(5, "int"), (None, "NoneType"), ("", '""'), (b"models", "bytes")])
+def test_a_folder_that_is_no_path_is_a_config_error(given: object, found: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        ortpipe.load(given)  # type: ignore[arg-type]
+    assert str(error.value) == f"load() takes the model folder's path (a str or os.PathLike), not {found}"
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_naming_it(folder: Path) -> None:
+    with pytest.raises(GenerationError) as error:
+        ortpipe.load(folder).generate("ab\ud800c", max_new_tokens=1)
+    assert str(error.value) == ("the text is not valid Unicode: character 2 is a lone surrogate ('\\ud800', "
+                                "half of a UTF-16 pair); remove it or complete the pair")

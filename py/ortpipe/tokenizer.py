@@ -23,6 +23,13 @@ def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> 
     if not isinstance(text, str):
         raise GenerationError(f"text to encode must be a string, found {type(text).__name__}")
     try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: half of a UTF-16 pair, no character
+        raise GenerationError(
+            f"the text is not valid Unicode: character {e.start} is a lone surrogate "
+            f"({text[e.start]!r}, half of a UTF-16 pair); remove it or complete the pair"
+        ) from None
+    try:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except Exception as e:  # the tokenizer library's own errors, whatever their type
         raise GenerationError(

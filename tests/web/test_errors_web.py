@@ -274,3 +274,18 @@ def test_calls_given_no_options_object_are_refused(page: Any) -> None:
          "load() takes the model folder's URL (a string or URL), not a number"],
         ["OrtpipeError", "OrtpipeError", "load() takes an options object, {...}, not a number"],
     ], got
+
+
+def test_a_lone_surrogate_is_the_same_error(page: Any, models: dict[str, Path]) -> None:
+    """A JS string may hold half of a UTF-16 pair; JSON carries it to Python, which refuses it as CPython
+    does."""
+    want = cpython_error(models["v2"], "generate", {"prompt": "ab\ud800c", "maxNewTokens": 1})
+    page.goto("/")
+    [got] = page.evaluate("""async () => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load('models/v2/', {device: 'wasm'});
+      try { await pipe.generate({prompt: 'ab\\ud800c', maxNewTokens: 1}); return [null]; }
+      catch (e) { return [[e.name, e.message]]; } finally { pipe.dispose(); }
+    }""")
+    assert want is not None and "lone surrogate" in want[1]
+    assert got == want

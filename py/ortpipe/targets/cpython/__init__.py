@@ -322,6 +322,9 @@ def load(
     by default each session runs the first of its provider's defaults (ortpipe.variants.DEFAULTS).
     `allow_plugins`: run the config's plugin (its code), if it names one (ortpipe/plugins.py).
     """
+    if not isinstance(model_dir, (str, os.PathLike)) or model_dir == "":
+        found = '""' if model_dir == "" else type(model_dir).__name__
+        raise ConfigError(f"load() takes the model folder's path (a str or os.PathLike), not {found}")
     path = Path(model_dir)
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist or is not a directory")
