@@ -4,6 +4,7 @@ same class and with the same message (but for where the folder is), in CPython a
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -289,3 +290,50 @@ def test_a_lone_surrogate_is_the_same_error(page: Any, models: dict[str, Path]) 
     }""")
     assert want is not None and "lone surrogate" in want[1]
     assert got == want
+
+
+# Values a page might pass by mistake, and the settings they land in (the embed API's names).
+ODD_VALUES = [None, True, False, 0, -1, 1, 3, 2**53, -(2**53), 1e308, 0.5, "", "x", "é", [], {}, [1, 2],
+              {"a": 1}, [[]], [None], "9" * 50, [5, 6], {"data": [1], "dims": [1]}, ["x"], [{}]]
+ODD_KEYS = ["prompt", "promptIds", "messages", "maxNewTokens", "maxLength", "temperature", "topK", "topP",
+            "minP", "doSample", "seed", "stop", "repetitionPenalty", "numBeams", "numReturnSequences",
+            "logprobs", "images", "mask", "inputs", "latents", "promptLookupNumTokens", "maxDraftTokens",
+            "ngramSize", "eta", "numSteps", "guidanceScale", "negativePrompt", "strength",
+            "noRepeatNgramSize", "minNewTokens", "eosTokenId"]
+# Where the targets word a refusal their own way: the kinds of value each language has
+TARGET_WORDS = ("images must be", "inputs must", 'input "', "latents must")
+
+
+def test_random_mistakes_are_refused_alike(page: Any, models: dict[str, Path]) -> None:
+    """250 requests with one or two settings given odd values (a fixed seed): each works on both targets
+    or is refused on both, with the same error but where a value's kind is worded in each language's
+    terms (a list or an array, a tensor as {data, dims} or a numpy array). A value one target took as
+    none and the other refused fails it."""
+    rng = random.Random(20261128)
+    requests = []
+    for _ in range(250):
+        options: dict[str, Any] = {"promptIds": [5, 6], "maxNewTokens": 2}
+        for _ in range(rng.randint(1, 2)):
+            options[rng.choice(ODD_KEYS)] = rng.choice(ODD_VALUES)
+        requests.append(["v2", "generate", options])
+    page.goto("/")
+    seen = page.evaluate(TRY_ALL, {"folders": [], "requests": [
+        [f"models/{name}/", kind, options] for name, kind, options in requests]})
+    pipe = ortpipe.load(models["v2"])
+    pipe_errors = []
+    for _, _, options in requests:
+        try:
+            pipe.generate(**snake(options))
+            pipe_errors.append(None)
+        except OrtpipeError as e:
+            pipe_errors.append([type(e).__name__, str(e)])
+    differ = []
+    for (_, _, options), want, got in zip(requests, pipe_errors, seen, strict=True):
+        refused = [e is not None and e[0] == "GenerationError" for e in (want, got)]
+        # a value of a kind only one language has ({data, dims} is a tensor in JS, a dict in Python)
+        # may be refused by one target before the core refuses another setting on the other
+        worded = any(e is not None and e[1].startswith(TARGET_WORDS) for e in (want, got))
+        if want != got and not (all(refused) and worded):
+            differ.append((options, want, got))
+    assert sum(e is None for e in seen) > 10 and sum(e is not None for e in seen) > 100  # both kinds drawn
+    assert not differ, differ[:5]
