@@ -62,7 +62,8 @@ export async function load(modelUrl, options = {}) {
   }
   if (!['auto', 'wasm', 'webgpu'].includes(device)) { // checked here too: a function would not reach the worker
     const shown = typeof device === 'string' ? JSON.stringify(device) : typeof device;
-    throw new OrtpipeError({ name: 'OrtpipeError', message: `device must be "auto", "webgpu" or "wasm", not ${shown}` });
+    const message = `device must be "auto", "webgpu" or "wasm", not ${shown}`;
+    throw new OrtpipeError({ name: 'OrtpipeError', message });
   }
   if (typeof allowPlugins !== 'boolean') {
     throw new OrtpipeError({ name: 'OrtpipeError', message: 'load(): allowPlugins must be true or false' });
@@ -267,6 +268,11 @@ export class Pipeline {
    */
   _generate(options, onChunk, chat, extra, what) {
     const { onProgress, ...given } = optionsObject(options, what); // a function stays on this side
+    const twice = Object.keys(extra).find((key) => key in given); // speak(text, {prompt}), say(content, {content})
+    if (twice) {
+      const message = `${what} takes its text as its first argument, not ${twice} in its options`;
+      throw new OrtpipeError({ name: 'GenerationError', message });
+    }
     const rest = { ...given, ...extra };
     const number = ++this._queued;
     const call = this._enqueue(() => {
@@ -383,11 +389,13 @@ function optionsObject(options, what, name = 'GenerationError') {
   if (options === undefined || options === null) return {};
   const prototype = typeof options === 'object' ? Object.getPrototypeOf(options) : undefined;
   if (prototype !== Object.prototype && prototype !== null) {
-    const hint = typeof options === 'string' && what === 'generate()' ? ` (a prompt is {prompt: ${JSON.stringify(options.slice(0, 20))}})` : '';
+    const prompt = typeof options === 'string' && what === 'generate()';
+    const hint = prompt ? ` (a prompt is {prompt: ${JSON.stringify(options.slice(0, 20))}})` : '';
     throw new OrtpipeError({ name, message: `${what} takes an options object, {...}, not ${kindOf(options)}${hint}` });
   }
   if (options.onProgress !== undefined && typeof options.onProgress !== 'function') {
-    throw new OrtpipeError({ name, message: `${what}: onProgress must be a function, not ${kindOf(options.onProgress)}` });
+    const found = kindOf(options.onProgress);
+    throw new OrtpipeError({ name, message: `${what}: onProgress must be a function, not ${found}` });
   }
   return options;
 }
@@ -424,7 +432,9 @@ function jsonValue(key, value) {
         + `not ${what}`,
     });
   };
-  if (typeof value === 'bigint') return Number.isSafeInteger(Number(value)) ? Number(value) : refuse(`the BigInt ${value}`);
+  if (typeof value === 'bigint') {
+    return Number.isSafeInteger(Number(value)) ? Number(value) : refuse(`the BigInt ${value}`);
+  }
   if (typeof value === 'number') return Number.isFinite(value) ? value : refuse(String(value));
   if (typeof value === 'function' || typeof value === 'symbol') return refuse(`a ${typeof value}`);
   if (ArrayBuffer.isView(value) && !(value instanceof DataView)) return Array.from(value, (v) => jsonValue(key, v));

@@ -334,15 +334,15 @@ function forgetOnFailure(promise, forget) {
  */
 async function resolveDevice(device) {
   if (!['auto', 'wasm', 'webgpu'].includes(device)) {
-    throw new TaskError({ type: 'OrtpipeError', message: `device must be "auto", "webgpu" or "wasm", not ${shown(device)}` });
+    const message = `device must be "auto", "webgpu" or "wasm", not ${shown(device)}`;
+    throw new TaskError({ type: 'OrtpipeError', message });
   }
   if (device === 'wasm') return { device: 'wasm', f16: true };
   const adapter = await navigator.gpu?.requestAdapter().catch(() => null);
   if (adapter) return { device: 'webgpu', f16: adapter.features.has('shader-f16') };
   if (device === 'webgpu') {
-    throw new TaskError({
-      type: 'OrtpipeError', message: 'WebGPU is not available in this browser (no GPU adapter); use device "wasm" or "auto"',
-    });
+    const message = 'WebGPU is not available in this browser (no GPU adapter); use device "wasm" or "auto"';
+    throw new TaskError({ type: 'OrtpipeError', message });
   }
   return { device: 'wasm', f16: true };
 }

@@ -241,8 +241,9 @@ def test_a_device_load_does_not_know_is_an_ortpipe_error(page: Any) -> None:
 
 
 def test_calls_given_no_options_object_are_refused(page: Any) -> None:
-    """Options that are no object (a number spread to nothing, a string to its characters' indexes) and
-    an onProgress that is no function are refused, naming the call; a URL object is a folder's URL."""
+    """Options that are no object (a number spread to nothing, a string to its characters' indexes), an
+    onProgress that is no function and the text given twice (in the options too, where the argument won)
+    are refused, naming the call; a URL object is a folder's URL."""
     page.goto("/")
     got = page.evaluate("""async () => {
       const {load} = await import('./ortpipe.js');
@@ -257,6 +258,7 @@ def test_calls_given_no_options_object_are_refused(page: Any) -> None:
       await attempt(async () => { for await (const c of pipe.stream([])) {} });
       await attempt(() => pipe.chat('x'));
       await attempt(() => chat.say('hi', 5));
+      await attempt(() => chat.say('hi', {content: 'ho'}));
       await attempt(() => pipe.generate({promptIds: [5], maxNewTokens: 1, onProgress: 'log'}));
       await attempt(() => load(5));
       await attempt(() => load('models/v2/', 5));
@@ -270,6 +272,8 @@ def test_calls_given_no_options_object_are_refused(page: Any) -> None:
         ["OrtpipeError", "GenerationError", "stream() takes an options object, {...}, not an array"],
         ["OrtpipeError", "GenerationError", "chat() takes an options object, {...}, not a string"],
         ["OrtpipeError", "GenerationError", "say() takes an options object, {...}, not a number"],
+        ["OrtpipeError", "GenerationError",
+         "say() takes its text as its first argument, not content in its options"],
         ["OrtpipeError", "GenerationError", "generate(): onProgress must be a function, not a string"],
         ["OrtpipeError", "OrtpipeError",
          "load() takes the model folder's URL (a string or URL), not a number"],
