@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import ortpipe
+from ortpipe.errors import GenerationError
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
@@ -90,3 +91,18 @@ def test_chat_cli_keeps_the_conversation(chat_model: Path) -> None:
     stats = [line for line in out.stderr.splitlines() if line.startswith("[prefill")]
     assert len(stats) == 2  # the same turn twice: after the rewind it is prefilled the same way
     assert stats[0].split(" tokens")[0] == stats[1].split(" tokens")[0]
+
+
+@pytest.mark.parametrize(("settings", "turn", "words"), [
+    ({"max_length": {}}, {}, "max_length must be an integer, found {}"),
+    ({"max_length": 0}, {}, "max_length 0 is out of range"),  # read as "not given" before
+    ({}, {"max_new_tokens": 0}, "max_new_tokens 0 is out of range"),
+    ({}, {"max_new_tokens": -1}, "max_new_tokens -1 is out of range"),  # gave one token before
+    ({}, {"max_new_tokens": 0.5}, "max_new_tokens must be an integer, found 0.5"),
+    ({}, {"max_new_tokens": "x"}, 'max_new_tokens must be an integer, found "x"'),  # a TypeError before
+])
+def test_chat_lengths_are_checked(chat_model: Path, settings: dict, turn: dict, words: str) -> None:
+    pipe = ortpipe.load(chat_model)
+    with pytest.raises(GenerationError) as error:
+        list(pipe.chat(**settings).say(TURNS[0], **turn))
+    assert str(error.value).startswith(words), error.value

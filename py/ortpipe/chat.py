@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import GenerationError
 from .execute.work import Work
 from .request import Request
-from .sampling.settings import settings_for
+from .sampling.settings import check_setting, settings_for
 from .tokenizer import ChatTemplate, encode
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class Chat:
             raise GenerationError("chat needs the folder's tokenizer.json")
         self.model, self.template = model, template
         self.settings = settings_for(model.config.generation.settings, settings)
+        check_setting("max_length", max_length)  # 0 or {} would read as "not given" below
         limit = max_length or model.config.generation.max_length or DEFAULT_MAX_LENGTH
         self._options = {"max_length": limit, **settings}
         self.gen = model.generator(0, **self._options)
@@ -57,6 +58,7 @@ class Chat:
         a failed turn before it, if there is one."""
         if not isinstance(content, str):
             raise GenerationError("a chat turn needs its content: a string")
+        check_setting("max_new_tokens", max_new_tokens)
         recovery = self._close_turn()
         length = len(self.gen.tokens) if recovery is None else recovery[1]
         rendered = self.template.render([*self.messages, {"role": "user", "content": content}], True)

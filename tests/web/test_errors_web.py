@@ -57,6 +57,8 @@ BAD_REQUESTS = [
     ("v2", "generate", {"messages": [{"role": "user"}]}),
     ("v2", "generate", {"promptIds": [5, 6], "topP": 0}),
     ("v2", "chat", {"numBeams": 0}),
+    ("v2", "chat", {"maxLength": {}}),
+    ("v2", "chat", {"maxLength": 0}),
     ("untemplated", "generate", {"messages": [{"role": "user", "content": "hi"}]}),
     ("optimum", "chat", {}),
     ("optimum", "generate", {"prompt": "hi"}),
