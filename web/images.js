@@ -19,12 +19,13 @@ function requestError(message) {
 /**
  * Decode every source to {rgb: Uint8Array, width, height}; an error names the image and the problem.
  * @param {Array<string|Blob|ImageBitmap|ImageData>} sources
+ * @param {string} [label] what an error calls the one source (inpainting's "the mask"), else "image i of n"
  */
-export async function decodeImages(sources) {
+export async function decodeImages(sources, label) {
   checkSources(sources);
   const decoded = [];
   for (const [i, source] of sources.entries()) {
-    const name = `image ${i + 1} of ${sources.length} (${describe(source)})`;
+    const name = `${label ?? `image ${i + 1} of ${sources.length}`} (${describe(source)})`;
     try {
       decoded.push(rgb(await pixels(source)));
     } catch (error) {

@@ -158,7 +158,7 @@ async function generate(id, options, interrupted) {
   }
   const tensors = imaged ? await imageTensors(images) : null;
   // inpainting's mask, decoded as images are (a value of the wrong kind is refused there)
-  const maskTensor = masked ? (await imageTensors([mask]))[0] : undefined;
+  const maskTensor = masked ? (await imageTensors([mask], 'the mask'))[0] : undefined;
   const named = inputs || latent ? inputTensors({ ...inputs, ...(latent ? { latents } : {}) }) : undefined;
   const json = JSON.stringify({ ...settings, interrupted: interruptedEarly });
   const task = worker.task('generate', json, tensors, named, maskTensor);
@@ -436,7 +436,7 @@ async function configureOrt(ort) {
 }
 
 /** The images as uint8 RGB tensors [height, width, 3], made with the loaded model's onnxruntime-web. */
-async function imageTensors(sources) {
-  const decoded = await decodeImages(sources);
+async function imageTensors(sources, label) {
+  const decoded = await decodeImages(sources, label);
   return decoded.map(({ rgb, width, height }) => new bridge.ort.Tensor('uint8', rgb, [height, width, 3]));
 }

@@ -532,6 +532,7 @@ def test_refusals_reach_the_page(page: Any, serve_model: Any, vits_tiny: Path, s
       const sd = await load('models/sd-tiny/', {device: 'wasm'});
       await attempt(() => sd.generate({prompt: 'x', latents: {data: [1, 2], dims: [1, 4, 8, 8]}}));
       await attempt(() => sd.generate({prompt: 'x', numSteps: 0}));
+      await attempt(() => sd.generate({prompt: 'x', images: [new ImageData(8, 8)], mask: 'no-mask.png'}));
       sd.dispose();
       return errors;
     }""")
@@ -539,6 +540,8 @@ def test_refusals_reach_the_page(page: Any, serve_model: Any, vits_tiny: Path, s
     assert errors[1].startswith("GenerationError: embed needs a folder whose outputs are embeddings")
     assert errors[2].startswith('GenerationError: input "latents" must be {data, dims}: a typed array')
     assert errors[3].startswith("GenerationError: num_steps 0 is out of range")
+    missing = f"{page.url.rstrip('/')}/no-mask.png"
+    assert errors[4] == f"GenerationError: the mask ({missing}): cannot fetch it (HTTP 404)"
 
 
 def test_demo_page_plays_speech_and_shows_an_image(page: Any, serve_model: Any, vits_tiny: Path,
