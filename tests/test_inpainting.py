@@ -220,7 +220,9 @@ def test_requests_inpainting_does_not_take_are_refused(sd_tiny: Path, folder: Pa
         ({"images": [init], "mask": mask[:, :28]},
          r"the mask is 32x28 pixels and the image 32x32 \(height x width\): give a mask of the image's "),
         ({"images": [init], "mask": mask[..., 0]},
-         r"an image must be a path or a uint8 \[height, width, 3\]"),
+         r"the mask must be a path or a uint8 \[height, width, 3\]"),
+        ({"images": [init], "mask": references / "no-mask.png"},
+         r"the mask file .*no-mask.png does not exist"),
     ]:
         with pytest.raises(GenerationError, match=message):
             pipe.generate("a red cube", num_steps=2, **request)

@@ -151,7 +151,7 @@ class Pipeline:
         given, heard = _listed(images, "images"), _listed(audios, "audios")
         self.model.check_media(bool(given), bool(heard), mask is not None)  # before a path is opened
         decoded = [_image(i) for i in given]
-        masked = None if mask is None else _image(mask)
+        masked = None if mask is None else _image(mask, "mask")
         if "latents" in options and options["latents"] is None:  # no latents, as diffusers' latents=None
             del options["latents"]
         latents = options.get("latents")
@@ -260,15 +260,16 @@ def _listed(items: Any, name: str) -> list[Any]:
     return list(items)
 
 
-def _image(item: Any) -> np.ndarray:
-    """A path decoded, or a uint8 [h, w, 3] RGB array."""
+def _image(item: Any, what: str = "image") -> np.ndarray:
+    """A path decoded, or a uint8 [h, w, 3] RGB array (`what` it is, for errors: an image, the mask)."""
     if isinstance(item, (str, os.PathLike)):
-        return decode_image(item)
+        return decode_image(item, what)
     array = np.asarray(item) if isinstance(item, (np.ndarray, list)) else None
     if array is None or array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3 or 0 in array.shape:
         shape = list(array.shape) if array is not None else type(item).__name__
+        named = "an image" if what == "image" else f"the {what}"
         raise GenerationError(
-            f"an image must be a path or a uint8 [height, width, 3] RGB array, found {shape}"
+            f"{named} must be a path or a uint8 [height, width, 3] RGB array, found {shape}"
         )
     return array
 

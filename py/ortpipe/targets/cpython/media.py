@@ -25,12 +25,13 @@ from ...errors import GenerationError
 WHISPER_RATE = 16000
 
 
-def decode_image(path: str | os.PathLike[str]) -> np.ndarray:
-    """An image file as uint8 [h, w, 3] RGB, turned upright by its EXIF orientation.
+def decode_image(path: str | os.PathLike[str], what: str = "image") -> np.ndarray:
+    """An image file as uint8 [h, w, 3] RGB, turned upright by its EXIF orientation (`what` it is, for
+    errors: "image", inpainting's "mask").
 
     Transparent pixels are laid over white, as transformers' convert_to_rgb does.
     """
-    file = _existing(path, "image")
+    file = _existing(path, what)
     return _decoded(file, str(file))
 
 
