@@ -268,3 +268,26 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_naming_it(folder: Path) -> No
         ortpipe.load(folder).generate("ab\ud800c", max_new_tokens=1)
     assert str(error.value) == ("the text is not valid Unicode: character 2 is a lone surrogate ('\\ud800', "
                                 "half of a UTF-16 pair); remove it or complete the pair")
+
+
+def test_the_bundle_server_answers_a_nul_byte_in_a_path_with_400(tmp_path: Path) -> None:
+    import http.client
+
+    from ortpipe.static_server import serve_in_thread
+
+    (tmp_path / "index.html").write_text("<p>hi</p>")
+    server, url = serve_in_thread(tmp_path)
+    try:
+        host, port = server.server_address[:2]
+        answers = []
+        for path in ("/index.html%00.png", "/index.html", "/../../etc/passwd"):
+            connection = http.client.HTTPConnection(host, port, timeout=10)
+            connection.request("GET", path)
+            response = connection.getresponse()
+            answers.append((response.status, response.read()))
+            connection.close()
+    finally:
+        server.shutdown()
+    assert answers[0][0] == 400 and b"NUL byte" in answers[0][1]  # the connection was dropped before
+    assert answers[1] == (200, b"<p>hi</p>")
+    assert answers[2][0] == 404

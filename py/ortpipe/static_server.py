@@ -45,6 +45,12 @@ class BundleHandler(SimpleHTTPRequestHandler):
                 self.send_header(name, value)
         super().end_headers()
 
+    def send_head(self) -> Any:  # GET's and HEAD's
+        if "\x00" in self.translate_path(self.path):  # open() would raise: a traceback and no answer
+            self.send_error(400, "The path holds a NUL byte (%00)")
+            return None
+        return super().send_head()
+
     def log_message(self, format: str, *args: Any) -> None:
         if not self.quiet:
             super().log_message(format, *args)
