@@ -374,6 +374,38 @@ def test_speech_and_embedding_cli(vits_tiny: Path, st_minilm: Path, tmp_path: Pa
     np.testing.assert_array_equal(np.load(saved), got)
 
 
+def test_files_the_cli_cannot_write_are_refused_naming_them(vits_tiny: Path, st_minilm: Path,
+                                                            tmp_path: Path) -> None:
+    """A missing folder is refused before any model runs (nothing made to be lost); a file the file system
+    refuses at write time is a GenerationError naming it (both were 'a bug in ortpipe' before)."""
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ortpipe.cli", *args], capture_output=True, text=True)
+
+    missing = tmp_path / "no-folder" / "speech.wav"
+    done = cli("run", str(vits_tiny), "--prompt", "Hello.", "--out", str(missing))
+    assert done.returncode != 0 and "init" not in done.stderr  # no model ran
+    assert done.stderr.strip() == (f"ortpipe: --out {missing}: the folder {missing.parent} does not exist; "
+                                   "create it first")
+    done = cli("embed", str(st_minilm), "Hello.", "--out", str(tmp_path / "no-folder" / "e.npy"))
+    assert "the folder" in done.stderr and "does not exist" in done.stderr
+    (tmp_path / "taken.npy").mkdir()
+    done = cli("embed", str(st_minilm), "Hello.", "--out", str(tmp_path / "taken.npy"))
+    taken = tmp_path / "taken.npy"
+    assert done.stderr.strip() == f"ortpipe: --out {taken}: that is a folder; give a file's path"
+    blocked = tmp_path / "file"
+    blocked.write_text("a file, not a folder")
+    done = cli("run", str(vits_tiny), "--prompt", "Hello.", "--out", str(blocked / "speech.wav"))
+    assert "does not exist" in done.stderr  # its folder is a file
+    trace = tmp_path / "no-folder" / "trace.json"
+    done = cli("run", str(vits_tiny), "--prompt", "Hello.", "--trace", str(trace))
+    assert done.stderr.strip() == (f"ortpipe: --trace {trace}: the folder {trace.parent} does not exist; "
+                                   "create it first")
+    if sys.platform == "linux":  # /proc takes no new files, whoever runs this (root too)
+        done = cli("run", str(vits_tiny), "--prompt", "Hello.", "--out", "/proc/speech.wav")
+        assert done.returncode != 0 and "ortpipe: --out /proc/speech.wav: cannot write it (" in done.stderr
+        assert "bug in ortpipe" not in done.stderr
+
+
 # --- what is refused -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("field", "value", "message"), [

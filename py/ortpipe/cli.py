@@ -272,6 +272,10 @@ def _run(args: argparse.Namespace) -> int:
         **_settings(args),
     )
     trace = Trace() if args.trace or args.verbose else None
+    if args.trace:
+        from .targets.cpython.media import check_writable
+
+        check_writable(args.trace, "--trace")  # before any model runs
     files = None
     staged = bool(pipe.config.pipeline.stages)  # _staged writes a pipeline of stages' outputs
     if not isinstance(request, OutputRequest) and not staged and (args.out or pipe.plan.final_phase):
@@ -296,7 +300,10 @@ def _run(args: argparse.Namespace) -> int:
     if files is not None:
         _write(request.result(), files, sys.stderr)
     if trace and args.trace:
-        trace.write(args.trace)
+        from .targets.cpython.media import writing
+
+        with writing(args.trace, "--trace"):
+            trace.write(args.trace)
     if trace and args.verbose:
         for line in trace.summary():
             print(f"[{line}]", file=sys.stderr)
@@ -432,6 +439,10 @@ def _embed(args: argparse.Namespace) -> int:
             raise GenerationError(f"--file {args.file}: {e}") from None
     if not texts:
         raise GenerationError("give texts to embed (arguments, or --file with one a line)")
+    if args.out:
+        from .targets.cpython.media import check_writable
+
+        check_writable(args.out)  # before any model runs
     embeddings = _load(args).embed(texts, batch_size=args.batch_size, pooling=args.pooling,
                                    normalize=args.normalize)
     if args.out:

@@ -14,6 +14,8 @@ import os
 import struct
 import wave
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,13 +270,38 @@ def plan_files(plan: Any, specs: list[str]) -> dict[str, list[str]]:
         if kind_wanted not in (None, outputs[name]):
             raise GenerationError(f"--out {spec}: {name} is {outputs[name]}, which a {Path(file).suffix} "
                                   "file does not hold; write .npy")
+        check_writable(file)
         files.setdefault(name, []).append(file)
     return files
 
 
+def check_writable(file: str | os.PathLike[str], flag: str = "--out") -> None:
+    """Refuse a file the CLI is to write (`flag`'s) that cannot be written (its folder missing or read-only,
+    a folder by that name) before any model runs, so that no result is made to be lost."""
+    path = Path(file)
+    folder = path.parent
+    if path.is_dir():
+        raise GenerationError(f"{flag} {file}: that is a folder; give a file's path")
+    if not folder.is_dir():
+        raise GenerationError(f"{flag} {file}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise GenerationError(f"{flag} {file}: the folder {folder} is not writable")
+
+
+@contextmanager
+def writing(path: str | os.PathLike[str], flag: str = "--out") -> Iterator[None]:
+    """What the file system refuses while `path` is written (a full disk, a file it does not allow) is a
+    GenerationError naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise GenerationError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+
+
 def write_npy(path: str | os.PathLike[str], value: Any) -> None:
     """An array as a .npy file (numpy adds the suffix when the path has none)."""
-    np.save(path, np.asarray(value))
+    with writing(path):
+        np.save(path, np.asarray(value))
 
 
 def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -296,9 +323,10 @@ def write_outputs(result: Any, files: dict[str, list[str]]) -> dict[str, list[st
             items = value if kind["kind"] == "image" or value.ndim == 2 else value[None]
             for i, item in enumerate(items):
                 one = path if len(items) == 1 else path.with_name(f"{path.stem}-{i}{path.suffix}")
-                if kind["kind"] == "image":
-                    write_png(one, item)
-                else:
-                    write_wav(one, item, kind["sampling_rate"])
+                with writing(one):
+                    if kind["kind"] == "image":
+                        write_png(one, item)
+                    else:
+                        write_wav(one, item, kind["sampling_rate"])
                 written.setdefault(name, []).append(str(one))
     return written
