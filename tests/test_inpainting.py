@@ -223,6 +223,7 @@ def test_requests_inpainting_does_not_take_are_refused(sd_tiny: Path, folder: Pa
          r"the mask must be a path or a uint8 \[height, width, 3\]"),
         ({"images": [init], "mask": references / "no-mask.png"},
          r"the mask file .*no-mask.png does not exist"),
+        ({"images": [init], "mask": references}, r"the mask path .* is a folder; give the path of a file"),
     ]:
         with pytest.raises(GenerationError, match=message):
             pipe.generate("a red cube", num_steps=2, **request)

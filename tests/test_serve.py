@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -645,6 +646,27 @@ def test_a_cached_conversation_serves_other_settings_and_seeds(
 
 
 # --- the command -----------------------------------------------------------------------------------------
+
+
+def test_a_port_it_cannot_listen_on_is_a_clear_error(folder: Path, tmp_path: Path) -> None:
+    """A port taken or out of range (serve and web): the command says so, with no traceback and no
+    'bug in ortpipe' (an OSError and an OverflowError showed through before)."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    (tmp_path / "worker.js").write_text("")  # enough of a bundle for `ortpipe web`
+    try:
+        for command in (["serve", str(folder)], ["web", str(tmp_path)]):
+            done = subprocess.run([sys.executable, "-m", "ortpipe.cli", *command, "--port", str(port)],
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode != 0, done.stderr
+            assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in done.stderr
+            assert "bug in ortpipe" not in done.stderr and "Traceback" not in done.stderr
+            done = subprocess.run([sys.executable, "-m", "ortpipe.cli", *command, "--port", "65536"],
+                                  capture_output=True, text=True, timeout=60)
+            wanted = "a port is a whole number from 0 (a free one) to 65535, not '65536'"
+            assert done.returncode == 2 and wanted in done.stderr, done.stderr
+    finally:
+        taken.close()
 
 
 def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> None:

@@ -56,6 +56,24 @@ class BundleHandler(SimpleHTTPRequestHandler):
             super().log_message(format, *args)
 
 
+def port_number(text: str) -> int:
+    """argparse's type of a --port: a whole number from 0 (a free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        wanted = "a whole number from 0 (a free one) to 65535"
+        raise argparse.ArgumentTypeError(f"a port is {wanted}, not {text!r}")
+    return port
+
+
+def cannot_listen(host: str, port: int, error: BaseException) -> str:
+    """Why a server could not listen, and what to do."""
+    reason = getattr(error, "strerror", None) or str(error)
+    return f"cannot listen on {host} port {port}: {reason}; pick another --port (0: a free one) or --host"
+
+
 def make_server(root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8000, coop: bool = False,
                 quiet: bool = False) -> ThreadingHTTPServer:
     """A server for `root`; port 0 picks a free port (read it from `server.server_address`)."""
@@ -81,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", nargs="?", default=os.path.join("dist", "web"),
                         help="the bundle to serve (default: dist/web; build it with `python -m build.web`)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--coop", action="store_true",
                         help="send COOP/COEP headers (cross-origin isolation: threaded wasm)")
 
@@ -91,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"ortpipe web: {args.root} is not a built bundle (no worker.js); "
               "run `python -m build.web` first", file=sys.stderr)
         return 2
-    with make_server(args.root, args.host, args.port, args.coop) as server:
+    try:
+        server = make_server(args.root, args.host, args.port, args.coop)
+    except OSError as e:  # the port taken, an address this machine does not have
+        print(f"ortpipe web: {cannot_listen(args.host, args.port, e)}", file=sys.stderr)
+        return 2
+    with server:
         host, port = server.server_address[:2]
         isolated = " (cross-origin isolated)" if args.coop else ""
         print(f"serving {args.root} at http://{host}:{port}/{isolated}")

@@ -26,13 +26,16 @@ import socket
 import sys
 from typing import Any
 
+from ..errors import OrtpipeError
+from ..static_server import cannot_listen, port_number
+
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 4, "max_queue": 16, "prompt_cache": 4}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR")
     p.add_argument("--host", default=DEFAULTS["host"], help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=DEFAULTS["port"], help="port (0: a free one, printed)")
+    p.add_argument("--port", type=port_number, default=DEFAULTS["port"], help="port (0: a free one, printed)")
     p.add_argument(
         "--api-key",
         default=None,
@@ -125,8 +128,11 @@ def run(args: argparse.Namespace) -> int:
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: a free one), IPv4 or IPv6 as `host` is written."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((host, port), family=family)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:  # the port taken, an address this machine does not have or cannot resolve
+        raise OrtpipeError(cannot_listen(host, port, e)) from None
 
 
 def _url_host(host: str) -> str:

@@ -122,6 +122,8 @@ def _existing(path: str | os.PathLike[str], what: str) -> Path:
         raise GenerationError(f"the {what} path {shown} cannot be a file here ({reason}); give the path of "
                               "an existing file") from e
     if not found:
+        if file.is_dir():
+            raise GenerationError(f"the {what} path {file} is a folder; give the path of a file")
         raise GenerationError(f"the {what} file {file} does not exist")
     return file
 
