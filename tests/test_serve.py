@@ -669,6 +669,16 @@ def test_a_port_it_cannot_listen_on_is_a_clear_error(folder: Path, tmp_path: Pat
         taken.close()
 
 
+@pytest.mark.parametrize(("flag", "value", "low"), [("--max-batch", "0", 1), ("--max-queue", "-1", 0),
+                                                    ("--prompt-cache", "-1", 0)])
+def test_counts_out_of_range_are_refused_by_the_command(folder: Path, flag: str, value: str,
+                                                       low: int) -> None:
+    command = [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0", flag, value]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr  # a ValueError from the engine, 'a bug in ortpipe', before
+    assert f"argument {flag}: a whole number from {low} up, not '{value}'" in done.stderr
+
+
 def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0", "--max-batch", "2"],

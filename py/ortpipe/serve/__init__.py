@@ -32,6 +32,21 @@ from ..static_server import cannot_listen, port_number
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 4, "max_queue": 16, "prompt_cache": 4}
 
 
+def _at_least(low: int) -> Any:
+    """argparse's type of a count: a whole number from `low` up."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"a whole number from {low} up, not {text!r}")
+        return value
+
+    return count
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR")
     p.add_argument("--host", default=DEFAULTS["host"], help="address to listen on (default: loopback only)")
@@ -51,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-batch",
-        type=int,
+        type=_at_least(1),
         default=DEFAULTS["max_batch"],
         metavar="N",
         help="requests generated at once, each a row with its own KV cache "
@@ -59,14 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=_at_least(0),
         default=DEFAULTS["max_queue"],
         metavar="N",
         help=f"requests that may wait for a row; beyond, 429 (default {DEFAULTS['max_queue']})",
     )
     p.add_argument(
         "--prompt-cache",
-        type=int,
+        type=_at_least(0),
         default=DEFAULTS["prompt_cache"],
         metavar="N",
         help=f"finished requests' KV caches kept for requests that continue them (default "
