@@ -679,6 +679,26 @@ def test_counts_out_of_range_are_refused_by_the_command(folder: Path, flag: str,
     assert f"argument {flag}: a whole number from {low} up, not '{value}'" in done.stderr
 
 
+def test_the_benchmark_command_says_why_it_cannot_measure(tmp_path: Path) -> None:
+    """No server at --url, a --url that is no http URL, a folder the server cannot load: each a message
+    naming the cause (RuntimeErrors read as 'a bug in ortpipe' before; the server's reason was lost)."""
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ortpipe.cli", "bench", "--serve", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    done = bench("--url", f"http://127.0.0.1:{port}", "--streams", "1", "--rounds", "1")
+    assert done.returncode == 1 and "requests failed at 1 streams" in done.stderr, done.stderr
+    done = bench("--url", "notaurl")
+    assert done.returncode == 2 and "--url takes a server's http:// URL" in done.stderr, done.stderr
+    missing = tmp_path / "missing"
+    done = bench(str(missing), "--streams", "1", "--rounds", "1")
+    assert f"ortpipe serve exited with 2 while loading {missing}: " in done.stderr
+    assert "does not exist or is not a directory" in done.stderr and "bug in ortpipe" not in done.stderr
+
+
 def test_the_serve_command_listens_logs_each_request_and_stops(folder: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ortpipe.cli", "serve", str(folder), "--port", "0", "--max-batch", "2"],

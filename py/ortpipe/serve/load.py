@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
+from ..errors import OrtpipeError
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -106,8 +108,8 @@ def run_level(url: str, streams: int, rounds: int, prompt_tokens: int, new_token
         t.join()
     seconds = time.perf_counter() - start
     if errors:
-        raise RuntimeError(f"{len(errors)} of {streams * rounds} requests failed at {streams} streams: "
-                           f"{errors[0]}")
+        raise OrtpipeError(f"{len(errors)} of {streams * rounds} requests failed at {streams} streams: "
+                           f"{errors[0]} (is the server running, and does it take these requests?)")
     ttfts = sorted(s.ttft_s * 1000 for s in samples)
     rates = [(s.tokens - 1) / (s.seconds - s.ttft_s) for s in samples
              if s.tokens > 1 and s.seconds > s.ttft_s]
@@ -132,7 +134,7 @@ def run_processes(model: str, count: int, prompt_tokens: int, new_tokens: int, v
     for proc in procs:
         out, _ = proc.communicate(timeout=900)
         if proc.returncode != 0:
-            raise RuntimeError(f"ortpipe run exited with {proc.returncode}")
+            raise OrtpipeError(f"ortpipe run exited with {proc.returncode} on {model}")
         rates.append(json.loads(out)["timings"]["decode_tokens_per_s"])
     return round(sum(rates), 1)
 
@@ -160,14 +162,17 @@ def start_server(model: str, max_batch: int, threads: int | None) -> tuple[subpr
     found = re.search(r"http://[^\s/]+", proc.stderr.readline())
     if found is None:
         proc.kill()
-        raise RuntimeError(f"ortpipe serve did not start: {proc.stderr.read()}")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # drain the request log
+        raise OrtpipeError(f"ortpipe serve did not start: {proc.stderr.read().strip()}")
+    said: list[str] = []  # the server's log, drained (its last lines say why it stopped)
+    threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True).start()
     url = found.group(0)
     parts = urlsplit(url)
     end = time.monotonic() + 300
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"ortpipe serve exited with {proc.returncode} while loading {model}")
+            time.sleep(0.2)  # the rest of its log
+            why = "".join(said[-3:]).strip() or "no message"
+            raise OrtpipeError(f"ortpipe serve exited with {proc.returncode} while loading {model}: {why}")
         try:
             conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
             conn.request("GET", "/health")
@@ -177,7 +182,7 @@ def start_server(model: str, max_batch: int, threads: int | None) -> tuple[subpr
             pass
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"{model} did not load within 300 s")
+    raise OrtpipeError(f"{model} did not load within 300 s")
 
 
 def vocab_size(model: str | None) -> int:
@@ -259,6 +264,10 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Run the benchmark once its arguments are consistent."""
     if (args.model is None) == (args.url is None):
         p.error("give MODEL_DIR (a server is started) or --url (a running server), not both")
+    if args.url is not None:
+        parts = urlsplit(args.url)
+        if parts.scheme != "http" or not parts.hostname:
+            p.error(f"--url takes a server's http:// URL, like http://127.0.0.1:8000, found {args.url!r}")
     for name in ("prompt_tokens", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
