@@ -108,12 +108,23 @@ function endProgress(text) {
   $('status').textContent = text;
 }
 
+/** A number field's value; what the browser could not read as a number (its value then "") is an error,
+ * never taken as empty. */
+function numberIn(input) {
+  if (input.validity.badInput) {
+    throw new Error(`${input.dataset.setting ?? input.id} is not a number: correct it${input.dataset.setting
+      ? ', or clear it for the model\'s default' : ''}`);
+  }
+  return input.value === '' ? undefined : Number(input.value);
+}
+
 /** The sampling panel's options: the fields that are filled in, with the embed API's names. */
 function samplingOptions() {
   const options = {};
   if ($('do-sample').value) options.doSample = $('do-sample').value === 'true';
   for (const input of document.querySelectorAll('#settings input[data-setting]')) {
-    if (input.value !== '') options[input.dataset.setting] = Number(input.value);
+    const value = numberIn(input);
+    if (value !== undefined) options[input.dataset.setting] = value;
   }
   return options;
 }
@@ -131,7 +142,13 @@ function showDefaults(defaults) {
 }
 
 function updateSummary() {
-  const chosen = Object.entries(samplingOptions()).map(([k, v]) => `${k} ${v}`);
+  let chosen;
+  try {
+    chosen = Object.entries(samplingOptions()).map(([k, v]) => `${k} ${v}`);
+  } catch (error) {
+    $('settings-summary').textContent = `(${error.message})`;
+    return;
+  }
   $('settings-summary').textContent = chosen.length ? `(${chosen.join(', ')})` : '(the model\'s defaults)';
 }
 
@@ -157,7 +174,7 @@ async function generate(event) {
   delete output.dataset.tokens;
   for (const id of ['stat-ttft', 'stat-speed', 'stat-tokens']) $(id).textContent = '–';
   try {
-    const maxNewTokens = Number($('max-new-tokens').value);
+    const maxNewTokens = numberIn($('max-new-tokens'));
     let stream;
     let target = output; // where the streamed text goes
     if (chatting) {
@@ -210,11 +227,11 @@ async function generate(event) {
 async function makeOutputs(model, { maxNewTokens, ...options }) {
   if (model.info.loop === 'denoising') {
     Object.assign(options, {
-      numSteps: Number($('num-steps').value), guidanceScale: Number($('guidance-scale').value),
-      seed: Number($('image-seed').value),
+      numSteps: numberIn($('num-steps')), guidanceScale: numberIn($('guidance-scale')),
+      seed: numberIn($('image-seed')),
     });
     if ($('negative-prompt').value && options.guidanceScale > 1) options.negativePrompt = $('negative-prompt').value;
-    if (options.images) options.strength = Number($('strength').value); // image-to-image
+    if (options.images) options.strength = numberIn($('strength')); // image-to-image
     if ($('mask').files.length) options.mask = $('mask').files[0]; // inpainting (refused without an image)
   }
   options.onProgress = ({ step, steps }) => showProgress(step / steps, `Step ${step} of ${steps}`);

@@ -215,3 +215,25 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOT.with_name("demo-status.png")), full_page=True)
     assert_same_origin(requests_seen, page)
+
+
+def test_demo_page_says_a_number_field_it_cannot_read(page: Any, models: dict[str, Path]) -> None:
+    """A number field holding what the browser cannot read as a number ("1e") reads as empty: the settings
+    summary says so (it read as the model's default before), and the form is not sent (the browser's own
+    check of the field), so no generation starts with a value the user did not give."""
+    page.goto("/")
+    page.wait_for_function(OFFERED, arg="models/v2/")
+    page.fill("#model-url", "models/v2/")
+    page.select_option("#device", "wasm")
+    page.fill("#prompt", PROMPT)
+    page.evaluate("document.querySelector('#settings').open = true")
+    page.focus("#temperature")
+    page.keyboard.type("1e")
+    assert page.evaluate("document.querySelector('#temperature').validity.badInput")
+    unread = "(temperature is not a number: correct it, or clear it for the model's default)"
+    assert page.text_content("#settings-summary") == unread
+    page.click("#generate")
+    page.wait_for_timeout(1000)
+    assert page.text_content("#status") == "" and page.text_content("#output") == ""
+    page.fill("#temperature", "0.5")
+    assert page.text_content("#settings-summary") == "(temperature 0.5)"
