@@ -343,3 +343,51 @@ def test_random_mistakes_are_refused_alike(page: Any, models: dict[str, Path]) -
             differ.append((options, want, got))
     assert sum(e is None for e in seen) > 10 and sum(e is not None for e in seen) > 100  # both kinds drawn
     assert not differ, differ[:5]
+
+
+CHAT_RUN = """async ({requests}) => {
+  const {load} = await import('./ortpipe.js');
+  const pipe = await load('models/v2/', {device: 'wasm'});
+  const seen = [];
+  for (const [settings, turn] of requests) {
+    try {
+      const chat = await pipe.chat(settings);
+      seen.push((await chat.say('hi', turn)).tokens);
+      chat.dispose();
+    } catch (e) { seen.push([e.name, e.message]); }
+  }
+  pipe.dispose();
+  return seen;
+}"""
+
+
+def test_random_chat_settings_are_taken_or_refused_alike(page: Any, models: dict[str, Path]) -> None:
+    """100 chats with odd settings, and turns with odd lengths (a fixed seed), give the same tokens or the
+    same error on both targets; a turn's max_new_tokens that is no positive whole number is refused (0, -1
+    and 0.5 ran one step before)."""
+    rng = random.Random(3)
+    keys = [k for k in ODD_KEYS if k not in ("prompt", "promptIds", "messages", "images", "mask", "inputs",
+                                             "latents")]
+    requests = []
+    for _ in range(100):
+        settings = {rng.choice(keys): rng.choice(ODD_VALUES) for _ in range(rng.randint(0, 2))}
+        turn = {"maxNewTokens": 2 if rng.random() < 0.6 else rng.choice(ODD_VALUES)}
+        requests.append([settings, turn])
+    page.goto("/")
+    seen = page.evaluate(CHAT_RUN, {"requests": requests})
+    pipe = ortpipe.load(models["v2"])
+    differ = []
+    for (settings, turn), got in zip(requests, seen, strict=True):
+        try:
+            chat = pipe.chat(**snake(settings))
+            want: Any = [c.token for c in chat.say("hi", **snake(turn))]
+        except OrtpipeError as e:
+            want = [type(e).__name__, str(e)]
+        if want != got:
+            differ.append((settings, turn, want, got))
+    assert sum(isinstance(g[0], int) for g in seen if g) > 10, seen  # chats that ran, and refusals
+    assert not differ, differ[:5]
+    for (_, turn), got in zip(requests, seen, strict=True):
+        length = turn["maxNewTokens"]
+        if length is not None and not (type(length) is int and length >= 1):
+            assert got and got[0] == "GenerationError", (turn, got)  # refused, never run for a step
