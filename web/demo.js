@@ -112,8 +112,8 @@ function endProgress(text) {
  * never taken as empty. */
 function numberIn(input) {
   if (input.validity.badInput) {
-    throw new Error(`${input.dataset.setting ?? input.id} is not a number: correct it${input.dataset.setting
-      ? ', or clear it for the model\'s default' : ''}`);
+    const hint = input.dataset.setting ? ', or clear it for the model\'s default' : '';
+    throw new Error(`${input.dataset.setting ?? input.id} is not a number: correct it${hint}`);
   }
   return input.value === '' ? undefined : Number(input.value);
 }

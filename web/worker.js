@@ -313,15 +313,6 @@ async function unload() {
   await oldBridge?.release();
 }
 
-/** A value as a message shows it: its JSON, or its type where JSON has none (a BigInt). */
-function shown(value) {
-  try {
-    return JSON.stringify(value) ?? typeof value;
-  } catch {
-    return typeof value;
-  }
-}
-
 /** `promise`, after arranging for `forget()` to run if it rejects. */
 function forgetOnFailure(promise, forget) {
   promise.catch(forget);
@@ -334,7 +325,8 @@ function forgetOnFailure(promise, forget) {
  */
 async function resolveDevice(device) {
   if (!['auto', 'wasm', 'webgpu'].includes(device)) {
-    const message = `device must be "auto", "webgpu" or "wasm", not ${shown(device)}`;
+    // ortpipe.js's load() refuses these first (a function or a BigInt never reaches here)
+    const message = `device must be "auto", "webgpu" or "wasm", not ${JSON.stringify(device)}`;
     throw new TaskError({ type: 'OrtpipeError', message });
   }
   if (device === 'wasm') return { device: 'wasm', f16: true };
