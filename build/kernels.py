@@ -123,10 +123,13 @@ def _fconst(name: str, value: float) -> onnx.NodeProto:
 
 
 def process(elem: int) -> onnx.GraphProto:
-    """logits [b, s, v] -> scores [b, v]: last position, banned ids to -inf, repetition penalty, temperature.
+    """logits [b, s, v] -> scores [b, v]: last position, repetition penalty, frequency and presence
+    penalties, banned ids to -inf, temperature.
 
-    `banned` and `seen` are id lists [b, n] padded with the id `vocab` (one past the end): they
-    address an extra column that is dropped at the end, so rows of different lengths need no mask.
+    `banned`, `seen` and `counted` are id lists [b, n] padded with the id `vocab` (one past the end):
+    they address an extra column that is dropped at the end, so rows of different lengths need no
+    mask. `counted` holds the distinct generated ids and `amounts` [b, n] what each one's score loses
+    (0 in the padding).
     """
     nodes = [
         _const("start", [-1]),
@@ -154,7 +157,12 @@ def process(elem: int) -> onnx.GraphProto:
         helper.make_node("Mul", ["seen_scores", "penalty"], ["times"]),
         helper.make_node("Div", ["seen_scores", "penalty"], ["divided"]),
         helper.make_node("Where", ["negative", "times", "divided"], ["penalized"]),
-        helper.make_node("ScatterElements", ["wide", "seen", "penalized"], ["repeated"], axis=1),
+        helper.make_node("ScatterElements", ["wide", "seen", "penalized"], ["penalized_wide"], axis=1),
+        # frequency and presence penalties: each generated id's amount (count * frequency + presence)
+        # subtracted from its score
+        helper.make_node("GatherElements", ["penalized_wide", "counted"], ["counted_scores"], axis=1),
+        helper.make_node("Sub", ["counted_scores", "amounts"], ["lowered"]),
+        helper.make_node("ScatterElements", ["penalized_wide", "counted", "lowered"], ["repeated"], axis=1),
         # banned ids
         helper.make_node("Shape", ["banned"], ["banned_shape"]),
         helper.make_node(
@@ -171,7 +179,7 @@ def process(elem: int) -> onnx.GraphProto:
     ]
     ids = [
         helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", n + "_count"])
-        for n in ("banned", "seen")
+        for n in ("banned", "seen", "counted")
     ]
     return helper.make_graph(
         nodes,
@@ -179,6 +187,7 @@ def process(elem: int) -> onnx.GraphProto:
         [
             helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]),
             *ids,
+            helper.make_tensor_value_info("amounts", TensorProto.FLOAT, ["batch", "counted_count"]),
             _scalar("penalty"),
             _scalar("temperature"),
         ],

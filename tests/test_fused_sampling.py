@@ -27,6 +27,8 @@ SETTINGS = [
     {"do_sample": True, "seed": 4, "top_k": 3, "suppress_tokens": [7, 8, 9]},
     {"repetition_penalty": 1.5},
     {"suppress_tokens": [5, 6], "min_new_tokens": 9},
+    {"frequency_penalty": 1.2, "presence_penalty": 0.6},
+    {"do_sample": True, "seed": 5, "top_k": 40, "frequency_penalty": -0.5, "presence_penalty": 1.5},
 ]
 NEW = 32
 
@@ -85,11 +87,20 @@ def test_a_burst_draws_what_the_sampler_would() -> None:
     assert sampler.rng.random() == again.random()
 
 
-def kernel_token(logits: np.ndarray, seen: list[int], u: float, **settings: Any) -> int:
-    """The generic path's token: the sampler's kernel chain, with `u` as its draw."""
+def kernel_token(logits: np.ndarray, seen: list[int], u: float, generated: int = 1, **settings: Any) -> int:
+    """The generic path's token: the sampler's kernel chain, with `u` as its draw (the last `generated`
+    of `seen` generated)."""
     sampler = Sampler(CpuBackend(), str(logits.dtype), SearchSettings(**settings), frozenset())
     sampler.rng = type("Fixed", (), {"random": staticmethod(lambda: 1.0 - u)})()
-    return Driver().drive(sampler.select(logits[None, None], seen, 1))
+    return Driver().drive(sampler.select(logits[None, None], seen, generated))
+
+
+def counts(s: SearchSettings, seen: list[int], generated: int) -> tuple[tuple[int, int], ...]:
+    """A Pick's counts: how often each of the last `generated` ids of `seen` occurs."""
+    if not (s.frequency_penalty or s.presence_penalty) or not generated:
+        return ()
+    tail = seen[len(seen) - generated:]
+    return tuple((t, tail.count(t)) for t in sorted(set(tail)))
 
 
 def test_the_picker_selects_what_the_kernel_graphs_select() -> None:
@@ -107,14 +118,18 @@ def test_the_picker_selects_what_the_kernel_graphs_select() -> None:
             "top_k": int(rng.choice([0, 1, 8, vocab])), "top_p": float(rng.choice([1.0, 0.9, 0.4])),
             "min_p": float(rng.choice([0.0, 0.05])), "repetition_penalty": float(rng.choice([1.0, 1.3])),
             "suppress_tokens": tuple(rng.integers(0, vocab, case % 3).tolist()),
+            "frequency_penalty": float(rng.choice([0.0, 0.7, -1.3])),
+            "presence_penalty": float(rng.choice([0.0, 1.1, -0.4])),
         }
+        generated = int(rng.integers(0, 7))
         u = float(1.0 - rng.random())
         s = SearchSettings(**settings)
         pick = Pick(s.sampling, s.temperature if s.sampling else 1.0, s.top_k, s.top_p, s.min_p,
                     s.repetition_penalty, tuple(sorted(set(seen))) if s.repetition_penalty != 1.0 else (),
-                    s.suppress_tokens, (u,))
+                    s.suppress_tokens, (u,), s.frequency_penalty, s.presence_penalty,
+                    counts(s, seen, generated))
         ours = Picker(pick, vocab).select(logits, "decoder", 0)
-        assert ours == kernel_token(logits, seen, u, **settings), (case, settings)
+        assert ours == kernel_token(logits, seen, u, generated, **settings), (case, settings)
         checked.add(ours)
     assert len(checked) > 50
 

@@ -270,6 +270,22 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_naming_it(folder: Path) -> No
                                 "half of a UTF-16 pair); remove it or complete the pair")
 
 
+def test_a_suppressed_token_outside_the_vocabulary_is_refused_before_any_run(folder: Path) -> None:
+    """An id past the logits' width used to reach the `process` kernel, whose ScatterElements failed with
+    onnxruntime's bounds message; greedy, sampled and streamed alike, the request now names the setting."""
+    pipe = ortpipe.load(folder, threads=1)
+    vocab = pipe.model.vocab
+    assert vocab
+    for settings in ({}, {"do_sample": True, "seed": 1}):
+        with pytest.raises(GenerationError) as error:
+            pipe.generate(prompt_ids=[5, 6], max_new_tokens=2, suppress_tokens=[3, vocab], **settings)
+        assert str(error.value) == (f"suppress_tokens: token id {vocab} is not below the vocabulary size "
+                                    f"{vocab} of this model's logits; drop it")
+        with pytest.raises(GenerationError):
+            next(iter(pipe.stream(prompt_ids=[5, 6], max_new_tokens=2, suppress_tokens=[10**9])))
+    assert len(pipe.generate(prompt_ids=[5, 6], max_new_tokens=2, suppress_tokens=[vocab - 1]).tokens) == 2
+
+
 def test_the_bundle_server_answers_a_nul_byte_in_a_path_with_400(tmp_path: Path) -> None:
     import http.client
 

@@ -249,3 +249,66 @@ def test_logprobs_are_the_models_log_softmax(tmp_path) -> None:
             assert [t for t, _ in chunk.top_logprobs] == best.tolist()
             assert [v for _, v in chunk.top_logprobs] == pytest.approx(logp[best].tolist(), abs=1e-4)
             ids.append(chunk.token)
+
+
+def test_frequency_and_presence_penalties_lower_generated_tokens_only() -> None:
+    """OpenAI's rule: score - count * frequency - (count > 0) * presence, counting only the generated
+    tokens (here the last 3 of the text), before bans and the temperature."""
+    text = [1, 0, 2, 2, 3]  # prompt [1, 0]; generated [2, 2, 3]
+    s = SearchSettings(frequency_penalty=0.5, presence_penalty=0.25, suppress_tokens=(4,))
+    sampler = Sampler(CpuBackend(), "float32", s, frozenset())
+    sampler._vocab = len(LOGITS)
+    banned = [banned_ids(s, text, 3, frozenset())]
+    out = Driver().drive(sampler.scores(LOGITS[None, None], [text], banned, [3]))
+    expected = LOGITS.copy()
+    expected[2] -= np.float32(2 * 0.5 + 0.25)
+    expected[3] -= np.float32(1 * 0.5 + 0.25)
+    expected[4] = -INF
+    assert out[0].tolist() == expected.tolist()
+    # a penalty turns greedy selection off the plain argmax: 2 (3.0) drops below 4 (2.0)
+    assert select(LOGITS, tokens=[2, 2], generated=2, frequency_penalty=0.6) == 4
+    assert select(LOGITS, tokens=[2, 2], generated=0, frequency_penalty=2.0) == 2  # the prompt is not counted
+    assert select(LOGITS, tokens=[2], generated=1, presence_penalty=-2.0) == 2
+
+
+def test_frequency_and_presence_penalties_equal_a_hand_loop(tmp_path) -> None:
+    """Greedy decoding with the penalties equals onnxruntime driven by hand over the whole text each step
+    (no cache), the penalties applied in numpy by OpenAI's documented formula; on the generic path
+    (kernels) and the fused one (the driver's numpy Picker)."""
+    from build import graphs
+
+    import ortpipe
+    from tests.handloop import _run, _session, _step_feeds, empty_pasts
+
+    folder = graphs.build_separate(tmp_path / "model", seed=0, config=True)
+    session = _session(folder, "separate")
+    prompt = [5, 17, 42, 8, 23, 5, 17]
+    cases = [{"frequency_penalty": 1.5}, {"presence_penalty": 2.0},
+             {"frequency_penalty": -0.4, "presence_penalty": 1.9},
+             {"frequency_penalty": 0.9, "presence_penalty": 0.4, "repetition_penalty": 1.3}]
+    plain = ortpipe.load(folder, threads=1).generate(prompt_ids=prompt, max_new_tokens=16).tokens
+    outputs = []
+    for settings in cases:
+        ids, generated = list(prompt), []
+        for _ in range(16):
+            feeds = _step_feeds(session, ids, len(ids)) | empty_pasts(session)
+            logits = _run(session, feeds)["logits"][0, -1]
+            scores = logits.astype(np.float32)
+            r = settings.get("repetition_penalty", 1.0)
+            for t in set(ids):
+                scores[t] = scores[t] * r if scores[t] < 0 else scores[t] / r
+            for t in set(generated):
+                n = generated.count(t)
+                amount = n * settings.get("frequency_penalty", 0.0) + settings.get("presence_penalty", 0.0)
+                scores[t] -= np.float32(amount)
+            token = int(np.argmax(scores))
+            ids.append(token)
+            generated.append(token)
+        for fused in (False, True):
+            pipe = ortpipe.load(folder, threads=1)
+            pipe.model.backend.fused_sampling = fused
+            result = pipe.generate(prompt_ids=prompt, max_new_tokens=16, **settings)
+            assert result.tokens == generated, (settings, fused)
+            assert (result.timings.fused_steps > 0) == fused
+        outputs.append(generated)
+    assert all(o != plain for o in outputs)  # each penalty changed the text

@@ -302,7 +302,9 @@ BAD_CHAT = [
     ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # logprobs must be true too
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
 
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "decimal_above_max_value"),
+    ({"frequency_penalty": "x"}, "frequency_penalty", "invalid_type"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
     ({"max_completion_tokens": 10_000}, "messages", "context_length_exceeded"),
@@ -643,6 +645,28 @@ def test_a_cached_conversation_serves_other_settings_and_seeds(
         assert r.choices[0].message.content == alone(pipe, prompt, 10, **options)[0]
         assert r.usage.prompt_tokens_details.cached_tokens > len(pipe.tokenizer.encode(render(folder, first)))
         turn = [*turn, {"role": "assistant", "content": r.choices[0].message.content}]
+
+
+def test_frequency_and_presence_penalties_equal_the_pipelines(server: Served, folder: Path,
+                                                               pipe: Any) -> None:
+    """OpenAI's penalties, through the `openai` client, in a batch of requests with and without them:
+    each reply is what the pipeline gives for the same settings alone, and the penalties change it."""
+    client = server.client()
+    messages = [{"role": "user", "content": "def tokens(text):"}]
+    prompt = render(folder, messages)
+    cases = [{}, {"frequency_penalty": 1.5}, {"presence_penalty": 2.0},
+             {"frequency_penalty": -0.5, "presence_penalty": 1.0, "temperature": 0.8, "seed": 4}]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        replies = list(pool.map(lambda c: client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=32, **{"temperature": 0, **c}), cases))
+    texts = []
+    for settings, reply in zip(cases, replies, strict=True):
+        options = {k: v for k, v in settings.items() if k != "temperature"}
+        if "seed" in settings:
+            options.update(do_sample=True, temperature=settings["temperature"])
+        assert reply.choices[0].message.content == alone(pipe, prompt, 32, **options)[0], settings
+        texts.append(reply.choices[0].message.content)
+    assert len(set(texts)) == len(cases)
 
 
 # --- the command -----------------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ function samplingOptions() {
 /** The model's defaults as the panel's placeholders, and in its summary line. */
 function showDefaults(defaults) {
   const names = { temperature: 'temperature', topK: 'top_k', topP: 'top_p', minP: 'min_p',
-    repetitionPenalty: 'repetition_penalty', seed: 'seed' };
+    repetitionPenalty: 'repetition_penalty', frequencyPenalty: 'frequency_penalty', presencePenalty: 'presence_penalty',
+    seed: 'seed' };
   for (const input of document.querySelectorAll('#settings input[data-setting]')) {
     const value = defaults?.[names[input.dataset.setting]];
     input.placeholder = value === null || value === undefined ? '' : String(value);

@@ -91,6 +91,10 @@ export interface GenerateOptions {
   minP?: number;
   /** Divide the scores of tokens seen so far; 1 turns it off. */
   repetitionPenalty?: number;
+  /** Subtract this times the number of times a token was generated so far from its score (OpenAI's frequency_penalty; the prompt is not counted); 0 turns it off. */
+  frequencyPenalty?: number;
+  /** Subtract this from the score of every token generated so far (OpenAI's presence_penalty; the prompt is not counted); 0 turns it off. */
+  presencePenalty?: number;
   /** The seed of the sampler and of the initial noise: the same seed gives the same tokens or image on every target. */
   seed?: number;
   /** Never repeat an n-gram of this size; 0 turns it off. */

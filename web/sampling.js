@@ -8,7 +8,8 @@
 export class Picker {
   /**
    * @param {{sample: boolean, temperature: number, top_k: number, top_p: number, min_p: number,
-   *   penalty: number, seen: number[], banned: number[], uniforms: number[]}} pick
+   *   penalty: number, seen: number[], banned: number[], uniforms: number[], frequency: number,
+   *   presence: number, counts: number[][]}} pick
    * @param {number} vocab
    * @param {Uniforms} [uniforms] the burst's uniforms (a draft model's Picker shares the model's)
    */
@@ -16,6 +17,8 @@ export class Picker {
     this.pick = pick;
     this.vocab = vocab;
     this.seen = new Set(pick.seen);
+    this.counts = new Map(pick.counts); // id -> times generated, for the frequency and presence penalties
+    this.counting = Boolean(pick.frequency || pick.presence);
     this.uniforms = uniforms ?? new Uniforms(pick.uniforms);
     this.buffer = new Float32Array(vocab);
     this.penalty = Math.fround(pick.penalty);
@@ -39,6 +42,7 @@ export class Picker {
   took(tokens) {
     if (this.pick.sample) this.uniforms.taken += tokens.length;
     if (this.pick.penalty !== 1) for (const token of tokens) this.seen.add(token);
+    if (this.counting) for (const token of tokens) this.counts.set(token, (this.counts.get(token) ?? 0) + 1);
   }
 
   /** The processed float32 scores of one row of logits, after the text and `drafts` (reused: read
@@ -59,6 +63,13 @@ export class Picker {
       const value = scores[id];
       scores[id] = value < 0 ? value * this.penalty : value / this.penalty;
     }
+    let counts = this.counts;
+    if (drafts.length && this.counting) {
+      counts = new Map(counts);
+      for (const token of drafts) counts.set(token, (counts.get(token) ?? 0) + 1);
+    }
+    // each amount rounded to float32 once, the difference rounded by the Float32Array (as float32 arithmetic)
+    for (const [id, n] of counts) scores[id] -= Math.fround(n * pick.frequency + pick.presence);
     for (const id of pick.banned) scores[id] = -Infinity;
     if (pick.sample) for (let i = 0; i < vocab; i++) scores[i] /= this.temperature;
     return scores;

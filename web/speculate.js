@@ -315,6 +315,7 @@ export class Speculator {
     if (this.draft && pick?.sample) {
       this.drafter = new Picker(pick, this.draft.decoder.spec.vocab, this.picker.uniforms);
       this.drafter.seen = this.picker.seen;
+      this.drafter.counts = this.picker.counts;
     }
     for (;;) {
       let k = this.length.next(limit - out.length - 1);

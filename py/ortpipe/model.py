@@ -627,6 +627,8 @@ class Model:
             name
             for name, on in (
                 ("repetition_penalty", search.repetition_penalty != 1.0),
+                ("frequency_penalty", search.frequency_penalty),
+                ("presence_penalty", search.presence_penalty),
                 ("no_repeat_ngram_size", search.no_repeat_ngram_size),
                 ("min_length", search.min_length),
                 ("min_new_tokens", search.min_new_tokens),

@@ -168,6 +168,7 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     page.select_option("#do-sample", "true")
     page.fill("#temperature", "0.8")
     page.fill("#top-k", "20")
+    page.fill("#frequency-penalty", "0.5")
     page.fill("#seed", "3")
     statuses: list[str] = []
     page.expose_function("noteStatus", lambda text: statuses.append(text))
@@ -187,7 +188,7 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
       const { load } = await import('./ortpipe.js');
       const pipe = await load(url, { device: 'wasm' });
       const { tokens } = await pipe.generate({ prompt, maxNewTokens: n, doSample: true, temperature: 0.8,
-                                               topK: 20, seed: 3 });
+                                               topK: 20, frequencyPenalty: 0.5, seed: 3 });
       pipe.dispose();
       return tokens;
     }""", [url, PROMPT, NEW_TOKENS])
@@ -198,10 +199,12 @@ def test_demo_page_status_ends_with_the_work(page: Any, requests_seen: list[str]
     assert page.text_content("#status") == f"Generated {NEW_TOKENS} tokens (length)"
     assert page.is_hidden("#progress")
     assert page.get_attribute("#temperature", "placeholder") == "0.7"  # the folder's default
+    assert page.get_attribute("#presence-penalty", "placeholder") == "0"
     assert "Preparing onnx/model_quantized.onnx while Python starts…" in statuses
     loaded = statuses.index(next(s for s in statuses if s.startswith("Loaded in")))
     assert statuses[loaded + 1:] == ["Generating…", f"Generated {NEW_TOKENS} tokens (length)"], statuses
     page.select_option("#do-sample", "false")
+    page.fill("#frequency-penalty", "")  # empty: the model's default (0)
     page.click("#generate")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('Generated')")
     page.wait_for_selector("#output[data-tokens]")

@@ -305,7 +305,7 @@ ODD_KEYS = ["prompt", "promptIds", "messages", "maxNewTokens", "maxLength", "tem
             "minP", "doSample", "seed", "stop", "repetitionPenalty", "numBeams", "numReturnSequences",
             "logprobs", "images", "mask", "inputs", "latents", "promptLookupNumTokens", "maxDraftTokens",
             "ngramSize", "eta", "numSteps", "guidanceScale", "negativePrompt", "strength",
-            "noRepeatNgramSize", "minNewTokens", "eosTokenId"]
+            "noRepeatNgramSize", "minNewTokens", "eosTokenId", "frequencyPenalty", "presencePenalty"]
 # Where the targets word a refusal their own way: the kinds of value each language has
 TARGET_WORDS = ("images must be", "inputs must", 'input "', "latents must")
 

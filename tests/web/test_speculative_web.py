@@ -147,6 +147,9 @@ def test_demo_model_with_speculation_equals_cpython(page: Any, serve_model: Any,
             assert top[expected[apart]] - top[tokens[apart]] < TIE, (apart, top)
 
 
+PENALTIES = {"frequency_penalty": 0.1, "presence_penalty": 0.05}
+
+
 def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, serve_model: Any,
                                                                     llama_builder_fp32: Path) -> None:
     """Speculative sampling runs in the JS Speculator's bursts (the draws of web/sampling.js, with the
@@ -160,7 +163,9 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
     cold = {**sampled, "temperature": 0.05}
     expected = [pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold, prompt_lookup_num_tokens=4),
                 pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled, repetition_penalty=1.2,
-                              draft_model=str(llama_builder_fp32))]
+                              draft_model=str(llama_builder_fp32)),
+                pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold, **PENALTIES,
+                              prompt_lookup_num_tokens=4)]
     assert all(r.timings.accepted_tokens > 0 for r in expected)
     assert all(r.timings.fused_steps == NEW - 1 for r in expected)
     plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
@@ -174,13 +179,18 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
         {"promptIds": ids, "maxNewTokens": NEW, **js, "repetitionPenalty": 1.2,
          "draftModel": "models/llama-builder/"},
         {"promptIds": ids, "maxNewTokens": NEW, "stop": stop, "promptLookupNumTokens": 8},
+        {"promptIds": ids, "maxNewTokens": NEW, **js, "temperature": 0.05, "frequencyPenalty": 0.1,
+         "presencePenalty": 0.05, "promptLookupNumTokens": 4},
     ])
-    assert [r["result"]["tokens"] for r in got["runs"][:2]] == [r.tokens for r in expected]
+    assert [r["result"]["tokens"] for r in got["runs"][:2] + got["runs"][3:]] == [r.tokens for r in expected]
+    # the penalties over the generated tokens and the drafts before each checked position
+    assert expected[2].tokens == pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold, **PENALTIES).tokens
+    assert expected[2].tokens != expected[0].tokens
     # plain sampling's tokens, whatever was drafted (the draft lengths follow each target's clock)
     assert expected[0].tokens == pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold).tokens
     assert expected[1].tokens == pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **sampled,
                                                repetition_penalty=1.2).tokens
-    for run in got["runs"][:2]:
+    for run in got["runs"][:2] + got["runs"][3:]:
         timings = run["result"]["timings"]
         assert timings["draftedTokens"] > 0 and timings["fusedSteps"] == NEW - 1
     last = got["runs"][2]["result"]

@@ -211,6 +211,24 @@ SETTINGS: tuple[Setting, ...] = (
         v1="repetition_penalty",
     ),
     Setting(
+        "frequency_penalty",
+        "float",
+        0.0,
+        "subtract this times the number of times a token was generated so far from its score (OpenAI's "
+        "frequency_penalty; the prompt is not counted); 0 turns it off",
+        low=-2.0,
+        high=2.0,
+    ),
+    Setting(
+        "presence_penalty",
+        "float",
+        0.0,
+        "subtract this from the score of every token generated so far (OpenAI's presence_penalty; the "
+        "prompt is not counted); 0 turns it off",
+        low=-2.0,
+        high=2.0,
+    ),
+    Setting(
         "seed",
         "int",
         None,
@@ -422,6 +440,8 @@ class _Derived:
     do_sample: bool
     temperature: float
     repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
     suppress_tokens: tuple[int, ...]
     no_repeat_ngram_size: int
     min_length: int
@@ -438,7 +458,12 @@ class _Derived:
     @property
     def argmax_only(self) -> bool:
         """Token selection is the argmax of the scores, which no penalty changes."""
-        return not self.sampling and self.repetition_penalty == 1.0
+        return not self.sampling and self.repetition_penalty == 1.0 and not self.counts_tokens
+
+    @property
+    def counts_tokens(self) -> bool:
+        """The frequency or presence penalty lowers the scores of the tokens generated so far."""
+        return bool(self.frequency_penalty or self.presence_penalty)
 
     @property
     def speculative(self) -> bool:

@@ -65,7 +65,7 @@ class TokenGenerator:
         self.flow = FlowRun(plan, backend, 1, limits.max_length, inputs)
         gen = plan.generator
         dtype = plan.signatures[gen.session].output(gen.logits).dtype
-        self.sampler = Sampler(backend, dtype, settings or SearchSettings(), limits.eos)
+        self.sampler = Sampler(backend, dtype, settings or SearchSettings(), limits.eos, limits.vocab)
         self.life = Lifecycle()
         self.tokens: list[int] = []  # every id so far: prompts and generated
         self.generated = 0  # since the last append
@@ -110,7 +110,7 @@ class TokenGenerator:
         if self.speculator is not None or settings.speculative:
             raise GenerationError("a generator that speculates keeps its settings: make a new one")
         self.life.fire(RESAMPLE)
-        self.sampler = Sampler(self.backend, self.sampler.dtype, settings, self.limits.eos)
+        self.sampler = Sampler(self.backend, self.sampler.dtype, settings, self.limits.eos, self.limits.vocab)
         self._choose_path()
 
     @property

@@ -477,7 +477,7 @@ def _rows(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], ge
     rows = out["rows"]
     seen = [tokens + drafts[:i] for i in range(len(drafts) + 1)]
     banned = [banned_ids(sampler.settings, s, generated + i, sampler.eos) for i, s in enumerate(seen)]
-    return (yield from sampler.scores(rows, seen, banned))
+    return (yield from sampler.scores(rows, seen, banned, [generated + i for i in range(len(seen))]))
 
 
 def verify_picks(sampler: Any, logits: Handle, drafts: list[int], tokens: list[int], generated: int) -> Work:
@@ -538,7 +538,7 @@ class DraftModel:
             else:
                 seen = tokens + drafts
                 banned = banned_ids(own.settings, seen, generated + len(drafts), own.eos)
-                scores = yield from own.scores(logits, [seen], [banned])
+                scores = yield from own.scores(logits, [seen], [banned], [generated + len(drafts)])
                 feeds = {"scores": scores, "u": b.tensor([uniforms[len(drafts)]], (1,), "float32")}
                 name = kernel("sample", "float32")
             out = yield Run(name, feeds, ("token",), None, "draft")

@@ -5,6 +5,8 @@ The scores themselves never reach Python: banned ids go to the `process` kernel.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..config.settings import SearchSettings
 
 
@@ -27,3 +29,17 @@ def ngram_bans(tokens: list[int], n: int) -> list[int]:
         if tokens[start:start + n - 1] == prefix:
             bans.append(tokens[start + n - 1])
     return bans
+
+
+def penalty_counts(s: SearchSettings, tokens: list[int], generated: int) -> dict[int, int]:
+    """How often each id was generated (the last `generated` of `tokens`), for the frequency and
+    presence penalties; empty when neither is on."""
+    if not s.counts_tokens or generated <= 0:
+        return {}
+    return dict(Counter(tokens[len(tokens) - generated:]))
+
+
+def lowered_by(s: SearchSettings, count: int) -> float:
+    """What a score loses for an id generated `count` times: count * frequency + presence, in Python's
+    floats (each target rounds it to float32 once, then subtracts it in float32)."""
+    return count * s.frequency_penalty + s.presence_penalty

@@ -15,14 +15,16 @@ import random
 from dataclasses import dataclass
 
 from ..config.settings import SearchSettings
+from ..errors import GenerationError
 from ..execute.work import Backend, Handle, Run, Work, kernel
-from .processors import banned_ids
+from .processors import banned_ids, lowered_by, penalty_counts
 
 
 @dataclass(frozen=True)
 class Pick:
     """How a fused decode step selects its token from the last row of logits, as `Sampler.select`
-    would: scores in float32 (penalty over `seen`, `banned` ids out, divided by `temperature`),
+    would: scores in float32 (penalty over `seen`, each id of `counts` lowered by its count times
+    `frequency` plus `presence`, `banned` ids out, divided by `temperature`),
     then the argmax, or top-k, top-p and min-p and a draw with the step's number of `uniforms`.
     The target adds each token it selects to `seen`. Targets: web/sampling.js, and
     targets/cpython/sampling.py, whose module docstring gives the arithmetic."""
@@ -36,6 +38,9 @@ class Pick:
     seen: tuple[int, ...]  # distinct ids so far
     banned: tuple[int, ...]
     uniforms: tuple[float, ...]  # one per step, in (0, 1], when sampling
+    frequency: float = 0.0  # the frequency penalty; 0 and presence 0: off (then `counts` is empty)
+    presence: float = 0.0  # the presence penalty
+    counts: tuple[tuple[int, int], ...] = ()  # (id, times generated so far)
 
 
 def generator(seed: int | None) -> random.Random:
@@ -46,15 +51,27 @@ def generator(seed: int | None) -> random.Random:
 
 
 class Sampler:
-    def __init__(self, backend: Backend, logits_dtype: str, settings: SearchSettings, eos: frozenset[int]):
+    def __init__(self, backend: Backend, logits_dtype: str, settings: SearchSettings, eos: frozenset[int],
+                 vocab: int | None = None):
+        """`vocab`: the logits' width when the graph fixes it (the ids the settings name are checked
+        against it here, else at the first selection)."""
         self.backend, self.settings, self.eos = backend, settings, eos
         self.dtype = logits_dtype
         self.rng = generator(settings.seed)
         self._vocab = 0
+        if vocab:
+            self.check_ids(vocab)
         self._peeked = False  # a burst's pick carries uniforms the generator has not drawn yet
         self.label = ""  # the step the logits come from, for messages and traces
         self.last_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
+
+    def check_ids(self, vocab: int) -> None:
+        """The token ids the settings name are below the vocabulary size (a kernel would fail on them)."""
+        wrong = [i for i in self.settings.suppress_tokens if i >= vocab]
+        if wrong:
+            raise GenerationError(f"suppress_tokens: token id {wrong[0]} is not below the vocabulary size "
+                                  f"{vocab} of this model's logits; drop it")
 
     def kernels(self) -> list[str]:
         """The kernel sessions `select` runs when nothing is banned: a target may open them early."""
@@ -99,6 +116,9 @@ class Sampler:
             tuple(sorted(set(tokens))) if penalty != 1.0 else (),
             tuple(banned_ids(s, tokens, generated, self.eos)),
             uniforms,
+            s.frequency_penalty,
+            s.presence_penalty,
+            tuple(sorted(penalty_counts(s, tokens, generated).items())),
         )
         return pick, limit
 
@@ -142,7 +162,7 @@ class Sampler:
                 kernel("argmax_last", self.dtype), {"logits": logits}, ("token",), None, self.label
             )
             return b.to_list(out["token"])[0]
-        scores = yield from self.scores(logits, [tokens], [banned])
+        scores = yield from self.scores(logits, [tokens], [banned], [generated])
         if not s.sampling:
             out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",))
             return b.to_list(out["token"])[0]
@@ -153,20 +173,30 @@ class Sampler:
         )
         return b.to_list(out["token"])[0]
 
-    def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]]) -> Work:
-        """Processed float32 scores [rows, vocab]: penalties, bans, and (when sampling) the warpers."""
+    def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]],
+               generated: list[int] | None = None) -> Work:
+        """Processed float32 scores [rows, vocab]: penalties, bans, and (when sampling) the warpers.
+        Row r's text is seen[r], the last generated[r] of it generated (none when not given)."""
         s, b = self.settings, self.backend
         if not self._vocab:
             self._vocab = b.shape(logits)[-1]
+            self.check_ids(self._vocab)
         vocab = self._vocab
         penalize = s.repetition_penalty != 1.0
         temperature = s.temperature if s.sampling else 1.0
+        generated = generated or [0] * len(seen)
+        counts = [penalty_counts(s, text, n) for text, n in zip(seen, generated, strict=True)]
+        width = max(1, max(len(c) for c in counts))
+        amounts = [a for c in counts
+                   for a in [lowered_by(s, c[i]) for i in sorted(c)] + [0.0] * (width - len(c))]
         out = yield Run(
             kernel("process", self.dtype),
             {
                 "logits": logits,
                 "banned": _padded(banned, vocab, b),
                 "seen": _padded(seen if penalize else [[] for _ in seen], vocab, b),
+                "counted": _padded([sorted(c) for c in counts], vocab, b),
+                "amounts": b.tensor(amounts, (len(counts), width), "float32"),
                 "penalty": b.tensor([s.repetition_penalty], (1,), "float32"),
                 "temperature": b.tensor([temperature], (1,), "float32"),
             },

@@ -4,11 +4,11 @@ No I/O and no model here: the app (app.py) hands a parsed JSON body in and sends
 
 Parameters follow the OpenAI API reference for `POST /v1/chat/completions` and `POST /v1/completions`:
 - served: model, messages / prompt, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n (1),
-  stream, stream_options.include_usage; and top_k, min_p, repetition_penalty, which vLLM and llama.cpp
-  accept beside OpenAI's and clients send through `extra_body`;
+  frequency_penalty and presence_penalty (over the generated tokens, as OpenAI describes them), logprobs and
+  top_logprobs, stream, stream_options.include_usage; and top_k, min_p, repetition_penalty, which vLLM and
+  llama.cpp accept beside OpenAI's and clients send through `extra_body`;
 - accepted at their neutral value and refused otherwise, naming the parameter (OpenAI refuses what a model
-  cannot do the same way): logprobs and top_logprobs (the core does not hand out logits yet), penalties,
-  logit_bias, tools, response_format, n > 1, echo, best_of, suffix;
+  cannot do the same way): logit_bias, tools, response_format, n > 1, echo, best_of, suffix;
 - accepted and without effect here: user, metadata, store, service_tier and the other bookkeeping fields the
   `openai` package can send;
 - anything else is refused as OpenAI refuses it: "Unrecognized request argument supplied: NAME".
@@ -147,12 +147,15 @@ def _settings(body: dict[str, Any]) -> dict[str, Any]:
         settings["min_p"] = _decimal(body["min_p"], "min_p", 0.0, 1.0)
     if body.get("repetition_penalty") is not None:
         settings["repetition_penalty"] = _decimal(body["repetition_penalty"], "repetition_penalty", 1e-6, 1e6)
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) is not None:
+            settings[name] = _decimal(body[name], name, -2.0, 2.0)
     return settings
 
 
 # Parameters accepted only at a value that changes nothing (null is always such a value).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias": ({},),
+    "n": (1,), "best_of": (1,), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
@@ -164,8 +167,6 @@ def _neutral(body: dict[str, Any], name: str) -> None:
     value = body.get(name)
     if name in ("n", "best_of"):
         value = None if value is None else _integer(value, name, low=1)
-    elif name in ("frequency_penalty", "presence_penalty"):
-        value = None if value is None else _decimal(value, name, -2.0, 2.0)
     if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
         raise _unsupported(name, WHY_NOT.get(name, "is not supported by this server yet"))
 
@@ -173,15 +174,13 @@ def _neutral(body: dict[str, Any], name: str) -> None:
 # Fields each endpoint knows: served ones are read by the parsers; NEUTRAL ones by `_neutral`; IGNORED ones
 # change nothing the server does.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "top_k", "min_p", "repetition_penalty", "logprobs"}
+          "top_k", "min_p", "repetition_penalty", "logprobs", "frequency_penalty", "presence_penalty"}
 
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options", "verbosity", "moderation", "reasoning_effort",
            "parallel_tool_calls"}
 CHAT_NEUTRAL = {
     "n",
-    "frequency_penalty",
-    "presence_penalty",
     "logit_bias",
     "tools",
     "tool_choice",
@@ -193,7 +192,7 @@ CHAT_NEUTRAL = {
     "prediction",
     "web_search_options",
 }
-TEXT_NEUTRAL = {"n", "frequency_penalty", "presence_penalty", "logit_bias", "echo", "best_of", "suffix"}
+TEXT_NEUTRAL = {"n", "logit_bias", "echo", "best_of", "suffix"}
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

@@ -4,7 +4,9 @@ computes it in the browser. Both follow the same arithmetic, so that a seeded ru
 tokens on every target:
 
 - scores in float32, as the `process` kernel computes them: a seen id's score divided by the
-  penalty (multiplied when negative), banned ids -inf, everything divided by the temperature;
+  penalty (multiplied when negative), a generated id's lowered by its count times the frequency
+  penalty plus the presence penalty (that amount rounded to float32 once), banned ids -inf,
+  everything divided by the temperature;
 - greedy: the first index of the largest score;
 - top-k (0 < k < vocab): scores below the k-th largest dropped (ties kept);
 - top-p (p < 1) and min-p (> 0), and the draw: probabilities in float64, exp(score - max) over the
@@ -41,6 +43,8 @@ class Picker:
     def __init__(self, pick: Pick, vocab: int, uniforms: Uniforms | None = None):
         self.pick, self.vocab = pick, vocab
         self.seen = set(pick.seen)
+        self.counts = dict(pick.counts)  # id -> times generated, for the frequency and presence penalties
+        self.counting = bool(pick.frequency or pick.presence)
         self.uniforms = uniforms or Uniforms(pick.uniforms)
         self.top_k = pick.top_k if 0 < pick.top_k < vocab else 0
         self.temperature = np.float32(pick.temperature)
@@ -57,19 +61,31 @@ class Picker:
             self.uniforms.taken += len(tokens)
         if self.pick.penalty != 1.0:
             self.seen.update(tokens)
+        if self.counting:
+            for token in tokens:
+                self.counts[token] = self.counts.get(token, 0) + 1
 
     def token(self, row: np.ndarray, session: str, position: int, drafts: list[int] = ()) -> int:
         """The selection from one row of logits after the text and `drafts`: the argmax, or the draw
         with the uniform of its position (`drafts` ahead of the next one; not taken)."""
         p = self.pick
         seen = self.seen.union(drafts) if drafts and p.penalty != 1.0 else self.seen
-        if seen or p.banned:
+        counts = self.counts
+        if drafts and self.counting:
+            counts = dict(counts)
+            for token in drafts:
+                counts[token] = counts.get(token, 0) + 1
+        if seen or p.banned or counts:
             scores = row.astype(np.float32)  # a copy
             if seen:
                 ids = np.fromiter(seen, np.int64, len(seen))
                 values = scores[ids]
                 penalty = np.float32(p.penalty)
                 scores[ids] = np.where(values < 0, values * penalty, values / penalty)
+            if counts:
+                ids = np.fromiter(counts, np.int64, len(counts))
+                amounts = np.array([n * p.frequency + p.presence for n in counts.values()], np.float32)
+                scores[ids] -= amounts
             if not float(scores.max()) < math.inf:  # NaN fails every comparison
                 _broken(session, position)
             if p.banned:

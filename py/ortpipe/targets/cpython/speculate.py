@@ -121,7 +121,7 @@ def _draft_model(driver: Driver, d: Decode, picker: Picker | None) -> tuple[Toke
     if picker is None or not picker.pick.sample:
         return draft, None
     drafter = Picker(picker.pick, dd.step.logits_shape[-1], picker.uniforms)
-    drafter.seen = picker.seen
+    drafter.seen, drafter.counts = picker.seen, picker.counts
     return draft, drafter
 
 
