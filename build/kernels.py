@@ -123,13 +123,13 @@ def _fconst(name: str, value: float) -> onnx.NodeProto:
 
 
 def process(elem: int) -> onnx.GraphProto:
-    """logits [b, s, v] -> scores [b, v]: last position, repetition penalty, frequency and presence
-    penalties, banned ids to -inf, temperature.
+    """logits [b, s, v] -> scores [b, v]: last position, logit bias, repetition penalty, frequency and
+    presence penalties, banned ids to -inf, temperature.
 
-    `banned`, `seen` and `counted` are id lists [b, n] padded with the id `vocab` (one past the end):
-    they address an extra column that is dropped at the end, so rows of different lengths need no
-    mask. `counted` holds the distinct generated ids and `amounts` [b, n] what each one's score loses
-    (0 in the padding).
+    `biased`, `banned`, `seen` and `counted` are id lists [b, n] padded with the id `vocab` (one past
+    the end): they address an extra column that is dropped at the end, so rows of different lengths
+    need no mask. `biases` [b, n] are the biased ids' biases; `counted` holds the distinct generated ids
+    and `amounts` [b, n] what each one's score loses (0 in the padding).
     """
     nodes = [
         _const("start", [-1]),
@@ -149,7 +149,11 @@ def process(elem: int) -> onnx.GraphProto:
             ["pad"],
             value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]),
         ),
-        helper.make_node("Concat", ["last", "pad"], ["wide"], axis=1),
+        helper.make_node("Concat", ["last", "pad"], ["plain_wide"], axis=1),
+        # logit bias: each biased id's bias added to its score
+        helper.make_node("GatherElements", ["plain_wide", "biased"], ["biased_scores"], axis=1),
+        helper.make_node("Add", ["biased_scores", "biases"], ["raised"]),
+        helper.make_node("ScatterElements", ["plain_wide", "biased", "raised"], ["wide"], axis=1),
         # repetition penalty: seen tokens' scores divided (positive) or multiplied (negative) by it
         _fconst("f0", 0.0),
         helper.make_node("GatherElements", ["wide", "seen"], ["seen_scores"], axis=1),
@@ -179,7 +183,7 @@ def process(elem: int) -> onnx.GraphProto:
     ]
     ids = [
         helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", n + "_count"])
-        for n in ("banned", "seen", "counted")
+        for n in ("banned", "seen", "counted", "biased")
     ]
     return helper.make_graph(
         nodes,
@@ -188,6 +192,7 @@ def process(elem: int) -> onnx.GraphProto:
             helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"]),
             *ids,
             helper.make_tensor_value_info("amounts", TensorProto.FLOAT, ["batch", "counted_count"]),
+            helper.make_tensor_value_info("biases", TensorProto.FLOAT, ["batch", "biased_count"]),
             _scalar("penalty"),
             _scalar("temperature"),
         ],

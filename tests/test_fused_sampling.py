@@ -29,6 +29,8 @@ SETTINGS = [
     {"suppress_tokens": [5, 6], "min_new_tokens": 9},
     {"frequency_penalty": 1.2, "presence_penalty": 0.6},
     {"do_sample": True, "seed": 5, "top_k": 40, "frequency_penalty": -0.5, "presence_penalty": 1.5},
+    {"logit_bias": {3: 4.5, 7: -100, 11: 1.25}},
+    {"do_sample": True, "seed": 6, "top_p": 0.9, "logit_bias": {3: 2.0, 9: -2.0}, "repetition_penalty": 1.2},
 ]
 NEW = 32
 
@@ -120,6 +122,8 @@ def test_the_picker_selects_what_the_kernel_graphs_select() -> None:
             "suppress_tokens": tuple(rng.integers(0, vocab, case % 3).tolist()),
             "frequency_penalty": float(rng.choice([0.0, 0.7, -1.3])),
             "presence_penalty": float(rng.choice([0.0, 1.1, -0.4])),
+            "logit_bias": tuple(sorted({int(i): float(rng.choice([-100.0, -1.5, 0.75, 3.0]))
+                                        for i in rng.integers(0, vocab, case % 4)}.items())),  # as checked
         }
         generated = int(rng.integers(0, 7))
         u = float(1.0 - rng.random())
@@ -127,7 +131,7 @@ def test_the_picker_selects_what_the_kernel_graphs_select() -> None:
         pick = Pick(s.sampling, s.temperature if s.sampling else 1.0, s.top_k, s.top_p, s.min_p,
                     s.repetition_penalty, tuple(sorted(set(seen))) if s.repetition_penalty != 1.0 else (),
                     s.suppress_tokens, (u,), s.frequency_penalty, s.presence_penalty,
-                    counts(s, seen, generated))
+                    counts(s, seen, generated), s.logit_bias or ())
         ours = Picker(pick, vocab).select(logits, "decoder", 0)
         assert ours == kernel_token(logits, seen, u, generated, **settings), (case, settings)
         checked.add(ours)

@@ -284,6 +284,9 @@ def test_a_suppressed_token_outside_the_vocabulary_is_refused_before_any_run(fol
         with pytest.raises(GenerationError):
             next(iter(pipe.stream(prompt_ids=[5, 6], max_new_tokens=2, suppress_tokens=[10**9])))
     assert len(pipe.generate(prompt_ids=[5, 6], max_new_tokens=2, suppress_tokens=[vocab - 1]).tokens) == 2
+    with pytest.raises(GenerationError) as error:
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=2, logit_bias={vocab + 5: 1.0})
+    assert str(error.value).startswith(f"logit_bias: token id {vocab + 5} is not below the vocabulary size")
 
 
 def test_the_bundle_server_answers_a_nul_byte_in_a_path_with_400(tmp_path: Path) -> None:

@@ -271,8 +271,9 @@ def test_frequency_and_presence_penalties_lower_generated_tokens_only() -> None:
     assert select(LOGITS, tokens=[2], generated=1, presence_penalty=-2.0) == 2
 
 
-def test_frequency_and_presence_penalties_equal_a_hand_loop(tmp_path) -> None:
-    """Greedy decoding with the penalties equals onnxruntime driven by hand over the whole text each step
+def test_frequency_and_presence_penalties_and_logit_bias_equal_a_hand_loop(tmp_path) -> None:
+    """Greedy decoding with the penalties (and a logit bias) equals onnxruntime driven by hand over the
+    whole text each step
     (no cache), the penalties applied in numpy by OpenAI's documented formula; on the generic path
     (kernels) and the fused one (the driver's numpy Picker)."""
     from build import graphs
@@ -285,7 +286,9 @@ def test_frequency_and_presence_penalties_equal_a_hand_loop(tmp_path) -> None:
     prompt = [5, 17, 42, 8, 23, 5, 17]
     cases = [{"frequency_penalty": 1.5}, {"presence_penalty": 2.0},
              {"frequency_penalty": -0.4, "presence_penalty": 1.9},
-             {"frequency_penalty": 0.9, "presence_penalty": 0.4, "repetition_penalty": 1.3}]
+             {"frequency_penalty": 0.9, "presence_penalty": 0.4, "repetition_penalty": 1.3},
+             {"logit_bias": {43: -100, 20: -3.5, 57: 2.25}},
+             {"logit_bias": {"28": 7.5}, "repetition_penalty": 1.3, "presence_penalty": 0.5}]
     plain = ortpipe.load(folder, threads=1).generate(prompt_ids=prompt, max_new_tokens=16).tokens
     outputs = []
     for settings in cases:
@@ -294,6 +297,8 @@ def test_frequency_and_presence_penalties_equal_a_hand_loop(tmp_path) -> None:
             feeds = _step_feeds(session, ids, len(ids)) | empty_pasts(session)
             logits = _run(session, feeds)["logits"][0, -1]
             scores = logits.astype(np.float32)
+            for t, bias in settings.get("logit_bias", {}).items():  # first: OpenAI adds it to the logits
+                scores[int(t)] += np.float32(bias)
             r = settings.get("repetition_penalty", 1.0)
             for t in set(ids):
                 scores[t] = scores[t] * r if scores[t] < 0 else scores[t] / r

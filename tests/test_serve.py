@@ -304,7 +304,9 @@ BAD_CHAT = [
 
     ({"presence_penalty": 2.5}, "presence_penalty", "decimal_above_max_value"),
     ({"frequency_penalty": "x"}, "frequency_penalty", "invalid_type"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
+    ({"logit_bias": {"x": 10}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"5": -101}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": [5]}, "logit_bias", "invalid_type"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
     ({"max_completion_tokens": 10_000}, "messages", "context_length_exceeded"),
@@ -647,21 +649,25 @@ def test_a_cached_conversation_serves_other_settings_and_seeds(
         turn = [*turn, {"role": "assistant", "content": r.choices[0].message.content}]
 
 
-def test_frequency_and_presence_penalties_equal_the_pipelines(server: Served, folder: Path,
+def test_penalties_and_logit_bias_equal_the_pipelines(server: Served, folder: Path,
                                                                pipe: Any) -> None:
     """OpenAI's penalties, through the `openai` client, in a batch of requests with and without them:
     each reply is what the pipeline gives for the same settings alone, and the penalties change it."""
     client = server.client()
     messages = [{"role": "user", "content": "def tokens(text):"}]
     prompt = render(folder, messages)
+    first = pipe.generate(prompt, max_new_tokens=1).tokens[0]
     cases = [{}, {"frequency_penalty": 1.5}, {"presence_penalty": 2.0},
-             {"frequency_penalty": -0.5, "presence_penalty": 1.0, "temperature": 0.8, "seed": 4}]
+             {"frequency_penalty": -0.5, "presence_penalty": 1.0, "temperature": 0.8, "seed": 4},
+             {"logit_bias": {str(first): -100, "40": 2.5}}]
     with ThreadPoolExecutor(len(cases)) as pool:
         replies = list(pool.map(lambda c: client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=32, **{"temperature": 0, **c}), cases))
     texts = []
     for settings, reply in zip(cases, replies, strict=True):
         options = {k: v for k, v in settings.items() if k != "temperature"}
+        if "logit_bias" in options:
+            options["logit_bias"] = {int(k): v for k, v in options["logit_bias"].items()}
         if "seed" in settings:
             options.update(do_sample=True, temperature=settings["temperature"])
         assert reply.choices[0].message.content == alone(pipe, prompt, 32, **options)[0], settings

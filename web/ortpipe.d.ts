@@ -95,6 +95,8 @@ export interface GenerateOptions {
   frequencyPenalty?: number;
   /** Subtract this from the score of every token generated so far (OpenAI's presence_penalty; the prompt is not counted); 0 turns it off. */
   presencePenalty?: number;
+  /** Add a bias to the scores of token ids, {id: bias} with each bias from -100 to 100 (OpenAI's logit_bias: -100 bans a token, 100 all but forces it). */
+  logitBias?: Record<number, number>;
   /** The seed of the sampler and of the initial noise: the same seed gives the same tokens or image on every target. */
   seed?: number;
   /** Never repeat an n-gram of this size; 0 turns it off. */

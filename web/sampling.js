@@ -9,7 +9,7 @@ export class Picker {
   /**
    * @param {{sample: boolean, temperature: number, top_k: number, top_p: number, min_p: number,
    *   penalty: number, seen: number[], banned: number[], uniforms: number[], frequency: number,
-   *   presence: number, counts: number[][]}} pick
+   *   presence: number, counts: number[][], bias: number[][]}} pick
    * @param {number} vocab
    * @param {Uniforms} [uniforms] the burst's uniforms (a draft model's Picker shares the model's)
    */
@@ -58,6 +58,7 @@ export class Picker {
       const value = scores[i];
       if (value !== value || value === Infinity) throw new Error(NON_FINITE);
     }
+    for (const [id, bias] of pick.bias) scores[id] += Math.fround(bias); // the logit bias
     const seen = drafts.length && pick.penalty !== 1 ? new Set([...this.seen, ...drafts]) : this.seen;
     for (const id of seen) {
       const value = scores[id];

@@ -244,6 +244,8 @@ def _generation_args(p: argparse.ArgumentParser, max_new_tokens: int | None = No
             g.add_argument(s.flag, help=help_text)
         elif s.kind == "path":
             g.add_argument(s.flag, metavar="DIR", help=help_text)
+        elif s.kind == "bias":
+            g.add_argument(s.flag, type=_biases, metavar="ID=BIAS,...", help=help_text)
         else:
             g.add_argument(s.flag, type=int if s.kind == "int" else float, default=default, help=help_text)
 
@@ -255,6 +257,21 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers like 1,2,3, found {text!r}"
         ) from None
+
+
+def _biases(text: str) -> dict[int, float]:
+    """--logit-bias 50256=-100,42=2.5: {id: bias} (the setting's check then checks the ids and ranges)."""
+    biases: dict[int, float] = {}
+    try:
+        for pair in text.replace(" ", "").split(","):
+            if pair:
+                token, _, bias = pair.partition("=")
+                biases[int(token)] = float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated ID=BIAS pairs like 50256=-100,42=2.5, found {text!r}"
+        ) from None
+    return biases
 
 
 def _run(args: argparse.Namespace) -> int:

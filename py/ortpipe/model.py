@@ -629,6 +629,7 @@ class Model:
                 ("repetition_penalty", search.repetition_penalty != 1.0),
                 ("frequency_penalty", search.frequency_penalty),
                 ("presence_penalty", search.presence_penalty),
+                ("logit_bias", search.logit_bias),
                 ("no_repeat_ngram_size", search.no_repeat_ngram_size),
                 ("min_length", search.min_length),
                 ("min_new_tokens", search.min_new_tokens),

@@ -275,7 +275,7 @@ def test_builder_export_with_shared_buffer_cache_equals_onnxruntime_genai(
     ("wasm", {"doSample": True, "seed": 6, "temperature": 0.8, "topP": 0.7, "minP": 0.02,
               "repetitionPenalty": 1.3}),
     ("wasm", {"repetitionPenalty": 1.6, "suppressTokens": [11, 12]}),
-    ("wasm", {"frequencyPenalty": 1.5, "presencePenalty": -0.5}),
+    ("wasm", {"frequencyPenalty": 1.5, "presencePenalty": -0.5, "logitBias": {"11": 3.5, "40": -100}}),
     ("wasm", {"doSample": True, "seed": 7, "temperature": 0.9, "topK": 40, "frequencyPenalty": 0.8,
               "presencePenalty": 0.5}),
     ("webgpu", {"doSample": True, "seed": 6, "temperature": 0.8, "topP": 0.7, "minP": 0.02,

@@ -166,7 +166,9 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
                               draft_model=str(llama_builder_fp32)),
                 pipe.generate(prompt_ids=ids, max_new_tokens=NEW, **cold, **PENALTIES,
                               prompt_lookup_num_tokens=4)]
-    assert all(r.timings.accepted_tokens > 0 for r in expected)
+    # (the third's drafts are not asserted: its penalties make lookup pay less, and whether a round drafts
+    # follows each target's clock; the driver's rounds with penalties: tests/test_speculative.py)
+    assert all(r.timings.accepted_tokens > 0 for r in expected[:2])
     assert all(r.timings.fused_steps == NEW - 1 for r in expected)
     plain = pipe.generate(prompt_ids=ids, max_new_tokens=NEW)
     stop = plain.text[20:23]
@@ -192,7 +194,8 @@ def test_seeded_speculative_sampling_and_stop_strings_equal_cpython(page: Any, s
                                                repetition_penalty=1.2).tokens
     for run in got["runs"][:2] + got["runs"][3:]:
         timings = run["result"]["timings"]
-        assert timings["draftedTokens"] > 0 and timings["fusedSteps"] == NEW - 1
+        assert timings["fusedSteps"] == NEW - 1
+        assert timings["draftedTokens"] > 0 or run is got["runs"][3]
     last = got["runs"][2]["result"]
     assert (last["tokens"], last["text"], last["finishReason"]) == (stopped.tokens, stopped.text, "stop")
 

@@ -30,6 +30,7 @@ KINDS = {
     "strings": "string | string[]",
     "string": "string",
     "path": "string",
+    "bias": "Record<number, number>",
 }
 
 TOKEN_LOOP = ("autoregressive",)
@@ -81,6 +82,8 @@ class Setting:
         if kind == "path":
             ok = isinstance(value, str) and value.strip() != "" and "\x00" not in value
             return (value, None) if ok else (None, f"must be a folder's path or URL, found {quote(value)}")
+        if kind == "bias":
+            return _bias(value)
         if kind == "ids":
             ok = isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 0 for v in value)
             return (
@@ -122,6 +125,28 @@ def _number(x: float) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_BIAS = 100.0  # OpenAI's range of a logit bias
+
+
+def _bias(value: Any) -> tuple[Any, str | None]:
+    """A logit bias: {token id: bias}, the ids integers from 0 (or their decimal strings, as JSON keys
+    are), each bias a number from -100 to 100; ((id, bias), ...) sorted by id."""
+    if not isinstance(value, dict):
+        return None, f"must be an object mapping token ids to biases, found {quote(value)}"
+    pairs = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            return None, f"must map token ids (integers from 0) to biases; {quote(key)} is no token id"
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or not -MAX_BIAS <= bias <= MAX_BIAS:
+            return None, f"must give each token a bias from -100 to 100; token {token} has {quote(bias)}"
+        if token in pairs:
+            return None, f"names token {token} twice"
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items())), None
 
 
 def _strings(value: Any) -> tuple[Any, str | None]:
@@ -227,6 +252,13 @@ SETTINGS: tuple[Setting, ...] = (
         "prompt is not counted); 0 turns it off",
         low=-2.0,
         high=2.0,
+    ),
+    Setting(
+        "logit_bias",
+        "bias",
+        None,
+        "add a bias to the scores of token ids, {id: bias} with each bias from -100 to 100 (OpenAI's "
+        "logit_bias: -100 bans a token, 100 all but forces it)",
     ),
     Setting(
         "seed",
@@ -442,6 +474,7 @@ class _Derived:
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
+    logit_bias: tuple[tuple[int, float], ...] | None
     suppress_tokens: tuple[int, ...]
     no_repeat_ngram_size: int
     min_length: int
@@ -458,7 +491,8 @@ class _Derived:
     @property
     def argmax_only(self) -> bool:
         """Token selection is the argmax of the scores, which no penalty changes."""
-        return not self.sampling and self.repetition_penalty == 1.0 and not self.counts_tokens
+        return (not self.sampling and self.repetition_penalty == 1.0 and not self.counts_tokens
+                and not self.logit_bias)
 
     @property
     def counts_tokens(self) -> bool:

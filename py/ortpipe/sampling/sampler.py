@@ -23,8 +23,9 @@ from .processors import banned_ids, lowered_by, penalty_counts
 @dataclass(frozen=True)
 class Pick:
     """How a fused decode step selects its token from the last row of logits, as `Sampler.select`
-    would: scores in float32 (penalty over `seen`, each id of `counts` lowered by its count times
-    `frequency` plus `presence`, `banned` ids out, divided by `temperature`),
+    would: scores in float32 (each id of `bias` raised by its bias, penalty over `seen`, each id of
+    `counts` lowered by its count times `frequency` plus `presence`, `banned` ids out, divided by
+    `temperature`),
     then the argmax, or top-k, top-p and min-p and a draw with the step's number of `uniforms`.
     The target adds each token it selects to `seen`. Targets: web/sampling.js, and
     targets/cpython/sampling.py, whose module docstring gives the arithmetic."""
@@ -41,6 +42,7 @@ class Pick:
     frequency: float = 0.0  # the frequency penalty; 0 and presence 0: off (then `counts` is empty)
     presence: float = 0.0  # the presence penalty
     counts: tuple[tuple[int, int], ...] = ()  # (id, times generated so far)
+    bias: tuple[tuple[int, float], ...] = ()  # (id, bias): the logit bias
 
 
 def generator(seed: int | None) -> random.Random:
@@ -68,10 +70,13 @@ class Sampler:
 
     def check_ids(self, vocab: int) -> None:
         """The token ids the settings name are below the vocabulary size (a kernel would fail on them)."""
-        wrong = [i for i in self.settings.suppress_tokens if i >= vocab]
-        if wrong:
-            raise GenerationError(f"suppress_tokens: token id {wrong[0]} is not below the vocabulary size "
-                                  f"{vocab} of this model's logits; drop it")
+        s = self.settings
+        biased = [i for i, _ in s.logit_bias or ()]
+        for name, ids in (("suppress_tokens", s.suppress_tokens), ("logit_bias", biased)):
+            wrong = [i for i in ids if i >= vocab]
+            if wrong:
+                raise GenerationError(f"{name}: token id {wrong[0]} is not below the vocabulary size {vocab} "
+                                      f"of this model's logits; drop it")
 
     def kernels(self) -> list[str]:
         """The kernel sessions `select` runs when nothing is banned: a target may open them early."""
@@ -119,6 +124,7 @@ class Sampler:
             s.frequency_penalty,
             s.presence_penalty,
             tuple(sorted(penalty_counts(s, tokens, generated).items())),
+            s.logit_bias or (),
         )
         return pick, limit
 
@@ -185,6 +191,7 @@ class Sampler:
         penalize = s.repetition_penalty != 1.0
         temperature = s.temperature if s.sampling else 1.0
         generated = generated or [0] * len(seen)
+        bias = s.logit_bias or ()
         counts = [penalty_counts(s, text, n) for text, n in zip(seen, generated, strict=True)]
         width = max(1, max(len(c) for c in counts))
         amounts = [a for c in counts
@@ -197,6 +204,9 @@ class Sampler:
                 "seen": _padded(seen if penalize else [[] for _ in seen], vocab, b),
                 "counted": _padded([sorted(c) for c in counts], vocab, b),
                 "amounts": b.tensor(amounts, (len(counts), width), "float32"),
+                "biased": _padded([[i for i, _ in bias]] * len(seen), vocab, b),
+                "biases": b.tensor([v for _, v in bias] * len(seen) if bias else [0.0] * len(seen),
+                                   (len(seen), max(1, len(bias))), "float32"),
                 "penalty": b.tensor([s.repetition_penalty], (1,), "float32"),
                 "temperature": b.tensor([temperature], (1,), "float32"),
             },

@@ -4,11 +4,11 @@ No I/O and no model here: the app (app.py) hands a parsed JSON body in and sends
 
 Parameters follow the OpenAI API reference for `POST /v1/chat/completions` and `POST /v1/completions`:
 - served: model, messages / prompt, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n (1),
-  frequency_penalty and presence_penalty (over the generated tokens, as OpenAI describes them), logprobs and
-  top_logprobs, stream, stream_options.include_usage; and top_k, min_p, repetition_penalty, which vLLM and
-  llama.cpp accept beside OpenAI's and clients send through `extra_body`;
+  frequency_penalty and presence_penalty (over the generated tokens, as OpenAI describes them), logit_bias,
+  logprobs and top_logprobs, stream, stream_options.include_usage; and top_k, min_p, repetition_penalty,
+  which vLLM and llama.cpp accept beside OpenAI's and clients send through `extra_body`;
 - accepted at their neutral value and refused otherwise, naming the parameter (OpenAI refuses what a model
-  cannot do the same way): logit_bias, tools, response_format, n > 1, echo, best_of, suffix;
+  cannot do the same way): tools, response_format, n > 1, echo, best_of, suffix;
 - accepted and without effect here: user, metadata, store, service_tier and the other bookkeeping fields the
   `openai` package can send;
 - anything else is refused as OpenAI refuses it: "Unrecognized request argument supplied: NAME".
@@ -21,6 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..config.settings import BY_NAME
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
@@ -150,12 +152,24 @@ def _settings(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) is not None:
             settings[name] = _decimal(body[name], name, -2.0, 2.0)
+    if body.get("logit_bias") is not None:
+        settings["logit_bias"] = _logit_bias(body["logit_bias"])
     return settings
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (-100 to 100), checked as the core checks its logit_bias setting."""
+    if not isinstance(bias, dict):
+        raise _type_error("logit_bias", "an object", bias)
+    checked, why = BY_NAME["logit_bias"].check(bias)
+    if why is not None:
+        raise InvalidRequest(f"Invalid 'logit_bias': it {why}.", "logit_bias", "invalid_value")
+    return dict(checked)
 
 
 # Parameters accepted only at a value that changes nothing (null is always such a value).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logit_bias": ({},),
+    "n": (1,), "best_of": (1,),
     "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
@@ -174,14 +188,14 @@ def _neutral(body: dict[str, Any], name: str) -> None:
 # Fields each endpoint knows: served ones are read by the parsers; NEUTRAL ones by `_neutral`; IGNORED ones
 # change nothing the server does.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "top_k", "min_p", "repetition_penalty", "logprobs", "frequency_penalty", "presence_penalty"}
+          "top_k", "min_p", "repetition_penalty", "logprobs", "frequency_penalty", "presence_penalty",
+          "logit_bias"}
 
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options", "verbosity", "moderation", "reasoning_effort",
            "parallel_tool_calls"}
 CHAT_NEUTRAL = {
     "n",
-    "logit_bias",
     "tools",
     "tool_choice",
     "functions",
@@ -192,7 +206,7 @@ CHAT_NEUTRAL = {
     "prediction",
     "web_search_options",
 }
-TEXT_NEUTRAL = {"n", "logit_bias", "echo", "best_of", "suffix"}
+TEXT_NEUTRAL = {"n", "echo", "best_of", "suffix"}
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

@@ -3,10 +3,10 @@ kernel graphs (build/kernels.py, sampling/sampler.py) over one row of logits, as
 computes it in the browser. Both follow the same arithmetic, so that a seeded run gives the same
 tokens on every target:
 
-- scores in float32, as the `process` kernel computes them: a seen id's score divided by the
-  penalty (multiplied when negative), a generated id's lowered by its count times the frequency
-  penalty plus the presence penalty (that amount rounded to float32 once), banned ids -inf,
-  everything divided by the temperature;
+- scores in float32, as the `process` kernel computes them: a biased id's bias added (logit
+  bias), a seen id's score divided by the penalty (multiplied when negative), a generated id's
+  lowered by its count times the frequency penalty plus the presence penalty (that amount rounded
+  to float32 once), banned ids -inf, everything divided by the temperature;
 - greedy: the first index of the largest score;
 - top-k (0 < k < vocab): scores below the k-th largest dropped (ties kept);
 - top-p (p < 1) and min-p (> 0), and the draw: probabilities in float64, exp(score - max) over the
@@ -75,8 +75,11 @@ class Picker:
             counts = dict(counts)
             for token in drafts:
                 counts[token] = counts.get(token, 0) + 1
-        if seen or p.banned or counts:
+        if seen or p.banned or counts or p.bias:
             scores = row.astype(np.float32)  # a copy
+            if p.bias:
+                ids = np.fromiter((i for i, _ in p.bias), np.int64, len(p.bias))
+                scores[ids] += np.array([b for _, b in p.bias], np.float32)
             if seen:
                 ids = np.fromiter(seen, np.int64, len(seen))
                 values = scores[ids]
