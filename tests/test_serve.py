@@ -297,7 +297,9 @@ BAD_CHAT = [
     ({"temperature": "hot"}, "temperature", "invalid_type"),
     ({"temperature": 3}, "temperature", "decimal_above_max_value"),
     ({"top_p": 1.5}, "top_p", "decimal_above_max_value"),
-    ({"n": 2}, "n", "unsupported_parameter"),
+    ({"n": 0}, "n", "integer_below_min_value"),
+    ({"n": 129}, "n", "integer_above_max_value"),
+    ({"n": 37}, "n", "integer_above_max_value"),  # more than the test server's batch and queue hold
     ({"logprobs": 1}, "logprobs", "invalid_type"),
     ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # logprobs must be true too
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
@@ -581,6 +583,29 @@ def test_a_client_that_disconnects_frees_its_row_and_its_queue_place(folder: Pat
     assert metrics["ortpipe_requests_rejected_total"] == 1
 
 
+def test_a_request_s_choices_leave_together(folder: Path, pipe: Any) -> None:
+    """n choices are queued all or none (a 429 leaves none behind), and a client that leaves frees every
+    one of its rows and queue places."""
+    with served(folder, max_batch=2, max_queue=2, delay=0.02) as s:
+        client = s.client(max_retries=0)
+        long = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=400, stream=True, stop=["\x01never"], n=3
+        )  # two rows generating, the third queued
+        next(iter(long))
+        until(lambda: s.metrics()["ortpipe_queue_length"] == 1)
+        with pytest.raises(openai.RateLimitError):  # one place is left: two choices do not fit
+            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, n=2)
+        assert s.metrics()["ortpipe_queue_length"] == 1
+        long.close()  # the client leaves mid-stream
+        until(lambda: s.metrics()["ortpipe_queue_length"] == 0)
+        start = time.monotonic()
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0, n=2)
+        assert time.monotonic() - start < 5  # the long request's rows were freed
+        assert [c.message.content for c in r.choices] == [alone(pipe, render(folder, USER), 8)[0]] * 2
+        metrics = s.metrics()
+    assert metrics["ortpipe_requests_rejected_total"] == 1
+
+
 def test_beyond_the_queue_limit_requests_get_429_and_the_rest_succeed(folder: Path, pipe: Any) -> None:
     prompts = [f"def handler_{i}(event):" for i in range(12)]
     with served(folder, max_batch=1, max_queue=2, delay=0.01) as s:
@@ -673,6 +698,39 @@ def test_penalties_and_logit_bias_equal_the_pipelines(server: Served, folder: Pa
         assert reply.choices[0].message.content == alone(pipe, prompt, 32, **options)[0], settings
         texts.append(reply.choices[0].message.content)
     assert len(set(texts)) == len(cases)
+
+
+def test_n_choices_are_rows_of_the_batch_each_seeded_in_turn(server: Served, folder: Path, pipe: Any) -> None:
+    """n choices: choice i is the request alone with seed + i (sampled), the same text for each when
+    greedy; streamed, each chunk names its choice and the texts add up to the whole response's; the usage
+    counts the prompt once and every choice's tokens."""
+    client = server.client()
+    messages = [{"role": "user", "content": "class Stack:"}]
+    prompt = render(folder, messages)
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 21}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, n=3, **sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone_texts = [alone(pipe, prompt, 12, do_sample=True, temperature=0.9, top_p=0.95, seed=21 + i)[0]
+                   for i in range(3)]
+    assert [c.message.content for c in whole.choices] == alone_texts
+    assert len(set(alone_texts)) == 3
+    lengths = [len(pipe.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.9, top_p=0.95,
+                                 seed=21 + i).tokens) for i in range(3)]
+    assert whole.usage.completion_tokens == sum(lengths)
+    assert whole.usage.prompt_tokens == len(pipe.tokenizer.encode(prompt))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, n=3, stream=True,
+                                            stream_options={"include_usage": True}, **sampled)
+    chunks = list(stream)
+    texts, finishes = ["", "", ""], [None, None, None]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == alone_texts
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(lengths)
+    greedy = client.completions.create(model=MODEL, prompt="def area(r):", max_tokens=8, n=2, temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text == alone(pipe, "def area(r):", 8)[0]
 
 
 # --- the command -----------------------------------------------------------------------------------------

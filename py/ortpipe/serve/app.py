@@ -32,7 +32,7 @@ from .. import __version__
 from .engine import Delta, Engine, Failed, Finished, Job, Made, NotReady, QueueFull
 from .forms import boundary_of, parse_form
 from .outputs import OutputQuery, parse_embeddings, parse_image_edit, parse_images, parse_speech
-from .protocol import Completion, InvalidRequest, Reply, error_body, parse_chat, parse_text
+from .protocol import Completion, InvalidRequest, Reply, Usage, error_body, parse_chat, parse_text
 
 MAX_BODY_BYTES = 8 * 2**20
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -103,12 +103,32 @@ class Api:
                         prefix: str, endpoint: str, read: Callable[[Request], Any] | None = None,
                         threaded: bool = False) -> Any:
         engine = self.engine
+        jobs: list[Job] = []
         try:
             engine.check_endpoint(endpoint)  # before the body: a model that does not answer here says so
             body = await (read or _json_body)(request)
             completion = await asyncio.to_thread(parse, body) if threaded else parse(body)
-            job = Job(f"{prefix}-{uuid.uuid4().hex[:24]}", completion, asyncio.get_running_loop())
-            engine.submit(job)
+            request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            loop = asyncio.get_running_loop()
+            if isinstance(completion, OutputQuery) or completion.n == 1:
+                jobs = [Job(request_id, completion, loop)]
+            else:  # n choices: n jobs, rows of the batch like any others
+                room = engine.max_batch + engine.max_queue
+                if completion.n > room:
+                    raise InvalidRequest(
+                        f"Invalid 'n': this server takes at most {room} choices a request (its --max-batch "
+                        f"{engine.max_batch} plus --max-queue {engine.max_queue}); ask for fewer.",
+                        "n", "integer_above_max_value")
+                jobs = [Job(f"{request_id}/{i}", completion.choice(i), loop) for i in range(completion.n)]
+            submitted: list[Job] = []
+            try:
+                for job in jobs:
+                    engine.submit(job)
+                    submitted.append(job)
+            except (QueueFull, NotReady):
+                for job in submitted:  # all of a request's choices or none
+                    engine.cancel(job)
+                raise
         except InvalidRequest as e:
             return _error(e)
         except QueueFull as e:
@@ -124,8 +144,8 @@ class Api:
             why = f"The engine stopped: {engine.error}" if engine.error else "The model is loading."
             return _error(InvalidRequest(why, status=503, kind="server_error"), {"retry-after": "1"})
         if isinstance(completion, OutputQuery):
-            return OutputResponse(job, engine)
-        return JobResponse(job, engine, Reply(job.id, completion, self.model, self.fingerprint))
+            return OutputResponse(jobs[0], engine)
+        return JobResponse(jobs, engine, Reply(request_id, completion, self.model, self.fingerprint))
 
     def _model_object(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "ortpipe"}
@@ -193,53 +213,86 @@ async def _watch(receive: Receive, job: Job) -> None:
 
 
 class JobResponse:
-    """A completion's response: the whole JSON once the job finished, or its server-sent events."""
+    """A completion's response: the whole JSON once its jobs (one per choice) finished, or their server-sent
+    events as they come, each chunk naming its choice. A failed choice fails the request; a client that
+    leaves cancels every choice."""
 
-    def __init__(self, job: Job, engine: Engine, reply: Reply):
-        self.job, self.engine, self.reply = job, engine, reply
-        self.finished = False
+    def __init__(self, jobs: list[Job], engine: Engine, reply: Reply):
+        self.jobs, self.engine, self.reply = jobs, engine, reply
+        self.events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()  # (choice, event) of every job
+        self.held: list[tuple[int, Any]] = []  # events read before the first choice started, to go over again
+        self.done: set[int] = set()  # the choices that finished or failed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.ensure_future(_watch(receive, self.job))
+        readers = [asyncio.ensure_future(self._read(i, job)) for i, job in enumerate(self.jobs)]
+        watcher = asyncio.ensure_future(self._watch(receive))
         try:
-            first = await self.job.events.get()
+            first = await self._start()
             if first is DISCONNECTED:
                 return
             if isinstance(first, Failed):
-                self.finished = True
                 await _error(first.error)(scope, receive, send)
-            elif self.job.completion.stream:
+            elif self.reply.completion.stream:
                 await self._stream(send)
             else:
                 await self._whole(scope, receive, send)
         finally:
             watcher.cancel()
-            if not self.finished:
-                self.engine.cancel(self.job)
+            for reader in readers:
+                reader.cancel()
+            for i, job in enumerate(self.jobs):
+                if i not in self.done:
+                    self.engine.cancel(job)
+
+    async def _read(self, i: int, job: Job) -> None:
+        while True:
+            event = await job.events.get()
+            self.events.put_nowait((i, event))
+            if isinstance(event, (Finished, Failed)):
+                return
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.events.put_nowait((-1, DISCONNECTED))
+
+    async def _start(self) -> Any:
+        """The first choice's first event (Started, or Failed: the request is refused before any response);
+        what the other choices sent meanwhile is held for `_next`."""
+        while True:
+            i, event = await self.events.get()
+            if event is DISCONNECTED or i == 0:
+                if isinstance(event, Failed):
+                    self.done.add(0)
+                return event
+            self.held.append((i, event))
+
+    async def _next(self) -> tuple[int, Any]:
+        return self.held.pop(0) if self.held else await self.events.get()
 
     async def _whole(self, scope: Scope, receive: Receive, send: Send) -> None:
-        texts, logprobs = [], []
-        while True:
-            event = await self.job.events.get()
+        n = len(self.jobs)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[Any]] = [[] for _ in range(n)]
+        finished: dict[int, Finished] = {}
+        while len(finished) < n:
+            i, event = await self._next()
             if event is DISCONNECTED:
                 return
             if isinstance(event, Delta):
-                texts.append(event.text)
-                logprobs += event.logprobs or []
-                continue
-            self.finished = True
-            if isinstance(event, Failed):
-                response = _error(event.error)
-            else:
-                assert isinstance(event, Finished)
-                asked = self.job.completion.settings.get("logprobs") is not None
-                response = JSONResponse(
-                    self.reply.response(
-                        "".join(texts), event.finish_reason, event.usage, logprobs if asked else None
-                    )
-                )
-            await response(scope, receive, send)
-            return
+                texts[i].append(event.text)
+                logprobs[i] += event.logprobs or []
+            elif isinstance(event, Failed):
+                self.done.add(i)
+                await _error(event.error)(scope, receive, send)
+                return
+            elif isinstance(event, Finished):
+                self.done.add(i)
+                finished[i] = event
+        asked = self.reply.completion.settings.get("logprobs") is not None
+        choices = [("".join(texts[i]), finished[i].finish_reason, logprobs[i] if asked else None)
+                   for i in range(n)]
+        await JSONResponse(self.reply.response(choices, _usage(finished)))(scope, receive, send)
 
     async def _stream(self, send: Send) -> None:
         headers = [
@@ -248,24 +301,34 @@ class JobResponse:
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if self.reply.chat:
-            await _event(send, self.reply.chunk(first=True))
-        while True:
-            event = await self.job.events.get()
+            for i in range(len(self.jobs)):
+                await _event(send, self.reply.chunk(first=True, index=i))
+        finished: dict[int, Finished] = {}
+        while len(finished) < len(self.jobs):
+            i, event = await self._next()
             if event is DISCONNECTED:
                 return
             if isinstance(event, Delta):
-                await _event(send, self.reply.chunk(event.text, logprobs=event.logprobs))
-                continue
-
-            self.finished = True
-            if isinstance(event, Finished):
-                await _event(send, self.reply.chunk(finish_reason=event.finish_reason))
-                if self.job.completion.include_usage:
-                    await _event(send, self.reply.usage_chunk(event.usage))
+                await _event(send, self.reply.chunk(event.text, logprobs=event.logprobs, index=i))
+            elif isinstance(event, Finished):
+                self.done.add(i)
+                finished[i] = event
+                await _event(send, self.reply.chunk(finish_reason=event.finish_reason, index=i))
             elif isinstance(event, Failed):
+                self.done.add(i)
                 await _event(send, event.error.body())
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-            return
+                break
+        else:
+            if self.reply.completion.include_usage:
+                await _event(send, self.reply.usage_chunk(_usage(finished)))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _usage(finished: dict[int, Finished]) -> Usage:
+    """A request's usage over its choices: the prompt once (the first choice's), every choice's tokens."""
+    first = finished[0].usage
+    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finished.values()),
+                 first.cached_tokens)
 
 
 async def _event(send: Send, data: dict[str, Any]) -> None:

@@ -3,12 +3,12 @@
 No I/O and no model here: the app (app.py) hands a parsed JSON body in and sends the dicts out.
 
 Parameters follow the OpenAI API reference for `POST /v1/chat/completions` and `POST /v1/completions`:
-- served: model, messages / prompt, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n (1),
+- served: model, messages / prompt, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n,
   frequency_penalty and presence_penalty (over the generated tokens, as OpenAI describes them), logit_bias,
   logprobs and top_logprobs, stream, stream_options.include_usage; and top_k, min_p, repetition_penalty,
   which vLLM and llama.cpp accept beside OpenAI's and clients send through `extra_body`;
 - accepted at their neutral value and refused otherwise, naming the parameter (OpenAI refuses what a model
-  cannot do the same way): tools, response_format, n > 1, echo, best_of, suffix;
+  cannot do the same way): tools, response_format, echo, best_of, suffix;
 - accepted and without effect here: user, metadata, store, service_tier and the other bookkeeping fields the
   `openai` package can send;
 - anything else is refused as OpenAI refuses it: "Unrecognized request argument supplied: NAME".
@@ -18,6 +18,7 @@ The `openai` package sends only what its caller passed (it drops every omitted a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from ..config.settings import BY_NAME
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
+MAX_N = 128  # OpenAI's most choices a request asks for
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
          "function": "function"}  # developer messages are the system prompt for models that predate the role
 
@@ -59,6 +61,14 @@ class Completion:
     settings: dict[str, Any] = field(default_factory=dict)  # pipe.request's settings (temperature, stop, ...)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: n rows of the batch, choice i seeded seed + i when the request gives a seed
+
+    def choice(self, i: int) -> Completion:
+        """The request of choice i (of n): one choice, its seed seed + i."""
+        settings = self.settings
+        if i and settings.get("seed") is not None:
+            settings = {**settings, "seed": settings["seed"] + i}
+        return dataclasses.replace(self, settings=settings, n=1)
 
 
 # --- checking values -------------------------------------------------------------------------------------
@@ -169,17 +179,17 @@ def _logit_bias(bias: Any) -> dict[int, float]:
 
 # Parameters accepted only at a value that changes nothing (null is always such a value).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,),
+    "best_of": (1,),
     "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
     "suffix": ("",)}
-WHY_NOT = {"n": "must be 1 on this server (one choice per request)", "best_of": "must be 1 on this server"}
+WHY_NOT = {"best_of": "must be 1 on this server"}
 
 
 def _neutral(body: dict[str, Any], name: str) -> None:
     value = body.get(name)
-    if name in ("n", "best_of"):
+    if name == "best_of":
         value = None if value is None else _integer(value, name, low=1)
     if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
         raise _unsupported(name, WHY_NOT.get(name, "is not supported by this server yet"))
@@ -189,13 +199,12 @@ def _neutral(body: dict[str, Any], name: str) -> None:
 # change nothing the server does.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
           "top_k", "min_p", "repetition_penalty", "logprobs", "frequency_penalty", "presence_penalty",
-          "logit_bias"}
+          "logit_bias", "n"}
 
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options", "verbosity", "moderation", "reasoning_effort",
            "parallel_tool_calls"}
 CHAT_NEUTRAL = {
-    "n",
     "tools",
     "tool_choice",
     "functions",
@@ -206,7 +215,7 @@ CHAT_NEUTRAL = {
     "prediction",
     "web_search_options",
 }
-TEXT_NEUTRAL = {"n", "echo", "best_of", "suffix"}
+TEXT_NEUTRAL = {"echo", "best_of", "suffix"}
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -374,6 +383,7 @@ def parse_chat(body: Any) -> Completion:
         settings=_with_logprobs(_settings(body), _chat_logprobs(body)),
         stream=stream,
         include_usage=usage,
+        n=_choices(body),
     )
 
 
@@ -417,7 +427,12 @@ def parse_text(body: Any) -> Completion:
         settings=_with_logprobs(_settings(body), _text_logprobs(body)),
         stream=stream,
         include_usage=usage,
+        n=_choices(body),
     )
+
+
+def _choices(body: dict[str, Any]) -> int:
+    return 1 if body.get("n") is None else _integer(body["n"], "n", low=1, high=MAX_N)
 
 
 def _with_logprobs(settings: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -459,6 +474,9 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
+Choice = tuple[str, str, "list[TokenLogprob] | None"]  # a choice's text, finish reason and logprobs
+
+
 class Reply:
     """The objects of one completion: the whole response, or its stream chunks, in OpenAI's schema."""
 
@@ -466,7 +484,7 @@ class Reply:
         self.id, self.completion, self.model, self.fingerprint = request_id, completion, model, fingerprint
         self.created = int(time.time())
         self.chat = completion.endpoint == "chat"
-        self._offset = 0  # the completions API's text_offset so far
+        self._offsets = [0] * completion.n  # each choice's text_offset so far (the completions API)
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {
@@ -477,25 +495,29 @@ class Reply:
             "system_fingerprint": self.fingerprint,
         }
 
-    def response(
-        self, text: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None = None
-    ) -> dict[str, Any]:
-        finish = FINISH_REASONS.get(finish_reason, "stop")
+    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        """The whole response: its choices in order (index i the i-th) and the request's usage."""
+        out = []
+        for i, (text, finish_reason, logprobs) in enumerate(choices):
+            finish = FINISH_REASONS.get(finish_reason, "stop")
+            if self.chat:
+                out.append({
+                    "index": i,
+                    "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                    "logprobs": self._logprobs(logprobs, i),
+                    "finish_reason": finish,
+                })
+            else:
+                out.append({"index": i, "text": text, "logprobs": self._logprobs(logprobs, i),
+                            "finish_reason": finish})
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
-                "logprobs": self._logprobs(logprobs),
-                "finish_reason": finish,
-            }
             return {
                 **self._head("chat.completion"),
-                "choices": [choice],
+                "choices": out,
                 "usage": usage.as_dict(),
                 "service_tier": "default",
             }
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
+        return {**self._head("text_completion"), "choices": out, "usage": usage.as_dict()}
 
     def chunk(
         self,
@@ -503,9 +525,10 @@ class Reply:
         finish_reason: str | None = None,
         first: bool = False,
         logprobs: list[TokenLogprob] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """A stream chunk: text, or the last one with a finish reason; a chat stream's first chunk opens the
-        assistant's message."""
+        """A stream chunk of choice `index`: text, or its last one with a finish reason; a chat stream's
+        first chunk of a choice opens the assistant's message."""
         finish = FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
         if self.chat:
             delta: dict[str, Any] = (
@@ -518,9 +541,9 @@ class Reply:
                 "service_tier": "default",
                 "choices": [
                     {
-                        "index": 0,
+                        "index": index,
                         "delta": delta,
-                        "logprobs": self._logprobs(logprobs),
+                        "logprobs": self._logprobs(logprobs, index),
                         "finish_reason": finish,
                     }
                 ],
@@ -530,9 +553,9 @@ class Reply:
                 **self._head("text_completion"),
                 "choices": [
                     {
-                        "index": 0,
+                        "index": index,
                         "text": text or "",
-                        "logprobs": self._logprobs(logprobs),
+                        "logprobs": self._logprobs(logprobs, index),
                         "finish_reason": finish,
                     }
                 ],
@@ -542,7 +565,7 @@ class Reply:
             out["usage"] = None  # OpenAI: null on every chunk but the last
         return out
 
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[TokenLogprob] | None, index: int) -> dict[str, Any] | None:
         """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists (whose
         `text_offset` counts from the start of the completion, across the chunks of a stream)."""
         if entries is None:
@@ -564,8 +587,8 @@ class Reply:
             }
         offsets = []
         for e in entries:
-            offsets.append(self._offset)
-            self._offset += len(e.token)
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(e.token)
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
