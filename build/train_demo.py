@@ -567,7 +567,8 @@ def export(hf_dir: Path, out: Path) -> Path:
         # by Concat, which onnxruntime-web runs on several new tokens at once in a fraction of the time
         # its GroupQueryAttention takes (what speculative decoding's checks are)
         fp32 = export_concat(hf_dir, Path(fp32_dir) / "concat") / "model.onnx"
-        variants.quantize_q8(fp32, scratch / "onnx" / "model_quantized.onnx")
+        q8 = variants.quantize_q8(fp32, scratch / "onnx" / "model_quantized.onnx")
+        variants.optimize_ahead(q8, q8)  # ortpipe's wasm and CPU sessions skip onnxruntime's optimizer
     config = json.loads((scratch / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = "onnx/model_q4.onnx"
     (scratch / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n")

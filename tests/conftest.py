@@ -70,6 +70,18 @@ def llama_variants(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="session")
+def optimized_q8(llama_variants: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama_variants with its q8 graph optimized ahead for CPUs (build/variants.py optimize_ahead)."""
+    import shutil
+
+    from build.variants import optimize_ahead
+
+    folder = shutil.copytree(llama_variants, tmp_path_factory.mktemp("ahead") / "llama")
+    optimize_ahead(folder / "model_quantized.onnx", folder / "model_quantized.onnx")
+    return folder
+
+
+@pytest.fixture(scope="session")
 def vits_tjs(vits_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vits-tiny in transformers.js's layout (build/tjs_layout.py): its converted tokenizer.json, no
     vocab.json; the references stay in vits-tiny."""

@@ -212,3 +212,44 @@ def test_a_variant_that_concatenates_its_cache_runs_beside_a_shared_buffer_graph
     with pytest.raises(ConfigError, match=r'"share_buffer" is true, but session "decoder" concatenates its '
                                           r'cache: a Concat node joins "past_key_values.0.key"'):
         ortpipe.load(folder)
+
+
+def test_a_graph_optimized_ahead_runs_unoptimized_with_the_same_logits(
+    llama_variants: Path, optimized_q8: Path, tmp_path: Path
+) -> None:
+    """onnxruntime's extended fusions written into the graph (fewer nodes), marked in its metadata: by
+    hand, the graph gives the original's logits; ortpipe creates its CPU session without optimizing it
+    again and gives the original's tokens, greedy and sampled; a config that sets the level keeps it."""
+    import onnx
+
+    original = onnx.load(llama_variants / "model_quantized.onnx", load_external_data=False)
+    ahead = onnx.load(optimized_q8 / "model_quantized.onnx", load_external_data=False)
+    assert len(ahead.graph.node) < len(original.graph.node)
+    assert {e.key: e.value for e in ahead.metadata_props}[variants.OPTIMIZED_FOR] == "CPUExecutionProvider"
+    sessions = [ort.InferenceSession(str(f / "model_quantized.onnx"), providers=["CPUExecutionProvider"])
+                for f in (llama_variants, optimized_q8)]
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in sessions[0].get_inputs():
+        dims = [2 if d == "batch_size" else 7 if isinstance(d, str) else d for d in i.shape]
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(0, 90, dims[:2]).astype(np.int64)
+        elif i.type == "tensor(int64)" or i.type == "tensor(int32)":
+            feeds[i.name] = np.ones(dims, np.int64 if "64" in i.type else np.int32)
+        else:
+            feeds[i.name] = rng.standard_normal(dims).astype(np.float32)
+    plain, fused = (s.run(["logits"], feeds)[0] for s in sessions)
+    assert np.array_equal(plain, fused)
+    for settings in ({"do_sample": False}, {"do_sample": True, "seed": 4, "temperature": 0.9}):
+        want = ortpipe.load(llama_variants, dtype="q8", threads=1).generate(prompt_ids=[5, 17, 42],
+                                                                            max_new_tokens=16, **settings)
+        pipe = ortpipe.load(optimized_q8, dtype="q8", threads=1)
+        assert pipe.generate(prompt_ids=[5, 17, 42], max_new_tokens=16, **settings).tokens == want.tokens
+        assert pipe.assignments["decoder"].optimized_ahead
+    assert not ortpipe.load(llama_variants, dtype="q8", threads=1).assignments["decoder"].optimized_ahead
+    leveled = shutil.copytree(optimized_q8, tmp_path / "leveled")
+    config = json.loads((leveled / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "model_quantized.onnx"
+    config["model"]["decoder"]["session_options"] = {"graph_optimization_level": "ORT_ENABLE_BASIC"}
+    (leveled / "genai_config.json").write_text(json.dumps(config))
+    assert not ortpipe.load(leveled, dtype="q8", threads=1).assignments["decoder"].optimized_ahead

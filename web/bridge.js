@@ -97,7 +97,7 @@ export class Bridge {
     const ort = options.device === 'wasm' ? await this.wasmOrt() : this.ort;
     let bytes = source;
     if (typeof source === 'string') {
-      const early = await this.prefetch?.session(source, options.externalData);
+      const early = await this.prefetch?.session(source, options.externalData, Boolean(options.optimized));
       bytes = early ? null : this.graphs.get(source) ?? await this.fetchBytes(source, options.name);
       this.graphs.delete(source);
       if (early) return early; // created while Python started, with these options
@@ -108,7 +108,9 @@ export class Bridge {
     const externalData = await Promise.all(options.externalData.map(async (url) => ({
       url, data: await this.fetchBytes(url, url.slice(url.lastIndexOf('/') + 1)),
     })));
-    return createInferenceSession(ort, bytes, sessionOptions(options.device, externalData, options.gpuOutputs));
+    return createInferenceSession(
+      ort, bytes, sessionOptions(options.device, externalData, options.gpuOutputs, Boolean(options.optimized)),
+    );
   }
 
   /** The session's inputs and outputs as JSON: [{name, type, shape}], shape null when unknown. */
@@ -300,14 +302,15 @@ export class TextStream {
 }
 
 /**
- * The options of every model session: `device`'s EP, all graph optimisations, the weight files
- * ([{url, data}]: data a URL or the bytes), outputs on the GPU when `gpuOutputs` (WebGPU). The
- * worker's early sessions (web/prefetch.js) are made with the same.
+ * The options of every model session: `device`'s EP, all graph optimisations (none for a graph
+ * `optimized` ahead for this device), the weight files ([{url, data}]: data a URL or the bytes),
+ * outputs on the GPU when `gpuOutputs` (WebGPU). The worker's early sessions (web/prefetch.js) are
+ * made with the same.
  */
-export function sessionOptions(device, externalData, gpuOutputs) {
+export function sessionOptions(device, externalData, gpuOutputs, optimized = false) {
   const options = {
     executionProviders: [device],
-    graphOptimizationLevel: 'all',
+    graphOptimizationLevel: optimized ? 'disabled' : 'all',
     logSeverityLevel: 3, // errors only: ortpipe reports what matters itself
     externalData: externalData.map(({ url, data }) => ({ path: url.slice(url.lastIndexOf('/') + 1), data })),
   };

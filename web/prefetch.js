@@ -10,7 +10,7 @@
 // Bridge takes the downloads, sessions, probes' answers, small files and the tokenizer from here. A wrong guess costs a download or a
 // session nobody takes, which `drop` aborts or releases; it never changes what is loaded.
 
-import { chooseVariant, variantFiles } from './variants.js';
+import { chooseVariant, optimizedAhead, variantFiles } from './variants.js';
 
 // py/ortpipe/detect.py's DECODER_FILES, in its order (tests/web/test_prefetch.py compares them).
 export const DECODER_FILES = [
@@ -116,25 +116,29 @@ export class Prefetch {
 
   /** Create the session of the downloaded graph `file` while Python starts (see `session`). */
   openEarly(file, bytes, weights) {
-    const session = (async () => {
+    const entry = { weights: weights.map(({ url }) => url), optimized: false, session: null };
+    entry.session = (async () => {
       const graph = await bytes;
       const data = await Promise.all(weights.map(async ({ url, data }) => ({ url, data: await data })));
       if (!graph || data.some(({ data: d }) => !d) || this.abort.signal.aborted) return undefined;
-      return this.open(file, graph, data);
+      entry.optimized = optimizedAhead(graph, (await this.device).device); // as the core will ask
+      return this.open(file, graph, data, entry.optimized);
     })().catch(() => undefined); // the core creates it again, and reports what fails
-    this.sessions.set(this.base + file, { weights: weights.map(({ url }) => url), session });
+    this.sessions.set(this.base + file, entry);
   }
 
   /**
-   * The session created early for the graph at `url` with these weight files, once; undefined
-   * when there is none (or it was made with other weights: then it is released).
+   * The session created early for the graph at `url` with these weight files and graph optimisation
+   * (`optimized`: none, the graph's own), once; undefined when there is none (or it was made otherwise:
+   * then it is released).
    */
-  async session(url, weights) {
+  async session(url, weights, optimized = false) {
     const early = this.sessions.get(url);
     if (!early) return undefined;
     this.sessions.delete(url);
-    if (early.weights.join() === weights.join()) return early.session;
-    (await early.session)?.release();
+    const session = await early.session;
+    if (early.weights.join() === weights.join() && early.optimized === optimized) return session;
+    session?.release();
     return undefined;
   }
 

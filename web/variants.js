@@ -40,3 +40,63 @@ export function chooseVariant(found, device, dtype, f16 = true) {
   const row = DEFAULTS[ROWS[device] ?? 'cpu'].filter((candidate) => f16 || !HALF.includes(candidate));
   return found[row.find((candidate) => candidate in found)];
 }
+
+const OPTIMIZED_FOR = 'ortpipe.optimized_for'; // py/ortpipe/variants.py: a graph optimized ahead says so
+
+/**
+ * Whether the graph in `bytes` was optimized ahead for `device`'s provider (py/ortpipe/variants.py's
+ * `optimized_ahead`, which the core applies to the sessions it creates): for the early session, made
+ * before Python runs. Its metadata_props (ModelProto field 14) are found by walking the model's
+ * top-level fields, each skipped by its length; bytes that are no model give false.
+ */
+export function optimizedAhead(bytes, device) {
+  return device === 'wasm' && graphMetadata(bytes, OPTIMIZED_FOR) === 'CPUExecutionProvider';
+}
+
+/** The value of the graph's metadata_props entry `key`, or null. */
+export function graphMetadata(bytes, key) {
+  let at = 0;
+  const varint = (end) => {
+    let value = 0;
+    for (let scale = 1; at < end; scale *= 128) {
+      const byte = bytes[at++];
+      value += (byte & 0x7f) * scale;
+      if (byte < 0x80) return value;
+    }
+    throw new RangeError('truncated');
+  };
+  /** [field, wire type, value or [start, end] of a length-delimited field] of the next field before `end`. */
+  const next = (end) => {
+    const tag = varint(end);
+    const wire = tag & 7;
+    if (wire === 0) return [tag >>> 3, wire, varint(end)];
+    if (wire === 1 || wire === 5) { at += wire === 1 ? 8 : 4; return [tag >>> 3, wire, null]; }
+    if (wire !== 2) throw new RangeError('not a model');
+    const length = varint(end);
+    const start = at;
+    at += length;
+    if (at > end) throw new RangeError('truncated');
+    return [tag >>> 3, wire, [start, at]];
+  };
+  const text = ([start, end]) => new TextDecoder().decode(bytes.subarray(start, end));
+  try {
+    while (at < bytes.length) {
+      const [field, wire, span] = next(bytes.length);
+      if (field !== 14 || wire !== 2) continue;
+      const after = at;
+      at = span[0];
+      let name = null;
+      let value = null;
+      while (at < span[1]) {
+        const [inner, innerWire, innerSpan] = next(span[1]);
+        if (innerWire === 2 && inner === 1) name = text(innerSpan);
+        if (innerWire === 2 && inner === 2) value = text(innerSpan);
+      }
+      at = after;
+      if (name === key) return value;
+    }
+  } catch {
+    return null; // no model: the core reads it and says what is wrong
+  }
+  return null;
+}

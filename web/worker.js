@@ -94,7 +94,7 @@ async function load(modelUrl, device, dtype, allowPlugins = false) {
   const resolving = resolveDevice(device);
   const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal), {
     device: resolving.catch(() => ({ device: 'wasm', f16: true })), dtype,
-    open: async (file, bytes, weights) => openEarly(file, bytes, weights, (await resolving).device),
+    open: async (file, bytes, weights, optimized) => openEarly(file, bytes, weights, (await resolving).device, optimized),
     tokenizer: async (json, config) => {
       const { Tokenizer } = await import('./vendor/tokenizers.mjs');
       return new Tokenizer(JSON.parse(json), config ? JSON.parse(config) : {});
@@ -127,10 +127,10 @@ async function load(modelUrl, device, dtype, allowPlugins = false) {
 }
 
 /** A model session made from early downloads, with the options the core asks for (bridge.js). */
-async function openEarly(file, bytes, weights, device) {
+async function openEarly(file, bytes, weights, device, optimized) {
   const ort = await ortBuild(device);
   progress({ phase: 'session', file, early: true });
-  return createInferenceSession(ort, bytes, sessionOptions(device, weights, device === 'webgpu'));
+  return createInferenceSession(ort, bytes, sessionOptions(device, weights, device === 'webgpu', optimized));
 }
 
 /** Run the Python task `kind` to its end: its value, named outputs read. */

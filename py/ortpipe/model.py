@@ -41,7 +41,7 @@ from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
-from .variants import check_dtype, choose, present
+from .variants import OPTIMIZED_FOR, check_dtype, choose, present
 from .vocab_tokenizers import load_vits_tokenizer, load_vocab_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -134,7 +134,7 @@ def load_model(
                 config = load_config(folder, warn=False, profile=profile, detected=raw)
                 config = with_variants(config, folder, check_dtype(dtype), device, f16)
                 spec = config.pipeline.sessions["encoder"]
-        opened: Opened = yield Open(spec, path, shown)
+        opened: Opened = yield Open(spec, path, shown, graph.metadata.get(OPTIMIZED_FOR))
         sessions[spec.name], signatures[spec.name] = opened.session, opened.signature
         facts[spec.name] = decoder_facts(graph)
     plan = make_plan(config, signatures, facts)

@@ -59,6 +59,21 @@ ROWS = {
 }
 
 
+# A graph that onnxruntime has already optimized for an execution provider (build/variants.py
+# `optimize_ahead`) says so in its metadata_props: this key, the provider's onnxruntime name. Sessions on
+# that provider are created without optimizing it again (the same kernels, a faster start); sessions
+# elsewhere optimize it as any graph.
+OPTIMIZED_FOR = "ortpipe.optimized_for"
+
+
+def optimized_ahead(optimized_for: str | None, provider: str) -> bool:
+    """Whether a graph whose OPTIMIZED_FOR entry is `optimized_for` (None: it has none) was optimized ahead
+    for `provider` (an onnxruntime name, or "wasm": onnxruntime-web's CPU provider, the CPU provider
+    compiled to WebAssembly)."""
+    provider = "CPUExecutionProvider" if provider == "wasm" else provider
+    return optimized_for is not None and optimized_for == provider
+
+
 def split(file: str) -> tuple[str, str]:
     """("onnx/model", "q4") for "onnx/model_q4.onnx": the graph's plain name and its dtype."""
     stem = file[: -len(".onnx")] if file.endswith(".onnx") else file

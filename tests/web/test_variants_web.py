@@ -73,6 +73,34 @@ def test_each_variant_gives_its_cpython_tokens_on_wasm(page: Any, serve_model: A
 
 
 
+def test_a_graph_optimized_ahead_is_opened_as_it_is(page: Any, serve_model: Any, llama_variants: Path,
+                                                     optimized_q8: Path) -> None:
+    """A q8 graph optimized ahead for CPUs (build/variants.py) gives CPython's tokens on wasm, its session
+    (the early one, made while Python starts) created without onnxruntime-web's optimizer, as the core
+    asks: the worker reads the graph's metadata as ortpipe/variants.py does."""
+    pipe = ortpipe.load(llama_variants, dtype="q8", threads=1)
+    expected = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, do_sample=False).tokens
+    for name, folder, optimized in (("llama-variants", llama_variants, []),
+                                    ("llama-ahead", optimized_q8, ["decoder"])):
+        url = serve_model(name, folder)
+        got = _load(page, url, "wasm", "q8")
+        assert got["result"]["tokens"] == expected, name
+        assert got["info"]["optimized"] == optimized, name
+        sessions = [p for p in got["progress"] if p["phase"] == "session"]
+        assert sessions == [{"phase": "session", "file": "model_quantized.onnx", "early": True}], sessions
+    read = page.evaluate("""async () => {
+      const {graphMetadata} = await import('./variants.js');
+      const key = 'ortpipe.optimized_for';
+      const bytes = async (url) => new Uint8Array(await (await fetch(url)).arrayBuffer());
+      const ahead = await bytes('models/llama-ahead/model_quantized.onnx');
+      const noise = Uint8Array.from({length: 5000}, (_, i) => (i * 7919) % 256);
+      const plain = await bytes('models/llama-variants/model_quantized.onnx');
+      const cut = ahead.subarray(0, ahead.length - 10);
+      return [ahead, plain, cut, noise, new Uint8Array(0)].map((b) => graphMetadata(b, key));
+    }""")
+    assert read == ["CPUExecutionProvider", None, None, None, None]
+
+
 def test_a_missing_dtype_names_the_variants_the_folder_has(page: Any, serve_model: Any,
                                                            llama_variants: Path) -> None:
     url = serve_model("llama-variants", llama_variants)

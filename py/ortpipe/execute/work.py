@@ -57,6 +57,7 @@ class Open:
     spec: SessionSpec
     path: str
     shown: str
+    optimized_for: str | None = None  # the provider the graph was optimized for ahead (variants.py)
 
 
 class Opened(NamedTuple):

@@ -57,7 +57,7 @@ from ..sampling.sampler import Sampler
 from ..signature import Signature, TensorInfo
 from ..templates import Renderer, TemplateFailure
 from ..tokenizer import TextStream
-from ..variants import dtype_of
+from ..variants import dtype_of, optimized_ahead
 
 # Weights stored beside a graph: the model builder's name, then Optimum's.
 EXTERNAL_DATA = ("{file}.data", "{file}_data")
@@ -269,6 +269,7 @@ class Driver:
         self._decoders: dict[str, tuple[JsProxy, Mapping[str, Any], CacheSlot]] = {}
         self._speculators: dict[str, tuple[JsProxy, JsProxy | None, JsProxy]] = {}  # by the model's session
         self._kernels_sent: set[str] = set()
+        self.optimized: set[str] = set()  # sessions created from graphs optimized ahead for the device
 
     def start(self, work: Any) -> tuple[bool, Any]:
         """(True, the answer) for work done at once; (False, a JS promise) for work to await."""
@@ -361,7 +362,12 @@ class Driver:
             for n in (p.format(file=file) for p in EXTERNAL_DATA)
             if folder.exists(n)
         ]
-        options = {"name": file, "device": self.device, "gpuOutputs": self._gpu, "externalData": weights}
+        # a graph optimized ahead for this device's provider: its session does not optimize it again
+        optimized = optimized_ahead(work.optimized_for, self.device)
+        if optimized:
+            self.optimized.add(work.spec.name)
+        options = {"name": file, "device": self.device, "gpuOutputs": self._gpu, "externalData": weights,
+                   "optimized": optimized}
         return self.bridge.createSession(work.path, _js_object(options))
 
     # fused decode steps
@@ -773,6 +779,7 @@ class Worker:
             "sessions": sorted(opened),
             "stages": list(stages),
             "files": files,  # the variant each session runs
+            "optimized": sorted(self.driver.optimized & opened),  # graphs optimized ahead (variants.py)
             "dtypes": {name: dtype_of(file) for name, file in files.items()},
             "eos": list(model.config.tokens.eos),
             "tokenizer": model.tokenizer is not None,

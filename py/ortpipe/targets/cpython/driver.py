@@ -176,7 +176,8 @@ class Driver:
         if self.on_progress:
             self.on_progress(f"loading session {spec.name} ({spec.file})")
         override = providers.override_for(self.overrides, spec.name)
-        session, assignment = providers.open_session(work.path, spec, override, threads=self.threads)
+        session, assignment = providers.open_session(work.path, spec, override, threads=self.threads,
+                                                     optimized_for=work.optimized_for)
         self.sessions[spec.name], self.assignments[spec.name] = session, assignment
         if self.on_progress:
             self.on_progress(f"loaded {spec.name} in {time.perf_counter() - start:.1f} s")

@@ -32,6 +32,7 @@ import onnxruntime as ort
 from ...config import ep
 from ...config.schema import SessionSpec
 from ...errors import ConfigError, Problems, did_you_mean
+from ...variants import optimized_ahead
 
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 # genai's boolean session_options that onnxruntime takes as session config entries
@@ -74,6 +75,7 @@ class Assignment:
     op_types: dict[str, tuple[str, ...]] = field(default_factory=dict)  # provider -> op types placed on it
     skipped: tuple[Skipped, ...] = ()  # providers passed over, and why
     warnings: tuple[str, ...] = ()
+    optimized_ahead: bool = False  # the graph was optimized for this provider ahead: not again here
 
     @property
     def total(self) -> int:
@@ -88,7 +90,7 @@ class Assignment:
                 "shares": {p: round(self.share(p), 4) for p in self.nodes},
                 "op_types": {p: list(ops) for p, ops in self.op_types.items()},
                 "skipped": [{"provider": s.provider, "reason": s.reason} for s in self.skipped],
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings), "optimized_ahead": self.optimized_ahead}
 
     def describe(self) -> str:
         """One line for people: 'vision: openvino (device_type CPU), 8 of 8 nodes (100%) on openvino'."""
@@ -208,11 +210,14 @@ def request_for(spec: SessionSpec, override: str | Sequence[str] | None = None) 
 
 
 def open_session(path: str | Path, spec: SessionSpec, override: str | Sequence[str] | None = None, *,
-                 threads: int | None = None, record: bool = True) -> tuple[ort.InferenceSession, Assignment]:
+                 threads: int | None = None, record: bool = True,
+                 optimized_for: str | None = None) -> tuple[ort.InferenceSession, Assignment]:
     """Open `path` on the first provider of the session's list that is installed and compiles it.
 
     `override` (the CLI's --provider / --ep) replaces the session's list. `threads` sets
     intra_op_num_threads over the config's. `record=False` skips recording node placement.
+    `optimized_for`: the provider the graph was optimized for ahead (variants.py OPTIMIZED_FOR); a
+    session on it is created without optimizing the graph again, unless the config sets the level.
     """
     request = request_for(spec, override)
     have = installed()
@@ -224,12 +229,14 @@ def open_session(path: str | Path, spec: SessionSpec, override: str | Sequence[s
             skipped.append(Skipped(key, reason))
             continue
         chain = [key] + [k for k in request.providers[i + 1:] if have.get(k) == "built in"]
+        ahead = (optimized_ahead(optimized_for, ep.PROVIDERS[key].ort_name)
+                 and "graph_optimization_level" not in ep.options_for(request.session_options, key))
         try:
-            session = _create(Path(path), request, chain, have, threads, record)
+            session = _create(Path(path), request, chain, have, threads, record, ahead)
         except Exception as e:  # onnxruntime's own error types; the next provider is tried
             skipped.append(Skipped(key, f"it failed to create the session: {_last_line(e)}"))
             continue
-        assignment = _assignment(session, request, key, options, skipped, record)
+        assignment = _assignment(session, request, key, options, skipped, record, ahead)
         for message in assignment.warnings:
             warnings.warn(message, ProviderWarning, stacklevel=2)
         return session, assignment
@@ -251,9 +258,13 @@ def _unavailable(key: str, have: dict[str, str], options: dict[str, str]) -> str
 
 
 def _create(path: Path, request: SessionRequest, chain: list[str], have: dict[str, str], threads: int | None,
-            record: bool) -> ort.InferenceSession:
+            record: bool, ahead: bool = False) -> ort.InferenceSession:
+    """`ahead`: the graph was optimized for this provider ahead (and the config sets no level): the
+    session does not optimize it again."""
     key = chain[0]
     settings = {**_PROVIDER_DEFAULTS.get(key, {}), **ep.options_for(request.session_options, key)}
+    if ahead:
+        settings["graph_optimization_level"] = "ORT_DISABLE_ALL"
     options = session_options(settings, threads, record)
     if have[key] != "built in":  # a plugin EP is added by its devices; onnxruntime adds the CPU fallback
         provider_options = dict(request.provider_options.get(key, {}))
@@ -301,7 +312,7 @@ def placement(session: ort.InferenceSession) -> tuple[dict[str, int], dict[str, 
 
 
 def _assignment(session: ort.InferenceSession, request: SessionRequest, key: str, options: dict[str, str],
-                skipped: list[Skipped], record: bool) -> Assignment:
+                skipped: list[Skipped], record: bool, ahead: bool = False) -> Assignment:
     nodes, ops = placement(session) if record else ({}, {})
     accepted = request.providers[request.providers.index(key):]
     name = f'session "{request.name}"'
@@ -321,7 +332,7 @@ def _assignment(session: ort.InferenceSession, request: SessionRequest, key: str
                             f"{', ...' if len(ops[provider]) > 8 else ''}). Add \"{provider}\" to its "
                             "execution_provider list to accept this")
     return Assignment(request.name, request.providers, key, dict(options), nodes, ops, tuple(skipped),
-                      tuple(messages))
+                      tuple(messages), ahead)
 
 
 def _last_line(error: BaseException) -> str:
