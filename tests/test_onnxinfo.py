@@ -780,12 +780,12 @@ def test_builder_exports_give_their_genai_config(name: str) -> None:
 
 def test_the_demo_gives_its_genai_config() -> None:
     assert _facts(DEMO_Q4) == _builder_expected(DEMO, "onnx/model_q4.onnx")
-    # the int8 variant is Optimum's export (build/train_demo.py): plain ONNX attention shows the cache's
-    # heads and head size and the vocabulary, not the query heads or a position limit (its rotary angles
-    # are computed, not a table); its presents are Concat(past, new)
+    # the int8 variant is Optimum's export (build/train_demo.py) as onnxruntime optimizes it ahead: plain
+    # attention (its scores a FusedMatMul) shows the cache's heads and head size, the vocabulary, and the
+    # query heads through the output projection (a MatMulIntegerToFloat), not a position limit (its rotary
+    # angles are computed, not a table); its presents are Concat(past, new)
     q8 = DEMO / "onnx" / "model_quantized.onnx"
-    expected = {**_builder_expected(DEMO, "onnx/model_q4.onnx"), "num_attention_heads": None,
-                "max_positions": None}
+    expected = {**_builder_expected(DEMO, "onnx/model_q4.onnx"), "max_positions": None}
     assert _facts(q8) == expected
     assert graphfacts.decoder_facts(onnxinfo.read_model(q8)).concatenated == {
         f"past_key_values.{i}.{kind}" for i in range(6) for kind in ("key", "value")}

@@ -438,9 +438,12 @@ def _data_inputs(node: Node) -> tuple[str, ...]:
 
 
 def _is_product(node: Node, scope: _Scope) -> bool:
-    """A MatMul of two activations (attention scores), not of an activation and a weight."""
-    return (node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
-            and all(scope.tensor(n) is None for n in node.inputs[:2]))
+    """A MatMul of two activations (attention scores), not of an activation and a weight; or onnxruntime's
+    FusedMatMul, into which its optimizer folds the key's Transpose and the scores' scale (a graph
+    optimized ahead, build/variants.py)."""
+    product = ((node.op_type == "MatMul" and node.domain in ("", "ai.onnx"))
+               or (node.op_type == "FusedMatMul" and node.domain == MS))
+    return product and all(scope.tensor(n) is None for n in node.inputs[:2])
 
 
 def _upstream(scope: _Scope, name: str, ops: set[str], hops: int) -> Iterator[tuple[Node, _Scope]]:
