@@ -15,6 +15,7 @@ from build.references import prompt_ids
 
 import ortpipe
 from ortpipe.config.settings import SearchSettings
+from ortpipe.execute.work import Select
 from ortpipe.sampling.sampler import Pick, Sampler
 from ortpipe.targets.cpython import CpuBackend, Driver
 from ortpipe.targets.cpython import driver as cpu_driver
@@ -92,7 +93,9 @@ def test_a_burst_draws_what_the_sampler_would() -> None:
 def kernel_token(logits: np.ndarray, seen: list[int], u: float, generated: int = 1, **settings: Any) -> int:
     """The generic path's token: the sampler's kernel chain, with `u` as its draw (the last `generated`
     of `seen` generated)."""
-    sampler = Sampler(CpuBackend(), str(logits.dtype), SearchSettings(**settings), frozenset())
+    backend = CpuBackend()
+    backend.fused_sampling = False  # the kernel graphs, not the driver's Picker (`Select`)
+    sampler = Sampler(backend, str(logits.dtype), SearchSettings(**settings), frozenset())
     sampler.rng = type("Fixed", (), {"random": staticmethod(lambda: 1.0 - u)})()
     return Driver().drive(sampler.select(logits[None, None], seen, generated))
 
@@ -184,6 +187,33 @@ def test_the_picker_selects_what_the_kernels_select_on_a_wide_vocabulary() -> No
             assert ours == kernels, settings
             checked += 1
     assert checked == len(cases) * len(rows)
+
+
+def test_a_first_token_is_selected_by_the_target_as_its_fused_steps_are() -> None:
+    """On a target with fused sampling a request's first token (after its prefill) is a `Select`: the
+    target's Picker, no kernel run and no kernel session to open; seeded, the tokens equal the kernel
+    graphs' over many seeds and settings, and the generator is wound as the kernel path winds it."""
+    rng = np.random.default_rng(3)
+    cases = [{"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9},
+             {"do_sample": True, "min_p": 0.05, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+             {"suppress_tokens": (3, 4)}, {"logit_bias": ((2, 3.0),), "presence_penalty": 1.0}]
+    for case in cases:
+        fused = Sampler(CpuBackend(), "float32", SearchSettings(seed=5, **case), frozenset())
+        assert fused.selects_in_target  # and opens no kernel but the argmax of a greedy step with no ban
+        argmax = [] if case.get("do_sample") or "logit_bias" in case else ["kernel:argmax_last_float32"]
+        assert fused.kernels() == argmax
+        generic_backend = CpuBackend()
+        generic_backend.fused_sampling = False
+        generic = Sampler(generic_backend, "float32", SearchSettings(seed=5, **case), frozenset())
+        assert generic.kernels()
+        for _ in range(40):
+            logits = (rng.standard_normal(300) * 3).astype(np.float32)[None, None]
+            tokens = rng.integers(0, 300, 6).tolist()
+            work = fused.select(logits, tokens, 2)
+            assert isinstance(next(work), Select)
+            want = Driver().drive(generic.select(logits, tokens, 2))
+            assert Driver().drive(fused.select(logits, tokens, 2)) == want, case
+        assert fused.rng.random() == generic.rng.random()  # both drew one number a selection
 
 
 def test_nan_logits_are_an_error() -> None:

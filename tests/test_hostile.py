@@ -310,3 +310,15 @@ def test_the_bundle_server_answers_a_nul_byte_in_a_path_with_400(tmp_path: Path)
     assert answers[0][0] == 400 and b"NUL byte" in answers[0][1]  # the connection was dropped before
     assert answers[1] == (200, b"<p>hi</p>")
     assert answers[2][0] == 404
+
+
+def test_nan_logits_before_a_sampled_first_token_are_an_error_naming_the_step(folder: Path) -> None:
+    """A sampled (or banned) first token is selected as the fused steps select theirs: NaN logits there
+    are an error naming the step and position, not a token drawn from NaN."""
+    pipe = ortpipe.load(nan_model(folder), threads=1)
+    for settings in ({"do_sample": True, "seed": 1}, {"suppress_tokens": [3]}):
+        with pytest.raises(ortpipe.OrtpipeError) as error:
+            pipe.generate(prompt_ids=PROMPT, max_new_tokens=4, **settings)
+        assert str(error.value) == (f"selecting the token after step 0 failed: the model's logits are NaN or "
+                                    f"infinite at position {len(PROMPT) - 1}; the model's weights or inputs "
+                                    "are broken")

@@ -16,15 +16,23 @@ from ortpipe.targets.cpython import CpuBackend, Driver
 INF = float("inf")
 
 
+def kernel_backend() -> CpuBackend:
+    """A CPU backend whose sampler selects with the kernel graphs (the generic path these tests check),
+    not as the driver's fused steps do (`Select`, tests/test_fused_sampling.py)."""
+    backend = CpuBackend()
+    backend.fused_sampling = False
+    return backend
+
+
 def select(logits: np.ndarray, tokens: list[int] | None = None, generated: int = 1, eos=frozenset(),
            **settings) -> int:
-    sampler = Sampler(CpuBackend(), str(logits.dtype), SearchSettings(**settings), frozenset(eos))
+    sampler = Sampler(kernel_backend(), str(logits.dtype), SearchSettings(**settings), frozenset(eos))
     return Driver().drive(sampler.select(logits[None, None], tokens or [], generated))
 
 
 def scores(logits: np.ndarray, tokens: list[int] | None = None, **settings) -> np.ndarray:
     s = SearchSettings(**settings)
-    sampler = Sampler(CpuBackend(), "float32", s, frozenset())
+    sampler = Sampler(kernel_backend(), "float32", s, frozenset())
     sampler._vocab = logits.shape[-1]
     tokens = tokens or []
     work = sampler.scores(
@@ -100,9 +108,8 @@ def test_seeded_sampling_repeats_and_follows_the_distribution() -> None:
 
 
 def test_the_sampler_asks_for_kernels_in_order() -> None:
-    sampler = Sampler(
-        CpuBackend(), "float16", SearchSettings(do_sample=True, top_k=5, top_p=0.9, min_p=0.1), frozenset()
-    )
+    settings = SearchSettings(do_sample=True, top_k=5, top_p=0.9, min_p=0.1)
+    sampler = Sampler(kernel_backend(), "float16", settings, frozenset())
     work = sampler.select(np.zeros((1, 1, 10), np.float16), [], 1)
     names = []
     request = next(work)
@@ -208,7 +215,7 @@ def test_seeded_sampling_is_identical_across_processes(tmp_path) -> None:
 ])
 def test_the_sampler_names_the_kernels_it_runs(settings: dict) -> None:
     """What a target opens before the first request: exactly what select runs with nothing banned."""
-    sampler = Sampler(CpuBackend(), "float32", SearchSettings(**settings), frozenset())
+    sampler = Sampler(kernel_backend(), "float32", SearchSettings(**settings), frozenset())
     work = sampler.select(np.zeros((1, 1, 10), np.float32), [], 1)
     names, request = [], next(work)
     try:
@@ -256,7 +263,7 @@ def test_frequency_and_presence_penalties_lower_generated_tokens_only() -> None:
     tokens (here the last 3 of the text), before bans and the temperature."""
     text = [1, 0, 2, 2, 3]  # prompt [1, 0]; generated [2, 2, 3]
     s = SearchSettings(frequency_penalty=0.5, presence_penalty=0.25, suppress_tokens=(4,))
-    sampler = Sampler(CpuBackend(), "float32", s, frozenset())
+    sampler = Sampler(kernel_backend(), "float32", s, frozenset())
     sampler._vocab = len(LOGITS)
     banned = [banned_ids(s, text, 3, frozenset())]
     out = Driver().drive(sampler.scores(LOGITS[None, None], [text], banned, [3]))

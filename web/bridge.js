@@ -176,6 +176,16 @@ export class Bridge {
     return new this.ort.Tensor('int64', tokens, [batch]);
   }
 
+  /**
+   * The token the last row of `logits` gives as `pickJson` (the core's Pick, as JSON) selects it: a
+   * request's first token, chosen as the Decoder's steps choose theirs (sampling.js).
+   */
+  async pickLast(logits, pickJson) {
+    const vocab = logits.dims[logits.dims.length - 1];
+    const data = logits.location === 'gpu-buffer' ? await logits.getData() : logits.data;
+    return new Picker(JSON.parse(pickJson), vocab).select(data, data.length - vocab);
+  }
+
   /** Fused greedy decode steps of one request on `session` (see Decoder below). */
   decoder(session, spec) {
     return new Decoder(this.ort, session, spec);

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import ortpipe
 from ortpipe.errors import OrtpipeError
 
@@ -391,3 +393,29 @@ def test_random_chat_settings_are_taken_or_refused_alike(page: Any, models: dict
         length = turn["maxNewTokens"]
         if length is not None and not (type(length) is int and length >= 1):
             assert got and got[0] == "GenerationError", (turn, got)  # refused, never run for a step
+
+
+def test_nan_logits_before_a_sampled_first_token_are_the_same_error(page: Any, serve_model: Any,
+                                                                    tmp_path: Path) -> None:
+    """The first token of a sampled request is chosen by web/sampling.js's Picker (the core's `Select`):
+    NaN logits there are CPython's error, word for word."""
+    from build import graphs
+    from conftest import write_tokenizer  # tests/web/ has no __init__.py: pytest puts it on sys.path
+    from tests.test_hostile import nan_model
+
+    folder = graphs.build_separate(tmp_path / "model", seed=0, config=True)
+    write_tokenizer(folder)
+    broken = nan_model(folder)
+    with pytest.raises(OrtpipeError) as error:
+        ortpipe.load(broken, threads=1).generate(prompt_ids=[5, 6, 7], max_new_tokens=4, do_sample=True,
+                                                 seed=1)
+    url = serve_model("nan-model", broken)
+    page.goto("/")
+    got = page.evaluate("""async (url) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(url, {device: 'wasm'});
+      try { await pipe.generate({promptIds: [5, 6, 7], maxNewTokens: 4, doSample: true, seed: 1}); }
+      catch (e) { return [e.name, e.message]; } finally { pipe.dispose(); }
+      return null;
+    }""", url)
+    assert got == ["OrtpipeError", str(error.value)]

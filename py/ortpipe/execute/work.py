@@ -79,6 +79,23 @@ class Run:
 
 
 @dataclass(slots=True)
+class Select:
+    """The token the last row of `logits` gives as `pick` (sampling.sampler.Pick) selects it, chosen by
+    the target as its fused steps choose theirs (targets with `fused_sampling`): a request's first
+    token, after its prefill, with no kernel run. `step` and `position` name the logits in messages."""
+
+    logits: Handle
+    pick: Any
+    step: str
+    position: int
+
+    def non_finite(self) -> str:
+        """What a target says when the row is NaN or infinite (both targets in the same words)."""
+        return (f"selecting the token after {self.step} failed: the model's logits are NaN or infinite at "
+                f"position {self.position}; the model's weights or inputs are broken")
+
+
+@dataclass(slots=True)
 class RunAll:
     """Runs that do not depend on each other; a target may run them side by side."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..config.settings import SearchSettings
 from ..errors import GenerationError
-from ..execute.work import Backend, Handle, Run, Work, kernel
+from ..execute.work import Backend, Handle, Run, Select, Work, kernel
 from .processors import banned_ids, lowered_by, penalty_counts
 
 
@@ -83,11 +83,19 @@ class Sampler:
         s = self.settings
         if s.argmax_only:
             return [kernel("argmax_last", self.dtype)]
+        if self.selects_in_target:
+            return []
         if not s.sampling:
             return [kernel("process", self.dtype), kernel("argmax", "float32")]
         stages = [("top_k", bool(s.top_k)), ("top_p", s.top_p < 1.0), ("min_p", s.min_p > 0.0),
                   ("sample", True)]
         return [kernel("process", self.dtype), *(kernel(name, "float32") for name, used in stages if used)]
+
+    @property
+    def selects_in_target(self) -> bool:
+        """Whether the target selects every token as its fused steps do (a `Select` for the first one):
+        sampling, penalties and bans that a Pick carries, on a target with fused sampling."""
+        return bool(getattr(self.backend, "fused_sampling", False)) and self.fusable
 
     @property
     def fusable(self) -> bool:
@@ -168,6 +176,11 @@ class Sampler:
                 kernel("argmax_last", self.dtype), {"logits": logits}, ("token",), None, self.label
             )
             return b.to_list(out["token"])[0]
+        if self.selects_in_target:
+            pick, _ = self.pick(tokens, generated, 1)
+            token = yield Select(logits, pick, self.label or "the prefill", max(len(tokens) - 1, 0))
+            self.drew(1)
+            return int(token)
         scores = yield from self.scores(logits, [tokens], [banned], [generated])
         if not s.sampling:
             out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",))

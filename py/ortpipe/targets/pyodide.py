@@ -44,6 +44,7 @@ from ..execute.work import (
     ReadWheel,
     Run,
     RunAll,
+    Select,
     Work,
     kernel,
 )
@@ -64,6 +65,7 @@ EXTERNAL_DATA = ("{file}.data", "{file}_data")
 # JS twins (web/bridge.js) of kernel graphs that run on every token, for CPU tensors: a session run
 # costs more than the work. The browser tests compare their tokens with the CPython target's.
 NATIVE_KERNELS = {f"{KERNEL}argmax_last_float32": "argmaxLast"}
+NON_FINITE = "the model's logits are NaN or infinite"  # web/sampling.js's Picker throws it
 
 
 class Tensor:
@@ -284,6 +286,8 @@ class Driver:
             return False, self.bridge.runEach(to_js([self._call(r) for r in work.runs]))
         if kind is Open:
             return False, self._open(work)
+        if kind is Select:  # web/sampling.js's Picker on the last row, as the Decoder's steps select
+            return False, self.bridge.pickLast(work.logits.js, json.dumps(dataclasses.asdict(work.pick)))
         if kind is ReadGraph:
             return False, self.bridge.readGraph(work.path)
         if kind is ReadWheel:
@@ -301,6 +305,8 @@ class Driver:
             return JsBytesFile(raw, work.shown)
         if kind is ReadWheel:
             return _wheel_file(raw, work)
+        if kind is Select:
+            return int(raw)
         session = raw
         self.sessions[work.spec.name] = session
         return Opened(session, signature_of(self.bridge, session))
@@ -315,6 +321,8 @@ class Driver:
         if type(work) is Run:
             shapes = ", ".join(f"{k} {list(_dims(v))}" for k, v in work.feeds.items())
             return OrtpipeError(f'session "{work.session}" failed: {message}\n  inputs: {shapes}')
+        if type(work) is Select and NON_FINITE in message:  # (the rejection may come wrapped by Pyodide)
+            return OrtpipeError(work.non_finite())
         return OrtpipeError(message)  # RunAll's and the Decoder's messages name their session
 
     def _run(self, work: Run) -> JsProxy:
@@ -338,8 +346,9 @@ class Driver:
         return [session, work.session, graph, device, names, tensors, to_js(work.outputs)]
 
     def warm(self, kernels: list[str]) -> None:
-        """Open these kernels' sessions in the background (before a request needs them; a sampled
-        first token otherwise waits for four or five to be made)."""
+        """Open these kernels' sessions in the background, before a request needs them (a sampled first
+        token of the generic path, logprobs or an n-gram ban, otherwise waits for four or five to be
+        made; the folder's own settings select in the worker, `Select`, and need none)."""
         for name in kernels:
             if name in self._kernels_sent or (not self._gpu and name in NATIVE_KERNELS):
                 continue

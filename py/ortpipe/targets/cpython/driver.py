@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import OrtpipeError
-from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, ReadWheel, Run, RunAll, drive
+from ...execute.work import Decode, Decoded, Open, Opened, ReadGraph, ReadWheel, Run, RunAll, Select, drive
 from ...kernels import kernel_file, kernel_kind
 from ...trace import Span, Trace
 from . import providers
@@ -166,6 +166,13 @@ class Driver:
             return list(self._pool.map(self.run, work.runs))  # onnxruntime releases the GIL in run()
         if kind is Open:
             return self.open(work)
+        if kind is Select:
+            row = np.asarray(work.logits)
+            vocab = row.shape[-1]
+            try:
+                return Picker(work.pick, vocab).select(row.reshape(-1, vocab)[-1], work.step, work.position)
+            except OrtpipeError:  # the Picker's words are a decode step's
+                raise OrtpipeError(work.non_finite()) from None
         if kind is ReadGraph or kind is ReadWheel:
             return work.path  # a checked path: the core reads the graph, Python imports the wheel
         raise OrtpipeError(f"the CPython driver got work it does not know: {type(work).__name__}")
