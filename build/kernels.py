@@ -257,8 +257,26 @@ def min_p(_: int) -> onnx.GraphProto:
     return helper.make_graph(nodes, "min_p", [_scores("scores"), _scalar("min_p")], [_scores("kept")])
 
 
+def _unless_broken(token: str) -> list[onnx.NodeProto]:
+    """`token` [batch] as "token", or -1 in each row whose scores hold a NaN or +inf (logits that are
+    NaN or infinite: the core refuses the selection, as the targets' Pickers do)."""
+    return [
+        helper.make_node("IsNaN", ["scores"], ["nan"]),
+        helper.make_node("IsInf", ["scores"], ["inf"], detect_negative=0),
+        helper.make_node("Or", ["nan", "inf"], ["bad_cells"]),
+        helper.make_node("Cast", ["bad_cells"], ["bad_int"], to=TensorProto.INT64),
+        _const("bad_axis", [1]),
+        helper.make_node("ReduceSum", ["bad_int", "bad_axis"], ["bad_count"], keepdims=0),
+        _const("zero_count", [0]),
+        helper.make_node("Greater", ["bad_count", "zero_count"], ["bad"]),
+        _const("minus_one", [-1]),
+        helper.make_node("Where", ["bad", "minus_one", token], ["token"]),
+    ]
+
+
 def sample(_: int) -> onnx.GraphProto:
-    """scores, u in (0, 1] per row -> token: the first token whose cumulative probability reaches u."""
+    """scores, u in (0, 1] per row -> token: the first token whose cumulative probability reaches u
+    (-1 for a row of NaN or +inf scores)."""
     nodes = [
         helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
         _const("axis1", [1]),
@@ -275,7 +293,8 @@ def sample(_: int) -> onnx.GraphProto:
         helper.make_node("Slice", ["shape", "axis1", "end"], ["vocab"]),
         _const("one", [1]),
         helper.make_node("Sub", ["vocab", "one"], ["last_id"]),
-        helper.make_node("Min", ["count", "last_id"], ["token"]),  # float rounding past the end
+        helper.make_node("Min", ["count", "last_id"], ["drawn"]),  # float rounding past the end
+        *_unless_broken("drawn"),
     ]
     return helper.make_graph(
         nodes,
@@ -286,7 +305,9 @@ def sample(_: int) -> onnx.GraphProto:
 
 
 def argmax(_: int) -> onnx.GraphProto:
-    nodes = [helper.make_node("ArgMax", ["scores"], ["token"], axis=-1, keepdims=0)]
+    """scores -> token: the first index of the largest score (-1 for a row of NaN or +inf scores)."""
+    nodes = [helper.make_node("ArgMax", ["scores"], ["largest"], axis=-1, keepdims=0),
+             *_unless_broken("largest")]
     return helper.make_graph(
         nodes,
         "argmax",

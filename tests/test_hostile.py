@@ -322,3 +322,15 @@ def test_nan_logits_before_a_sampled_first_token_are_an_error_naming_the_step(fo
         assert str(error.value) == (f"selecting the token after step 0 failed: the model's logits are NaN or "
                                     f"infinite at position {len(PROMPT) - 1}; the model's weights or inputs "
                                     "are broken")
+
+
+def test_nan_logits_on_the_kernels_path_are_an_error_not_token_zero(folder: Path) -> None:
+    """The generic path (the sampler's kernel graphs: logprobs, n-gram bans, a target without fused
+    sampling) drew token 0 from NaN scores; its argmax and sample kernels now mark such a row, and the
+    request fails naming the step."""
+    pipe = ortpipe.load(nan_model(folder), threads=1)
+    pipe.model.backend.fused_sampling = False
+    for settings in ({"do_sample": True, "seed": 1}, {"suppress_tokens": [3]},
+                     {"do_sample": True, "logprobs": 2}, {"no_repeat_ngram_size": 2, "do_sample": True}):
+        with pytest.raises(ortpipe.OrtpipeError, match="the model's logits are NaN or infinite at position"):
+            pipe.generate(prompt_ids=PROMPT, max_new_tokens=4, **settings)

@@ -406,16 +406,23 @@ def test_nan_logits_before_a_sampled_first_token_are_the_same_error(page: Any, s
     folder = graphs.build_separate(tmp_path / "model", seed=0, config=True)
     write_tokenizer(folder)
     broken = nan_model(folder)
-    with pytest.raises(OrtpipeError) as error:
-        ortpipe.load(broken, threads=1).generate(prompt_ids=[5, 6, 7], max_new_tokens=4, do_sample=True,
-                                                 seed=1)
+    pipe = ortpipe.load(broken, threads=1)
+    want = []
+    for logprobs in (None, 2):  # the Picker's path, and the kernels' (logprobs are read from the logits)
+        with pytest.raises(OrtpipeError) as error:
+            pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4, do_sample=True, seed=1, logprobs=logprobs)
+        want.append(["OrtpipeError", str(error.value)])
     url = serve_model("nan-model", broken)
     page.goto("/")
     got = page.evaluate("""async (url) => {
       const {load} = await import('./ortpipe.js');
       const pipe = await load(url, {device: 'wasm'});
-      try { await pipe.generate({promptIds: [5, 6, 7], maxNewTokens: 4, doSample: true, seed: 1}); }
-      catch (e) { return [e.name, e.message]; } finally { pipe.dispose(); }
-      return null;
+      const errors = [];
+      for (const logprobs of [null, 2]) {
+        const request = {promptIds: [5, 6, 7], maxNewTokens: 4, doSample: true, seed: 1, logprobs};
+        try { await pipe.generate(request); } catch (e) { errors.push([e.name, e.message]); }
+      }
+      pipe.dispose();
+      return errors;
     }""", url)
-    assert got == ["OrtpipeError", str(error.value)]
+    assert got == want

@@ -102,7 +102,7 @@ class CodebookRequest(OutputRequest):
         uniforms = b.tensor([1.0 - sampler.rng.random() for _ in range(count)], (count,), "float32")
         token = yield Run(kernel("sample", "float32"), {"scores": scores, "u": uniforms}, ("token",), None,
                           "pick")
-        return b.to_list(token["token"])
+        return sampler.checked(b.to_list(token["token"]), len(self.codes[0]) - 1)
 
     def _dtype(self) -> str:
         s = self.plan.step_phase[0]

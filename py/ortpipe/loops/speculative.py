@@ -492,7 +492,7 @@ def verify_picks(sampler: Any, logits: Handle, drafts: list[int], tokens: list[i
         u = sampler.uniforms(len(drafts) + 1)
         feeds = {"scores": scores, "u": b.tensor(u, (len(u),), "float32")}
         out = yield Run(kernel("sample", "float32"), feeds, ("token",), None, sampler.label)
-    return b.to_list(out["token"])
+    return sampler.checked(b.to_list(out["token"]), len(tokens) - 1)
 
 
 class DraftModel:
@@ -542,7 +542,7 @@ class DraftModel:
                 feeds = {"scores": scores, "u": b.tensor([uniforms[len(drafts)]], (1,), "float32")}
                 name = kernel("sample", "float32")
             out = yield Run(name, feeds, ("token",), None, "draft")
-            drafts.append(b.to_list(out["token"])[0])
+            drafts.append((own or sampler).checked(b.to_list(out["token"]), len(tokens) + len(drafts) - 1)[0])
             if drafts[-1] in eos:
                 break
             fed = drafts[-1:]

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 
 from ..config.settings import SearchSettings
-from ..errors import GenerationError
+from ..errors import GenerationError, OrtpipeError
 from ..execute.work import Backend, Handle, Run, Select, Work, kernel
 from .processors import banned_ids, lowered_by, penalty_counts
 
@@ -184,13 +184,19 @@ class Sampler:
         scores = yield from self.scores(logits, [tokens], [banned], [generated])
         if not s.sampling:
             out = yield Run(kernel("argmax", "float32"), {"scores": scores}, ("token",))
-            return b.to_list(out["token"])[0]
+            return self.checked(b.to_list(out["token"]), max(len(tokens) - 1, 0))[0]
         out = yield Run(
             kernel("sample", "float32"),
             {"scores": scores, "u": b.tensor([1.0 - self.rng.random()], (1,), "float32")},
             ("token",),
         )
-        return b.to_list(out["token"])[0]
+        return self.checked(b.to_list(out["token"]), max(len(tokens) - 1, 0))[0]
+
+    def checked(self, tokens: list[int], position: int) -> list[int]:
+        """The kernels' selections, which are -1 where the scores held a NaN or +inf: an error then."""
+        if any(t < 0 for t in tokens):
+            raise OrtpipeError(Select(None, None, self.label or "the prefill", position).non_finite())
+        return tokens
 
     def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]],
                generated: list[int] | None = None) -> Work:
