@@ -302,12 +302,14 @@ def test_a_lone_surrogate_is_the_same_error(page: Any, models: dict[str, Path]) 
 
 # Values a page might pass by mistake, and the settings they land in (the embed API's names).
 ODD_VALUES = [None, True, False, 0, -1, 1, 3, 2**53, -(2**53), 1e308, 0.5, "", "x", "é", [], {}, [1, 2],
-              {"a": 1}, [[]], [None], "9" * 50, [5, 6], {"data": [1], "dims": [1]}, ["x"], [{}]]
+              {"a": 1}, [[]], [None], "9" * 50, [5, 6], {"data": [1], "dims": [1]}, ["x"], [{}], {"5": 2.5},
+              {"9": "x"}]
 ODD_KEYS = ["prompt", "promptIds", "messages", "maxNewTokens", "maxLength", "temperature", "topK", "topP",
             "minP", "doSample", "seed", "stop", "repetitionPenalty", "numBeams", "numReturnSequences",
             "logprobs", "images", "mask", "inputs", "latents", "promptLookupNumTokens", "maxDraftTokens",
             "ngramSize", "eta", "numSteps", "guidanceScale", "negativePrompt", "strength",
-            "noRepeatNgramSize", "minNewTokens", "eosTokenId", "frequencyPenalty", "presencePenalty"]
+            "noRepeatNgramSize", "minNewTokens", "eosTokenId", "frequencyPenalty", "presencePenalty",
+            "logitBias"]
 # Where the targets word a refusal their own way: the kinds of value each language has
 TARGET_WORDS = ("images must be", "inputs must", 'input "', "latents must")
 
