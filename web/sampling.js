@@ -196,18 +196,23 @@ function firstInRank(ids, scores, size) {
   return above.concat(at.slice(0, size - above.length));
 }
 
-/** The k-th largest of `values`, duplicates counted: a min-heap of the k largest so far. */
+/** The k-th largest of `values`, duplicates counted: a min-heap of the k largest so far (indexed
+ * loops and plain swaps: this runs over the whole vocabulary at every sampled step). */
 function kthLargest(values, k) {
   const heap = new Float64Array(k);
   let size = 0;
-  for (const value of values) {
+  const n = values.length;
+  for (let v = 0; v < n; v++) {
+    const value = values[v];
     if (size < k) {
       let i = size++;
       heap[i] = value;
       while (i > 0) { // sift up
         const parent = (i - 1) >> 1;
         if (heap[parent] <= heap[i]) break;
-        [heap[parent], heap[i]] = [heap[i], heap[parent]];
+        const swap = heap[parent];
+        heap[parent] = heap[i];
+        heap[i] = swap;
         i = parent;
       }
     } else if (value > heap[0]) {
@@ -219,7 +224,9 @@ function kthLargest(values, k) {
         if (left < k && heap[left] < heap[least]) least = left;
         if (right < k && heap[right] < heap[least]) least = right;
         if (least === i) break;
-        [heap[least], heap[i]] = [heap[i], heap[least]];
+        const swap = heap[least];
+        heap[least] = heap[i];
+        heap[i] = swap;
         i = least;
       }
     }
