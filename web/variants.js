@@ -53,9 +53,10 @@ export function optimizedAhead(bytes, device) {
   return device === 'wasm' && graphMetadata(bytes, OPTIMIZED_FOR) === 'CPUExecutionProvider';
 }
 
-/** The value of the graph's metadata_props entry `key`, or null. */
+/** The value of the graph's metadata_props entry `key` (the last, as the core reads them), or null. */
 export function graphMetadata(bytes, key) {
   let at = 0;
+  let found = null;
   const varint = (end) => {
     let value = 0;
     for (let scale = 1; at < end; scale *= 128) {
@@ -93,10 +94,10 @@ export function graphMetadata(bytes, key) {
         if (innerWire === 2 && inner === 2) value = text(innerSpan);
       }
       at = after;
-      if (name === key) return value;
+      if (name === key) found = value;
     }
   } catch {
     return null; // no model: the core reads it and says what is wrong
   }
-  return null;
+  return found;
 }
