@@ -95,9 +95,10 @@ export class Bridge {
    */
   async createSession(source, options) {
     const ort = options.device === 'wasm' ? await this.wasmOrt() : this.ort;
+    const optimized = Boolean(options.optimized);
     let bytes = source;
     if (typeof source === 'string') {
-      const early = await this.prefetch?.session(source, options.externalData, Boolean(options.optimized));
+      const early = await this.prefetch?.session(source, options.externalData, optimized);
       bytes = early ? null : this.graphs.get(source) ?? await this.fetchBytes(source, options.name);
       this.graphs.delete(source);
       if (early) return early; // created while Python started, with these options
@@ -108,9 +109,7 @@ export class Bridge {
     const externalData = await Promise.all(options.externalData.map(async (url) => ({
       url, data: await this.fetchBytes(url, url.slice(url.lastIndexOf('/') + 1)),
     })));
-    return createInferenceSession(
-      ort, bytes, sessionOptions(options.device, externalData, options.gpuOutputs, Boolean(options.optimized)),
-    );
+    return createInferenceSession(ort, bytes, sessionOptions(options.device, externalData, options.gpuOutputs, optimized));
   }
 
   /** The session's inputs and outputs as JSON: [{name, type, shape}], shape null when unknown. */

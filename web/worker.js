@@ -94,7 +94,8 @@ async function load(modelUrl, device, dtype, allowPlugins = false) {
   const resolving = resolveDevice(device);
   const prefetch = new Prefetch(modelUrl, (url, name, signal) => downloadBytes(url, name, progress, signal), {
     device: resolving.catch(() => ({ device: 'wasm', f16: true })), dtype,
-    open: async (file, bytes, weights, optimized) => openEarly(file, bytes, weights, (await resolving).device, optimized),
+    open: async (file, bytes, weights, optimized) => (
+      openEarly(file, bytes, weights, (await resolving).device, optimized)),
     tokenizer: async (json, config) => {
       const { Tokenizer } = await import('./vendor/tokenizers.mjs');
       return new Tokenizer(JSON.parse(json), config ? JSON.parse(config) : {});

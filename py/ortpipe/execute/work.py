@@ -90,9 +90,14 @@ class Select:
     position: int
 
     def non_finite(self) -> str:
-        """What a target says when the row is NaN or infinite (both targets in the same words)."""
-        return (f"selecting the token after {self.step} failed: the model's logits are NaN or infinite at "
-                f"position {self.position}; the model's weights or inputs are broken")
+        return non_finite(self.step, self.position)
+
+
+def non_finite(step: str, position: int) -> str:
+    """What selecting a token from NaN or infinite logits is refused with (every target, and the kernels'
+    path, in the same words)."""
+    return (f"selecting the token after {step} failed: the model's logits are NaN or infinite at "
+            f"position {position}; the model's weights or inputs are broken")
 
 
 @dataclass(slots=True)

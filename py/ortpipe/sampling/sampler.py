@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..config.settings import SearchSettings
 from ..errors import GenerationError, OrtpipeError
-from ..execute.work import Backend, Handle, Run, Select, Work, kernel
+from ..execute.work import Backend, Handle, Run, Select, Work, kernel, non_finite
 from .processors import banned_ids, lowered_by, penalty_counts
 
 
@@ -195,7 +195,7 @@ class Sampler:
     def checked(self, tokens: list[int], position: int) -> list[int]:
         """The kernels' selections, which are -1 where the scores held a NaN or +inf: an error then."""
         if any(t < 0 for t in tokens):
-            raise OrtpipeError(Select(None, None, self.label or "the prefill", position).non_finite())
+            raise OrtpipeError(non_finite(self.label or "the prefill", position))
         return tokens
 
     def scores(self, logits: Handle, seen: list[list[int]], banned: list[list[int]],

@@ -48,6 +48,9 @@ class Picker:
         self.uniforms = uniforms or Uniforms(pick.uniforms)
         self.top_k = pick.top_k if 0 < pick.top_k < vocab else 0
         self.temperature = np.float32(pick.temperature)
+        # the logit bias, made once: every step adds it
+        self.biased = np.fromiter((i for i, _ in pick.bias), np.int64, len(pick.bias))
+        self.biases = np.array([b for _, b in pick.bias], np.float32)
 
     def select(self, row: np.ndarray, session: str, position: int) -> int:
         token = self.token(row, session, position)
@@ -78,8 +81,7 @@ class Picker:
         if seen or p.banned or counts or p.bias:
             scores = row.astype(np.float32)  # a copy
             if p.bias:
-                ids = np.fromiter((i for i, _ in p.bias), np.int64, len(p.bias))
-                scores[ids] += np.array([b for _, b in p.bias], np.float32)
+                scores[self.biased] += self.biases
             if seen:
                 ids = np.fromiter(seen, np.int64, len(seen))
                 values = scores[ids]
