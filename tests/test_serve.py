@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 import ortpipe  # noqa: E402
+from ortpipe.errors import ConfigError  # noqa: E402
 from ortpipe.serve import listen  # noqa: E402
 from ortpipe.serve.app import create_app  # noqa: E402
 from ortpipe.serve.engine import Engine  # noqa: E402
@@ -102,14 +104,18 @@ class Served:
 
     def wait_loaded(self) -> None:
         until(lambda: self.engine.loaded)
-        if self.delay:  # every engine step sleeps first, so that requests overlap
-            step = self.engine.scheduler.step
+        if self.delay:
+            self.slow(self.delay)
 
-            def slowed() -> None:
-                time.sleep(self.delay)
-                step()
+    def slow(self, delay: float) -> None:
+        """Every engine step sleeps `delay` seconds first, so that requests overlap."""
+        step = self.engine.scheduler.step
 
-            self.engine.scheduler.step = slowed
+        def slowed() -> None:
+            time.sleep(delay)
+            step()
+
+        self.engine.scheduler.step = slowed
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -325,6 +331,11 @@ BAD_CHAT = [
         "unsupported_value",
     ),
     ({"extra_body": {"frobnicate": True}}, "frobnicate", "unknown_parameter"),
+    ({"extra_body": {"prompt_lookup_num_tokens": -1}}, "prompt_lookup_num_tokens", "integer_below_min_value"),
+    ({"extra_body": {"prompt_lookup_num_tokens": 33}}, "prompt_lookup_num_tokens", "integer_above_max_value"),
+    ({"extra_body": {"prompt_lookup_num_tokens": 2.5}}, "prompt_lookup_num_tokens", "invalid_type"),
+    # a path a client names: never
+    ({"extra_body": {"draft_model": "/tmp"}}, "draft_model", "unknown_parameter"),
 ]
 
 
@@ -933,3 +944,126 @@ def test_the_load_generator_draws_the_same_prompts_for_any_server(monkeypatch: p
         assert (level.requests, level.tokens) == (4, 12)
     assert sorted(sent["http://ortpipe"]) == sorted(sent["http://other"])
     assert max(max(p) for p in sent["http://ortpipe"]) >= 256
+
+
+# --- speculative decoding ------------------------------------------------------------------------------
+
+
+def _drafted(s: Served) -> float:
+    return s.metrics()["ortpipe_speculative_drafted_tokens_total"]
+
+
+@pytest.mark.parametrize("layout", ["shared", "concat"])
+def test_a_request_alone_speculates_and_concurrent_ones_batch(layout: str, folder: Path, pipe: Any,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              request: pytest.FixtureRequest) -> None:
+    """--prompt-lookup-num-tokens: a request alone leaves the batch and checks its drafts several tokens a
+    run; when others come it joins the batch again, one token a run, and leaves it once it is alone again.
+    Every text equals the request alone without speculation (fp32 graphs: greedy tokens are the same; a
+    seeded sampled one draws each position's uniform either way). Both cache layouts the batch takes: the
+    builder's shared buffer and Optimum's concat cache."""
+    from ortpipe.loops.batched import Batch
+
+    if layout == "concat":
+        folder = request.getfixturevalue("llama_concat")
+        pipe = ortpipe.load(folder, threads=1)
+
+    moves, left = Counter(), set()  # leave: rows that left the batch; rejoin: rows that joined it after
+    originals = {"join": Batch.join, "leave": Batch.leave}
+    for name in originals:
+        def counted(self: Batch, gen: Any, _name: str = name) -> Any:
+            _original = originals[_name]
+            if _name == "leave":
+                moves["leave"] += 1
+                left.add(id(gen))
+            elif id(gen) in left:
+                moves["rejoin"] += 1
+            return (yield from _original(self, gen))
+
+        monkeypatch.setattr(Batch, name, counted)
+    repeated = "def spam(eggs):\n    return eggs + 1\n\n" * 3 + "def spam("
+    with served(folder, max_batch=4, max_queue=16, settings={"prompt_lookup_num_tokens": 8}) as s:
+        client = s.client(max_retries=0)
+        r = client.completions.create(model=MODEL, prompt=repeated, max_tokens=60, temperature=0)
+        assert r.choices[0].text == alone(pipe, repeated, 60)[0]
+        alone_drafted = _drafted(s)
+        assert alone_drafted > 0 and s.metrics()["ortpipe_speculative_accepted_tokens_total"] > 0
+        assert moves == {"leave": 1}  # prefilled as a row, then alone
+
+        r = client.completions.create(model=MODEL, prompt=repeated, max_tokens=60, temperature=0,
+                                      extra_body={"prompt_lookup_num_tokens": 0})  # this request: none
+        assert r.choices[0].text == alone(pipe, repeated, 60)[0]
+        assert _drafted(s) == alone_drafted and moves == {"leave": 2}  # left only when it finished
+
+        step = s.engine.scheduler.step
+
+        def slowed() -> None:  # a request alone waits long enough for the others to come
+            time.sleep(0.3 if s.engine.scheduler.rows == 1 else 0.002)
+            step()
+
+        s.engine.scheduler.step = slowed
+        first = client.completions.create(model=MODEL, prompt=repeated, max_tokens=300, temperature=0,
+                                          stream=True, stop=["\x01never"])
+        chunks = iter(first)
+        head = next(chunks).choices[0].text  # it runs alone now
+        requests = [(repeated + "x" * i, 30 + 5 * i, {"temperature": 0} if i % 2 else {"temperature": 0.8,
+                                                                                      "seed": i})
+                    for i in range(4)]
+
+        def complete(request: tuple[str, int, dict]) -> str:
+            prompt, max_tokens, settings = request
+            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                               **settings)
+            return "".join(c.choices[0].text for c in stream if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(complete, requests))
+        text = head + "".join(c.choices[0].text for c in chunks if c.choices)
+        assert s.engine.scheduler.batch.steps > 0  # the others ran as rows of the batch
+    assert moves["rejoin"] >= 1  # the first request joined the batch again when the others came
+    assert text == alone(pipe, repeated, 300)[0]
+    for (prompt, max_tokens, settings), got in zip(requests, texts, strict=True):
+        options = {"do_sample": True, **settings} if "seed" in settings else {}
+        assert got == pipe.generate(prompt, max_new_tokens=max_tokens, **options).text
+
+
+def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Path, pipe: Any) -> None:
+    from build import draft_models
+
+    draft = str(draft_models.get("llama-draft-builder"))
+    with served(folder, settings={"draft_model": draft, "max_draft_tokens": 4}) as s:
+        client = s.client(max_retries=0)
+        r = client.completions.create(model=MODEL, prompt="def ham(spam):", max_tokens=40, temperature=0)
+        assert r.choices[0].text == alone(pipe, "def ham(spam):", 40)[0]
+        assert _drafted(s) > 0
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="def ham(spam):", max_tokens=4,
+                                      extra_body={"prompt_lookup_num_tokens": 3})
+        assert info.value.body["param"] == "prompt_lookup_num_tokens"
+        assert "draft model" in info.value.body["message"]
+
+
+@pytest.mark.parametrize(("settings", "says"), [
+    ({"prompt_lookup_num_tokens": 40}, "--prompt-lookup-num-tokens: prompt_lookup_num_tokens"),
+    ({"draft_model": "/nonexistent/draft"}, "--draft-model /nonexistent/draft: "),
+    ({"draft_model": "DRAFT", "prompt_lookup_num_tokens": 3}, "not both"),
+])
+def test_the_server_s_speculation_is_checked_before_it_serves(folder: Path, settings: dict,
+                                                              says: str) -> None:
+    from build import draft_models
+
+    if settings.get("draft_model") == "DRAFT":
+        settings = {**settings, "draft_model": str(draft_models.get("llama-draft-builder"))}
+    engine = Engine(lambda: ortpipe.load(folder, threads=1), settings=settings)
+    engine.start()
+    until(lambda: engine.error is not None)
+    assert isinstance(engine.error, ConfigError) and says in str(engine.error), engine.error
+    assert not engine.loaded
+
+
+def test_speculation_on_a_model_that_cannot_check_drafts_is_refused(gemma_builder: Path) -> None:
+    engine = Engine(lambda: ortpipe.load(gemma_builder, threads=1), settings={"prompt_lookup_num_tokens": 4})
+    engine.start()
+    until(lambda: engine.error is not None)
+    assert isinstance(engine.error, ConfigError), engine.error
+    assert "cannot decode speculatively: its KV cache slides" in str(engine.error)

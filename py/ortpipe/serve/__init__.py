@@ -26,10 +26,13 @@ import socket
 import sys
 from typing import Any
 
+from ..config.settings import SETTINGS
 from ..errors import OrtpipeError
 from ..static_server import cannot_listen, port_number
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_batch": 4, "max_queue": 16, "prompt_cache": 4}
+# the settings table's rows a server sets for every request (config/settings.py)
+SPECULATIVE = ("prompt_lookup_num_tokens", "ngram_size", "max_draft_tokens", "draft_model")
 
 
 def _at_least(low: int) -> Any:
@@ -88,6 +91,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{DEFAULTS['prompt_cache']}; 0: none)",
     )
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    g = p.add_argument_group(
+        "speculative decoding (a request alone runs its drafts; rows of a batch make one token a run)"
+    )
+    for s in SETTINGS:
+        if s.name in SPECULATIVE:
+            if s.kind == "path":
+                g.add_argument(s.flag, metavar="DIR", help=s.help)
+            else:
+                g.add_argument(s.flag, type=int, metavar="N", help=s.help)
     # --ep, --profile and --dtype: the CLI adds them, as to every command that loads a model
 
 
@@ -121,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         prompt_cache=args.prompt_cache,
+        settings={name: getattr(args, name) for name in SPECULATIVE if getattr(args, name, None) is not None},
         on_fatal=fatal,
     )
     app = create_app(engine, args.model, args.api_key or os.environ.get("ORTPIPE_API_KEY"), args.cors)

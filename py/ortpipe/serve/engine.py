@@ -30,8 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import GenerationError
+from ..errors import ConfigError, GenerationError
 from ..loops.batched import Batch, batchable
+from ..loops.speculative import cannot_verify
+from ..sampling.settings import settings_for
 from .metrics import Gauges, Metrics
 from .outputs import ENDPOINTS, KINDS, OutputQuery, OutputReply, OutputRow, served
 from .protocol import Completion, InvalidRequest, TokenLogprob, Usage
@@ -150,10 +152,10 @@ class TimeSliced(Slots):
     """Up to `max_rows` requests, each with its own KV cache, stepped in turn on one pipeline."""
 
     def __init__(self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics,
-                 leave: Callable[[Job], None]):
+                 leave: Callable[[Job], None], defaults: dict[str, Any] | None = None):
         super().__init__(pipe, max_rows, metrics, leave)
         self.template = chat_template(pipe)
-        self.cache = PromptCache(pipe, cache_size, slot_length(pipe))
+        self.cache = PromptCache(pipe, cache_size, slot_length(pipe), defaults=dict(defaults or {}))
 
     def admit(self, job: Job) -> None:
         if job.cancelled:
@@ -225,20 +227,29 @@ class TimeSliced(Slots):
         usage = Usage(row.prompt_tokens, len(row.request.tokens), row.cached_tokens)
         job.emit(Finished(reason, usage))
         now = time.monotonic()
-        self.metrics.finish(reason, usage.prompt_tokens, usage.cached_tokens, now - job.arrived)
-        _log_line(job, usage, reason, now)
+        t = row.request.timings
+        self.metrics.finish(reason, usage.prompt_tokens, usage.cached_tokens, now - job.arrived,
+                            t.drafted_tokens, t.accepted_tokens)
+        _log_line(job, usage, reason, now, t.drafted_tokens, t.accepted_tokens)
         self._leave(job)
 
 
 class Batched(TimeSliced):
     """Up to `max_rows` requests as rows of one batched decoder run: continuous batching. Requests admitted
     together with fresh prompts prefill together, in one run, at the next step; one that continues a cached
-    prompt prefills alone and joins."""
+    prompt prefills alone and joins.
+
+    A request that speculates (prompt lookup or a draft model) and is the only one open leaves the batch and
+    runs its own speculative rounds, several tokens a run, a burst a step; when another request comes it
+    joins the batch again at the next step, one token a run, as llama.cpp's server gives up drafting for
+    parallel slots: with several rows every run already makes several tokens. Either way its tokens are the
+    ones it makes alone (speculation keeps greedy and seeded sampled tokens)."""
 
     def __init__(
-        self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None]
+        self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None],
+        defaults: dict[str, Any] | None = None,
     ):
-        super().__init__(pipe, max_rows, cache_size, metrics, leave)
+        super().__init__(pipe, max_rows, cache_size, metrics, leave, defaults)
         self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length, max_rows)
         self.fresh: list[Job] = []  # admitted, to prefill together at the next step
 
@@ -270,8 +281,15 @@ class Batched(TimeSliced):
                     row.kept = False
                 self._leave_batch(row)
                 self._finish(job, row, "interrupt")
+        alone = self._alone()
+        if alone is not None:
+            self._step_alone(*alone)
+            return
         if self.fresh:
             self._prefill_fresh()
+        if not self.open:
+            return
+        self._rejoin()
         if not self.open:
             return
         rows = {row.gen.core: (job, row) for job, row in self.open.items()}
@@ -290,6 +308,39 @@ class Batched(TimeSliced):
             if row.request.done:
                 self._leave_batch(row)
             self._advanced(job, row, chunks)
+
+    def _alone(self) -> tuple[Job, Row] | None:
+        """The one open request, when it speculates and no other waits to prefill."""
+        if len(self.open) != 1 or self.fresh:
+            return None
+        job, row = next(iter(self.open.items()))
+        return (job, row) if row.request.gen.speculator is not None else None
+
+    def _step_alone(self, job: Job, row: Row) -> None:
+        """A burst of the request's speculative rounds on its own cache, out of the batch."""
+        try:
+            if row.gen.core in self.batch.rows:
+                self.pipe.driver.drive(self.batch.leave(row.gen.core))
+        except Exception as e:  # its cache may be half copied: it ends, and a new batch starts
+            self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length, self.max_rows)
+            self._drop(job, row, e)
+            return
+        try:
+            chunks = self.pipe.driver.drive(row.request.advance())
+        except Exception as e:  # a failing run ends its own request only
+            self._drop(job, row, e)
+            return
+        self._advanced(job, row, chunks)
+
+    def _rejoin(self) -> None:
+        """Rows that ran alone (speculating) join the batch again before it steps."""
+        for job, row in list(self.open.items()):
+            if row.gen.core in self.batch.rows:
+                continue
+            try:
+                self.pipe.driver.drive(self.batch.join(row.gen.core))
+            except Exception as e:  # a row that cannot join ends alone
+                self._drop(job, row, e)
 
     def _prefill_fresh(self) -> None:
         """The fresh rows' prompts in one run; each row's first token; rows that are done leave."""
@@ -368,12 +419,12 @@ class Outputs(Slots):
             self._fail(job, error)
 
 
-def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:
+def _log_line(job: Job, usage: Usage, reason: str, now: float, drafted: int = 0, accepted: int = 0) -> None:
     ttft = (job.first_token - job.arrived) * 1000 if job.first_token else 0.0
     decode = now - job.first_token if job.first_token else 0.0
     rate = (usage.completion_tokens - 1) / decode if usage.completion_tokens > 1 and decode > 0 else 0.0
     log.info(
-        "%s prompt=%d cached=%d completion=%d ttft=%.1fms %.1f tokens/s finish=%s",
+        "%s prompt=%d cached=%d completion=%d ttft=%.1fms %.1f tokens/s finish=%s%s",
         job.id,
         usage.prompt_tokens,
         usage.cached_tokens,
@@ -381,10 +432,34 @@ def _log_line(job: Job, usage: Usage, reason: str, now: float) -> None:
         ttft,
         rate,
         reason,
+        f" drafted={drafted} accepted={accepted}" if drafted else "",
     )
 
 
 # --- the engine ------------------------------------------------------------------------------------------
+
+
+def check_speculation(pipe: Any, settings: dict[str, Any]) -> None:
+    """The server's speculative decoding settings, checked against the model before any request: values,
+    a model whose decoder can check drafts, one drafter; the draft model loaded."""
+    if not settings:
+        return
+    named = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(settings))
+    try:
+        search = settings_for(pipe.config.generation.settings, settings)
+    except GenerationError as e:
+        raise ConfigError(f"{named}: {e}") from None
+    why = cannot_verify(pipe.plan) if search.speculative else None
+    if why:
+        raise ConfigError(f"{named}: this model cannot decode speculatively: {why}")
+    if (search.prompt_lookup_num_tokens or search.ngram_size) and search.draft_model:
+        raise ConfigError("give --draft-model, or --prompt-lookup-num-tokens / --ngram-size, not both "
+                          "(with the config's speculative block: only what it lacks)")
+    try:
+        pipe.driver.drive(pipe.model.prepare(settings))
+    except (GenerationError, ConfigError) as e:
+        raise ConfigError(f"--draft-model {settings.get('draft_model')}: {e}") from None
+
 
 
 class Engine:
@@ -397,11 +472,15 @@ class Engine:
         max_batch: int = 1,
         max_queue: int = 16,
         prompt_cache: int = 4,
+        settings: dict[str, Any] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
+        """`settings`: generation settings every request starts from, under its own (the command's
+        speculative decoding flags); checked, and a draft model loaded, with the model."""
         if max_batch < 1 or max_queue < 0 or prompt_cache < 0:
             raise ValueError("max_batch must be at least 1; max_queue and prompt_cache at least 0")
         self.max_batch, self.max_queue, self.prompt_cache = max_batch, max_queue, prompt_cache
+        self.settings = dict(settings or {})
         self.model = "model"  # the id responses name (create_app sets the folder's)
         self.serves = ""  # once loaded: "completions", "embeddings", "speech" or "images" (outputs.served)
         self.metrics = Metrics()
@@ -481,10 +560,15 @@ class Engine:
             serves = served(pipe)
             scheduler: Scheduler
             if serves != "completions":
+                if self.settings:
+                    raise ConfigError(f"{', '.join(sorted(self.settings))}: this server's model makes "
+                                      f"{serves}, not text, and has no tokens to draft")
                 scheduler = Outputs(pipe, self.max_batch, self.metrics, self._leave, self.model)
             else:
+                check_speculation(pipe, self.settings)
                 kind = Batched if batchable(pipe.plan) is None else TimeSliced
-                scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave)
+                scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave,
+                                 self.settings)
             self.serves = serves
         except BaseException as e:  # a folder that cannot be loaded ends the server
             self.error = e

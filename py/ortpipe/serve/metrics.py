@@ -30,6 +30,7 @@ class Metrics:
         self.finished: Counter[str] = Counter()  # requests by finish reason (and error)
         self.rejected = 0  # 429s: the queue was full
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.drafted_tokens = self.accepted_tokens = 0  # speculative decoding's, over finished requests
         self.steps = self.row_steps = 0  # engine steps, and rows summed over them (mean occupancy: the ratio)
         self.ttft_seconds = 0.0
         self.ttft_count = 0
@@ -53,8 +54,11 @@ class Metrics:
         self.ttft_seconds += seconds
         self.ttft_count += 1
 
-    def finish(self, reason: str, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+    def finish(self, reason: str, prompt_tokens: int, cached_tokens: int, seconds: float, drafted: int = 0,
+               accepted: int = 0) -> None:
         self.finished[reason] += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
         done = sum(self.finished.values())
@@ -100,6 +104,11 @@ class Metrics:
         metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
         metric("generation_tokens_per_second", "gauge", f"Tokens generated per second over the last "
                f"{WINDOW_SECONDS:g} s, all rows together.", [("", round(self.tokens_per_second(), 3))])
+        metric("speculative_drafted_tokens_total", "counter",
+               "Drafted tokens checked by speculative decoding (finished requests).",
+               [("", self.drafted_tokens)])
+        metric("speculative_accepted_tokens_total", "counter",
+               "Drafted tokens the model accepted (finished requests).", [("", self.accepted_tokens)])
         metric("time_to_first_token_seconds", "summary", "From arrival (queue included) to the first token.",
                [("_sum", round(self.ttft_seconds, 6)), ("_count", self.ttft_count)])
         return "\n".join(lines) + "\n"

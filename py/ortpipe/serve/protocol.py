@@ -6,7 +6,8 @@ Parameters follow the OpenAI API reference for `POST /v1/chat/completions` and `
 - served: model, messages / prompt, max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n,
   frequency_penalty and presence_penalty (over the generated tokens, as OpenAI describes them), logit_bias,
   logprobs and top_logprobs, stream, stream_options.include_usage; and top_k, min_p, repetition_penalty,
-  which vLLM and llama.cpp accept beside OpenAI's and clients send through `extra_body`;
+  which vLLM and llama.cpp accept beside OpenAI's and clients send through `extra_body`, as they send
+  ortpipe's `prompt_lookup_num_tokens` (speculative decoding by prompt lookup for this request; 0: none);
 - accepted at their neutral value and refused otherwise, naming the parameter (OpenAI refuses what a model
   cannot do the same way): tools, response_format, echo, best_of, suffix;
 - accepted and without effect here: user, metadata, store, service_tier and the other bookkeeping fields the
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.settings import BY_NAME
+from ..config.settings import BY_NAME, MAX_DRAFT
 
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
 MAX_N = 128  # OpenAI's most choices a request asks for
@@ -164,6 +165,15 @@ def _settings(body: dict[str, Any]) -> dict[str, Any]:
             settings[name] = _decimal(body[name], name, -2.0, 2.0)
     if body.get("logit_bias") is not None:
         settings["logit_bias"] = _logit_bias(body["logit_bias"])
+    return _speculation(body, settings)
+
+
+def _speculation(body: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """ortpipe's prompt_lookup_num_tokens: prompt lookup drafting for this request (0: no speculation)."""
+    value = body.get("prompt_lookup_num_tokens")
+    if value is not None:
+        name = "prompt_lookup_num_tokens"
+        settings[name] = _integer(value, name, low=0, high=MAX_DRAFT)
     return settings
 
 
@@ -199,7 +209,7 @@ def _neutral(body: dict[str, Any], name: str) -> None:
 # change nothing the server does.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
           "top_k", "min_p", "repetition_penalty", "logprobs", "frequency_penalty", "presence_penalty",
-          "logit_bias", "n"}
+          "logit_bias", "n", "prompt_lookup_num_tokens"}
 
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options", "verbosity", "moderation", "reasoning_effort",

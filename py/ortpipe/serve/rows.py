@@ -105,19 +105,36 @@ class PromptCache:
     size: int  # entries kept at most (each holds a slot-length KV cache)
     length: int  # every generator's max_length
     entries: list[_Entry] = field(default_factory=list)
+    # the server's settings (its speculative decoding), under each request's own
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     def open(self, ids: list[int], c: Completion) -> Row:
         if len(ids) + (c.max_tokens or 1) > self.length:
             raise _too_long(len(ids), c, self.length)
-        settings = settings_for(self.pipe.config.generation.settings, c.settings)
+        asked = {**self.defaults, **c.settings}
+        if "prompt_lookup_num_tokens" in c.settings:
+            asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))
+        settings = settings_for(self.pipe.config.generation.settings, asked)
         kept = not settings.speculative
         gen = self._take(ids, settings) if kept else None
         if gen is None:
-            gen = self.pipe.generator(0, max_length=self.length, **c.settings)
+            gen = self.pipe.generator(0, max_length=self.length, **asked)
             gen.append_tokens(ids)
         pending = gen.core.prefill_length
         request = Request(gen.core, settings, self.pipe.tokenizer, pending, c.max_tokens)
         return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, kept)
+
+    def _own_lookup(self, tokens: int) -> dict[str, Any]:
+        """A request's prompt_lookup_num_tokens: prompt lookup drafting at most that many, or (0) no
+        speculation, whatever the server drafts by; a server that drafts with a model keeps it."""
+        if self.defaults.get("draft_model") or self.pipe.config.generation.settings.draft_model:
+            raise InvalidRequest(
+                "This server drafts with a draft model (--draft-model, or its config's "
+                "speculative.draft_model): 'prompt_lookup_num_tokens' cannot be set per request.",
+                "prompt_lookup_num_tokens",
+                "unsupported_value",
+            )
+        return {} if tokens else {"ngram_size": 0}
 
     def keep(self, row: Row) -> None:
         if self.size <= 0 or not row.kept:
