@@ -174,7 +174,7 @@ def test_a_generator_resampled_between_requests_gives_a_fresh_generators_tokens(
     llama_builder_fp32: Path,
 ) -> None:
     """resample: a kept cache takes new settings (a seed starts over), as a fresh generator with them would
-    sample; a generator that speculates keeps its settings."""
+    sample; prompt lookup starts over; a draft model's settings are kept."""
     from ortpipe.sampling.settings import settings_for
 
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
@@ -198,6 +198,19 @@ def test_a_generator_resampled_between_requests_gives_a_fresh_generators_tokens(
         got += pipe.driver.drive(kept.next_tokens(6 - len(got)))
     assert got == expected
 
-    drafting = model.generator(0, max_length=64, prompt_lookup_num_tokens=3)
-    with pytest.raises(GenerationError, match="speculates keeps its settings"):
-        drafting.resample(settings_for(model.config.generation.settings, {}))
+    # prompt lookup: resampled too, its index rebuilt from the tokens; the tokens of a fresh generator
+    looking = model.generator(0, max_length=64, prompt_lookup_num_tokens=3)
+    looking.append_tokens(prompt)
+    pipe.driver.drive(looking.next_tokens(3))
+    pipe.driver.drive(looking.rewind(len(prompt)))
+    defaults = model.config.generation.settings
+    looking.resample(settings_for(defaults, {**sampled, "prompt_lookup_num_tokens": 4}))
+    assert looking.speculator is not None and looking.speculator.ngram.indexed == 0
+    looking.append_tokens(more)
+    got = []
+    while len(got) < 6:
+        got += pipe.driver.drive(looking.next_tokens(6 - len(got)))
+    assert got == expected  # speculative sampling draws plain sampling's tokens
+
+    with pytest.raises(GenerationError, match="with a draft model keeps its settings"):
+        looking.resample(settings_for(defaults, {"draft_model": str(llama_builder_fp32)}))

@@ -105,10 +105,12 @@ class TokenGenerator:
     def resample(self, settings: SearchSettings) -> None:
         """Select the tokens from here on by `settings`: a fresh sampler (a seed starts over) and the path
         chosen again, so that a kept KV cache serves a request with other settings (the server's prompt
-        cache). Not while a step is running, and not for speculation, whose draft model's cache follows
-        the tokens of its own settings."""
-        if self.speculator is not None or settings.speculative:
-            raise GenerationError("a generator that speculates keeps its settings: make a new one")
+        cache). Prompt lookup starts over too (its index is rebuilt from the tokens when it next drafts).
+        Not while a step is running, and not with a draft model, whose own cache and plan belong to the
+        settings the generator was made with."""
+        if self._draft is not None or settings.draft_model:
+            raise GenerationError("a generator that speculates with a draft model keeps its settings: make a "
+                                  "new one")
         self.life.fire(RESAMPLE)
         self.sampler = Sampler(self.backend, self.sampler.dtype, settings, self.limits.eos, self.limits.vocab)
         self._choose_path()

@@ -8,8 +8,8 @@ This is the one module that reaches under the pipeline's public API (load, reque
   rewinds the generator to the prefix the new prompt shares with it (`TokenGenerator.rewind`, driven by
   `pipe.driver`), gives it the new request's sampling settings (`TokenGenerator.resample`: a fresh sampler,
   a seed starting over) and builds a core `Request` over it (as `Chat.say` does). A generator's length is
-  fixed when it is made, so every generator is made at the slot length; a request that speculates is not
-  cached (its draft model's cache follows its own tokens); and a cache cannot be forked, so one
+  fixed when it is made, so every generator is made at the slot length; a request that drafts with a draft
+  model is not cached (the draft model's cache follows its own settings); and a cache cannot be forked, so one
   conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
   (from its cached prefix or anew) and then joins the batch (loops/batched.py), so cached prefixes and
   batching work together.
@@ -115,7 +115,7 @@ class PromptCache:
         if "prompt_lookup_num_tokens" in c.settings:
             asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))
         settings = settings_for(self.pipe.config.generation.settings, asked)
-        kept = not settings.speculative
+        kept = not settings.draft_model  # a draft model's cache follows the generator's own settings
         gen = self._take(ids, settings) if kept else None
         if gen is None:
             gen = self.pipe.generator(0, max_length=self.length, **asked)
