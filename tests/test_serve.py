@@ -334,6 +334,9 @@ BAD_CHAT = [
     ({"extra_body": {"prompt_lookup_num_tokens": -1}}, "prompt_lookup_num_tokens", "integer_below_min_value"),
     ({"extra_body": {"prompt_lookup_num_tokens": 33}}, "prompt_lookup_num_tokens", "integer_above_max_value"),
     ({"extra_body": {"prompt_lookup_num_tokens": 2.5}}, "prompt_lookup_num_tokens", "invalid_type"),
+    ({"logprobs": True, "extra_body": {"prompt_lookup_num_tokens": 4}}, "prompt_lookup_num_tokens",
+     "invalid_value"),  # one token a run: it would not speculate
+    ({"logit_bias": {"9999": 5}}, "logit_bias", "invalid_value"),  # past the test model's vocabulary
     # a path a client names: never
     ({"extra_body": {"draft_model": "/tmp"}}, "draft_model", "unknown_parameter"),
 ]
@@ -349,6 +352,17 @@ def test_a_bad_chat_request_is_a_400_naming_the_field(
     error = info.value.body
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert (error["param"], error["code"]) == (param, code), error["message"]
+
+
+def test_what_the_model_refuses_names_the_parameter(server: Served) -> None:
+    """Refusals only the loaded model can make (its vocabulary) name the parameter, as the protocol's do."""
+    client = server.client(max_retries=0)
+    cases = (({"prompt": [3, 700]}, "prompt"), ({"prompt": "x", "logit_bias": {"600": 1}}, "logit_bias"))
+    for options, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, max_tokens=2, **options)
+        assert (info.value.body["param"], info.value.body["code"]) == (param, "invalid_value")
+        assert "vocabulary size 512" in info.value.body["message"]
 
 
 def test_malformed_bodies_and_urls_get_openai_errors(server: Served) -> None:

@@ -43,10 +43,12 @@ class ConfigError(OrtpipeError, ValueError):
 
 
 class GenerationError(OrtpipeError, ValueError):
-    """A request that cannot be served: bad settings or inputs, caught before any model runs."""
+    """A request that cannot be served: bad settings or inputs, caught before any model runs. `setting`: the
+    generation setting (or "prompt_ids") it refuses, when it is one (a server names it as the parameter)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, setting: str | None = None):
         super().__init__(bounded(message, 2 * MAX_PROBLEM))
+        self.setting = setting
 
 
 

@@ -47,7 +47,8 @@ def check_ids(ids: list[int], vocab: int | None) -> None:
     ):
         bound = f" below the vocabulary size {vocab}" if vocab else ""
         shown = repr(ids) if len(repr(ids)) < 200 else f"{repr(ids)[:200]}..."
-        raise GenerationError(f"token ids must be a non-empty list of integers from 0{bound}, found {shown}")
+        raise GenerationError(f"token ids must be a non-empty list of integers from 0{bound}, found {shown}",
+                              setting="prompt_ids")
 
 
 class TokenGenerator:

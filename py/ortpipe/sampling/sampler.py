@@ -76,7 +76,7 @@ class Sampler:
             wrong = [i for i in ids if i >= vocab]
             if wrong:
                 raise GenerationError(f"{name}: token id {wrong[0]} is not below the vocabulary size {vocab} "
-                                      f"of this model's logits; drop it")
+                                      f"of this model's logits; drop it", setting=name)
 
     def kernels(self) -> list[str]:
         """The kernel sessions `select` runs when nothing is banned: a target may open them early."""

@@ -19,7 +19,7 @@ def check_setting(name: str, value: Any) -> Any:
                               f"Known: {', '.join(BY_NAME)}")
     checked, problem = setting.check(value)
     if problem:
-        raise GenerationError(f"{name} {problem}")
+        raise GenerationError(f"{name} {problem}", setting=name)
     return checked
 
 

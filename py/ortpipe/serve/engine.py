@@ -136,7 +136,8 @@ class Slots:
         if isinstance(e, InvalidRequest):
             error = e
         elif isinstance(e, GenerationError):
-            error = InvalidRequest(str(e))
+            param = _param(e.setting, job.completion)
+            error = InvalidRequest(str(e), param, "invalid_value" if param else None)
         else:
             log.exception("%s failed", job.id)
             error = InvalidRequest(
@@ -434,6 +435,13 @@ def _log_line(job: Job, usage: Usage, reason: str, now: float, drafted: int = 0,
         reason,
         f" drafted={drafted} accepted={accepted}" if drafted else "",
     )
+
+
+def _param(setting: str | None, completion: Any) -> str | None:
+    """The request parameter a core setting the request refused stands for (the prompt's ids: its prompt)."""
+    if setting == "prompt_ids":
+        return "messages" if getattr(completion, "endpoint", None) == "chat" else "prompt"
+    return {"max_new_tokens": "max_tokens"}.get(setting or "", setting)
 
 
 # --- the engine ------------------------------------------------------------------------------------------

@@ -446,6 +446,13 @@ def _choices(body: dict[str, Any]) -> int:
 
 
 def _with_logprobs(settings: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
+    if logprobs is not None and settings.get("prompt_lookup_num_tokens"):
+        raise InvalidRequest(
+            "Invalid 'prompt_lookup_num_tokens': a request that asks for logprobs is generated one token a "
+            "run and does not speculate; drop one of them.",
+            "prompt_lookup_num_tokens",
+            "invalid_value",
+        )
     return settings if logprobs is None else {**settings, "logprobs": logprobs}
 
 
