@@ -1103,3 +1103,11 @@ def test_speculation_on_a_model_that_cannot_check_drafts_is_refused(gemma_builde
     until(lambda: engine.error is not None)
     assert isinstance(engine.error, ConfigError), engine.error
     assert "cannot decode speculatively: its KV cache slides" in str(engine.error)
+
+
+def test_speculation_for_a_folder_that_makes_no_text_is_refused(st_minilm: Path) -> None:
+    engine = Engine(lambda: ortpipe.load(st_minilm, threads=1), settings={"prompt_lookup_num_tokens": 4})
+    engine.start()
+    until(lambda: engine.error is not None)
+    assert isinstance(engine.error, ConfigError) and "--prompt-lookup-num-tokens" in str(engine.error)
+    assert "makes embeddings, not text, and has no tokens to draft" in str(engine.error)

@@ -569,8 +569,9 @@ class Engine:
             scheduler: Scheduler
             if serves != "completions":
                 if self.settings:
-                    raise ConfigError(f"{', '.join(sorted(self.settings))}: this server's model makes "
-                                      f"{serves}, not text, and has no tokens to draft")
+                    flags = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(self.settings))
+                    raise ConfigError(f"{flags}: this server's model makes {serves}, not text, and has no "
+                                      "tokens to draft")
                 scheduler = Outputs(pipe, self.max_batch, self.metrics, self._leave, self.model)
             else:
                 check_speculation(pipe, self.settings)
