@@ -38,6 +38,7 @@ from ortpipe.serve.engine import Engine  # noqa: E402
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 MODEL = "llama"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +338,12 @@ BAD_CHAT = [
     ({"logprobs": True, "extra_body": {"prompt_lookup_num_tokens": 4}}, "prompt_lookup_num_tokens",
      "invalid_value"),  # one token a run: it would not speculate
     ({"logit_bias": {"9999": 5}}, "logit_bias", "invalid_value"),  # past the test model's vocabulary
+    ({"prediction": "def f():"}, "prediction", "invalid_type"),
+    ({"prediction": {"type": "text", "content": "x"}}, "prediction.type", "invalid_value"),
+    ({"prediction": {"type": "content"}}, "prediction.content", "missing_required_parameter"),
+    ({"prediction": {"type": "content", "content": "x", "weight": 1}}, "prediction.weight",
+     "unknown_parameter"),
+    ({"prediction": {"type": "content", "content": "x"}, "logprobs": True}, "prediction", "invalid_value"),
     # a path a client names: never
     ({"extra_body": {"draft_model": "/tmp"}}, "draft_model", "unknown_parameter"),
 ]
@@ -1063,6 +1070,47 @@ def test_a_speculating_conversation_continues_its_cached_prompt(folder: Path, pi
     assert r2.choices[0].message.content == expected.text
 
 
+@pytest.fixture(scope="module")
+def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models/demo with its int4 graph dequantized (onnx/model.onnx): a trained model, whose replies
+    tokenize back to their own tokens (a prediction is text), on a graph where several tokens a run
+    compute what one does."""
+    import onnx
+    from build import variants
+
+    folder = tmp_path_factory.mktemp("demo") / "demo"
+    shutil.copytree(REPO / "models" / "demo", folder)
+    q4 = onnx.load(folder / "onnx" / "model_q4.onnx")
+    variants.save(variants.dequantized(q4), folder / "onnx" / "model.onnx")
+    return folder
+
+
+def test_a_prediction_is_drafted_and_changes_no_token(demo_fp32: Path) -> None:
+    """Predicted Outputs: the reply is the one the request gives without (greedy and seeded sampled), and
+    the prediction's drafts are counted in the usage; a wrong prediction has none taken. On chat's route in
+    OpenAI's API; the demo has no chat template, so /v1/completions (ortpipe's, as chat's)."""
+    reference = ortpipe.load(demo_fp32, threads=1, dtype="fp32")
+    prompt = "import os\n\n\ndef read(path):\n"
+    with served(demo_fp32, load=lambda: ortpipe.load(demo_fp32, threads=1, dtype="fp32")) as s:
+        client = s.client(max_retries=0)
+        for settings, options in (({"temperature": 0}, {"do_sample": False}),
+                                  ({"temperature": 0.8, "seed": 7}, {"do_sample": True, "temperature": 0.8,
+                                                                     "seed": 7})):
+            expected = reference.generate(prompt, max_new_tokens=120, **options).text
+            for content, right in ((expected, True), ("zzz " * 20, False)):
+                predicted = {"prediction": {"type": "content", "content": content}}
+                r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=120, **settings,
+                                              extra_body=predicted)
+                assert r.choices[0].text == expected
+                details = r.usage.completion_tokens_details
+                if right:
+                    assert details.accepted_prediction_tokens > 80 and details.rejected_prediction_tokens <= 8
+                else:
+                    assert details.accepted_prediction_tokens == 0
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+        assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
 def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Path, pipe: Any) -> None:
     from build import draft_models
 
@@ -1077,6 +1125,10 @@ def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Pat
                                       extra_body={"prompt_lookup_num_tokens": 3})
         assert info.value.body["param"] == "prompt_lookup_num_tokens"
         assert "draft model" in info.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="def ham(spam):", max_tokens=4,
+                                      extra_body={"prediction": {"type": "content", "content": "x"}})
+        assert info.value.body["param"] == "prediction" and "draft model" in info.value.body["message"]
 
 
 @pytest.mark.parametrize(("settings", "says"), [

@@ -528,3 +528,14 @@ def test_measured_costs_carry_over_to_the_next_request(llama_builder_fp32: Path,
     assert any(length.ones is ones and length.extras is extras for ones, extras, _ in costs.values())
     list(pipe.drive(request))
     assert len(costs) == 2
+
+
+def test_a_prediction_is_proposed_where_the_text_follows_it() -> None:
+    """NgramIndex.predict: proposals continue the prediction at the longest n-gram ending the text, from
+    where the last one began on; the text's own lookup when the prediction has no match."""
+    index = NgramIndex(3)
+    index.predict([10, 11, 12, 13, 11, 14, 15])
+    assert index.propose([1, 2, 10], 3) == [11, 12, 13] and index.from_reference
+    assert index.propose([1, 2, 10, 11, 12, 13, 11], 3) == [14, 15]  # the 11 after 13, not the first
+    assert index.propose([1, 2, 10, 11, 12, 13, 11, 14, 15], 3) == []  # the end of the prediction
+    assert index.propose([5, 6, 7, 5, 6], 2) == [7, 5] and not index.from_reference  # the text's lookup

@@ -38,6 +38,7 @@ fuse (an n-gram ban), the rounds run here, with `Run`s and kernels, the same way
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -81,21 +82,58 @@ def cannot_verify(plan: Plan) -> str | None:
 
 
 class NgramIndex:
-    """Prompt lookup: where each n-gram of the text (n = 1 .. size) last ended, kept as it grows."""
+    """Prompt lookup: where each n-gram of the text (n = 1 .. size) last ended, kept as it grows; and,
+    when the caller predicts the text (`predict`), where each n-gram of the prediction ends."""
 
     def __init__(self, size: int):
         self.size = size
         self.last: list[dict[tuple[int, ...], int]] = [{} for _ in range(size)]
         self.indexed = 0  # the n-grams ending before this position are in the index
         self.matched = 0  # the length of the n-gram the last proposal matched (0: none)
+        self.reference: list[int] = []  # the predicted text
+        self.from_reference = False  # whether the last proposal came from it
+        self.ends: list[dict[tuple[int, ...], list[int]]] = []  # n-gram -> where it ends in the prediction
+        self.followed = 0  # where in the prediction the last proposal from it began
 
     def reset(self) -> None:
         self.last = [{} for _ in range(self.size)]
         self.indexed = 0
+        self.followed = 0
+
+    def predict(self, reference: list[int]) -> None:
+        """Propose from `reference` first, the text the generation is expected to write (a server's
+        Predicted Outputs): what follows the longest n-gram ending the text, at its first occurrence
+        from where the last proposal from it began on (else its first)."""
+        self.reference = list(reference)
+        self.ends = [{} for _ in range(self.size)]
+        for i in range(len(reference)):
+            for n in range(1, min(self.size, i + 1) + 1):
+                self.ends[n - 1].setdefault(tuple(reference[i - n + 1 : i + 1]), []).append(i)
+        self.followed = 0
+
+    def _predicted(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.size, len(tokens)), 0, -1):
+            ends = self.ends[n - 1].get(tuple(tokens[-n:]))
+            if not ends:
+                continue
+            at = bisect_left(ends, self.followed - 1)
+            end = ends[at] if at < len(ends) else ends[0]
+            if end + 1 < len(self.reference):
+                self.followed = end + 1
+                self.matched = n
+                return self.reference[end + 1 : end + 1 + k]
+        return []
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending
-        the text; a copy that reaches the end goes on over what it copied (a repeating loop)."""
+        the text (the prediction's first, when there is one); a copy that reaches the end goes on over
+        what it copied (a repeating loop)."""
+        self.from_reference = False
+        if self.reference:
+            predicted = self._predicted(tokens, k)
+            if predicted:
+                self.from_reference = True
+                return predicted
         end = len(tokens) - 1  # n-grams ending here have no continuation yet
         if end < self.indexed:
             self.reset()
@@ -334,6 +372,9 @@ class Speculator:
         entries = plan.step_phase[0].kv.entries
         self.seq_axes = {e.past_input: e.seq_axis for e in entries}
         self.drafted = self.accepted = self.rounds = 0
+        # of them, the drafts a prediction gave (`predict`), and those accepted
+        self.predicted_drafted = self.predicted_accepted = 0
+        self._predicted = False  # the round being checked drafted from the prediction
         self.resets = 0  # rewinds of the text, for a target that keeps its own index of it
 
     # what targets call
@@ -344,6 +385,7 @@ class Speculator:
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Prompt lookup's drafts for a round that may draft k: as many as pay, for the n-gram matched."""
         drafts = self.ngram.propose(tokens, k) if self.ngram is not None else []
+        self._predicted = bool(drafts) and self.ngram.from_reference
         return drafts[: self.length.fit(max(0, self.ngram.matched - 1), len(drafts))]
 
     def drafting(self, k: int) -> int:
@@ -375,6 +417,10 @@ class Speculator:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        if self._predicted:
+            self.predicted_drafted += drafted
+            self.predicted_accepted += accepted
+            self._predicted = False
         self.length.update(drafted, accepted)
 
     def plain_steps(self) -> int:
@@ -394,6 +440,13 @@ class Speculator:
         self.drafted += int(state["drafted"])
         self.accepted += int(state["accepted"])
         self.rounds += int(state["rounds"])
+
+    def predict(self, reference: list[int]) -> None:
+        """Draft `reference` (the text the request is expected to write) where the text follows it."""
+        if self.ngram is None:
+            raise GenerationError("a prediction is drafted by prompt lookup: this request drafts with a "
+                                  "draft model")
+        self.ngram.predict(reference)
 
     def rewound(self, length: int) -> Work:
         """The text was cut to its first `length` tokens: forget what the drafter knew past them."""

@@ -327,8 +327,10 @@ class JobResponse:
 def _usage(finished: dict[int, Finished]) -> Usage:
     """A request's usage over its choices: the prompt once (the first choice's), every choice's tokens."""
     first = finished[0].usage
-    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finished.values()),
-                 first.cached_tokens)
+    every = [f.usage for f in finished.values()]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in every), first.cached_tokens,
+                 sum(u.accepted_prediction_tokens for u in every),
+                 sum(u.rejected_prediction_tokens for u in every))
 
 
 async def _event(send: Send, data: dict[str, Any]) -> None:

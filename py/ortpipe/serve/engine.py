@@ -225,10 +225,13 @@ class TimeSliced(Slots):
         del self.open[job]
         row.close()
         self.cache.keep(row)
-        usage = Usage(row.prompt_tokens, len(row.request.tokens), row.cached_tokens)
+        t = row.request.timings
+        spec = row.request.gen.speculator if row.predicted else None
+        accepted, drafted = (spec.predicted_accepted, spec.predicted_drafted) if spec else (0, 0)
+        usage = Usage(row.prompt_tokens, len(row.request.tokens), row.cached_tokens, accepted,
+                      drafted - accepted)
         job.emit(Finished(reason, usage))
         now = time.monotonic()
-        t = row.request.timings
         self.metrics.finish(reason, usage.prompt_tokens, usage.cached_tokens, now - job.arrived,
                             t.drafted_tokens, t.accepted_tokens)
         _log_line(job, usage, reason, now, t.drafted_tokens, t.accepted_tokens)

@@ -8,6 +8,8 @@ Parameters follow the OpenAI API reference for `POST /v1/chat/completions` and `
   logprobs and top_logprobs, stream, stream_options.include_usage; and top_k, min_p, repetition_penalty,
   which vLLM and llama.cpp accept beside OpenAI's and clients send through `extra_body`, as they send
   ortpipe's `prompt_lookup_num_tokens` (speculative decoding by prompt lookup for this request; 0: none);
+  and `prediction` (Predicted Outputs: the reply's expected text, drafted by prompt lookup; on
+  /v1/completions too);
 - accepted at their neutral value and refused otherwise, naming the parameter (OpenAI refuses what a model
   cannot do the same way): tools, response_format, echo, best_of, suffix;
 - accepted and without effect here: user, metadata, store, service_tier and the other bookkeeping fields the
@@ -63,6 +65,7 @@ class Completion:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: n rows of the batch, choice i seeded seed + i when the request gives a seed
+    prediction: str | None = None  # chat: the text the reply is expected to be (OpenAI's Predicted Outputs)
 
     def choice(self, i: int) -> Completion:
         """The request of choice i (of n): one choice, its seed seed + i."""
@@ -192,7 +195,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
-    "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
+    "modalities": (["text"],), "audio": (), "web_search_options": (), "echo": (False,),
     "suffix": ("",)}
 WHY_NOT = {"best_of": "must be 1 on this server"}
 
@@ -222,7 +225,6 @@ CHAT_NEUTRAL = {
     "response_format",
     "modalities",
     "audio",
-    "prediction",
     "web_search_options",
 }
 TEXT_NEUTRAL = {"echo", "best_of", "suffix"}
@@ -365,9 +367,29 @@ def _message(message: Any, i: int) -> dict[str, str]:
     return out
 
 
+def _prediction(value: Any) -> str | None:
+    """Predicted Outputs: {"type": "content", "content": text or text parts}, the reply's expected text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("prediction", "an object", value)
+    if value.get("type") != "content":
+        got = value.get("type")
+        raise InvalidRequest(f"Invalid 'prediction.type': expected 'content', but got {got!r}.",
+                             "prediction.type", "invalid_value")
+    unknown = sorted(set(value) - {"type", "content"})
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: prediction.{unknown[0]}",
+                             f"prediction.{unknown[0]}", "unknown_parameter")
+    if "content" not in value:
+        raise _missing("prediction.content")
+    return _content(value["content"], "prediction.content")
+
+
 def parse_chat(body: Any) -> Completion:
     body = _check_names(
-        body, COMMON | IGNORED | CHAT_NEUTRAL | {"messages", "max_completion_tokens", "top_logprobs"}
+        body,
+        COMMON | IGNORED | CHAT_NEUTRAL | {"messages", "max_completion_tokens", "top_logprobs", "prediction"},
     )
 
     messages = body.get("messages")
@@ -394,7 +416,16 @@ def parse_chat(body: Any) -> Completion:
         stream=stream,
         include_usage=usage,
         n=_choices(body),
+        prediction=_predicted(_prediction(body.get("prediction")), body),
     )
+
+
+def _predicted(prediction: str | None, body: dict[str, Any]) -> str | None:
+    if prediction is not None and body.get("logprobs") not in (None, False):
+        raise InvalidRequest("Invalid 'prediction': a request that asks for logprobs is generated one token "
+                             "a run, and a prediction is checked several tokens a run; drop one of them.",
+                             "prediction", "invalid_value")
+    return prediction
 
 
 # --- text completions ------------------------------------------------------------------------------------
@@ -420,7 +451,7 @@ def _prompt(value: Any) -> tuple[str | None, tuple[int, ...] | None]:
 
 
 def parse_text(body: Any) -> Completion:
-    body = _check_names(body, COMMON | IGNORED | TEXT_NEUTRAL | {"prompt"})
+    body = _check_names(body, COMMON | IGNORED | TEXT_NEUTRAL | {"prompt", "prediction"})
     if "prompt" not in body:
         raise _missing("prompt")
     prompt, ids = _prompt(body["prompt"])
@@ -438,6 +469,7 @@ def parse_text(body: Any) -> Completion:
         stream=stream,
         include_usage=usage,
         n=_choices(body),
+        prediction=_predicted(_prediction(body.get("prediction")), body),  # ortpipe's, as chat's
     )
 
 
@@ -466,6 +498,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    accepted_prediction_tokens: int = 0  # a prediction's drafted tokens the model took, and those it did not
+    rejected_prediction_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -476,8 +510,8 @@ class Usage:
             "completion_tokens_details": {
                 "reasoning_tokens": 0,
                 "audio_tokens": 0,
-                "accepted_prediction_tokens": 0,
-                "rejected_prediction_tokens": 0,
+                "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.rejected_prediction_tokens,
             },
         }
 

@@ -28,6 +28,7 @@ from ..tokenizer import encode
 from .protocol import Completion, InvalidRequest
 
 DEFAULT_SLOT_LENGTH = 2048  # a row's tokens when neither the config nor the model says
+PREDICTION_DRAFTS = 16  # drafted tokens a round at most for a prediction, where the server sets no lookup
 
 
 def slot_length(pipe: Any) -> int:
@@ -71,6 +72,7 @@ class Row:
     cached_tokens: int
     kept: bool  # whether the prompt cache may keep the generator for a later request
     sent: int = 0  # chunks handed out so far
+    predicted: bool = False  # its drafts come from the request's prediction (usage counts them)
 
     def step(self) -> list[Chunk]:
         """The chunks of one step of the request: one token, or a burst of fused decode steps."""
@@ -114,15 +116,42 @@ class PromptCache:
         asked = {**self.defaults, **c.settings}
         if "prompt_lookup_num_tokens" in c.settings:
             asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))
+        predicted = self._predicted(c, asked)
         settings = settings_for(self.pipe.config.generation.settings, asked)
         kept = not settings.draft_model  # a draft model's cache follows the generator's own settings
         gen = self._take(ids, settings) if kept else None
         if gen is None:
             gen = self.pipe.generator(0, max_length=self.length, **asked)
             gen.append_tokens(ids)
+        if predicted is not None:
+            if gen.core.speculator is None:  # what the protocol lets through always speculates
+                raise InvalidRequest("This request cannot speculate, which a prediction needs.", "prediction")
+            gen.core.speculator.predict(predicted)
         pending = gen.core.prefill_length
         request = Request(gen.core, settings, self.pipe.tokenizer, pending, c.max_tokens)
-        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, kept)
+        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, kept,
+                   predicted=predicted is not None)
+
+    def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:
+        """A request's prediction as token ids, and (in `asked`) the prompt lookup that drafts it: the
+        server's, else PREDICTION_DRAFTS tokens a round at most."""
+        if c.prediction is None:
+            return None
+        if self.defaults.get("draft_model") or self.pipe.config.generation.settings.draft_model:
+            raise InvalidRequest("This server drafts with a draft model (--draft-model, or its config's "
+                                 "speculative.draft_model): it cannot draft a prediction.", "prediction",
+                                 "unsupported_value")
+        if c.settings.get("prompt_lookup_num_tokens") == 0:
+            raise InvalidRequest("Invalid 'prompt_lookup_num_tokens': 0 turns off the drafting a prediction "
+                                 "needs; drop one of them.", "prompt_lookup_num_tokens", "invalid_value")
+        if self.pipe.tokenizer is None:
+            raise InvalidRequest("This model folder has no tokenizer.json: a prediction cannot be tokenized.",
+                                 "prediction")
+        config = self.pipe.config.generation.settings
+        if not (asked.get("prompt_lookup_num_tokens") or asked.get("ngram_size") or
+                config.prompt_lookup_num_tokens or config.ngram_size):
+            asked["prompt_lookup_num_tokens"] = PREDICTION_DRAFTS
+        return encode(self.pipe.tokenizer, c.prediction) if c.prediction else []
 
     def _own_lookup(self, tokens: int) -> dict[str, Any]:
         """A request's prompt_lookup_num_tokens: prompt lookup drafting at most that many, or (0) no
