@@ -174,7 +174,7 @@ def test_a_generator_resampled_between_requests_gives_a_fresh_generators_tokens(
     llama_builder_fp32: Path,
 ) -> None:
     """resample: a kept cache takes new settings (a seed starts over), as a fresh generator with them would
-    sample; prompt lookup starts over; a draft model's settings are kept."""
+    sample; prompt lookup and a draft model start over."""
     from ortpipe.sampling.settings import settings_for
 
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
@@ -212,5 +212,22 @@ def test_a_generator_resampled_between_requests_gives_a_fresh_generators_tokens(
         got += pipe.driver.drive(looking.next_tokens(6 - len(got)))
     assert got == expected  # speculative sampling draws plain sampling's tokens
 
-    with pytest.raises(GenerationError, match="with a draft model keeps its settings"):
-        looking.resample(settings_for(defaults, {"draft_model": str(llama_builder_fp32)}))
+    # a draft model: its plan given with the settings (its cache starts over); greedy, a fresh generator's
+    from build import draft_models
+
+    drafting = {"draft_model": str(draft_models.get("llama-draft-builder")), "max_draft_tokens": 4}
+    with pytest.raises(GenerationError, match="the plan of the draft model"):
+        looking.resample(settings_for(defaults, drafting))
+    pipe.driver.drive(model.prepare(drafting))
+    plain = model.generator(0, max_length=64)
+    plain.append_tokens(prompt + more)
+    expected = []
+    while len(expected) < 8:
+        expected += pipe.driver.drive(plain.next_tokens(8 - len(expected)))
+    pipe.driver.drive(looking.rewind(len(prompt)))
+    looking.resample(settings_for(defaults, drafting), model.draft_plan(drafting))
+    looking.append_tokens(more)
+    got = []
+    while len(got) < 8:
+        got += pipe.driver.drive(looking.next_tokens(8 - len(got)))
+    assert got == expected and looking.speculator.draft is not None and looking.speculator.drafted > 0

@@ -1120,6 +1120,15 @@ def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Pat
         r = client.completions.create(model=MODEL, prompt="def ham(spam):", max_tokens=40, temperature=0)
         assert r.choices[0].text == alone(pipe, "def ham(spam):", 40)[0]
         assert _drafted(s) > 0
+        # a prompt that continues a kept cache (ids: text would tokenize otherwise), its draft model's
+        # cache started over (tests/test_lifecycle.py checks that it drafts)
+        ids = pipe.tokenizer.encode("def ham(spam):")
+        first = pipe.generate(prompt_ids=ids, max_new_tokens=20, do_sample=False)
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0)
+        more = [*ids, *first.tokens, 7]
+        r = client.completions.create(model=MODEL, prompt=more, max_tokens=30, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(ids) + 19
+        assert r.choices[0].text == pipe.generate(prompt_ids=more, max_new_tokens=30, do_sample=False).text
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="def ham(spam):", max_tokens=4,
                                       extra_body={"prompt_lookup_num_tokens": 3})

@@ -457,8 +457,7 @@ class Model:
         search = settings_for(self.config.generation.settings, settings)
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
-        location = self._draft_location(settings)
-        draft = None if location is None else self._loaded_draft(location)
+        draft = self.draft_plan(settings)
         return TokenGenerator(
             self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
@@ -474,6 +473,12 @@ class Model:
         if location not in self.drafts:
             self.drafts[location] = yield from self._load_draft(location)
         return self.drafts[location].plan
+
+    def draft_plan(self, settings: Mapping[str, Any]) -> Plan | None:
+        """The plan of the draft model the settings name (the request's, else the config's), loaded by
+        `prepare`; None when they name none."""
+        location = self._draft_location(settings)
+        return None if location is None else self._loaded_draft(location)
 
     def _draft_location(self, settings: Mapping[str, Any]) -> str | None:
         """Where the draft model is: the request's draft_model as given (a path, or in the browser a

@@ -103,16 +103,17 @@ class TokenGenerator:
         if self.speculator is not None and self._fused is None:  # its rounds run here, with kernels
             self.speculator.length.overhead = ROUND
 
-    def resample(self, settings: SearchSettings) -> None:
+    def resample(self, settings: SearchSettings, draft: Plan | None = None) -> None:
         """Select the tokens from here on by `settings`: a fresh sampler (a seed starts over) and the path
         chosen again, so that a kept KV cache serves a request with other settings (the server's prompt
-        cache). Prompt lookup starts over too (its index is rebuilt from the tokens when it next drafts).
-        Not while a step is running, and not with a draft model, whose own cache and plan belong to the
-        settings the generator was made with."""
-        if self._draft is not None or settings.draft_model:
-            raise GenerationError("a generator that speculates with a draft model keeps its settings: make a "
-                                  "new one")
+        cache). Speculation starts over too: prompt lookup's index is rebuilt from the tokens, and a draft
+        model (`draft`: the plan of the one settings.draft_model names, loaded) runs the text it has not
+        seen when it next drafts. Not while a step is running."""
+        if bool(settings.draft_model) != (draft is not None):
+            raise GenerationError("resample takes the plan of the draft model the settings name, and only "
+                                  "then")
         self.life.fire(RESAMPLE)
+        self._draft = draft
         self.sampler = Sampler(self.backend, self.sampler.dtype, settings, self.limits.eos, self.limits.vocab)
         self._choose_path()
 

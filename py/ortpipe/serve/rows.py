@@ -8,8 +8,8 @@ This is the one module that reaches under the pipeline's public API (load, reque
   rewinds the generator to the prefix the new prompt shares with it (`TokenGenerator.rewind`, driven by
   `pipe.driver`), gives it the new request's sampling settings (`TokenGenerator.resample`: a fresh sampler,
   a seed starting over) and builds a core `Request` over it (as `Chat.say` does). A generator's length is
-  fixed when it is made, so every generator is made at the slot length; a request that drafts with a draft
-  model is not cached (the draft model's cache follows its own settings); and a cache cannot be forked, so one
+  fixed when it is made, so every generator is made at the slot length (a draft model's cache starts over
+  when a kept generator is taken); and a cache cannot be forked, so one
   conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
   (from its cached prefix or anew) and then joins the batch (loops/batched.py), so cached prefixes and
   batching work together.
@@ -118,8 +118,7 @@ class PromptCache:
             asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))
         predicted = self._predicted(c, asked)
         settings = settings_for(self.pipe.config.generation.settings, asked)
-        kept = not settings.draft_model  # a draft model's cache follows the generator's own settings
-        gen = self._take(ids, settings) if kept else None
+        gen = self._take(ids, settings, asked)
         if gen is None:
             gen = self.pipe.generator(0, max_length=self.length, **asked)
             gen.append_tokens(ids)
@@ -129,7 +128,7 @@ class PromptCache:
             gen.core.speculator.predict(predicted)
         pending = gen.core.prefill_length
         request = Request(gen.core, settings, self.pipe.tokenizer, pending, c.max_tokens)
-        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, kept,
+        return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, True,
                    predicted=predicted is not None)
 
     def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:
@@ -171,7 +170,7 @@ class PromptCache:
         self.entries.append(_Entry(row.gen))
         del self.entries[:-self.size]
 
-    def _take(self, ids: list[int], settings: SearchSettings) -> Any | None:
+    def _take(self, ids: list[int], settings: SearchSettings, asked: dict[str, Any]) -> Any | None:
         best, common = None, 0
         for entry in self.entries:
             n = _common_prefix(entry.gen.tokens, ids)
@@ -182,7 +181,8 @@ class PromptCache:
         self.entries.remove(best)
         keep = min(common, len(ids) - 1)  # at least one id is run, to give the next token's logits
         self.pipe.driver.drive(best.gen.core.rewind(keep))
-        best.gen.core.resample(settings)
+        self.pipe.driver.drive(self.pipe.model.prepare(asked))  # a draft model, loaded once
+        best.gen.core.resample(settings, self.pipe.model.draft_plan(asked))
         best.gen.append_tokens(ids[keep:])
         return best.gen
 
