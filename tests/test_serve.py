@@ -765,6 +765,33 @@ def test_n_choices_are_rows_of_the_batch_each_seeded_in_turn(server: Served, fol
     assert greedy.choices[0].text == greedy.choices[1].text == alone(pipe, "def area(r):", 8)[0]
 
 
+def test_best_of_returns_the_candidates_with_the_highest_mean_logprob(server: Served, pipe: Any) -> None:
+    """best_of: candidate i is the request alone with seed + i; the n returned are those whose tokens' mean
+    log-probability (the pipeline's own logprobs) is highest, best first; the usage counts every candidate;
+    without logprobs asked, none are returned."""
+    client = server.client(max_retries=0)
+    sampled = {"temperature": 1.0, "seed": 40}
+    prompt = "def area(r):"
+    candidates = [list(pipe.stream(prompt, max_new_tokens=10, do_sample=True, temperature=1.0, seed=40 + i,
+                                   logprobs=0)) for i in range(4)]
+    texts = ["".join(c.text for c in chunks) for chunks in candidates]
+    means = [sum(c.logprob for c in chunks) / len(chunks) for chunks in candidates]
+    ranked = sorted(range(4), key=lambda i: -means[i])
+    assert len({round(m, 6) for m in means}) == 4  # the ranking is not a tie
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, best_of=4, n=2, **sampled)
+    assert [c.text for c in r.choices] == [texts[i] for i in ranked[:2]]
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
+    assert r.usage.completion_tokens == sum(len(chunks) for chunks in candidates)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, best_of=4, logprobs=1, **sampled)
+    assert r.choices[0].text == texts[ranked[0]] and r.choices[0].logprobs is not None
+    for options, says in (({"best_of": 1, "n": 2}, "at least n"),
+                          ({"best_of": 2, "stream": True}, "streamed"), ({"best_of": 129}, "maximum value"),
+                          ({"best_of": 2, "extra_body": {"prompt_lookup_num_tokens": 3}}, "speculate")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **options)
+        assert info.value.body["param"] == "best_of" and says in info.value.body["message"]
+
+
 # --- the command -----------------------------------------------------------------------------------------
 
 

@@ -110,16 +110,19 @@ class Api:
             completion = await asyncio.to_thread(parse, body) if threaded else parse(body)
             request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
             loop = asyncio.get_running_loop()
-            if isinstance(completion, OutputQuery) or completion.n == 1:
+            if isinstance(completion, OutputQuery) or completion.candidates == 1:
                 jobs = [Job(request_id, completion, loop)]
-            else:  # n choices: n jobs, rows of the batch like any others
+            else:  # n choices (or best_of candidates): as many jobs, rows of the batch like any others
                 room = engine.max_batch + engine.max_queue
-                if completion.n > room:
+                if completion.candidates > room:
+                    name = "n" if completion.n >= completion.best_of else "best_of"
                     raise InvalidRequest(
-                        f"Invalid 'n': this server takes at most {room} choices a request (its --max-batch "
-                        f"{engine.max_batch} plus --max-queue {engine.max_queue}); ask for fewer.",
-                        "n", "integer_above_max_value")
-                jobs = [Job(f"{request_id}/{i}", completion.choice(i), loop) for i in range(completion.n)]
+                        f"Invalid '{name}': this server takes at most {room} choices a request (its "
+                        f"--max-batch {engine.max_batch} plus --max-queue {engine.max_queue}); ask for "
+                        "fewer.",
+                        name, "integer_above_max_value")
+                jobs = [Job(f"{request_id}/{i}", completion.choice(i), loop)
+                        for i in range(completion.candidates)]
             submitted: list[Job] = []
             try:
                 for job in jobs:
@@ -292,6 +295,10 @@ class JobResponse:
         asked = self.reply.completion.settings.get("logprobs") is not None
         choices = [("".join(texts[i]), finished[i].finish_reason, logprobs[i] if asked else None)
                    for i in range(n)]
+        wanted = self.reply.completion.n
+        if n > wanted:  # best_of: the candidates with the highest mean log-probability a token, best first
+            best = sorted(range(n), key=lambda i: -_mean_logprob(logprobs[i]))[:wanted]
+            choices = [choices[i] for i in best]
         await JSONResponse(self.reply.response(choices, _usage(finished)))(scope, receive, send)
 
     async def _stream(self, send: Send) -> None:
@@ -322,6 +329,10 @@ class JobResponse:
             if self.reply.completion.include_usage:
                 await _event(send, self.reply.usage_chunk(_usage(finished)))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _mean_logprob(entries: list[Any]) -> float:
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
 
 
 def _usage(finished: dict[int, Finished]) -> Usage:

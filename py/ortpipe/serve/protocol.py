@@ -11,7 +11,9 @@ Parameters follow the OpenAI API reference for `POST /v1/chat/completions` and `
   and `prediction` (Predicted Outputs: the reply's expected text, drafted by prompt lookup; on
   /v1/completions too);
 - accepted at their neutral value and refused otherwise, naming the parameter (OpenAI refuses what a model
-  cannot do the same way): tools, response_format, echo, best_of, suffix;
+  cannot do the same way): tools, response_format, echo, suffix;
+- completions' `best_of`: that many candidates generated (rows of the batch, seeded in turn as `n`'s choices),
+  the `n` with the highest mean log-probability a token returned; not streamed, as OpenAI has it;
 - accepted and without effect here: user, metadata, store, service_tier and the other bookkeeping fields the
   `openai` package can send;
 - anything else is refused as OpenAI refuses it: "Unrecognized request argument supplied: NAME".
@@ -66,13 +68,22 @@ class Completion:
     include_usage: bool = False
     n: int = 1  # choices: n rows of the batch, choice i seeded seed + i when the request gives a seed
     prediction: str | None = None  # chat: the text the reply is expected to be (OpenAI's Predicted Outputs)
+    best_of: int = 1  # completions: candidates generated (at least n), the n best returned
+
+    @property
+    def candidates(self) -> int:
+        """The jobs the request runs: n choices, or best_of candidates."""
+        return max(self.n, self.best_of)
 
     def choice(self, i: int) -> Completion:
-        """The request of choice i (of n): one choice, its seed seed + i."""
+        """The request of choice (or candidate) i: one choice, its seed seed + i; a candidate of best_of
+        gives its tokens' log-probabilities, by which the best are chosen."""
         settings = self.settings
         if i and settings.get("seed") is not None:
             settings = {**settings, "seed": settings["seed"] + i}
-        return dataclasses.replace(self, settings=settings, n=1)
+        if self.best_of > self.n and settings.get("logprobs") is None:
+            settings = {**settings, "logprobs": 0}
+        return dataclasses.replace(self, settings=settings, n=1, best_of=1)
 
 
 # --- checking values -------------------------------------------------------------------------------------
@@ -192,18 +203,15 @@ def _logit_bias(bias: Any) -> dict[int, float]:
 
 # Parameters accepted only at a value that changes nothing (null is always such a value).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
     "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "audio": (), "web_search_options": (), "echo": (False,),
     "suffix": ("",)}
-WHY_NOT = {"best_of": "must be 1 on this server"}
+WHY_NOT: dict[str, str] = {}
 
 
 def _neutral(body: dict[str, Any], name: str) -> None:
     value = body.get(name)
-    if name == "best_of":
-        value = None if value is None else _integer(value, name, low=1)
     if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
         raise _unsupported(name, WHY_NOT.get(name, "is not supported by this server yet"))
 
@@ -227,7 +235,7 @@ CHAT_NEUTRAL = {
     "audio",
     "web_search_options",
 }
-TEXT_NEUTRAL = {"echo", "best_of", "suffix"}
+TEXT_NEUTRAL = {"echo", "suffix"}
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -451,7 +459,7 @@ def _prompt(value: Any) -> tuple[str | None, tuple[int, ...] | None]:
 
 
 def parse_text(body: Any) -> Completion:
-    body = _check_names(body, COMMON | IGNORED | TEXT_NEUTRAL | {"prompt", "prediction"})
+    body = _check_names(body, COMMON | IGNORED | TEXT_NEUTRAL | {"prompt", "prediction", "best_of"})
     if "prompt" not in body:
         raise _missing("prompt")
     prompt, ids = _prompt(body["prompt"])
@@ -470,7 +478,27 @@ def parse_text(body: Any) -> Completion:
         include_usage=usage,
         n=_choices(body),
         prediction=_predicted(_prediction(body.get("prediction")), body),  # ortpipe's, as chat's
+        best_of=_best_of(body, stream),
     )
+
+
+def _best_of(body: dict[str, Any], stream: bool) -> int:
+    """Completions' best_of: candidates to generate, at least n; not with a stream (OpenAI's rules)."""
+    if body.get("best_of") is None:
+        return _choices(body)
+    best = _integer(body["best_of"], "best_of", low=1, high=MAX_N)
+    if best < _choices(body):
+        raise InvalidRequest(f"Invalid 'best_of': it must be at least n ({_choices(body)}), but got {best}.",
+                             "best_of", "invalid_value")
+    if best > 1 and stream:
+        raise InvalidRequest("Invalid 'best_of': the best of several completions cannot be streamed; drop "
+                             "stream or set best_of to 1.", "best_of", "invalid_value")
+    if best > _choices(body) and (body.get("prediction") is not None or body.get("prompt_lookup_num_tokens")):
+        raise InvalidRequest("Invalid 'best_of': its candidates are ranked by their tokens' "
+                             "log-probabilities, given one token a run, and so do not speculate; drop "
+                             "prediction and prompt_lookup_num_tokens, or best_of.", "best_of",
+                             "invalid_value")
+    return best
 
 
 def _choices(body: dict[str, Any]) -> int:
