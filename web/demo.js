@@ -133,7 +133,7 @@ function samplingOptions() {
 function showDefaults(defaults) {
   const names = { temperature: 'temperature', topK: 'top_k', topP: 'top_p', minP: 'min_p',
     repetitionPenalty: 'repetition_penalty', frequencyPenalty: 'frequency_penalty', presencePenalty: 'presence_penalty',
-    seed: 'seed' };
+    seed: 'seed', promptLookupNumTokens: 'prompt_lookup_num_tokens' };
   for (const input of document.querySelectorAll('#settings input[data-setting]')) {
     const value = defaults?.[names[input.dataset.setting]];
     input.placeholder = value === null || value === undefined ? '' : String(value);
@@ -291,7 +291,8 @@ function showResult({ tokens, timings, finishReason }) {
   $('output').dataset.tokens = tokens.join(',');
   $('output').dataset.finishReason = finishReason;
   $('stat-ttft').textContent = `${Math.round(timings.firstTokenMs)} ms`;
-  $('stat-speed').textContent = tokens.length > 1 ? `${timings.decodeTokensPerS.toFixed(1)} tok/s` : '–';
+  const drafts = timings.draftedTokens ? ` (speculative: ${timings.acceptedTokens} of ${timings.draftedTokens} drafts taken)` : '';
+  $('stat-speed').textContent = tokens.length > 1 ? `${timings.decodeTokensPerS.toFixed(1)} tok/s${drafts}` : '–';
   $('stat-tokens').textContent = `${tokens.length} (${finishReason})`;
 }
 

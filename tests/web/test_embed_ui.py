@@ -240,3 +240,36 @@ def test_demo_page_says_a_number_field_it_cannot_read(page: Any, models: dict[st
     assert page.text_content("#status") == "" and page.text_content("#output") == ""
     page.fill("#temperature", "0.5")
     assert page.text_content("#settings-summary") == "(temperature 0.5)"
+
+
+def test_demo_page_prompt_lookup_field_speculates(page: Any, serve_model: Any) -> None:
+    """The panel's prompt lookup field reaches the request: on a prompt that repeats itself the model's
+    drafts are checked several a run (the speed line says how many were taken), and the tokens are the
+    embed API's with the same option."""
+    demo = ROOT / "models" / "demo"
+    url = serve_model("demo", demo)
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"
+    page.goto("/")
+    page.fill("#model-url", url)
+    page.select_option("#device", "wasm")
+    page.fill("#prompt", prompt)
+    page.fill("#max-new-tokens", "48")
+    page.click("#settings summary")
+    page.select_option("#do-sample", "false")
+    page.fill("#prompt-lookup", "8")
+    assert "promptLookupNumTokens 8" in page.text_content("#settings-summary")
+    page.click("#generate")
+    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+    assert page.text_content("#error") == ""
+    assert page.get_attribute("#prompt-lookup", "placeholder") == "0"  # the folder's default: off
+    expected = page.evaluate("""async ([url, prompt]) => {
+      const { load } = await import('./ortpipe.js');
+      const pipe = await load(url, { device: 'wasm' });
+      const { tokens, timings } = await pipe.generate({ prompt, maxNewTokens: 48, doSample: false,
+                                                        promptLookupNumTokens: 8 });
+      pipe.dispose();
+      return { tokens, drafted: timings.draftedTokens };
+    }""", [url, prompt])
+    assert expected["drafted"] > 0
+    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected["tokens"]))
+    assert re.search(r"tok/s \(speculative: \d+ of \d+ drafts taken\)", page.text_content("#stat-speed"))
