@@ -1136,6 +1136,10 @@ def test_a_prediction_is_drafted_and_changes_no_token(demo_fp32: Path) -> None:
                     assert details.accepted_prediction_tokens == 0
         plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
         assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+        with pytest.raises(openai.BadRequestError) as info:  # longer than any reply: refused, not indexed
+            long = {"prediction": {"type": "content", "content": "x = 1\n" * 2000}}
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=long)
+        assert info.value.body["param"] == "prediction" and "context" in info.value.body["message"]
 
 
 def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Path, pipe: Any) -> None:

@@ -150,7 +150,12 @@ class PromptCache:
         if not (asked.get("prompt_lookup_num_tokens") or asked.get("ngram_size") or
                 config.prompt_lookup_num_tokens or config.ngram_size):
             asked["prompt_lookup_num_tokens"] = PREDICTION_DRAFTS
-        return encode(self.pipe.tokenizer, c.prediction) if c.prediction else []
+        ids = encode(self.pipe.tokenizer, c.prediction) if c.prediction else []
+        if len(ids) > self.length:  # more than a reply can hold: its drafts would index for nothing
+            raise InvalidRequest(f"Invalid 'prediction': {len(ids)} tokens, more than this model's context "
+                                 f"of {self.length} tokens can hold; predict the reply, not more.",
+                                 "prediction", "invalid_value")
+        return ids
 
     def _own_lookup(self, tokens: int) -> dict[str, Any]:
         """A request's prompt_lookup_num_tokens: prompt lookup drafting at most that many, or (0) no
