@@ -245,9 +245,9 @@ class Batched(TimeSliced):
 
     A request that speculates (prompt lookup or a draft model) and is the only one open leaves the batch and
     runs its own speculative rounds, several tokens a run, a burst a step; when another request comes it
-    joins the batch again at the next step, one token a run, as llama.cpp's server gives up drafting for
-    parallel slots: with several rows every run already makes several tokens. Either way its tokens are the
-    ones it makes alone (speculation keeps greedy and seeded sampled tokens)."""
+    joins the batch again at the next step, one token a run like every row (with several rows, every run
+    already makes a token for each). Either way its tokens are the ones it makes alone (speculation keeps
+    greedy and seeded sampled tokens)."""
 
     def __init__(
         self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None],
