@@ -1016,6 +1016,16 @@ def test_a_request_alone_speculates_and_concurrent_ones_batch(layout: str, folde
         folder = request.getfixturevalue("llama_concat")
         pipe = ortpipe.load(folder, threads=1)
 
+    from ortpipe.serve.engine import Batched
+
+    alone_with: list[int] = []  # how many requests were open each time one ran alone
+    step_alone = Batched._step_alone
+
+    def noted(self: Batched, job: Any, row: Any) -> None:
+        alone_with.append(len(self.open))
+        step_alone(self, job, row)
+
+    monkeypatch.setattr(Batched, "_step_alone", noted)
     moves, left = Counter(), set()  # leave: rows that left the batch; rejoin: rows that joined it after
     originals = {"join": Batch.join, "leave": Batch.leave}
     for name in originals:
@@ -1072,6 +1082,7 @@ def test_a_request_alone_speculates_and_concurrent_ones_batch(layout: str, folde
         text = head + "".join(c.choices[0].text for c in chunks if c.choices)
         assert s.engine.scheduler.batch.steps > 0  # the others ran as rows of the batch
     assert moves["rejoin"] >= 1  # the first request joined the batch again when the others came
+    assert max(alone_with) > 1  # probes: a speculating row ran alone while others were open
     assert text == alone(pipe, long, 300)[0]
     for (prompt, max_tokens, settings), got in zip(requests, texts, strict=True):
         options = {"do_sample": True, **settings} if "seed" in settings else {}
@@ -1140,6 +1151,17 @@ def test_a_prediction_is_drafted_and_changes_no_token(demo_fp32: Path) -> None:
             long = {"prediction": {"type": "content", "content": "x = 1\n" * 2000}}
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=long)
         assert info.value.body["param"] == "prediction" and "context" in info.value.body["message"]
+
+
+def test_speculating_rows_run_alone_when_alone_they_make_more_tokens_a_second() -> None:
+    from ortpipe.serve.engine import alone_or_batched
+
+    assert alone_or_batched([900.0], 0.0, False) == "alone"  # the only request
+    assert alone_or_batched([500.0, 400.0], 300.0, False) == "alone"  # extractive: alone beats the batch
+    assert alone_or_batched([200.0, 250.0], 300.0, False) == "batched"
+    assert alone_or_batched([200.0, 250.0], 300.0, True) == "probe"  # a rate measured again now and then
+    assert alone_or_batched([500.0, None], 300.0, False) == "batched"  # one not measured yet
+    assert alone_or_batched([500.0, None], 300.0, True) == "probe"
 
 
 def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Path, pipe: Any) -> None:

@@ -243,11 +243,14 @@ class Batched(TimeSliced):
     together with fresh prompts prefill together, in one run, at the next step; one that continues a cached
     prompt prefills alone and joins.
 
-    A request that speculates (prompt lookup or a draft model) and is the only one open leaves the batch and
-    runs its own speculative rounds, several tokens a run, a burst a step; when another request comes it
-    joins the batch again at the next step, one token a run like every row (with several rows, every run
-    already makes a token for each). Either way its tokens are the ones it makes alone (speculation keeps
-    greedy and seeded sampled tokens)."""
+    Requests that speculate (prompt lookup or a draft model) run their own speculative rounds out of the
+    batch, several tokens a run, a burst each a step: one that is the only one open; and all of them, when
+    every open request speculates and, measured alone, they made more tokens a second than the batch
+    makes for all its rows (extractive work: a prompt or a prediction the text copies). Otherwise they are
+    rows of the batch, one token a run each, and every PROBE_EVERY batched steps one of them runs a burst
+    alone, so that its rate is known. A row that ran alone joins the batch again before the batch steps.
+    Either way a request's tokens are the ones it makes alone (speculation keeps greedy and seeded sampled
+    tokens)."""
 
     def __init__(
         self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None],
@@ -256,6 +259,10 @@ class Batched(TimeSliced):
         super().__init__(pipe, max_rows, cache_size, metrics, leave, defaults)
         self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length, max_rows)
         self.fresh: list[Job] = []  # admitted, to prefill together at the next step
+        self.batch_rate = 0.0  # tokens a second of the batched steps, all rows together (a moving average)
+        self.alone_rates: dict[Job, float] = {}  # tokens a second of a speculating row's bursts alone
+        self.since_probe = 0  # batched steps since a speculating row last ran alone
+        self.probed: dict[Job, int] = {}  # the engine step at which each row last ran alone (probes in turn)
 
     def admit(self, job: Job) -> None:
         """Open the row; a fresh prompt waits to prefill with the others, a cached one prefills alone now and
@@ -278,16 +285,11 @@ class Batched(TimeSliced):
 
     def step(self) -> None:
         self.metrics.step(len(self.open))
-        for job, row in list(self.open.items()):
-            if job.cancelled:
-                if job in self.fresh:  # never ran: nothing for the prompt cache
-                    self.fresh.remove(job)
-                    row.kept = False
-                self._leave_batch(row)
-                self._finish(job, row, "interrupt")
-        alone = self._alone()
-        if alone is not None:
-            self._step_alone(*alone)
+        self._cancel()
+        turn = self._speculating_turn()
+        if turn:
+            for job, row in turn:
+                self._step_alone(job, row)
             return
         if self.fresh:
             self._prefill_fresh()
@@ -306,6 +308,8 @@ class Batched(TimeSliced):
                 self._drop(job, row, e)
             return
         elapsed = (time.perf_counter() - start) * 1000
+        self.batch_rate = _average(self.batch_rate, len(tokens) / max(elapsed / 1000, 1e-6))
+        self.since_probe += 1
         for gen, token in zip(list(self.batch.rows), tokens, strict=True):
             job, row = rows[gen]
             chunks = row.request.accept([token], elapsed)
@@ -313,15 +317,34 @@ class Batched(TimeSliced):
                 self._leave_batch(row)
             self._advanced(job, row, chunks)
 
-    def _alone(self) -> tuple[Job, Row] | None:
-        """The one open request, when it speculates and no other waits to prefill."""
-        if len(self.open) != 1 or self.fresh:
-            return None
-        job, row = next(iter(self.open.items()))
-        return (job, row) if row.request.gen.speculator is not None else None
+    def _cancel(self) -> None:
+        """Rows whose clients left end, and leave the batch."""
+        for job, row in list(self.open.items()):
+            if job.cancelled:
+                if job in self.fresh:  # never ran: nothing for the prompt cache
+                    self.fresh.remove(job)
+                    row.kept = False
+                self._leave_batch(row)
+                self._finish(job, row, "interrupt")
+
+    def _speculating_turn(self) -> list[tuple[Job, Row]]:
+        """The rows to run alone this step, a burst of speculative rounds each (see the class), or none."""
+        rows = list(self.open.items())
+        if not rows or self.fresh or any(row.request.gen.speculator is None for _, row in rows):
+            return []
+        choice = alone_or_batched([self.alone_rates.get(job) for job, _ in rows], self.batch_rate,
+                                  self.since_probe >= PROBE_EVERY)
+        if choice == "probe":  # the row measured longest ago (or never) runs alone once
+            self.since_probe = 0
+            return [min(rows, key=lambda item: (item[0] in self.alone_rates, self.probed.get(item[0], 0)))]
+        return rows if choice == "alone" else []
 
     def _step_alone(self, job: Job, row: Row) -> None:
         """A burst of the request's speculative rounds on its own cache, out of the batch."""
+        if job not in self.open:  # a row of this turn that ended in an earlier one's
+            return
+        self.probed[job] = self.metrics.steps
+        start = time.perf_counter()
         try:
             if row.gen.core in self.batch.rows:
                 self.pipe.driver.drive(self.batch.leave(row.gen.core))
@@ -334,7 +357,19 @@ class Batched(TimeSliced):
         except Exception as e:  # a failing run ends its own request only
             self._drop(job, row, e)
             return
+        rate = len(chunks) / max(time.perf_counter() - start, 1e-6)
+        self.alone_rates[job] = _average(self.alone_rates.get(job, 0.0), rate)
         self._advanced(job, row, chunks)
+
+    def _finish(self, job: Job, row: Row, reason: str) -> None:
+        self.alone_rates.pop(job, None)
+        self.probed.pop(job, None)
+        super()._finish(job, row, reason)
+
+    def _drop(self, job: Job, row: Row, error: Exception) -> None:
+        self.alone_rates.pop(job, None)
+        self.probed.pop(job, None)
+        super()._drop(job, row, error)
 
     def _rejoin(self) -> None:
         """Rows that ran alone (speculating) join the batch again before it steps."""
@@ -421,6 +456,26 @@ class Outputs(Slots):
         for job in list(self.open):
             del self.open[job]
             self._fail(job, error)
+
+
+PROBE_EVERY = 16  # batched steps of speculating rows between one of them running a burst alone
+
+
+def alone_or_batched(rates: list[float | None], batch_rate: float, probe_due: bool) -> str:
+    """How rows that all speculate run this step, from each one's tokens a second alone (None: not measured
+    yet) and the batch's for all its rows: "alone" (each its own burst), "probe" (one runs alone, to
+    measure it), or "batched"."""
+    if len(rates) == 1:
+        return "alone"
+    measured = [rate for rate in rates if rate is not None]
+    if len(measured) == len(rates) and batch_rate and sum(measured) / len(measured) > batch_rate:
+        return "alone"
+    return "probe" if probe_due else "batched"
+
+
+def _average(mean: float, value: float) -> float:
+    """A moving average that follows the last few values (the first one sets it)."""
+    return value if mean == 0.0 else 0.5 * mean + 0.5 * value
 
 
 def _log_line(job: Job, usage: Usage, reason: str, now: float, drafted: int = 0, accepted: int = 0) -> None:
