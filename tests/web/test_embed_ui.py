@@ -244,8 +244,10 @@ def test_demo_page_says_a_number_field_it_cannot_read(page: Any, models: dict[st
 
 def test_demo_page_prompt_lookup_field_speculates(page: Any, serve_model: Any) -> None:
     """The panel's prompt lookup field reaches the request: on a prompt that repeats itself the model's
-    drafts are checked several a run (the speed line says how many were taken), and the tokens are the
-    embed API's with the same option."""
+    drafts are checked several a run, and the speed line says how many were taken (the folder's default
+    is no speculation, so without the field there are none). Tokens are not compared: on the q8 graph a
+    check of several positions rounds its activations otherwise than one at a time, and how many a round
+    checks follows the clock (README, "Speculative decoding")."""
     demo = ROOT / "models" / "demo"
     url = serve_model("demo", demo)
     prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"
@@ -256,20 +258,17 @@ def test_demo_page_prompt_lookup_field_speculates(page: Any, serve_model: Any) -
     page.fill("#max-new-tokens", "48")
     page.click("#settings summary")
     page.select_option("#do-sample", "false")
+    page.click("#generate")  # first without the field: no drafts
+    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+    assert page.text_content("#error") == ""
+    assert "speculative" not in page.text_content("#stat-speed")
+    assert page.get_attribute("#prompt-lookup", "placeholder") == "0"  # the folder's default: off
     page.fill("#prompt-lookup", "8")
     assert "promptLookupNumTokens 8" in page.text_content("#settings-summary")
     page.click("#generate")
-    page.wait_for_selector("#output[data-tokens], #error:not(:empty)", timeout=120_000)
+    page.wait_for_function("document.getElementById('stat-speed').textContent.includes('speculative')",
+                           timeout=120_000)
     assert page.text_content("#error") == ""
-    assert page.get_attribute("#prompt-lookup", "placeholder") == "0"  # the folder's default: off
-    expected = page.evaluate("""async ([url, prompt]) => {
-      const { load } = await import('./ortpipe.js');
-      const pipe = await load(url, { device: 'wasm' });
-      const { tokens, timings } = await pipe.generate({ prompt, maxNewTokens: 48, doSample: false,
-                                                        promptLookupNumTokens: 8 });
-      pipe.dispose();
-      return { tokens, drafted: timings.draftedTokens };
-    }""", [url, prompt])
-    assert expected["drafted"] > 0
-    assert page.get_attribute("#output", "data-tokens") == ",".join(map(str, expected["tokens"]))
-    assert re.search(r"tok/s \(speculative: \d+ of \d+ drafts taken\)", page.text_content("#stat-speed"))
+    taken = re.search(r"tok/s \(speculative: (\d+) of (\d+) drafts taken\)", page.text_content("#stat-speed"))
+    assert taken and int(taken.group(2)) > 0
+    assert page.get_attribute("#output", "data-tokens")
