@@ -1089,23 +1089,31 @@ def test_a_request_alone_speculates_and_concurrent_ones_batch(layout: str, folde
         assert got == pipe.generate(prompt, max_new_tokens=max_tokens, **options).text
 
 
-def test_a_speculating_conversation_continues_its_cached_prompt(folder: Path, pipe: Any) -> None:
+@pytest.fixture
+def unclocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft lengths from the guessed costs of runs, not from the clock (tests/test_speculative.py): whether
+    a round drafts then does not depend on how busy the machine is."""
+    from ortpipe.loops.speculative import DraftLength
+
+    monkeypatch.setattr(DraftLength, "timed", lambda *_: None)
+    monkeypatch.setattr(DraftLength, "drafted", lambda *_: None)
+
+
+def test_a_speculating_conversation_continues_its_cached_prompt(folder: Path, pipe: Any,
+                                                                unclocked: None) -> None:
     """Prompt lookup keeps the prompt cache: the next turn prefills only its new tokens, and speculates."""
     with served(folder, settings={"prompt_lookup_num_tokens": 8}) as s:
         client = s.client(max_retries=0)
         first = [{"role": "user", "content": "def read_config(path):\n    return path\n" * 2}]
         r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=24, temperature=0)
         second = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
-                  {"role": "user", "content": "Again."}]
+                  {"role": "user", "content": "def read_config(path):\n    return path\n" * 2}]
         drafted = _drafted(s)
-        r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=24, temperature=0.7,
-                                            seed=3)
+        r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=24, temperature=0)
         cached = r2.usage.prompt_tokens_details.cached_tokens
         assert cached >= len(pipe.tokenizer.encode(render(folder, first)))
         assert _drafted(s) > drafted
-    expected = pipe.generate(render(folder, second), max_new_tokens=24, do_sample=True, temperature=0.7,
-                             seed=3)
-    assert r2.choices[0].message.content == expected.text
+    assert r2.choices[0].message.content == alone(pipe, render(folder, second), 24)[0]
 
 
 @pytest.fixture(scope="module")
@@ -1123,7 +1131,7 @@ def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_a_prediction_is_drafted_and_changes_no_token(demo_fp32: Path) -> None:
+def test_a_prediction_is_drafted_and_changes_no_token(demo_fp32: Path, unclocked: None) -> None:
     """Predicted Outputs: the reply is the one the request gives without (greedy and seeded sampled), and
     the prediction's drafts are counted in the usage; a wrong prediction has none taken. On chat's route in
     OpenAI's API; the demo has no chat template, so /v1/completions (ortpipe's, as chat's)."""

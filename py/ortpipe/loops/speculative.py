@@ -94,24 +94,33 @@ class NgramIndex:
         self.from_reference = False  # whether the last proposal came from it
         self.ends: list[dict[tuple[int, ...], list[int]]] = []  # n-gram -> where it ends in the prediction
         self.followed = 0  # where in the prediction the last proposal from it began
+        self.at_text = 0  # the text's length then: the prediction's token `followed` was to come there
 
     def reset(self) -> None:
         self.last = [{} for _ in range(self.size)]
         self.indexed = 0
-        self.followed = 0
+        self.followed = self.at_text = 0
 
     def predict(self, reference: list[int]) -> None:
         """Propose from `reference` first, the text the generation is expected to write (a server's
-        Predicted Outputs): what follows the longest n-gram ending the text, at its first occurrence
-        from where the last proposal from it began on (else its first)."""
+        Predicted Outputs): where the text went on as the last proposal from it said, what comes next
+        there; else what follows the longest n-gram ending the text, at its first occurrence from where
+        the last proposal began on (else its first)."""
         self.reference = list(reference)
         self.ends = [{} for _ in range(self.size)]
         for i in range(len(reference)):
             for n in range(1, min(self.size, i + 1) + 1):
                 self.ends[n - 1].setdefault(tuple(reference[i - n + 1 : i + 1]), []).append(i)
-        self.followed = 0
+        self.followed = self.at_text = 0
 
     def _predicted(self, tokens: list[int], k: int) -> list[int]:
+        went = len(tokens) - self.at_text  # tokens the text took since the last proposal from the prediction
+        if self.at_text and 0 < went and self.followed + went < len(self.reference) and (
+                tokens[self.at_text :] == self.reference[self.followed : self.followed + went]):
+            self.followed += went
+            self.at_text = len(tokens)
+            self.matched = self.size
+            return self.reference[self.followed : self.followed + k]
         for n in range(min(self.size, len(tokens)), 0, -1):
             ends = self.ends[n - 1].get(tuple(tokens[-n:]))
             if not ends:
@@ -119,7 +128,7 @@ class NgramIndex:
             at = bisect_left(ends, self.followed - 1)
             end = ends[at] if at < len(ends) else ends[0]
             if end + 1 < len(self.reference):
-                self.followed = end + 1
+                self.followed, self.at_text = end + 1, len(tokens)
                 self.matched = n
                 return self.reference[end + 1 : end + 1 + k]
         return []

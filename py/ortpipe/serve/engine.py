@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..config.settings import BY_NAME
 from ..errors import ConfigError, GenerationError
 from ..loops.batched import Batch, batchable
 from ..loops.speculative import cannot_verify
@@ -257,7 +258,7 @@ class Batched(TimeSliced):
         defaults: dict[str, Any] | None = None,
     ):
         super().__init__(pipe, max_rows, cache_size, metrics, leave, defaults)
-        self.batch = Batch(pipe.plan, pipe.model.backend, self.cache.length, max_rows)
+        self.batch = self._new_batch()
         self.fresh: list[Job] = []  # admitted, to prefill together at the next step
         self.batch_rate = 0.0  # tokens a second of the batched steps, all rows together (a moving average)
         self.alone_rates: dict[Job, float] = {}  # tokens a second of a speculating row's bursts alone
@@ -303,7 +304,7 @@ class Batched(TimeSliced):
         try:
             tokens = self.pipe.driver.drive(self.batch.step())
         except Exception as e:  # every row of the failed run ends; the next requests start a new batch
-            self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length, self.max_rows)
+            self.batch = self._new_batch()
             for job, row in list(self.open.items()):
                 self._drop(job, row, e)
             return
@@ -316,6 +317,9 @@ class Batched(TimeSliced):
             if row.request.done:
                 self._leave_batch(row)
             self._advanced(job, row, chunks)
+
+    def _new_batch(self) -> Batch:
+        return Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length, self.max_rows)
 
     def _cancel(self) -> None:
         """Rows whose clients left end, and leave the batch."""
@@ -349,7 +353,7 @@ class Batched(TimeSliced):
             if row.gen.core in self.batch.rows:
                 self.pipe.driver.drive(self.batch.leave(row.gen.core))
         except Exception as e:  # its cache may be half copied: it ends, and a new batch starts
-            self.batch = Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length, self.max_rows)
+            self.batch = self._new_batch()
             self._drop(job, row, e)
             return
         try:
@@ -362,14 +366,16 @@ class Batched(TimeSliced):
         self._advanced(job, row, chunks)
 
     def _finish(self, job: Job, row: Row, reason: str) -> None:
-        self.alone_rates.pop(job, None)
-        self.probed.pop(job, None)
+        self._forget(job)
         super()._finish(job, row, reason)
 
     def _drop(self, job: Job, row: Row, error: Exception) -> None:
+        self._forget(job)
+        super()._drop(job, row, error)
+
+    def _forget(self, job: Job) -> None:
         self.alone_rates.pop(job, None)
         self.probed.pop(job, None)
-        super()._drop(job, row, error)
 
     def _rejoin(self) -> None:
         """Rows that ran alone (speculating) join the batch again before it steps."""
@@ -505,12 +511,17 @@ def _param(setting: str | None, completion: Any) -> str | None:
 # --- the engine ------------------------------------------------------------------------------------------
 
 
+def _flags(settings: dict[str, Any]) -> str:
+    """The command's flags that gave these settings (the settings table's)."""
+    return ", ".join(BY_NAME[name].flag for name in sorted(settings))
+
+
 def check_speculation(pipe: Any, settings: dict[str, Any]) -> None:
     """The server's speculative decoding settings, checked against the model before any request: values,
     a model whose decoder can check drafts, one drafter; the draft model loaded."""
     if not settings:
         return
-    named = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(settings))
+    named = _flags(settings)
     try:
         search = settings_for(pipe.config.generation.settings, settings)
     except GenerationError as e:
@@ -627,9 +638,8 @@ class Engine:
             scheduler: Scheduler
             if serves != "completions":
                 if self.settings:
-                    flags = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(self.settings))
-                    raise ConfigError(f"{flags}: this server's model makes {serves}, not text, and has no "
-                                      "tokens to draft")
+                    raise ConfigError(f"{_flags(self.settings)}: this server's model makes {serves}, not "
+                                      "text, and has no tokens to draft")
                 scheduler = Outputs(pipe, self.max_batch, self.metrics, self._leave, self.model)
             else:
                 check_speculation(pipe, self.settings)

@@ -136,7 +136,7 @@ class PromptCache:
         server's, else PREDICTION_DRAFTS tokens a round at most."""
         if c.prediction is None:
             return None
-        if self.defaults.get("draft_model") or self.pipe.config.generation.settings.draft_model:
+        if self._drafts_with_model:
             raise InvalidRequest("This server drafts with a draft model (--draft-model, or its config's "
                                  "speculative.draft_model): it cannot draft a prediction.", "prediction",
                                  "unsupported_value")
@@ -157,10 +157,15 @@ class PromptCache:
                                  "prediction", "invalid_value")
         return ids
 
+    @property
+    def _drafts_with_model(self) -> bool:
+        """The server drafts with a draft model (its flag or its config's)."""
+        return bool(self.defaults.get("draft_model") or self.pipe.config.generation.settings.draft_model)
+
     def _own_lookup(self, tokens: int) -> dict[str, Any]:
         """A request's prompt_lookup_num_tokens: prompt lookup drafting at most that many, or (0) no
         speculation, whatever the server drafts by; a server that drafts with a model keeps it."""
-        if self.defaults.get("draft_model") or self.pipe.config.generation.settings.draft_model:
+        if self._drafts_with_model:
             raise InvalidRequest(
                 "This server drafts with a draft model (--draft-model, or its config's "
                 "speculative.draft_model): 'prompt_lookup_num_tokens' cannot be set per request.",
