@@ -520,12 +520,14 @@ def test_twenty_concurrent_streams_each_equal_the_request_alone(folder: Path, pi
         (f"def task_{i}(queue):", 100 - 3 * i, {"temperature": 0} if i % 4 else {**sampled, "seed": i})
         for i in range(20)
     ]
+    start = threading.Barrier(len(requests))  # the clients send together, so that some wait together
     with served(folder, max_batch=4, max_queue=32, delay=0.002) as s:
         client = s.client(max_retries=0)
 
         def stream(request: tuple[str, int, dict]) -> tuple[str, str | None]:
             prompt, max_tokens, settings = request
             messages = [{"role": "user", "content": prompt}]
+            start.wait(timeout=60)
             text, finish, _ = chat_text(
                 client.chat.completions.create(
                     model=MODEL, messages=messages, max_tokens=max_tokens, stream=True, **settings
