@@ -1170,8 +1170,12 @@ def test_speculating_rows_run_alone_when_alone_they_make_more_tokens_a_second() 
     assert alone_or_batched([500.0, 400.0], 300.0, False) == "alone"  # extractive: alone beats the batch
     assert alone_or_batched([200.0, 250.0], 300.0, False) == "batched"
     assert alone_or_batched([200.0, 250.0], 300.0, True) == "probe"  # a rate measured again now and then
-    assert alone_or_batched([500.0, None], 300.0, False) == "batched"  # one not measured yet
-    assert alone_or_batched([500.0, None], 300.0, True) == "probe"
+    assert alone_or_batched([500.0, None], 300.0, False) == "alone"  # one not measured yet goes by the other
+    assert alone_or_batched([200.0, None], 300.0, False) == "batched"
+    assert alone_or_batched([200.0, None], 300.0, True) == "probe"
+    assert alone_or_batched([None, None], 300.0, False) == "batched"  # nothing measured: nothing to choose by
+    assert alone_or_batched([None, None], 300.0, True) == "probe"
+    assert alone_or_batched([500.0, 400.0], 0.0, False) == "batched"  # the batch's rate not known yet
 
 
 def test_a_draft_model_serves_and_per_request_lookup_is_refused_then(folder: Path, pipe: Any) -> None:

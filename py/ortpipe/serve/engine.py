@@ -247,9 +247,10 @@ class Batched(TimeSliced):
     Requests that speculate (prompt lookup or a draft model) run their own speculative rounds out of the
     batch, several tokens a run, a burst each a step: one that is the only one open; and all of them, when
     every open request speculates and, measured alone, they made more tokens a second than the batch
-    makes for all its rows (extractive work: a prompt or a prediction the text copies). Otherwise they are
-    rows of the batch, one token a run each, and every PROBE_EVERY batched steps one of them runs a burst
-    alone, so that its rate is known. A row that ran alone joins the batch again before the batch steps.
+    makes for all its rows (extractive work: a prompt or a prediction the text copies; rows not measured
+    yet go by those that are). Otherwise they are rows of the batch, one token a run each, and one of them
+    runs a burst alone FIRST_PROBE batched steps after none is measured and every PROBE_EVERY after that,
+    so that their rates are known. A row that ran alone joins the batch again before the batch steps.
     Either way a request's tokens are the ones it makes alone (speculation keeps greedy and seeded sampled
     tokens)."""
 
@@ -336,8 +337,11 @@ class Batched(TimeSliced):
         rows = list(self.open.items())
         if not rows or self.fresh or any(row.request.gen.speculator is None for _, row in rows):
             return []
-        choice = alone_or_batched([self.alone_rates.get(job) for job, _ in rows], self.batch_rate,
-                                  self.since_probe >= PROBE_EVERY)
+        rates = [self.alone_rates.get(job) for job, _ in rows]
+        # the first probe comes as soon as the batch's rate is known: until one row is measured, there is
+        # nothing to choose by
+        due = FIRST_PROBE if all(rate is None for rate in rates) else PROBE_EVERY
+        choice = alone_or_batched(rates, self.batch_rate, self.since_probe >= due)
         if choice == "probe":  # the row measured longest ago (or never) runs alone once
             self.since_probe = 0
             return [min(rows, key=lambda item: (item[0] in self.alone_rates, self.probed.get(item[0], 0)))]
@@ -348,7 +352,6 @@ class Batched(TimeSliced):
         if job not in self.open:  # a row of this turn that ended in an earlier one's
             return
         self.probed[job] = self.metrics.steps
-        start = time.perf_counter()
         try:
             if row.gen.core in self.batch.rows:
                 self.pipe.driver.drive(self.batch.leave(row.gen.core))
@@ -356,6 +359,7 @@ class Batched(TimeSliced):
             self.batch = self._new_batch()
             self._drop(job, row, e)
             return
+        start = time.perf_counter()  # the rate of its bursts, not of copying its cache out of the batch
         try:
             chunks = self.pipe.driver.drive(row.request.advance())
         except Exception as e:  # a failing run ends its own request only
@@ -465,16 +469,17 @@ class Outputs(Slots):
 
 
 PROBE_EVERY = 16  # batched steps of speculating rows between one of them running a burst alone
+FIRST_PROBE = 2  # batched steps before the first, while no row's rate alone is known
 
 
 def alone_or_batched(rates: list[float | None], batch_rate: float, probe_due: bool) -> str:
     """How rows that all speculate run this step, from each one's tokens a second alone (None: not measured
     yet) and the batch's for all its rows: "alone" (each its own burst), "probe" (one runs alone, to
-    measure it), or "batched"."""
+    measure it), or "batched". Rows not measured yet go by the others: run alone, they are measured."""
     if len(rates) == 1:
         return "alone"
     measured = [rate for rate in rates if rate is not None]
-    if len(measured) == len(rates) and batch_rate and sum(measured) / len(measured) > batch_rate:
+    if measured and batch_rate and sum(measured) / len(measured) > batch_rate:
         return "alone"
     return "probe" if probe_due else "batched"
 
