@@ -543,7 +543,6 @@ def check_speculation(pipe: Any, settings: dict[str, Any]) -> None:
         raise ConfigError(f"--draft-model {settings.get('draft_model')}: {e}") from None
 
 
-
 class Engine:
     """Loads the model on its own thread, then admits queued jobs into the scheduler and steps it."""
 
