@@ -43,6 +43,16 @@ def argmax_last(elem: int) -> onnx.GraphProto:
         [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
 
 
+def argmax_all(elem: int) -> onnx.GraphProto:
+    """logits [batch, seq, vocab] -> tokens int64 [batch, seq]: the argmax of every position (a batch's
+    rows checking drafted tokens, greedy)."""
+    nodes = [helper.make_node("ArgMax", ["logits"], ["tokens"], axis=-1, keepdims=0)]
+    return helper.make_graph(
+        nodes, "argmax_all",
+        [helper.make_tensor_value_info("logits", elem, ["batch", "seq", "vocab"])],
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "seq"])])
+
+
 def narrow(elem: int) -> onnx.GraphProto:
     """x, start [1], end [1], axis [1] -> x[start:end] along `axis` (cache windows and rewinds)."""
     nodes = [helper.make_node("Slice", ["x", "start", "end", "axis"], ["y"])]
@@ -87,6 +97,30 @@ def put_rows(elem: int) -> onnx.GraphProto:
          _rank4("values", elem, ["k", "heads", "p", "size"]),
          helper.make_tensor_value_info("length", TensorProto.INT64, [1])],
         [_rank4("y", elem, ["n", "heads", "positions", "size"])])
+
+
+def gather_seq(elem: int) -> onnx.GraphProto:
+    """x [n, heads, positions, size], index [n, w] -> y [n, heads, w, size] with
+    y[r, :, j] = x[r, :, index[r, j]]: each row of a batch's concat KV cache keeps its own positions (rows
+    that accepted different numbers of drafted tokens lined up on the right again)."""
+    nodes = [
+        _const("axes", [1, 3]), _const("zero", [0]), _const("one", [1]), _const("two", [2]),
+        _const("three", [3]), _const("four", [4]),
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("Shape", ["index"], ["ishape"]),
+        helper.make_node("Slice", ["xshape", "zero", "two"], ["rows_heads"]),
+        helper.make_node("Slice", ["ishape", "one", "two"], ["width"]),
+        helper.make_node("Slice", ["xshape", "three", "four"], ["size"]),
+        helper.make_node("Concat", ["rows_heads", "width", "size"], ["shape"], axis=0),
+        helper.make_node("Unsqueeze", ["index", "axes"], ["index4"]),
+        helper.make_node("Expand", ["index4", "shape"], ["wide"]),
+        helper.make_node("GatherElements", ["x", "wide"], ["y"], axis=2),
+    ]
+    return helper.make_graph(
+        nodes, "gather_seq",
+        [_rank4("x", elem, ["n", "heads", "positions", "size"]),
+         helper.make_tensor_value_info("index", TensorProto.INT64, ["n", "w"])],
+        [_rank4("y", elem, ["n", "heads", "w", "size"])])
 
 
 def _concat(axis: int) -> Callable[[int], onnx.GraphProto]:
@@ -417,12 +451,14 @@ def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
 # name -> (builder, element types it is built for); stages over float32 scores are built once.
 KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
+    "argmax_all": (argmax_all, tuple(FLOAT_TYPES)),
     "narrow": (narrow, (*FLOAT_TYPES, "int64")),
     "concat0": (_concat(0), tuple(FLOAT_TYPES)),
     "concat1": (_concat(1), tuple(FLOAT_TYPES)),
     "concat_last": (_concat(-1), tuple(FLOAT_TYPES)),
     "pad": (pad, tuple(FLOAT_TYPES)),
     "put_rows": (put_rows, tuple(FLOAT_TYPES)),
+    "gather_seq": (gather_seq, tuple(FLOAT_TYPES)),
     "process": (process, tuple(FLOAT_TYPES)),
     "top_k": (top_k, ("float32",)),
     "top_p": (top_p, ("float32",)),

@@ -192,3 +192,71 @@ def test_rows_prefilled_together_give_what_they_give_alone(
     assert got == alone
     with pytest.raises(GenerationError, match="fresh generator"):
         pipe.driver.drive(batch.prefill([gens[0]]))  # prefilled already
+
+
+@pytest.mark.parametrize("model", ["llama_concat", "gpt2_optimum"])
+def test_rows_that_check_drafts_together_give_what_they_give_alone(
+    model: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concat rows check their drafted tokens in one run (`speculate`), each row its own number of positions,
+    padded to the longest: every row's tokens equal those it gives alone without speculation (fp32 graphs),
+    greedy, seeded sampled, with a penalty, a row that does not speculate beside them, rows that stop at
+    their budget inside an accepted run, and a row that leaves and goes on alone."""
+    folder = request.getfixturevalue(model)
+    pipe = ortpipe.load(folder, threads=1)
+    ids = prompt_ids(Path(folder))
+    loop = ids[:12] * 4  # a prompt that repeats itself: prompt lookup drafts, and the model copies some
+    jobs = [
+        (loop[:40], {"do_sample": False}, 30),
+        (ids[5:20] * 3, {"do_sample": True, "seed": 3, "top_k": 20}, 27),
+        (loop[3:30], {"do_sample": False, "repetition_penalty": 1.2}, 33),
+        (ids[40:52] * 2, {"do_sample": False}, 25),  # no speculation: one position a run
+        (loop[:9], {"do_sample": False}, 31),
+    ]
+    alone = [pipe.generate(prompt_ids=p, max_new_tokens=n, **s).tokens for p, s, n in jobs]
+    widths: list[tuple[int, int]] = []  # (rows, positions) of each run of the decoder
+    execute = pipe.driver.execute
+
+    def noted(work: Any) -> Any:
+        if isinstance(work, Run) and work.session == pipe.plan.fused.session:
+            widths.append(tuple(work.feeds[pipe.plan.fused.ids[0]].shape))
+        return execute(work)
+
+    batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)
+    assert batch.verifies_together
+    gens = []
+    for i, (prompt, settings, _) in enumerate(jobs):
+        lookup = {} if i == 3 else {"prompt_lookup_num_tokens": 6}
+        gens.append(prefilled(pipe, prompt, **settings, **lookup))
+    for gen in gens[:4]:
+        pipe.driver.drive(batch.join(gen))
+    budget = {id(gen): n for gen, (_, _, n) in zip(gens, jobs, strict=True)}
+    steps = 0
+    while len(batch):
+        if steps == 3:
+            pipe.driver.drive(batch.join(gens[4]))  # joins between speculative steps
+        new = drive(batch.speculate([budget[id(g)] - g.generated for g in batch.rows]), noted)
+        assert all(1 <= len(tokens) for tokens in new)
+        steps += 1
+        for gen in list(batch.rows):
+            if gen is gens[0] and steps == 4:  # leaves early, and goes on alone from the cache handed back
+                pipe.driver.drive(batch.leave(gen))
+            elif gen.generated >= budget[id(gen)] or gen.done:
+                assert gen.generated == budget[id(gen)] or gen.done  # a burst never runs past the budget
+                pipe.driver.drive(batch.leave(gen))
+    first = gens[0]
+    while first.generated < budget[id(first)] and not first.done:
+        pipe.driver.drive(first.next_tokens(budget[id(first)] - first.generated))
+    got = [gen.tokens[len(p) : len(p) + n] for gen, (p, _, n) in zip(gens, jobs, strict=True)]
+    assert got == alone
+    assert any(rows > 1 and positions > 1 for rows, positions in widths)  # rows checked drafts together
+    assert sum(g.speculator.accepted for g in gens if g.speculator) > 0
+    assert gens[3].speculator is None
+
+
+def test_a_shared_buffer_batch_does_not_check_drafts_together(llama_builder_fp32: Path) -> None:
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)
+    assert not batch.verifies_together
+    with pytest.raises(GenerationError, match="cannot check drafted tokens together"):
+        pipe.driver.drive(batch.speculate([]))

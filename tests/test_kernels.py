@@ -46,6 +46,15 @@ def test_cpython_native_twins_equal_the_kernel_graphs() -> None:
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, 4, 50)).astype(np.float32)
     assert np.array_equal(NATIVE_KERNELS["argmax_last"](logits)[0], run("argmax_last_float32", logits=logits))
+    tokens = run("argmax_all_float32", logits=logits)
+    assert np.array_equal(NATIVE_KERNELS["argmax_all"](logits)[0], tokens)
+    assert np.array_equal(tokens, logits.argmax(-1)) and tokens.shape == (3, 4)
+    cache = rng.standard_normal((3, 2, 9, 4)).astype(np.float16)
+    index = np.array([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8], [8, 2, 0, 5, 5]])
+    picked = run("gather_seq_float16", x=cache, index=index)
+    assert np.array_equal(NATIVE_KERNELS["gather_seq"](x=cache, index=index)[0], picked)
+    for r in range(3):
+        assert np.array_equal(picked[r], cache[r][:, index[r]])
     for shape, axis in (((1, 2, 9, 4), 2), ((2, 1, 2, 7, 3), 3)):
         x = rng.standard_normal(shape).astype(np.float16)
         for start, end in ((-5, 2**62), (0, 3)):

@@ -41,14 +41,19 @@ MODEL = "llama"
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def folder(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def with_template(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of a model folder, named MODEL, whose tokenizer config has TEMPLATE as its chat template."""
     folder = tmp_path_factory.mktemp("serve") / MODEL
-    shutil.copytree(llama_builder_fp32, folder)
+    shutil.copytree(source, folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="module")
+def folder(llama_builder_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_template(llama_builder_fp32, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -1089,6 +1094,83 @@ def test_a_request_alone_speculates_and_concurrent_ones_batch(layout: str, folde
     for (prompt, max_tokens, settings), got in zip(requests, texts, strict=True):
         options = {"do_sample": True, **settings} if "seed" in settings else {}
         assert got == pipe.generate(prompt, max_new_tokens=max_tokens, **options).text
+
+
+@pytest.fixture(scope="module")
+def concat_folder(llama_concat: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Optimum's concat export with the chat template of `folder`."""
+    return with_template(llama_concat, tmp_path_factory)
+
+
+def test_concurrent_speculating_requests_check_their_drafts_in_one_run(
+        concat_folder: Path, monkeypatch: pytest.MonkeyPatch, unclocked: None) -> None:
+    """On a concat cache (Optimum's exports) speculating requests that are rows of the batch check their
+    drafts together, several positions a row in one run. Each text equals the request alone without
+    speculation, a stop string inside an accepted run included (the tokens after it are taken back), and so
+    does the next request that continues one of them from the prompt cache. The drafts are each reply's
+    prediction (the reply alone), so that runs of many tokens are accepted."""
+    from ortpipe.loops.batched import Batch
+    from ortpipe.serve.engine import Batched
+
+    pipe = ortpipe.load(concat_folder, threads=1)
+    monkeypatch.setattr(Batched, "_speculating_turn", lambda self: [])  # never alone: rows of the batch
+    checked: list[list[int]] = []
+    taken_back: list[int] = []
+    verify, take_back = Batch._verify, Batched._take_back
+
+    def noted(self: Batch, drafts: list[list[int]]) -> Any:
+        checked.append([len(d) for d in drafts])
+        return (yield from verify(self, drafts))
+
+    def counted(self: Batched, job: Any, row: Any, n: int) -> None:
+        taken_back.append(n)
+        take_back(self, job, row, n)
+
+    monkeypatch.setattr(Batch, "_verify", noted)
+    monkeypatch.setattr(Batched, "_take_back", counted)
+    asks = [[{"role": "user", "content": f"# {i}\ndef spam(eggs):\n    return eggs + 1\n"}] for i in range(4)]
+    plain = [alone(pipe, render(concat_folder, m), 48)[0] for m in asks]
+
+    def late_stop(text: str) -> str:  # a piece of the text first found past its first quarter
+        for at in range(len(text) // 4, len(text) - 1):
+            for n in (3, 2, 1):
+                piece = text[at : at + n]
+                if len(piece) == n and "\ufffd" not in piece and text.find(piece) == at:
+                    return piece
+        raise AssertionError(f"no stop string for {text!r}")
+
+    stops = [late_stop(text) if i % 2 else None for i, text in enumerate(plain)]
+    expected = [alone(pipe, render(concat_folder, m), 48, **({"stop": [x]} if x else {}))[0]
+                for m, x in zip(asks, stops, strict=True)]
+    with served(concat_folder, max_batch=4, max_queue=16, settings={"prompt_lookup_num_tokens": 8}) as s:
+        client = s.client(max_retries=0)
+        step = s.engine.scheduler.step
+        deadline = time.monotonic() + 10
+
+        def gathered() -> None:  # the batch steps once the four requests are open
+            if s.engine.scheduler.rows < 4 and not checked and time.monotonic() < deadline:
+                time.sleep(0.01)  # the engine admits the next ones, then steps again
+                return
+            step()
+
+        s.engine.scheduler.step = gathered
+
+        def complete(i: int) -> str:
+            r = client.chat.completions.create(model=MODEL, messages=asks[i], max_tokens=48, temperature=0,
+                                               prediction={"type": "content", "content": plain[i]},
+                                               **({"stop": [stops[i]]} if stops[i] else {}))
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, range(4)))
+        s.engine.scheduler.step = step
+        follow = [*asks[1], {"role": "assistant", "content": got[1]}, {"role": "user", "content": "again"}]
+        again = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=16, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0  # it continued request 1's cache
+    assert got == expected
+    assert again.choices[0].message.content == alone(pipe, render(concat_folder, follow), 16)[0]
+    assert any(sum(1 for n in row if n) > 1 for row in checked)  # several rows checked drafts in one run
+    assert taken_back  # a stop string inside an accepted run
 
 
 @pytest.fixture

@@ -17,6 +17,12 @@ Rows may have different lengths. Two cache layouts are batched:
   leaves, its padding is cut off, and the columns every remaining row pads are dropped.
 Either way a row attends to exactly what it would alone. Other plans are served one request at a
 time.
+
+Rows that speculate check their drafts together on a concat cache (`speculate`): each row's pending token
+and drafts in one run, right-padded with masked positions to the longest, and each row keeps what its
+speculator accepts; a gather kernel then keeps each row's accepted positions, lined up on the right again.
+A shared buffer's GroupQueryAttention takes several new tokens over a past for one row only, so its rows
+speculate alone (serve/engine.py chooses).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..plan import CacheEntry, Plan
 from ..state.kv import END, narrow_seq
 from .autoregressive import TokenGenerator
+from .speculative import cannot_verify, verify_picks
 
 
 def batchable(plan: Plan) -> str | None:
@@ -333,6 +340,122 @@ class Batch:
         for gen, token in zip(rows, tokens, strict=True):
             gen.end_external([token])
         return tokens
+
+    @property
+    def verifies_together(self) -> bool:
+        """Whether rows check drafted tokens together, each its own number of positions in one run
+        (`speculate`): a concat cache [rows, heads, positions, size] whose graph gives every position's
+        logits. A shared buffer's GroupQueryAttention takes several new tokens over a past for one row
+        only (onnxruntime: "batch_size must be 1 when sequence_length > 1 and past context is given")."""
+        return (not self.shared and cannot_verify(self.plan) is None
+                and all(len(e.shape) == 4 and e.seq_axis == 2 for e in self.entries))
+
+    def speculate(self, budgets: list[int | None]) -> Work:
+        """One step in which rows that speculate check their drafts (a batch that `verifies_together`): each
+        row's pending token and its speculator's drafts (none for a row that does not speculate or drafts
+        nothing this step) in one run, padded to the longest; each row keeps the tokens its speculator
+        accepts, and its cache the positions they fed. A plain `step` when no row drafts. `budgets`: the
+        new tokens each row's request may still take (None: no limit). Returns each row's new tokens."""
+        if not self.verifies_together:
+            raise GenerationError("this batch's rows cannot check drafted tokens together: its decoder's "
+                                  "cache is not a concat cache, or it gives the last position's logits only")
+        drafts: list[list[int]] = []
+        for gen, budget in zip(self.rows, budgets, strict=True):
+            drafts.append([] if gen.speculator is None else (yield from gen.speculator.drafts(gen, budget)))
+        if any(drafts):
+            new = yield from self._verify(drafts)
+        else:
+            new = [[token] for token in (yield from self.step())]
+        for gen, drafted, tokens in zip(self.rows, drafts, new, strict=True):
+            if gen.speculator is not None and not drafted:  # a plain step for it, counted as one
+                gen.speculator.stepped(gen.tokens[: len(gen.tokens) - len(tokens)], tokens)
+                gen.speculator.ran_plain(1)
+        return new
+
+    def _verify(self, drafts: list[list[int]]) -> Work:
+        """One run over every row's pending token and drafts, right-padded with masked positions; each row's
+        tokens; the cache cut back to the positions each row keeps (`_keep`)."""
+        rows, b, step = self.rows, self.backend, self.fused
+        width = 1 + max(len(d) for d in drafts)  # new positions a row
+        for gen in rows:
+            gen.begin_external()
+        try:
+            seen = [gen.flow.position for gen in rows]
+            ids: list[int] = []
+            mask: list[int] = []
+            positions: list[int] = []
+            for gen, drafted, p in zip(rows, drafts, seen, strict=True):
+                fed = [gen.pending[0], *drafted]
+                pad = width - len(fed)  # masked from every position; placed at the row's last
+                ids += fed + [fed[-1]] * pad
+                mask += [0] * (self.width - p) + [1] * (p + len(fed)) + [0] * pad
+                positions += list(range(p, p + len(fed))) + [p + len(fed) - 1] * pad
+            feeds = dict(self.cache)
+            feeds[step.ids[0]] = b.tensor(ids, (len(rows), width), step.ids[1])
+            feeds[step.mask[0]] = b.tensor(mask, (len(rows), self.width + width), step.mask[1])
+            feeds[step.positions[0]] = b.tensor(positions, (len(rows), width), step.positions[1])
+            label = f"batch step {self.steps}"
+            out = yield Run(step.session, feeds, step.outputs, None, label)
+            picks = yield from self._picks(out[step.logits], drafts, label)
+            new = []
+            for gen, drafted, p, picked in zip(rows, drafts, seen, picks, strict=True):
+                new.append((yield from gen.speculator.settle(gen, drafted, picked, p)) if drafted else picked)
+            yield from self._keep(out, seen, [len(tokens) for tokens in new], width)
+        except BaseException as e:
+            for gen in rows:
+                gen.fail_external(e)
+            raise
+        self.steps += 1
+        for gen, tokens in zip(rows, new, strict=True):
+            gen.end_external(tokens, fed=len(tokens))
+        return new
+
+    def _picks(self, logits: Handle, drafts: list[list[int]], label: str) -> Work:
+        """The model's choices at each row's checked positions (logits [rows, positions, vocab]): one argmax
+        over the batch for the rows that are plain greedy; each other row's through its sampler (all its
+        positions as a speculative round checks them; its first alone, as a step selects, when it drafted
+        nothing)."""
+        rows, dtype = self.rows, self._logits_dtype()
+        greedy: list[int] = []
+        if any(gen.sampler.settings.plain_greedy for gen in rows):
+            out = yield Run(kernel("argmax_all", dtype), {"logits": logits}, ("tokens",), None, label)
+            greedy = self.backend.to_list(out["tokens"])
+        width = 1 + max(len(d) for d in drafts)
+        picks = []
+        for i, (gen, drafted) in enumerate(zip(rows, drafts, strict=True)):
+            n = len(drafted) + 1
+            if gen.sampler.settings.plain_greedy:
+                picks.append(greedy[i * width : i * width + n])
+                continue
+            row = yield from self._rows(logits, dtype, [i])
+            row = yield from self._narrow(row, dtype, 1, 0, n)
+            gen.sampler.label = label
+            if drafted:
+                picks.append((yield from verify_picks(gen.sampler, row, drafted, gen.tokens, gen.generated)))
+            else:
+                picks.append([(yield from gen.sampler.select(row, gen.tokens, gen.generated))])
+        return picks
+
+    def _keep(self, out: dict[str, Handle], seen: list[int], kept: list[int], fed: int) -> Work:
+        """The presents of a run that fed several positions a row, as the batch's cache: each row's first
+        seen + kept positions, lined up on the right again (a gather of each row's positions; the columns
+        every row would pad are left out)."""
+        lengths = [p + k for p, k in zip(seen, kept, strict=True)]
+        width = max(lengths)
+        index = []
+        for p, n in zip(seen, lengths, strict=True):
+            pad, shift = width - n, self.width - p  # its padding now, and where its position 0 was
+            index += [0] * pad + list(range(shift, shift + n))
+        # every row kept every position it was fed: the presents as they are
+        whole = width == self.width + fed and all(k == fed for k in kept)
+        rows = self.backend.tensor(index, (len(seen), width), "int64")
+        for e in self.entries:
+            present = out[e.present_output]
+            if not whole:
+                feeds = {"x": present, "index": rows}
+                present = (yield Run(kernel("gather_seq", e.dtype), feeds, ("y",), None, "batch rows"))["y"]
+            self.cache[e.past_input] = present
+        self.width = width
 
     def _select(self, logits: Handle) -> Work:
         """Each row's token: one argmax over the batch when every row is plain greedy, else each row

@@ -482,29 +482,41 @@ class Speculator:
     def round(self, gen: TokenGenerator, budget: int | None) -> Work:
         """One round: draft, check with one run, keep what was accepted. Returns the new tokens, or
         None when this step drafts nothing (the caller runs a plain step)."""
+        drafts = yield from self.drafts(gen, budget)
+        if not drafts:
+            return None
+        flow, sampler = gen.flow, gen.sampler
+        start = flow.position
+        logits = yield from flow.run_iteration([gen.pending[0], *drafts])
+        sampler.label = flow.label
+        picks = yield from verify_picks(sampler, logits, drafts, gen.tokens, gen.generated)
+        tokens = yield from self.settle(gen, drafts, picks, start)
+        yield from roll_back(flow, start + len(tokens))
+        return tokens
+
+    def drafts(self, gen: TokenGenerator, budget: int | None) -> Work:
+        """The drafts of a round after `gen`'s pending token ([]: this step drafts none), no more than the
+        request's `budget` of new tokens and its max_length leave room for with the token after them."""
         room = gen.limits.max_length - len(gen.tokens)
         k = self.length.next(min(room, room if budget is None else budget) - 1)
         if self.draft is not None and k:
             k = self.drafting(k)
         if k == 0:
-            return None
-        flow, sampler = gen.flow, gen.sampler
+            return []
         if self.draft is not None:
-            drafts = yield from self.draft.propose(gen.tokens, k, self.eos, sampler, gen.generated)
-        else:
-            drafts = self.lookup(gen.tokens, k)
-        if not drafts:
-            return None
-        start = flow.position
-        logits = yield from flow.run_iteration([gen.pending[0], *drafts])
-        sampler.label = flow.label
-        picks = yield from verify_picks(sampler, logits, drafts, gen.tokens, gen.generated)
+            return (yield from self.draft.propose(gen.tokens, k, self.eos, gen.sampler, gen.generated))
+        return self.lookup(gen.tokens, k)
+
+    def settle(self, gen: TokenGenerator, drafts: list[int], picks: list[int], start: int) -> Work:
+        """The tokens a round keeps, from the model's picks at its len(drafts) + 1 positions: the drafts it
+        agrees with and its pick after them, cut after an eos. Counts them, draws their uniforms (sampling)
+        and rolls the draft model back; the caller keeps the model's cache up to the pending token and the
+        drafts kept: len(tokens) positions from `start`, the pending token's."""
         accepted = agreeing(drafts, picks)
         tokens = cut_at_eos([*drafts[:accepted], picks[accepted]], self.eos)
-        if sampler.settings.sampling:
-            sampler.skip(len(tokens))  # a uniform a token, as plain sampling draws them
+        if gen.sampler.settings.sampling:
+            gen.sampler.skip(len(tokens))  # a uniform a token, as plain sampling draws them
         self.update(len(drafts), min(accepted, len(tokens)))
-        yield from roll_back(flow, start + len(tokens))
         if self.draft is not None:
             yield from self.draft.roll_back(start + 1 + min(accepted, len(tokens)))
         return tokens

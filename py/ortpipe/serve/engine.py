@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from ..config.settings import BY_NAME
 from ..errors import ConfigError, GenerationError
+from ..execute.work import Work
 from ..loops.batched import Batch, batchable
 from ..loops.speculative import cannot_verify
 from ..sampling.settings import settings_for
@@ -244,15 +245,16 @@ class Batched(TimeSliced):
     together with fresh prompts prefill together, in one run, at the next step; one that continues a cached
     prompt prefills alone and joins.
 
-    Requests that speculate (prompt lookup or a draft model) run their own speculative rounds out of the
+    Requests that speculate (prompt lookup or a draft model) check their drafts in the batch's runs where it
+    checks them together (a concat cache: Batch.speculate), and run their own speculative rounds out of the
     batch, several tokens a run, a burst each a step: one that is the only one open; and all of them, when
     every open request speculates and, measured alone, they made more tokens a second than the batch
     makes for all its rows (extractive work: a prompt or a prediction the text copies; rows not measured
-    yet go by those that are). Otherwise they are rows of the batch, one token a run each, and one of them
-    runs a burst alone FIRST_PROBE batched steps after none is measured and every PROBE_EVERY after that,
-    so that their rates are known. A row that ran alone joins the batch again before the batch steps.
-    Either way a request's tokens are the ones it makes alone (speculation keeps greedy and seeded sampled
-    tokens)."""
+    yet go by those that are). Otherwise they are rows of the batch (one token a run each on a shared
+    buffer), and one of them runs a burst alone FIRST_PROBE batched steps after none is measured and every
+    PROBE_EVERY after that, so that their rates are known. A row that ran alone joins the batch again
+    before the batch steps. Either way a request's tokens are the ones it makes alone (speculation keeps
+    greedy and seeded sampled tokens)."""
 
     def __init__(
         self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None],
@@ -303,21 +305,39 @@ class Batched(TimeSliced):
         rows = {row.gen.core: (job, row) for job, row in self.open.items()}
         start = time.perf_counter()
         try:
-            tokens = self.pipe.driver.drive(self.batch.step())
+            new = self.pipe.driver.drive(self._batch_step([rows[gen][1] for gen in self.batch.rows]))
         except Exception as e:  # every row of the failed run ends; the next requests start a new batch
             self.batch = self._new_batch()
             for job, row in list(self.open.items()):
                 self._drop(job, row, e)
             return
         elapsed = (time.perf_counter() - start) * 1000
-        self.batch_rate = _average(self.batch_rate, len(tokens) / max(elapsed / 1000, 1e-6))
+        self.batch_rate = _average(self.batch_rate, sum(map(len, new)) / max(elapsed / 1000, 1e-6))
         self.since_probe += 1
-        for gen, token in zip(list(self.batch.rows), tokens, strict=True):
+        for gen, tokens in zip(list(self.batch.rows), new, strict=True):
             job, row = rows[gen]
-            chunks = row.request.accept([token], elapsed)
+            chunks = row.request.accept(tokens, elapsed)
             if row.request.done:
                 self._leave_batch(row)
+                if len(chunks) < len(tokens):  # a stop string before the last: the rest is not the request's
+                    self._take_back(job, row, len(tokens) - len(chunks))
             self._advanced(job, row, chunks)
+
+    def _batch_step(self, rows: list[Row]) -> Work:
+        """A step of the batch: speculating rows check their drafts in it where the batch checks them
+        together (a concat cache), else one token a row. Each row's new tokens."""
+        if self.batch.verifies_together and any(row.request.gen.speculator is not None for row in rows):
+            budgets = [None if row.request.max_new_tokens is None else
+                       row.request.max_new_tokens - len(row.request.tokens) for row in rows]
+            return (yield from self.batch.speculate(budgets))
+        return [[token] for token in (yield from self.batch.step())]
+
+    def _take_back(self, job: Job, row: Row, n: int) -> None:
+        try:
+            self.pipe.driver.drive(row.gen.core.take_back(n))
+        except Exception as e:  # its cache cannot be trusted: not kept for a later prompt
+            row.kept = False
+            log.warning("%s: taking back %d tokens after a stop string failed: %s", job.id, n, e)
 
     def _new_batch(self) -> Batch:
         return Batch(self.pipe.plan, self.pipe.model.backend, self.cache.length, self.max_rows)
