@@ -307,10 +307,17 @@ def _nested_graphs(depth: int) -> bytes:
     return _field(7, graph)
 
 
+def _every_value_info(model: onnxinfo.Model) -> onnxinfo.Model:
+    """The model, each of its graphs' value_info read (which a graph reads when first asked for)."""
+    for graph in (model.graph, *(sub for node, _ in model.graph.walk() for sub in node.subgraphs())):
+        assert isinstance(graph.value_info, tuple)
+    return model
+
+
 def _read(data: bytes) -> tuple[onnxinfo.Model | None, onnxinfo._Reader]:
     reader = onnxinfo._Reader(data, "fuzz.onnx")
     try:
-        return reader.model(), reader
+        return _every_value_info(reader.model()), reader
     except ConfigError as e:
         assert '"fuzz.onnx" is not a readable ONNX model' in str(e)
         return None, reader
@@ -425,7 +432,7 @@ def test_fuzz_only_config_errors_and_bounded_work() -> None:
         if case % 10 == 0:  # through a file: the same outcome, and reads bounded by the fields visited
             f = CountingFile(io.BytesIO(data), "fuzz.onnx")
             try:
-                assert (onnxinfo.read_model(f) is not None) == (model is not None)
+                assert (_every_value_info(onnxinfo.read_model(f)) is not None) == (model is not None)
             except ConfigError:
                 assert model is None
             assert f.reads <= 3 * reader.fields + 3
@@ -907,3 +914,27 @@ def test_merged_optimum_decoder_gives_its_config() -> None:
 def test_odd_phi3_half_rotary() -> None:
     facts = graphfacts.decoder_facts(onnxinfo.read_model(_extra("odd-phi3-builder-int4") / "model.onnx"))
     assert (facts.head_size, facts.rotary_dim) == (16, 8)
+
+
+def test_value_info_is_read_when_first_asked_for() -> None:
+    """A graph keeps its value_info as written and reads it when first asked for (graphfacts asks only when
+    a width is not known otherwise); a broken entry is then a ConfigError naming the file and the entry's
+    byte in it."""
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 3]) for n in "xy")
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y],
+                              value_info=[helper.make_tensor_value_info("t", TensorProto.INT64, [2, "m"])])
+    model = helper.make_model(graph)
+    read = onnxinfo.read_model(model.SerializeToString())
+    assert "value_info" not in vars(read.graph)  # not read yet
+    assert read.graph.value_info == (onnxinfo.ValueInfo("t", TensorProto.INT64, (2, "m")),)
+    shipped = onnxinfo.read_model(DEMO / "onnx" / "model_quantized.onnx")  # 1,580 value_info entries
+    assert graphfacts.decoder_facts(shipped).num_attention_heads and "value_info" not in vars(shipped.graph)
+    entry = b"\x0a\x01\xff"  # a ValueInfoProto whose name is not UTF-8
+    graph_bytes = model.graph.SerializeToString() + b"\x6a" + _varint(len(entry)) + entry
+    model.ClearField("graph")
+    data = model.SerializeToString() + b"\x3a" + _varint(len(graph_bytes)) + graph_bytes
+    broken = onnxinfo.read_model(data, "broken.onnx")
+    at = data.index(entry) + 2  # the name's bytes
+    with pytest.raises(ConfigError, match=rf'"broken.onnx" is not a readable ONNX model: a string that is not '
+                                          rf"UTF-8 in a ValueInfoProto \(at byte {at}\)"):
+        _ = broken.graph.value_info

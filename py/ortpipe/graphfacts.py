@@ -140,12 +140,10 @@ class _Scope:
     producers: dict[str, Node] = field(default_factory=dict)
     consumers: dict[str, list[Node]] = field(default_factory=dict)
     tensors: dict[str, Tensor] = field(default_factory=dict)  # initializers and Constant values
-    infos: dict[str, ValueInfo] = field(default_factory=dict)
+    infos: dict[str, ValueInfo] | None = None  # inputs, outputs and value_info: made when first looked up
 
     def __post_init__(self) -> None:
         self.tensors.update((t.name, t) for t in self.graph.initializers)
-        graph = self.graph
-        self.infos.update((v.name, v) for v in (*graph.inputs, *graph.outputs, *graph.value_info))
         for node in self.graph.nodes:
             for name in node.outputs:
                 if name:
@@ -169,7 +167,14 @@ class _Scope:
         return next((s.tensors[name] for s in self.chain() if name in s.tensors), None)
 
     def info(self, name: str) -> ValueInfo | None:
-        return next((s.infos[name] for s in self.chain() if name in s.infos), None)
+        return next((s.declared()[name] for s in self.chain() if name in s.declared()), None)
+
+    def declared(self) -> dict[str, ValueInfo]:
+        """The graph's declared types by name (its value_info is read on first use)."""
+        if self.infos is None:
+            graph = self.graph
+            self.infos = {v.name: v for v in (*graph.inputs, *graph.outputs, *graph.value_info)}
+        return self.infos
 
 
 class _Index:

@@ -17,7 +17,8 @@ Sparse initializers are not read.
 
 Anything that is not a well-formed ModelProto with a graph (truncated, random bytes, a length past
 its message's end, graphs nested deeper than MAX_GRAPH_DEPTH, a name over MAX_FIELD_BYTES) raises
-one `ConfigError` naming the file. Where no ONNX writer differs, this is stricter than protobuf: a
+one `ConfigError` naming the file (in a graph's value_info, which is read when first asked for:
+`Graph.value_info`). Where no ONNX writer differs, this is stricter than protobuf: a
 known field with the wrong wire type, or a name that is not UTF-8, is an error rather than an
 unknown field. Fields this reader skips are not checked inside. Every field read advances past at
 least one byte of the input, so reading is linear in the input's size.
@@ -29,6 +30,7 @@ import os
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import BinaryIO, NamedTuple
 
 from .errors import ConfigError
@@ -105,7 +107,20 @@ class Graph:
     outputs: tuple[ValueInfo, ...]
     nodes: tuple[Node, ...]
     initializers: tuple[Tensor, ...]
-    value_info: tuple[ValueInfo, ...] = ()
+    # each ValueInfoProto as written, (where it starts in the file, its bytes), and what errors call the file:
+    # value_info is read when first asked for (an exporter may write thousands that nothing here needs)
+    value_info_raw: tuple[tuple[int, bytes], ...] = field(default=(), repr=False, compare=False)
+    source: str = field(default="", repr=False, compare=False)
+
+    @cached_property
+    def value_info(self) -> tuple[ValueInfo, ...]:
+        """The graph's value_info entries, read and checked (a `ConfigError` naming the file) on first use."""
+        infos = []
+        for start, raw in self.value_info_raw:
+            reader = _Reader(raw, self.source)
+            reader.base, reader.size = start, start + len(raw)  # positions are the file's
+            infos.append(reader.value_info(_Span(start, start + len(raw))))
+        return tuple(infos)
 
     def walk(self) -> Iterator[tuple[Node, Graph]]:
         """(node, the graph it is in) for every node, subgraphs' nodes right after their parent's."""
@@ -401,7 +416,8 @@ class _Reader:
         name, what = "", "GraphProto"
         nodes: list[Node] = []
         initializers: list[Tensor] = []
-        infos: dict[int, list[ValueInfo]] = {11: [], 12: [], 13: []}  # input, output, value_info
+        infos: dict[int, list[ValueInfo]] = {11: [], 12: []}  # input, output
+        raw: list[tuple[int, bytes]] = []  # value_info, read on first use (Graph.value_info)
         fields = (f for span in spans for f in self.fields_of(span, what))
         for number, wire, value in fields:
             if number == 1:
@@ -412,8 +428,12 @@ class _Reader:
                 initializers.append(self.tensor(self.span(wire, value, number, what)))
             elif number in infos:
                 infos[number].append(self.value_info(self.span(wire, value, number, what)))
-        return Graph(name, tuple(infos[11]), tuple(infos[12]), tuple(nodes), tuple(initializers),
-                     tuple(infos[13]))
+            elif number == 13:
+                span = self.span(wire, value, number, what)
+                off = self.window(span.start, span.size)
+                raw.append((span.start, self.data[off : off + span.size]))
+        return Graph(name, tuple(infos[11]), tuple(infos[12]), tuple(nodes), tuple(initializers), tuple(raw),
+                     self.name)
 
     def function(self, span: _Span) -> Function:
         domain = name = ""
