@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from build import draft_models
 from build.references import prompt_ids
 
 import ortpipe
 from ortpipe.errors import GenerationError
 from ortpipe.execute.work import Run, drive
 from ortpipe.loops.batched import Batch, batchable
+from ortpipe.loops.speculative import DraftLength
 
 NEW = 24
 CAPACITY = 128
@@ -200,8 +202,8 @@ def test_rows_that_check_drafts_together_give_what_they_give_alone(
 ) -> None:
     """Concat rows check their drafted tokens in one run (`speculate`), each row its own number of positions,
     padded to the longest: every row's tokens equal those it gives alone without speculation (fp32 graphs),
-    greedy, seeded sampled, with a penalty, a row that does not speculate beside them, rows that stop at
-    their budget inside an accepted run, and a row that leaves and goes on alone."""
+    greedy, seeded sampled, with a penalty, drafted by a draft model, a row that does not speculate beside
+    them, rows that stop at their budget inside an accepted run, and a row that leaves and goes on alone."""
     folder = request.getfixturevalue(model)
     pipe = ortpipe.load(folder, threads=1)
     ids = prompt_ids(Path(folder))
@@ -213,6 +215,11 @@ def test_rows_that_check_drafts_together_give_what_they_give_alone(
         (ids[40:52] * 2, {"do_sample": False}, 25),  # no speculation: one position a run
         (loop[:9], {"do_sample": False}, 31),
     ]
+    if model == "llama_concat":  # a row drafting with a draft model (a one-layer cut of the model) too
+        cut = str(draft_models.get("llama-draft-concat"))
+        jobs.append((ids[20:44], {"do_sample": False, "draft_model": cut}, 29))
+    monkeypatch.setattr(DraftLength, "timed", lambda *_: None)  # draft lengths from guessed costs, not the
+    monkeypatch.setattr(DraftLength, "drafted", lambda *_: None)  # clock (tests/test_serve.py's `unclocked`)
     alone = [pipe.generate(prompt_ids=p, max_new_tokens=n, **s).tokens for p, s, n in jobs]
     widths: list[tuple[int, int]] = []  # (rows, positions) of each run of the decoder
     execute = pipe.driver.execute
@@ -226,24 +233,13 @@ def test_rows_that_check_drafts_together_give_what_they_give_alone(
     assert batch.verifies_together
     gens = []
     for i, (prompt, settings, _) in enumerate(jobs):
-        lookup = {} if i == 3 else {"prompt_lookup_num_tokens": 6}
+        lookup = {} if i == 3 or "draft_model" in settings else {"prompt_lookup_num_tokens": 6}
+        pipe.driver.drive(pipe.model.prepare(settings))  # a draft model, loaded once
         gens.append(prefilled(pipe, prompt, **settings, **lookup))
-    for gen in gens[:4]:
+    for gen in [*gens[:4], *gens[5:]]:
         pipe.driver.drive(batch.join(gen))
     budget = {id(gen): n for gen, (_, _, n) in zip(gens, jobs, strict=True)}
-    steps = 0
-    while len(batch):
-        if steps == 3:
-            pipe.driver.drive(batch.join(gens[4]))  # joins between speculative steps
-        new = drive(batch.speculate([budget[id(g)] - g.generated for g in batch.rows]), noted)
-        assert all(1 <= len(tokens) for tokens in new)
-        steps += 1
-        for gen in list(batch.rows):
-            if gen is gens[0] and steps == 4:  # leaves early, and goes on alone from the cache handed back
-                pipe.driver.drive(batch.leave(gen))
-            elif gen.generated >= budget[id(gen)] or gen.done:
-                assert gen.generated == budget[id(gen)] or gen.done  # a burst never runs past the budget
-                pipe.driver.drive(batch.leave(gen))
+    _speculate_to_the_end(pipe, batch, gens, budget, noted)
     first = gens[0]
     while first.generated < budget[id(first)] and not first.done:
         pipe.driver.drive(first.next_tokens(budget[id(first)] - first.generated))
@@ -252,6 +248,27 @@ def test_rows_that_check_drafts_together_give_what_they_give_alone(
     assert any(rows > 1 and positions > 1 for rows, positions in widths)  # rows checked drafts together
     assert sum(g.speculator.accepted for g in gens if g.speculator) > 0
     assert gens[3].speculator is None
+    if model == "llama_concat":
+        assert gens[5].speculator.drafted > 0
+
+
+def _speculate_to_the_end(pipe: Any, batch: Batch, gens: list[Any], budget: dict[int, int],
+                          execute: Any) -> None:
+    """Speculative steps until every row is done: gens[4] joins before the fourth, gens[0] leaves after it
+    (and goes on alone from the cache handed back), the others leave at their budget."""
+    steps = 0
+    while len(batch):
+        if steps == 3:
+            pipe.driver.drive(batch.join(gens[4]))  # joins between speculative steps
+        new = drive(batch.speculate([budget[id(g)] - g.generated for g in batch.rows]), execute)
+        assert all(1 <= len(tokens) for tokens in new)
+        steps += 1
+        for gen in list(batch.rows):
+            if gen is gens[0] and steps == 4:
+                pipe.driver.drive(batch.leave(gen))
+            elif gen.generated >= budget[id(gen)] or gen.done:
+                assert gen.generated == budget[id(gen)] or gen.done  # a burst never runs past the budget
+                pipe.driver.drive(batch.leave(gen))
 
 
 def test_a_shared_buffer_batch_does_not_check_drafts_together(llama_builder_fp32: Path) -> None:
