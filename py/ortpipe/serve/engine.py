@@ -254,7 +254,8 @@ class Batched(TimeSliced):
     buffer), and one of them runs a burst alone FIRST_PROBE batched steps after none is measured and every
     PROBE_EVERY after that, so that their rates are known. A row that ran alone joins the batch again
     before the batch steps. Either way a request's tokens are the ones it makes alone (speculation keeps
-    greedy and seeded sampled tokens)."""
+    greedy and seeded sampled tokens), on graphs whose runs compute each row as alone (not q8 graphs, which
+    quantize a run's activations with one scale: README, "Serve")."""
 
     def __init__(
         self, pipe: Any, max_rows: int, cache_size: int, metrics: Metrics, leave: Callable[[Job], None],
