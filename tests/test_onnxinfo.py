@@ -935,6 +935,7 @@ def test_value_info_is_read_when_first_asked_for() -> None:
     data = model.SerializeToString() + b"\x3a" + _varint(len(graph_bytes)) + graph_bytes
     broken = onnxinfo.read_model(data, "broken.onnx")
     at = data.index(entry) + 2  # the name's bytes
-    with pytest.raises(ConfigError, match=rf'"broken.onnx" is not a readable ONNX model: a string that is not '
-                                          rf"UTF-8 in a ValueInfoProto \(at byte {at}\)"):
+    said = (rf'"broken.onnx" is not a readable ONNX model: a string that is not UTF-8 in a ValueInfoProto '
+            rf"\(at byte {at}\)")
+    with pytest.raises(ConfigError, match=said):
         _ = broken.graph.value_info

@@ -7,8 +7,10 @@ engine down by sleeping before each of its steps.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
+import logging
 import re
 import shutil
 import signal
@@ -1243,6 +1245,26 @@ def test_a_prediction_is_drafted_and_changes_no_token(demo_fp32: Path, unclocked
             long = {"prediction": {"type": "content", "content": "x = 1\n" * 2000}}
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=long)
         assert info.value.body["param"] == "prediction" and "context" in info.value.body["message"]
+
+
+def test_a_model_that_quantizes_a_run_with_one_scale_is_noted_when_rows_batch(
+        folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The demo's q8 graph (dynamic int8 quantization: one activation scale a run) batches rows whose
+    tokens may then differ from alone at near-ties: the server says so when it starts, and not for a
+    float graph or a server of one row."""
+    demo = REPO / "models" / "demo"
+    caplog.set_level(logging.INFO, logger="ortpipe.serve")
+    note = "quantizes a run's activations with one scale"
+    said = {}
+    for case, source, dtype, rows in (("q8, 4 rows", demo, "q8", 4), ("q8, 1 row", demo, "q8", 1),
+                                      ("fp32, 4 rows", folder, None, 4)):
+        caplog.clear()
+        load = functools.partial(ortpipe.load, source, threads=1, dtype=dtype)
+        with served(source, load=load, max_batch=rows):
+            pass
+        said[case] = [r.getMessage() for r in caplog.records if note in r.getMessage()]
+    assert len(said["q8, 4 rows"]) == 1 and "(DynamicQuantizeLinear)" in said["q8, 4 rows"][0]
+    assert said["q8, 1 row"] == [] and said["fp32, 4 rows"] == []
 
 
 def test_speculating_rows_run_alone_when_alone_they_make_more_tokens_a_second() -> None:

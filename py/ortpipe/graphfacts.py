@@ -79,6 +79,9 @@ class DecoderFacts:
     # past inputs a Concat node joins with the new positions into a graph output: a present that
     # cannot be written into its past's buffer
     concatenated: frozenset[str] = frozenset()
+    # the op that quantizes a run's activations with one scale for the whole run (onnxruntime's dynamic int8
+    # quantization), or None: rows of a batched run then round one another's activations
+    run_scaled: str | None = None
 
     def for_cache(self, name: str) -> AttentionSite | None:
         """The attention site that reads the past input `name` (its kv heads and head size)."""
@@ -100,7 +103,14 @@ def decoder_facts(model: Model) -> DecoderFacts:
         facts[fact] = value
         if why:
             how[fact] = why
-    return DecoderFacts(**facts, attention=tuple(sites), how=how, concatenated=_concatenated(ix))
+    scaled = next((node.op_type for node, _ in ix.nodes() if node.op_type in _RUN_SCALED
+                   and _RUN_SCALED[node.op_type] == ("" if node.domain == "ai.onnx" else node.domain)), None)
+    return DecoderFacts(**facts, attention=tuple(sites), how=how, concatenated=_concatenated(ix),
+                        run_scaled=scaled)
+
+
+# ops (and their domain) that quantize their input with one scale and zero point over the whole tensor
+_RUN_SCALED = {"DynamicQuantizeLinear": "", "DynamicQuantizeMatMul": MS}
 
 
 def _concatenated(ix: _Index) -> frozenset[str]:

@@ -505,6 +505,16 @@ def alone_or_batched(rates: list[float | None], batch_rate: float, probe_due: bo
     return "probe" if probe_due else "batched"
 
 
+def _note_run_scale(pipe: Any) -> None:
+    """Log it when the decoder quantizes a run's activations with one scale (onnxruntime's dynamic int8
+    quantization): rows batched together then round one another's activations."""
+    facts = pipe.plan.facts.get(pipe.plan.fused.session)
+    if facts is not None and facts.run_scaled:
+        log.info("the model quantizes a run's activations with one scale for all its rows (%s): a request "
+                 "batched with others may choose otherwise than alone where two logits are near; "
+                 "--max-batch 1 gives every request its tokens alone", facts.run_scaled)
+
+
 def _average(mean: float, value: float) -> float:
     """A moving average that follows the last few values (the first one sets it)."""
     return value if mean == 0.0 else 0.5 * mean + 0.5 * value
@@ -671,6 +681,8 @@ class Engine:
                 kind = Batched if batchable(pipe.plan) is None else TimeSliced
                 scheduler = kind(pipe, self.max_batch, self.prompt_cache, self.metrics, self._leave,
                                  self.settings)
+                if kind is Batched and self.max_batch > 1:
+                    _note_run_scale(pipe)
             self.serves = serves
         except BaseException as e:  # a folder that cannot be loaded ends the server
             self.error = e
