@@ -939,3 +939,15 @@ def test_value_info_is_read_when_first_asked_for() -> None:
             rf"\(at byte {at}\)")
     with pytest.raises(ConfigError, match=said):
         _ = broken.graph.value_info
+
+
+def test_a_value_info_entry_too_large_to_hold_is_read_in_place() -> None:
+    """An entry over MAX_FIELD_BYTES (a long doc string) is not copied to be read later: it is read where it
+    lies, its doc string skipped as everywhere else."""
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy")
+    info = helper.make_tensor_value_info("t", TensorProto.FLOAT, [4], doc_string="d" * 3_000_000)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y], value_info=[info])
+    f = CountingFile(io.BytesIO(helper.make_model(graph).SerializeToString()), "long.onnx")
+    model = onnxinfo.read_model(f)
+    assert f.bytes_read < 200_000
+    assert model.graph.value_info == (onnxinfo.ValueInfo("t", TensorProto.FLOAT, (4,)),)

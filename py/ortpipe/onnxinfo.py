@@ -107,16 +107,21 @@ class Graph:
     outputs: tuple[ValueInfo, ...]
     nodes: tuple[Node, ...]
     initializers: tuple[Tensor, ...]
-    # each ValueInfoProto as written, (where it starts in the file, its bytes), and what errors call the file:
-    # value_info is read when first asked for (an exporter may write thousands that nothing here needs)
-    value_info_raw: tuple[tuple[int, bytes], ...] = field(default=(), repr=False, compare=False)
+    # each ValueInfoProto as written, (where it starts in the file, its bytes), or read already (one over
+    # MAX_FIELD_BYTES, walked in place), and what errors call the file: value_info is read when first asked
+    # for (an exporter may write thousands that nothing here needs)
+    value_info_raw: tuple[tuple[int, bytes] | ValueInfo, ...] = field(default=(), repr=False, compare=False)
     source: str = field(default="", repr=False, compare=False)
 
     @cached_property
     def value_info(self) -> tuple[ValueInfo, ...]:
         """The graph's value_info entries, read and checked (a `ConfigError` naming the file) on first use."""
         infos = []
-        for start, raw in self.value_info_raw:
+        for entry in self.value_info_raw:
+            if isinstance(entry, ValueInfo):
+                infos.append(entry)
+                continue
+            start, raw = entry
             reader = _Reader(raw, self.source)
             reader.base, reader.size = start, start + len(raw)  # positions are the file's
             infos.append(reader.value_info(_Span(start, start + len(raw))))
@@ -417,7 +422,7 @@ class _Reader:
         nodes: list[Node] = []
         initializers: list[Tensor] = []
         infos: dict[int, list[ValueInfo]] = {11: [], 12: []}  # input, output
-        raw: list[tuple[int, bytes]] = []  # value_info, read on first use (Graph.value_info)
+        raw: list[tuple[int, bytes] | ValueInfo] = []  # value_info, read on first use (Graph.value_info)
         fields = (f for span in spans for f in self.fields_of(span, what))
         for number, wire, value in fields:
             if number == 1:
@@ -430,8 +435,11 @@ class _Reader:
                 infos[number].append(self.value_info(self.span(wire, value, number, what)))
             elif number == 13:
                 span = self.span(wire, value, number, what)
-                off = self.window(span.start, span.size)
-                raw.append((span.start, self.data[off : off + span.size]))
+                if span.size > MAX_FIELD_BYTES:  # not held in memory: read now, a window at a time
+                    raw.append(self.value_info(span))
+                else:
+                    off = self.window(span.start, span.size)
+                    raw.append((span.start, self.data[off : off + span.size]))
         return Graph(name, tuple(infos[11]), tuple(infos[12]), tuple(nodes), tuple(initializers), tuple(raw),
                      self.name)
 
