@@ -139,17 +139,20 @@ class Request:
         """A step raised (lifecycle ERROR): the request cannot go on."""
         return self.gen is not None and self.gen.state == ERROR
 
+    @property
+    def budget(self) -> int | None:
+        """How many tokens the next step may make (None: no limit). A burst must not run past where this
+        request may stop: its own budget, and any token while stop strings are watched (the text
+        decides), unless it speculates: then the tokens after a stop string are taken back."""
+        if self.settings.stop and self.gen.speculator is None:
+            return 1
+        return None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens)
+
     def advance(self) -> Work:
         """The next token's chunk, or several: a burst of fused decode steps (see TokenGenerator)."""
         start = time.perf_counter()
-        # A burst must not run past where this request may stop: its own budget, and any token while
-        # stop strings are watched (the text decides), unless it speculates: then the tokens after a
-        # stop string are taken back.
-        budget = None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens)
-        if self.settings.stop and self.gen.speculator is None:
-            budget = 1
         try:
-            tokens = yield from self.gen.next_tokens(budget)
+            tokens = yield from self.gen.next_tokens(self.budget)
             chunks = self.accept(tokens, (time.perf_counter() - start) * 1000)
             if len(chunks) < len(tokens):
                 yield from self.gen.take_back(len(tokens) - len(chunks))

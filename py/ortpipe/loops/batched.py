@@ -396,7 +396,7 @@ class Batch:
             feeds[step.positions[0]] = b.tensor(positions, (len(rows), width), step.positions[1])
             label = f"batch step {self.steps}"
             out = yield Run(step.session, feeds, step.outputs, None, label)
-            picks = yield from self._picks(out[step.logits], drafts, label)
+            picks = yield from self._picks(out[step.logits], drafts, width, label)
             new = []
             for gen, drafted, p, picked in zip(rows, drafts, seen, picks, strict=True):
                 new.append((yield from gen.speculator.settle(gen, drafted, picked, p)) if drafted else picked)
@@ -410,8 +410,8 @@ class Batch:
             gen.end_external(tokens, fed=len(tokens))
         return new
 
-    def _picks(self, logits: Handle, drafts: list[list[int]], label: str) -> Work:
-        """The model's choices at each row's checked positions (logits [rows, positions, vocab]): one argmax
+    def _picks(self, logits: Handle, drafts: list[list[int]], width: int, label: str) -> Work:
+        """The model's choices at each row's checked positions (logits [rows, width, vocab]): one argmax
         over the batch for the rows that are plain greedy; each other row's through its sampler (all its
         positions as a speculative round checks them; its first alone, as a step selects, when it drafted
         nothing)."""
@@ -420,7 +420,6 @@ class Batch:
         if any(gen.sampler.settings.plain_greedy for gen in rows):
             out = yield Run(kernel("argmax_all", dtype), {"logits": logits}, ("tokens",), None, label)
             greedy = self.backend.to_list(out["tokens"])
-        width = 1 + max(len(d) for d in drafts)
         picks = []
         for i, (gen, drafted) in enumerate(zip(rows, drafts, strict=True)):
             n = len(drafted) + 1

@@ -328,9 +328,7 @@ class Batched(TimeSliced):
         """A step of the batch: speculating rows check their drafts in it where the batch checks them
         together (a concat cache), else one token a row. Each row's new tokens."""
         if self.batch.verifies_together and any(row.request.gen.speculator is not None for row in rows):
-            budgets = [None if row.request.max_new_tokens is None else
-                       row.request.max_new_tokens - len(row.request.tokens) for row in rows]
-            return (yield from self.batch.speculate(budgets))
+            return (yield from self.batch.speculate([row.request.budget for row in rows]))
         return [[token] for token in (yield from self.batch.step())]
 
     def _take_back(self, job: Job, row: Row, n: int) -> None:
