@@ -9,6 +9,7 @@ onnxruntime wrote into a preallocated array.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +60,7 @@ def _gather_seq(x: np.ndarray, index: np.ndarray) -> list[np.ndarray]:
 def _checked(row: np.ndarray, session: str, position: int) -> int:
     """The argmax of a row of logits, which must be finite there (NaN wins numpy's argmax)."""
     token = int(row.argmax())
-    if not np.isfinite(row[token]):
+    if not math.isfinite(row.item(token)):  # a Python float: numpy's ufunc on a scalar costs µs a step
         raise OrtpipeError(f'session "{session}" gave NaN or infinite logits on the decode step at position '
                            f"{position}: the model's weights or inputs are broken")
     return token
