@@ -1343,3 +1343,101 @@ def test_speculation_for_a_folder_that_makes_no_text_is_refused(st_minilm: Path)
     until(lambda: engine.error is not None)
     assert isinstance(engine.error, ConfigError) and "--prompt-lookup-num-tokens" in str(engine.error)
     assert "makes embeddings, not text, and has no tokens to draft" in str(engine.error)
+
+
+def storm(pipe: Any, model: Path, seed: int, n: int) -> list[dict[str, Any]]:
+    """n seeded random chat requests and what each gives alone: prompts that repeat themselves (so lookup
+    drafts), random lengths, stop strings found in the reply alone, predictions that are the reply alone,
+    another reply or empty, greedy and seeded sampled, streamed or whole, a delay before each. The first
+    four are greedy, long and predicted by their own replies, and start at once."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["spam", "eggs", "def", "return", "(eggs)", ":", "\n", "    ", "x", "+ 1"]
+    cases: list[dict[str, Any]] = []
+    for i in range(n):
+        first = i < 4
+        body = " ".join(rng.choice(words) for _ in range(rng.randint(2, 10)))
+        messages = [{"role": "user", "content": f"# {i}\n" + body * rng.randint(1, 4)}]
+        settings: dict[str, Any] = {"temperature": 0}
+        if not first and rng.random() < 0.4:
+            settings = {"temperature": 0.8, "seed": rng.randint(0, 99)}
+        options = {"do_sample": True, **settings} if "seed" in settings else {}
+        max_tokens = rng.randint(24 if first else 1, 40)
+        reply, _ = alone(pipe, render(model, messages), max_tokens, **options)
+        pieces = [reply[a : a + 2] for a in range(len(reply) // 3, len(reply) - 1)]
+        pieces = [p for p in pieces if "\ufffd" not in p]
+        if pieces and rng.random() < 0.5:
+            settings["stop"] = [rng.choice(pieces)]
+            options["stop"] = settings["stop"]
+        roll = 0.0 if first else rng.random()
+        prediction = reply if roll < 0.5 else (cases[-1]["reply"] if roll < 0.75 else "")
+        if prediction or roll < 0.9:
+            settings["prediction"] = {"type": "content", "content": prediction}
+        cases.append({"messages": messages, "max_tokens": max_tokens, "settings": settings, "reply": reply,
+                      "stream": rng.random() < 0.3, "delay": 0.0 if first else rng.random() * 0.3,
+                      "expected": alone(pipe, render(model, messages), max_tokens, **options)})
+    return cases
+
+
+def ask(client: Any, case: dict[str, Any]) -> tuple[str, str | None]:
+    """A storm's request, after its delay: its text and finish reason, streamed or whole."""
+    time.sleep(case["delay"])
+    create = functools.partial(client.chat.completions.create, model=MODEL, messages=case["messages"],
+                               max_tokens=case["max_tokens"], **case["settings"])
+    if not case["stream"]:
+        r = create()
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in create(stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("layout", ["concat", "shared"])
+def test_a_seeded_storm_of_speculating_requests_each_end_as_they_would_alone(
+        layout: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+        unclocked: None) -> None:
+    """Random concurrent requests (`storm`) on a speculating server, joining and leaving while others are
+    mid-run: each ends with a 200 whose text and finish reason are the request's alone. On a concat cache
+    the rows check their drafts together (never alone in turn here); on the builder's shared buffer, whose
+    attention refuses that, speculating rows take turns alone and the rest batch."""
+    from ortpipe.loops.batched import Batch
+    from ortpipe.serve.engine import Batched
+
+    model = request.getfixturevalue("concat_folder" if layout == "concat" else "folder")
+    cases = storm(ortpipe.load(model, threads=1), model, 20261129, 16)
+    if layout == "concat":
+        monkeypatch.setattr(Batched, "_speculating_turn", lambda self: [])  # never alone: rows of the batch
+    checked: list[list[int]] = []
+    verify = Batch._verify
+
+    def noted(self: Batch, drafts: list[list[int]]) -> Any:
+        checked.append([len(d) for d in drafts])
+        return (yield from verify(self, drafts))
+
+    monkeypatch.setattr(Batch, "_verify", noted)
+    with served(model, max_batch=4, max_queue=32, settings={"prompt_lookup_num_tokens": 8}) as s:
+        step = s.engine.scheduler.step
+        deadline = time.monotonic() + 10
+
+        def gathered() -> None:  # the batch first steps once the first four are open, then as it comes
+            if s.engine.scheduler.rows < 4 and not checked and time.monotonic() < deadline:
+                time.sleep(0.01)
+                return
+            step()
+
+        if layout == "concat":
+            s.engine.scheduler.step = gathered
+        client = s.client(max_retries=0)
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(functools.partial(ask, client), cases))
+        assert s.get("/health")[0] == 200
+    for case, answer in zip(cases, got, strict=True):
+        assert answer == case["expected"], case["settings"]
+    if layout == "concat":  # rows checked their drafts together
+        assert any(sum(1 for n in row if n) > 1 for row in checked)
+    else:
+        assert not checked
