@@ -11,6 +11,7 @@ import functools
 import http.client
 import json
 import logging
+import random
 import re
 import shutil
 import signal
@@ -1350,8 +1351,6 @@ def storm(pipe: Any, model: Path, seed: int, n: int) -> list[dict[str, Any]]:
     drafts), random lengths, stop strings found in the reply alone, predictions that are the reply alone,
     another reply or empty, greedy and seeded sampled, streamed or whole, a delay before each. The first
     four are greedy, long and predicted by their own replies, and start at once."""
-    import random
-
     rng = random.Random(seed)
     words = ["spam", "eggs", "def", "return", "(eggs)", ":", "\n", "    ", "x", "+ 1"]
     cases: list[dict[str, Any]] = []
