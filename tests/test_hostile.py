@@ -169,27 +169,29 @@ def test_eight_threads_on_one_pipeline_get_what_each_gets_alone(
     assert results == alone
 
 
-def _wait_for_python(pid: int, timeout: float = 30.0) -> None:
-    """Until the process catches SIGINT (Python's handler is installed: /proc's SigCgt mask), on a loaded
-    machine later than any fixed delay; without /proc, a quarter of a second."""
-    status = Path(f"/proc/{pid}/status")
-    if not status.exists():
-        time.sleep(0.25)
-        return
+def _wait_for_library(pid: int, name: str, timeout: float = 60.0) -> None:
+    """Until the process has mapped a shared library whose path holds `name` (/proc's maps): numpy's
+    while the command imports its target, onnxruntime's once the model's load begins. A fixed delay
+    cannot tell those apart from Python's own start on a loaded machine (Ctrl-C there is Python's
+    traceback, before any of the command's code runs)."""
+    maps = Path(f"/proc/{pid}/maps")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        lines = status.read_text().splitlines()
-        caught = next((line.split()[1] for line in lines if line.startswith("SigCgt:")), "0")
-        if int(caught, 16) & (1 << (signal.SIGINT - 1)):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"process {pid} did not install a SIGINT handler in {timeout} s")
+        try:
+            if name in maps.read_text():
+                return
+        except OSError:  # the process ended
+            break
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} did not load {name} in {timeout} s")
 
 
-@pytest.mark.parametrize("when", ["starting", "generating"])
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see where the command is")
+@pytest.mark.parametrize("when", ["importing", "loading", "generating"])
 def test_ctrl_c_ends_the_command_without_a_traceback(when: str) -> None:
-    """Starting: imports and the model's load; generating: after the first text came out (the
-    repetition penalty keeps decoding on the slower, generic path so that it lasts)."""
+    """Importing: while numpy is (the command's own imports come before, the model's load after);
+    loading: once onnxruntime is mapped; generating: after the first text came out (the repetition penalty
+    keeps decoding on the slower, generic path so that it lasts)."""
     demo = Path(__file__).resolve().parent.parent / "models" / "demo"
     command = [
         sys.executable,
@@ -207,15 +209,38 @@ def test_ctrl_c_ends_the_command_without_a_traceback(when: str) -> None:
         "1",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    if when == "starting":
-        _wait_for_python(process.pid)  # before, Ctrl-C kills the interpreter itself (-2), as for any program
-        time.sleep(0.1)
+    if when == "importing":
+        _wait_for_library(process.pid, "_multiarray_umath")
+    elif when == "loading":
+        _wait_for_library(process.pid, "onnxruntime_pybind11_state")
     else:
         process.stdout.read(len("def f(") + 1)  # the prompt, then the first generated text
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err.decode()
     assert "Traceback" not in err.decode()
+
+
+def test_ctrl_c_in_chat_drops_the_turn_and_the_chat_goes_on(tmp_path: Path) -> None:
+    """After the load, Ctrl-C is a KeyboardInterrupt: the reply stops, the chat goes on."""
+    demo = tmp_path / "demo"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "models" / "demo", demo)
+    tokenizer_config = json.loads((demo / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (demo / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    command = [sys.executable, "-m", "ortpipe.cli", "chat", str(demo), "--max-new-tokens", "480",
+               "--repetition-penalty", "1.01", "--threads", "1"]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdin.write(b"def f(\n")
+    process.stdin.flush()
+    assert process.stdout.read(3) not in (b"", None)  # the prompt "> ", then the reply's first text
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(b"import os\n/quit\n", timeout=60)
+    assert process.returncode == 0, err.decode()
+    err = err.decode()
+    assert "Traceback" not in err
+    assert err.count("[interrupted: the turn is dropped]") == 1
+    assert err.count(" tokens/s, ") == 1  # the second turn's summary: it ran to its end
 
 
 def nan_model(folder: Path) -> Path:

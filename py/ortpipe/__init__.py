@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .errors import ConfigError, GenerationError, OrtpipeError
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "GenerationError", "OrtpipeError", "load"]
+
+TYPE_CHECKING = False  # typing's, without importing typing: the package's own import stays small
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def load(model_dir: Any, **options: Any) -> Any:

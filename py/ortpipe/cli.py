@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
-# Ctrl-C before main() is ready (imports, argument parsing) ends the command quietly, with no traceback.
-signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
+def _quit(signum: int, frame: object) -> None:
+    """Ctrl-C before a command's own loop (imports, argument parsing, the model's load, inspect, web): the
+    command ends at once with status 130 and no traceback. What was printed is flushed, and no exception is
+    raised: one raised inside an import (a dataclass's generated methods, a C extension's init) can be
+    caught or rewrapped there, or make Python end by SIGINT itself with the status -2."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # the interrupted code was writing to it
+            pass
+    os._exit(130)
+
+
+signal.signal(signal.SIGINT, _quit)
 
 import argparse
 import json
-import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.showwarning = _show_warning
     try:
-        signal.signal(signal.SIGINT, _interrupt)  # from here on, Ctrl-C is a KeyboardInterrupt
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"ortpipe: {args.model}: {e}", file=sys.stderr)
@@ -42,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as e:  # a bug in ortpipe: say so plainly, keep the traceback one variable away
         if _interrupted:
-            return 130  # Ctrl-C while a C extension was importing comes out as its own error
+            return 130  # Ctrl-C inside a C extension's call can come out as that extension's own error
         if os.environ.get("ORTPIPE_DEBUG"):
             raise
         print(f"ortpipe: internal error: {type(e).__name__}: {e}\n"
@@ -214,9 +226,13 @@ def _load(args: argparse.Namespace, progress: bool = True) -> Any:
     """The pipeline of args.model with the command's providers, profile and threads."""
     from .targets.cpython import load, providers
 
-    return load(args.model, provider=providers.parse_overrides(args.ep), profile=args.profile,
+    pipe = load(args.model, provider=providers.parse_overrides(args.ep), profile=args.profile,
                 threads=getattr(args, "threads", None), on_progress=_progress() if progress else None,
                 allow_plugins=getattr(args, "allow_plugins", False), dtype=getattr(args, "dtype", None))
+    # Loaded, with every module imported: from here on Ctrl-C is a KeyboardInterrupt, so that the command's
+    # loop stops where it is and its cleanup runs (the terminal's status line; a chat drops the turn).
+    signal.signal(signal.SIGINT, _interrupt)
+    return pipe
 
 
 

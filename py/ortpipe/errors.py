@@ -7,8 +7,11 @@ problem it finds and raises them together, so one run of `ortpipe validate` list
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
+# typing's TYPE_CHECKING without importing typing, and difflib imported where it is used: the package's own
+# import stays small, so `python -m ortpipe.cli` reaches its Ctrl-C handler sooner.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 
 class OrtpipeError(Exception):
@@ -54,6 +57,8 @@ class GenerationError(OrtpipeError, ValueError):
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' Did you mean "x"?' when a choice is close to `name`, else ''."""
+    import difflib
+
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
     return f' Did you mean "{close[0]}"?' if close else ""
 
