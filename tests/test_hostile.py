@@ -288,6 +288,14 @@ def test_a_folder_that_is_no_path_is_a_config_error(given: object, found: str) -
     assert str(error.value) == f"load() takes the model folder's path (a str or os.PathLike), not {found}"
 
 
+def test_a_file_given_as_the_folder_names_the_folder_that_holds_it(folder: Path) -> None:
+    given = folder / "genai_config.json"
+    with pytest.raises(ConfigError) as error:
+        ortpipe.load(given)
+    assert str(error.value) == (f"model folder {given} is a file, not a directory: give the folder that "
+                                f"holds the model's files ({folder})")
+
+
 def test_a_prompt_with_a_lone_surrogate_is_refused_naming_it(folder: Path) -> None:
     with pytest.raises(GenerationError) as error:
         ortpipe.load(folder).generate("ab\ud800c", max_new_tokens=1)

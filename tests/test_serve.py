@@ -354,7 +354,23 @@ BAD_CHAT = [
     ({"prediction": {"type": "content", "content": "x"}, "logprobs": True}, "prediction", "invalid_value"),
     # a path a client names: never
     ({"extra_body": {"draft_model": "/tmp"}}, "draft_model", "unknown_parameter"),
+    # fields that change nothing here are still checked as OpenAI checks them
+    ({"user": 5}, "user", "invalid_type"),
+    ({"store": "yes"}, "store", "invalid_type"),
+    ({"metadata": ["a"]}, "metadata", "invalid_type"),
+    ({"metadata": {"team": 3}}, "metadata.team", "invalid_type"),
 ]
+
+
+def test_fields_that_change_nothing_here_change_nothing(server: Served) -> None:
+    """OpenAI's bookkeeping fields, well typed, are taken and leave the reply as it is."""
+    client = server.client()
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
+    marked = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0, user="u-1", metadata={"team": "a"},
+        store=False, service_tier="auto", safety_identifier="s-1", prompt_cache_key="k",
+    )
+    assert marked.choices[0].message.content == plain.choices[0].message.content
 
 
 @pytest.mark.parametrize(("options", "param", "code"), BAD_CHAT, ids=[p for _, p, _ in BAD_CHAT])

@@ -159,3 +159,24 @@ def test_sampling_settings_on_a_greedy_request_are_said_to_change_nothing(tmp_pa
         warnings.simplefilter("error")
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0)  # greedy, as asked
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, do_sample=True, top_k=3, seed=1)
+
+
+def test_minimums_the_length_limit_cuts_short_are_said(tmp_path) -> None:
+    """min_length and min_new_tokens hold eos back; past the request's length limit they cannot, and the
+    request says so (the tokens are the limit's)."""
+    from build import graphs
+
+    import ortpipe
+
+    folder = graphs.build_separate(tmp_path / "m", seed=0, config=True)
+    pipe = ortpipe.load(folder, threads=1)
+    plain = pipe.generate(prompt_ids=[5, 6], max_new_tokens=4).tokens
+    with pytest.warns(UserWarning, match=r"min_length 9 is more than this request's max_length 6 "):
+        assert pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, min_length=9).tokens == plain
+    with pytest.warns(UserWarning, match=r"min_new_tokens 5 is more than the 4 tokens this request can make"):
+        pipe.generate(prompt_ids=[5, 6], max_length=6, min_new_tokens=5)
+    with pytest.warns(UserWarning, match=r"min_new_tokens 5 is more than the 4 tokens"):
+        pipe.generator(prompt_len=2, max_new_tokens=4, min_new_tokens=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, min_length=6, min_new_tokens=4)  # reachable

@@ -38,7 +38,7 @@ from .plugins import Context, Factory, load_factory, unread_settings
 from .preprocess import load_audio_config
 from .preprocess.request import Image, check_media, media_inputs
 from .request import BeamRequest, PluginRequest, Request
-from .sampling.settings import SearchSettings, check_setting, settings_for
+from .sampling.settings import SearchSettings, check_setting, settings_for, warn_unreachable_minimums
 from .templates import ChatTemplate, Compiler, load_chat_template, missing_template
 from .tokenizer import Tokenizer, encode
 from .variants import OPTIMIZED_FOR, check_dtype, choose, present
@@ -401,6 +401,7 @@ class Model:
             inputs = {**made, **(inputs or {})}
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(len(ids), max_new_tokens, max_length)
+        warn_unreachable_minimums(search, len(ids), limit)
         if self.plugin is not None:
             unread = unread_settings(self.plugin, [k for k, v in settings.items() if v is not None])
             if unread:
@@ -457,6 +458,7 @@ class Model:
         search = settings_for(self.config.generation.settings, settings)
         check_inputs(self.plan, inputs or {}, self.backend)
         limit = self.max_length(prompt_len, max_new_tokens, max_length)
+        warn_unreachable_minimums(search, prompt_len, limit)
         draft = self.draft_plan(settings)
         return TokenGenerator(
             self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft

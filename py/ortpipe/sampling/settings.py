@@ -41,6 +41,28 @@ def settings_for(defaults: SearchSettings, overrides: dict[str, Any]) -> SearchS
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p")
 
 
+def warn_unreachable_minimums(s: SearchSettings, prompt_len: int, limit: int) -> None:
+    """min_length or min_new_tokens beyond what the request's length limit lets it generate cannot hold
+    eos back that far: generation ends at the limit first. Said, with the fix, rather than left unsaid."""
+    most = limit - prompt_len
+    if s.min_length > limit:
+        warnings.warn(
+            f"min_length {s.min_length} is more than this request's max_length {limit} (a {prompt_len}-token "
+            f"prompt and at most {most} new): generation ends at {limit}; lower min_length or raise "
+            "max_length or max_new_tokens",
+            UserWarning,
+            stacklevel=3,
+        )
+    if s.min_new_tokens > most:
+        warnings.warn(
+            f"min_new_tokens {s.min_new_tokens} is more than the {most} tokens this request can make "
+            f"(max_length {limit}, a {prompt_len}-token prompt): generation ends there; lower "
+            "min_new_tokens or raise max_length or max_new_tokens",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _warn_unsampled(s: SearchSettings, given: dict[str, Any]) -> None:
     """A request that sets how to sample but does not sample (the folder's default or its own
     do_sample false) is told so: those settings change nothing. Temperature 0 asks for greedy."""

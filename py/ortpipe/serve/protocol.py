@@ -225,6 +225,13 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options", "verbosity", "moderation", "reasoning_effort",
            "parallel_tool_calls"}
+# The ignored fields' types, checked as OpenAI checks them: ignored, not unread.
+IGNORED_TYPES: dict[str, tuple[type, str]] = {
+    **{name: (str, "a string") for name in ("user", "service_tier", "safety_identifier", "prompt_cache_key",
+                                            "prompt_cache_retention", "verbosity", "reasoning_effort")},
+    **{name: (bool, "a boolean") for name in ("store", "parallel_tool_calls")},
+    "metadata": (dict, "an object"),
+}
 CHAT_NEUTRAL = {
     "tools",
     "tool_choice",
@@ -265,9 +272,17 @@ def _check_names(body: Any, known: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         got = _TYPE_NAMES.get(type(body))
         raise InvalidRequest(f"Invalid request body: expected a JSON object, but got {got}.")
-    for name in body:
+    for name, value in body.items():
         if name not in known:
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+        kind, expected = IGNORED_TYPES.get(name, (object, ""))
+        if value is not None and (type(value) is not kind if kind is bool else not isinstance(value, kind)):
+            raise _type_error(name, expected, value)
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                raise _type_error(f"metadata.{key}", "a string", value)
     model = body.get("model")
     if model is None:
         raise _missing("model")

@@ -327,6 +327,9 @@ def load(
         found = '""' if model_dir == "" else type(model_dir).__name__
         raise ConfigError(f"load() takes the model folder's path (a str or os.PathLike), not {found}")
     path = Path(model_dir)
+    if path.is_file():
+        raise ConfigError(f"model folder {path} is a file, not a directory: give the folder that holds the "
+                          f"model's files ({path.parent})")
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist or is not a directory")
     if threads is not None and (type(threads) is not int or not 0 <= threads <= 1024):
