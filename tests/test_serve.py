@@ -632,9 +632,7 @@ def test_a_client_that_disconnects_frees_its_row_and_its_queue_place(folder: Pat
         assert gave_up
         until(lambda: s.metrics()["ortpipe_queue_length"] == 0)
         long.close()  # the client leaves mid-stream
-        start = time.monotonic()
         r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0)
-        assert time.monotonic() - start < 5  # the long request (400 steps of 20 ms) no longer holds the row
         assert r.choices[0].message.content == alone(pipe, render(folder, USER), 8)[0]
         metrics = s.metrics()
     assert metrics['ortpipe_requests_total{finish_reason="interrupt"}'] == 1
@@ -656,12 +654,13 @@ def test_a_request_s_choices_leave_together(folder: Path, pipe: Any) -> None:
         assert s.metrics()["ortpipe_queue_length"] == 1
         long.close()  # the client leaves mid-stream
         until(lambda: s.metrics()["ortpipe_queue_length"] == 0)
-        start = time.monotonic()
         r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0, n=2)
-        assert time.monotonic() - start < 5  # the long request's rows were freed
         assert [c.message.content for c in r.choices] == [alone(pipe, render(folder, USER), 8)[0]] * 2
         metrics = s.metrics()
     assert metrics["ortpipe_requests_rejected_total"] == 1
+    # the long request's two generating rows ended when its client left, not after their 400 steps
+    assert metrics['ortpipe_requests_total{finish_reason="interrupt"}'] == 2
+    assert metrics['ortpipe_requests_total{finish_reason="length"}'] == 2  # the two choices after it
 
 
 def test_beyond_the_queue_limit_requests_get_429_and_the_rest_succeed(folder: Path, pipe: Any) -> None:
