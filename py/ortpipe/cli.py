@@ -8,10 +8,11 @@ import sys
 
 
 def _quit(signum: int, frame: object) -> None:
-    """Ctrl-C before a command's own loop (imports, argument parsing, the model's load, inspect, web): the
-    command ends at once with status 130 and no traceback. What was printed is flushed, and no exception is
-    raised: one raised inside an import (a dataclass's generated methods, a C extension's init) can be
-    caught or rewrapped there, or make Python end by SIGINT itself with the status -2."""
+    """Ctrl-C before the command's model is loaded (imports, argument parsing, the load), and in the
+    commands that load none through `_load` (web, bench; serve once uvicorn has shut down and passes the
+    interrupt on): the command ends at once with status 130 and no traceback. What was printed is flushed,
+    and no exception is raised: one raised inside an import (a dataclass's generated methods, a C
+    extension's init) can be caught or rewrapped there, or make Python end by SIGINT itself (status -2)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
