@@ -275,9 +275,8 @@ def _check_names(body: Any, known: set[str]) -> dict[str, Any]:
     for name, value in body.items():
         if name not in known:
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-        kind, expected = IGNORED_TYPES.get(name, (object, ""))
-        if value is not None and (type(value) is not kind if kind is bool else not isinstance(value, kind)):
-            raise _type_error(name, expected, value)
+        if name in IGNORED_TYPES and value is not None and not isinstance(value, IGNORED_TYPES[name][0]):
+            raise _type_error(name, IGNORED_TYPES[name][1], value)
     metadata = body.get("metadata")
     if isinstance(metadata, dict):
         for key, value in metadata.items():
