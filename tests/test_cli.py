@@ -147,6 +147,45 @@ def test_missing_folder_and_bad_settings_are_clear_errors(model: Path) -> None:
     assert out.returncode == 2 and "no tokenizer.json" in out.stderr
 
 
+DEMO = REPO / "models" / "demo"
+
+
+def test_the_prompt_can_come_after_the_folder_or_after_options() -> None:
+    """`ortpipe run DIR "text"` is `--prompt "text"`, wherever the options are; greedy, so the same tokens."""
+    flags = ("--max-new-tokens", "6", "--no-do-sample", "--threads", "1", "--json")
+    by_flag = ortpipe("run", str(DEMO), "--prompt", "def fib(n):", *flags)
+    assert by_flag.returncode == 0, by_flag.stderr
+    for args in (("def fib(n):", *flags), (*flags, "def fib(n):"), (*flags, "--", "def fib(n):")):
+        out = ortpipe("run", str(DEMO), *args)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["tokens"] == json.loads(by_flag.stdout)["tokens"]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("--prompt", "hi", "--temprature", "0.5"),
+         'unrecognized option --temprature. Did you mean "--temperature"?'),
+        (("def", "fib"), "unexpected argument 'fib': give the prompt once, in quotes if it has spaces"),
+        (("--prompt-ids", "1,2", "hi"), "unexpected argument 'hi'"),
+        (("hi", "--prompt", "there"), "argument --prompt: not allowed with argument PROMPT"),
+    ],
+)
+def test_arguments_run_cannot_place_are_named_with_its_usage(args: tuple[str, ...], says: str) -> None:
+    out = ortpipe("run", str(DEMO), *args)
+    assert out.returncode == 2 and out.stdout == ""
+    assert says in out.stderr and "usage: ortpipe run " in out.stderr and "Traceback" not in out.stderr
+
+
+def test_other_commands_name_what_they_do_not_know_with_their_usage() -> None:
+    out = ortpipe("embed", str(DEMO), "--batchsize", "3")
+    assert out.returncode == 2 and "usage: ortpipe embed " in out.stderr
+    assert 'unrecognized option --batchsize. Did you mean "--batch-size"?' in out.stderr
+    out = ortpipe("inspect", str(DEMO), "extra")
+    assert out.returncode == 2 and "usage: ortpipe inspect " in out.stderr
+    assert "unrecognized arguments: extra" in out.stderr
+
+
 def test_bench_pools_every_engine_over_rotated_loads(llama_builder_fp32: Path) -> None:
     """The bench loads the engines once per load in a fresh process, in a rotated order, and
     pools the steps; its greedy engines must agree with a hand-written greedy loop."""

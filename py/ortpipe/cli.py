@@ -32,13 +32,17 @@ from typing import Any
 from . import variants
 from .config.schema import POOLING_MODES
 from .config.settings import SETTINGS
-from .errors import ConfigError, GenerationError, OrtpipeError
+from .errors import ConfigError, GenerationError, OrtpipeError, did_you_mean
 from .outputs import OutputRequest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _place_extra(args, extra)
+    if getattr(args, "text", None) is not None:
+        args.prompt = args.text  # run's PROMPT is --prompt (argparse refuses both)
     warnings.showwarning = _show_warning
     try:
         return int(args.func(args) or 0)
@@ -76,6 +80,31 @@ def _show_warning(message: Any, category: type[Warning], *where: Any, **kw: Any)
         _python_showwarning(message, category, *where, **kw)
 
 
+def _place_extra(args: argparse.Namespace, extra: list[str]) -> None:
+    """What the command's parser did not place: `run`'s prompt written after an option (argparse places a
+    second positional only next to the first), else an error from the command's own parser, with its
+    usage, naming what was not understood and the closest option."""
+    command: argparse.ArgumentParser = args.command_parser
+    end = extra.index("--") if "--" in extra else len(extra)  # after "--": words, even with a "-"
+    options = [s for s in extra[:end] if s.startswith("-") and len(s) > 1]
+    extra = extra[:end] + extra[end + 1:]
+    if options:
+        name = options[0].split("=", 1)[0]
+        known = [o for a in command._actions for o in a.option_strings]
+        command.error(f"unrecognized option {name}.{did_you_mean(name, known)} "
+                      f"(`{command.prog} --help` lists the options)")
+    if getattr(args, "func", None) is _run:
+        given = args.text is not None or args.prompt is not None or args.prompt_ids is not None
+        if len(extra) == 1 and not given:
+            args.text = extra[0]
+            return
+        words = " ".join(map(repr, extra))
+        command.error(f"unexpected argument{'s' if len(extra) > 1 else ''} {words}: give the prompt once"
+                      ", in quotes if it has spaces (ortpipe run MODEL_DIR \"def fib(n):\"), "
+                      "or with --prompt or --prompt-ids")
+    command.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     global _interrupted
     _interrupted = True
@@ -90,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate from a prompt")
     run.add_argument("model", metavar="MODEL_DIR")
     prompt = run.add_mutually_exclusive_group()
+    prompt.add_argument("text", nargs="?", metavar="PROMPT", help="prompt text, as --prompt")
     prompt.add_argument("--prompt", help="prompt text (uses the folder's tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated: 1,2,3")
     _session_args(run)
@@ -199,6 +229,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve_load.add_arguments(bench)
     bench.set_defaults(func=lambda args: serve_load.checked(bench, args))
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)  # its errors come with its own usage
     return parser
 
 
