@@ -177,6 +177,12 @@ def test_arguments_run_cannot_place_are_named_with_its_usage(args: tuple[str, ..
     assert says in out.stderr and "usage: ortpipe run " in out.stderr and "Traceback" not in out.stderr
 
 
+def test_run_without_a_prompt_says_how_to_give_one() -> None:
+    out = ortpipe("run", str(DEMO), "--max-new-tokens", "4")
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert 'ortpipe run MODEL_DIR "TEXT", --prompt TEXT or --prompt-ids 1,2,3' in out.stderr
+
+
 def test_other_commands_name_what_they_do_not_know_with_their_usage() -> None:
     out = ortpipe("embed", str(DEMO), "--batchsize", "3")
     assert out.returncode == 2 and "usage: ortpipe embed " in out.stderr

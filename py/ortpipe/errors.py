@@ -45,6 +45,10 @@ class ConfigError(OrtpipeError, ValueError):
         super().__init__(text)
 
 
+ONE_PROMPT = ("give exactly one of prompt (text) and prompt_ids (token ids); on the command line: "
+              'ortpipe run MODEL_DIR "TEXT", --prompt TEXT or --prompt-ids 1,2,3')
+
+
 class GenerationError(OrtpipeError, ValueError):
     """A request that cannot be served: bad settings or inputs, caught before any model runs. `setting`: the
     generation setting (or "prompt_ids") it refuses, when it is one (a server names it as the parameter)."""

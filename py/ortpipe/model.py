@@ -19,7 +19,7 @@ from .config import Config, load_config
 from .config.profiles import Profile
 from .config.schema import TOKENS_OUTPUT
 from .detect import detect_config, encoder_embeddings
-from .errors import ConfigError, GenerationError, OrtpipeError
+from .errors import ONE_PROMPT, ConfigError, GenerationError, OrtpipeError
 from .execute.work import Backend, Handle, Open, Opened, ReadGraph, ReadWheel, Work
 from .folder import Folder
 from .graphfacts import decoder_facts
@@ -569,7 +569,7 @@ class Model:
                 "or model.decoder_start_token_id in v1): pass prompt_ids"
             )
         if (prompt is None) == (prompt_ids is None):
-            raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
+            raise GenerationError(ONE_PROMPT)
         if prompt_ids is not None:
             if not isinstance(prompt_ids, (list, tuple)):
                 raise GenerationError(f"prompt_ids must be a list of token ids, found {quote(prompt_ids)}")

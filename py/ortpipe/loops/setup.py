@@ -11,7 +11,7 @@ from typing import Any
 
 from ..config.schema import POOLING_MODES
 from ..config.settings import BY_NAME, CODEBOOK_SAMPLING, SearchSettings
-from ..errors import ConfigError, GenerationError
+from ..errors import ONE_PROMPT, ConfigError, GenerationError
 from ..execute.work import Handle
 from ..folder import Folder
 from ..jsonfile import quote
@@ -100,7 +100,7 @@ def _rows(
             )
         return None
     if (prompt is None) == (prompt_ids is None):
-        raise GenerationError("give exactly one of prompt (text) and prompt_ids (token ids)")
+        raise GenerationError(ONE_PROMPT)
     if prompt_ids is not None:
         if (
             not isinstance(prompt_ids, (list, tuple))
