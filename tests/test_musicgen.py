@@ -121,7 +121,7 @@ def test_bad_requests_are_refused(musicgen_tiny: Path) -> None:
         pipe.generate("rock", max_new_tokens=3)
     with pytest.raises(GenerationError, match="drop repetition_penalty"):
         pipe.generate("rock", max_new_tokens=12, repetition_penalty=1.2)
-    with pytest.warns(UserWarning, match="temperature only apply when sampling"):
+    with pytest.warns(UserWarning, match="temperature only applies when sampling"):
         pipe.generate("rock", max_new_tokens=12, temperature=0.5)
     with pytest.raises(GenerationError, match="top_k"):
         pipe.generate("rock", max_new_tokens=12, do_sample=True, top_k=-1)

@@ -153,7 +153,7 @@ def test_sampling_settings_on_a_greedy_request_are_said_to_change_nothing(tmp_pa
     greedy = pipe.generate(prompt_ids=[5, 6], max_new_tokens=4).tokens
     with pytest.warns(UserWarning, match=r"temperature, top_p only apply when sampling.*in the model folder"):
         assert pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0.5, top_p=0.5).tokens == greedy
-    with pytest.warns(UserWarning, match=r"top_k only apply when sampling.*do_sample is false\)"):
+    with pytest.warns(UserWarning, match=r"top_k only applies when sampling.*do_sample is false\)"):
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, do_sample=False, top_k=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -71,8 +71,9 @@ def _warn_unsampled(s: SearchSettings, given: dict[str, Any]) -> None:
     unused = [k for k in SAMPLING_ONLY if k in given and not (k == "temperature" and given[k] == 0)]
     if unused:
         how = "with beam search" if s.num_beams > 1 else "greedily"
+        verb = "applies" if len(unused) == 1 else "apply"
         warnings.warn(
-            f"{', '.join(unused)} only apply when sampling, and this request decodes {how} (do_sample is "
+            f"{', '.join(unused)} only {verb} when sampling, and this request decodes {how} (do_sample is "
             f"false{'' if 'do_sample' in given else ' in the model folder'}): set do_sample true to sample",
             UserWarning,
             stacklevel=2,
