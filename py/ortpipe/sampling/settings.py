@@ -39,6 +39,9 @@ def settings_for(defaults: SearchSettings, overrides: dict[str, Any]) -> SearchS
 
 
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p")
+# the values that ask for nothing a greedy request lacks: temperature 0 asks for greedy decoding, the others
+# turn their filter off (OpenAI clients send top_p 1 beside temperature 0)
+OFF = {"temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0}
 
 
 def warn_unreachable_minimums(s: SearchSettings, prompt_len: int, limit: int) -> None:
@@ -65,10 +68,10 @@ def warn_unreachable_minimums(s: SearchSettings, prompt_len: int, limit: int) ->
 
 def _warn_unsampled(s: SearchSettings, given: dict[str, Any]) -> None:
     """A request that sets how to sample but does not sample (the folder's default or its own
-    do_sample false) is told so: those settings change nothing. Temperature 0 asks for greedy."""
+    do_sample false) is told so: those settings change nothing. A value in OFF asks for nothing."""
     if s.do_sample:
         return
-    unused = [k for k in SAMPLING_ONLY if k in given and not (k == "temperature" and given[k] == 0)]
+    unused = [k for k in SAMPLING_ONLY if k in given and given[k] != OFF.get(k)]
     if unused:
         how = "with beam search" if s.num_beams > 1 else "greedily"
         verb = "applies" if len(unused) == 1 else "apply"

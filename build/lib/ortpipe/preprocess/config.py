@@ -1,0 +1,277 @@
+"""Processor configs -> validated ImageConfig / AudioConfig.
+
+Reads what transformers saves beside a model (preprocessor_config.json, or processor_config.json
+with an `image_processor` / `feature_extractor` section) and the seed's image_processor.json /
+audio_processor.json, which use the same keys. Keys a config leaves out take the defaults of the
+transformers class it names. Every problem is collected and raised as one ConfigError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.parse import Section
+from ..errors import ConfigError, Problems, did_you_mean, one_of
+from ..folder import Folder
+from ..jsonfile import read_json
+
+IMAGE_FILES = ("image_processor.json", "preprocessor_config.json", "processor_config.json")
+AUDIO_FILES = ("audio_processor.json", "preprocessor_config.json", "processor_config.json")
+
+# PIL's resampling enum, as transformers configs store it
+RESAMPLE_CODES = {2: "bilinear", 3: "bicubic"}
+UNSUPPORTED_RESAMPLE = {0: "nearest", 1: "lanczos", 4: "box", 5: "hamming"}
+
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_HALF = (0.5, 0.5, 0.5)
+
+# transformers' class defaults for the image processors ortpipe reproduces
+IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
+    "Qwen2VLImageProcessor": {
+        "resample": 3, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+        "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2},
+    "CLIPImageProcessor": {
+        "resample": 3, "size": {"shortest_edge": 224}, "do_center_crop": True,
+        "crop_size": {"height": 224, "width": 224}, "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD},
+    "SiglipImageProcessor": {"resample": 3, "size": {"height": 224, "width": 224}, "image_mean": _HALF,
+                             "image_std": _HALF},
+    "Gemma3ImageProcessor": {"resample": 2, "size": {"height": 224, "width": 224}, "image_mean": _HALF,
+                             "image_std": _HALF},
+}
+PATCH_PROCESSORS = frozenset({"Qwen2VLImageProcessor"})
+SQUARE_BY_DEFAULT = frozenset({"SiglipImageProcessor", "Gemma3ImageProcessor"})  # an int size means h = w
+AUDIO_PROCESSORS = ("WhisperFeatureExtractor",)
+
+
+@dataclass(frozen=True)
+class Size:
+    """One resize rule: height and width; a shortest edge, optionally capped by a longest edge; or
+    (Qwen2-VL) a pixel budget with sides that are multiples of patch_size * merge_size."""
+
+    height: int | None = None
+    width: int | None = None
+    shortest_edge: int | None = None
+    longest_edge: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+
+@dataclass(frozen=True)
+class Patches:
+    """Qwen2-VL's flattened patch layout of pixel_values."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    source: str
+    processor_type: str
+    size: Size | None  # None: no resize
+    resample: str  # "bicubic" or "bilinear"
+    crop_size: tuple[int, int] | None  # None: no centre crop
+    rescale_factor: float  # 1.0 when do_rescale is off
+    image_mean: tuple[float, ...]  # zeros and ones when do_normalize is off
+    image_std: tuple[float, ...]
+    patches: Patches | None  # None: pixel_values is [1, c, h, w]
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    source: str
+    feature_size: int = 80
+    sampling_rate: int = 16000
+    hop_length: int = 160
+    chunk_length: int = 30
+    n_fft: int = 400
+
+    @property
+    def samples(self) -> int:
+        """Every waveform is padded with silence or cut to this many samples."""
+        return self.chunk_length * self.sampling_rate
+
+    @property
+    def frames(self) -> int:
+        return self.samples // self.hop_length
+
+
+def load_image_config(folder: Folder, name: str | None = None) -> ImageConfig:
+    """The folder's image processor config: `name` (from the pipeline's preprocessing section) or the
+    first of IMAGE_FILES that describes an image processor."""
+    raw, source = _find(folder, name, IMAGE_FILES, _image_section, "an image processor")
+    return image_config(raw, source)
+
+
+def load_audio_config(folder: Folder, name: str | None = None) -> AudioConfig:
+    raw, source = _find(folder, name, AUDIO_FILES, _audio_section, "an audio feature extractor")
+    return audio_config(raw, source)
+
+
+def _image_section(data: dict[str, Any]) -> dict[str, Any] | None:
+    if isinstance(data.get("image_processor"), dict):
+        return data["image_processor"]
+    return data if "image_processor_type" in data else None
+
+
+def _audio_section(data: dict[str, Any]) -> dict[str, Any] | None:
+    for key in ("feature_extractor", "audio_processor"):
+        if isinstance(data.get(key), dict):
+            return data[key]
+    return data if {"feature_extractor_type", "audio_processor_type"} & data.keys() else None
+
+
+Picker = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+
+
+def _find(folder: Folder, name: str | None, names: tuple[str, ...], pick: Picker,
+          what: str) -> tuple[dict[str, Any], str]:
+    for candidate in (name,) if name else names:
+        if not folder.exists(candidate):
+            if name:
+                raise ConfigError(f"the preprocessing config {folder.describe(candidate)} does not exist")
+            continue
+        source = folder.describe(candidate)
+        data = read_json(folder, candidate)
+        section = pick(data)
+        if section is not None:
+            return section, source
+        if name:
+            raise ConfigError(f"{source} does not describe {what}{_hint(data)}")
+    raise ConfigError(f"{folder.describe()} has no config for {what}: expected one of {one_of(names)}")
+
+
+def _hint(data: dict[str, Any]) -> str:
+    if isinstance(data.get("processor"), dict) and "transforms" in data["processor"]:
+        return (" in a form ortpipe reads: it is an onnxruntime-extensions transform list; give the "
+                "transformers processor config instead (image_processor_type, size, image_mean, ...)")
+    return ""
+
+
+def _processor_type(sec: Section, key: str, known: tuple[str, ...]) -> str:
+    """The transformers class a config names, without the Fast / Pil backend suffix."""
+    name = sec.get(key, str)
+    if name is None:
+        sec.problems.add(f"{sec.path} has no {key}; ortpipe reproduces {one_of(known)}")
+        return ""
+    for suffix in ("Fast", "Pil"):
+        name = name.removesuffix(suffix)
+    if name not in known:
+        same_letters = {k.lower(): k for k in known}.get(name.lower())
+        hint = f' Did you mean "{same_letters}"?' if same_letters else did_you_mean(name, known)
+        sec.problems.add(f'{sec.path}.{key} "{name}" is not supported; supported: {one_of(known)}.{hint}')
+    return name
+
+
+def image_config(raw: dict[str, Any], source: str) -> ImageConfig:
+    problems = Problems()
+    sec = Section(raw, source, problems)
+    kind = _processor_type(sec, "image_processor_type", tuple(IMAGE_PROCESSORS))
+    problems.raise_if_any()  # the rest falls back on that class's defaults
+    defaults = IMAGE_PROCESSORS[kind]
+
+    def get(key: str, type_: type, fallback: Any = None) -> Any:
+        return sec.get(key, type_, defaults.get(key, fallback))
+
+    if get("do_pan_and_scan", bool, False):
+        problems.add(f"{source}.do_pan_and_scan is not supported; set it to false")
+    patches = None
+    if kind in PATCH_PROCESSORS:
+        patches = Patches(*(_positive(sec, k, get(k, int)) for k in ("patch_size", "temporal_patch_size",
+                                                                        "merge_size")))
+    size = None
+    if get("do_resize", bool, True):
+        size = _pixel_budget(sec, defaults) if patches else _size(sec, get("size", object), kind)
+    crop = _crop_size(sec, get("crop_size", object)) if get("do_center_crop", bool, False) else None
+    scale = get("rescale_factor", float, 1 / 255) if get("do_rescale", bool, True) else 1.0
+    mean, std = (0.0,) * 3, (1.0,) * 3
+    if get("do_normalize", bool, True):
+        mean, std = _channels(sec, "image_mean", get("image_mean", object)), _channels(
+            sec, "image_std", get("image_std", object))
+    resample = _resample(sec, get("resample", object))
+    problems.raise_if_any()
+    return ImageConfig(source, kind, size, resample, crop, scale, mean, std, patches)
+
+
+def _positive(sec: Section, key: str, value: Any) -> int:
+    if not isinstance(value, int) or value <= 0:
+        sec.problems.add(f"{sec.path}.{key} must be a positive integer, found {value!r}")
+        return 1
+    return value
+
+
+def _pixel_budget(sec: Section, defaults: dict[str, Any]) -> Size:
+    """Qwen2-VL's min / max pixels: top-level keys win over `size` (as its __init__ does)."""
+    size = sec.get("size", dict) or {}
+
+    def first(key: str, size_key: str) -> Any:
+        return sec.raw.get(key) or size.get(key) or size.get(size_key) or defaults["size"][size_key]
+
+    low, high = first("min_pixels", "shortest_edge"), first("max_pixels", "longest_edge")
+    return Size(min_pixels=_positive(sec, "min_pixels", low), max_pixels=_positive(sec, "max_pixels", high))
+
+
+_SIZE_FORMS = ({"height", "width"}, {"shortest_edge"}, {"shortest_edge", "longest_edge"})
+
+
+def _size(sec: Section, value: Any, kind: str) -> Size | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        square = kind in SQUARE_BY_DEFAULT
+        value = {"height": value, "width": value} if square else {"shortest_edge": value}
+    elif isinstance(value, list) and len(value) == 2:
+        value = {"height": value[0], "width": value[1]}
+    keys = {k for k, v in value.items() if v is not None} if isinstance(value, dict) else None
+    if keys not in _SIZE_FORMS:
+        sec.problems.add(f"{sec.path}.size must be an integer or an object with one of the key sets "
+                         f"{'; '.join(', '.join(sorted(f)) for f in _SIZE_FORMS)}, found {value!r}")
+        return None
+    return Size(**{k: _positive(sec, f"size.{k}", value[k]) for k in keys})
+
+
+def _crop_size(sec: Section, value: Any) -> tuple[int, int] | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"height": value, "width": value}
+    if not isinstance(value, dict) or {"height", "width"} - value.keys():
+        sec.problems.add(f"{sec.path}.crop_size must be an integer or {{height, width}}, found {value!r}")
+        return None
+    return tuple(_positive(sec, f"crop_size.{k}", value[k]) for k in ("height", "width"))
+
+
+def _channels(sec: Section, key: str, value: Any) -> tuple[float, ...]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (float(value),) * 3
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+        return tuple(float(v) for v in value)
+    sec.problems.add(f"{sec.path}.{key} must be a number or a list of numbers per channel, found {value!r}")
+    return (0.0,) * 3
+
+
+def _resample(sec: Section, value: Any) -> str:
+    names = {name: name for name in RESAMPLE_CODES.values()}
+    if isinstance(value, str) and value.lower() in names:
+        return value.lower()
+    if value in RESAMPLE_CODES and not isinstance(value, bool):
+        return RESAMPLE_CODES[value]
+    found = UNSUPPORTED_RESAMPLE.get(value, value)
+    sec.problems.add(f"{sec.path}.resample {found!r} is not supported; supported: bilinear (2), bicubic (3)")
+    return "bicubic"
+
+
+def audio_config(raw: dict[str, Any], source: str) -> AudioConfig:
+    problems = Problems()
+    sec = Section(raw, source, problems)
+    key = "feature_extractor_type" if "feature_extractor_type" in raw else "audio_processor_type"
+    _processor_type(sec, key, AUDIO_PROCESSORS)
+    ints = {k: _positive(sec, k, sec.get(k, int, getattr(AudioConfig, k)))
+            for k in ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft")}
+    for name, neutral in (("padding_value", 0.0), ("dither", 0.0), ("do_normalize", False)):
+        if raw.get(name, neutral) not in (neutral, None):
+            problems.add(f"{source}.{name} {raw[name]!r} is not supported; ortpipe computes Whisper's "
+                         f"features with {name} {neutral!r}")
+    problems.raise_if_any()
+    return AudioConfig(source, **ints)
