@@ -158,7 +158,7 @@ def test_sampling_settings_on_a_greedy_request_are_said_to_change_nothing(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0)  # greedy, as asked
-        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0, top_p=1, top_k=0, min_p=0)  # all off
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0, top_p=1, top_k=0, min_p=0)  # off
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, do_sample=True, top_k=3, seed=1)
 
 
