@@ -303,6 +303,16 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_naming_it(folder: Path) -> No
                                 "half of a UTF-16 pair); remove it or complete the pair")
 
 
+def test_an_empty_prompt_on_a_tokenizer_without_a_start_token_says_so() -> None:
+    """The demo's tokenizer adds no start token: "" is no token at all, said as a prompt, not as ids."""
+    demo = Path(__file__).resolve().parent.parent / "models" / "demo"
+    with pytest.raises(GenerationError) as error:
+        ortpipe.load(demo, threads=1).generate("", max_new_tokens=1)
+    assert str(error.value) == ('the prompt "" encodes to no tokens (this folder\'s tokenizer adds no start '
+                                "token): give some text, or prompt_ids")
+    assert error.value.setting == "prompt_ids"  # a server names its prompt parameter
+
+
 def test_a_suppressed_token_outside_the_vocabulary_is_refused_before_any_run(folder: Path) -> None:
     """An id past the logits' width used to reach the `process` kernel, whose ScatterElements failed with
     onnxruntime's bounds message; greedy, sampled and streamed alike, the request now names the setting."""

@@ -580,7 +580,11 @@ class Model:
             raise GenerationError(
                 "this model folder has no tokenizer.json: pass prompt_ids instead of a prompt"
             )
-        return encode(self.tokenizer, prompt)
+        ids = encode(self.tokenizer, prompt)
+        if not ids:
+            raise GenerationError(f"the prompt {quote(prompt)} encodes to no tokens (this folder's tokenizer "
+                                  "adds no start token): give some text, or prompt_ids", setting="prompt_ids")
+        return ids
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""
