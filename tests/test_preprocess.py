@@ -218,6 +218,51 @@ def test_whisper_log_mel_matches_transformers(driver: Driver, feature_size: int,
         compare(f"whisper-{feature_size} ({path}) {name}", features.tensors["input_features"], reference)
 
 
+def test_the_builders_audio_processor_config_gives_genai_features_but_at_the_edges(
+    driver: Driver, whisper_builder: Path, tmp_path: Path
+) -> None:
+    """onnxruntime-genai's processor computes a builder folder's features from the same config. They equal
+    ortpipe's (transformers') inside the clip; the frames whose window reaches past an end of it differ, as
+    the two pad the clip otherwise: the first two frames and the two at the clip's end (for a clip cut to
+    30 s, the last frame)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    config = load_audio_config(LocalFolder(whisper_builder))
+    assert (config.feature_size, config.sampling_rate, config.hop_length, config.chunk_length,
+            config.n_fft) == (80, 16000, 160, 30, 400)
+    processor = og.Model(str(whisper_builder)).create_multimodal_processor()
+    for name, wave_ in waveforms().items():
+        path = tmp_path / "clip.wav"
+        with wave.open(str(path), "wb") as w:
+            w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+            w.writeframes((np.clip(wave_, -1, 1) * 32767).astype(np.int16).tobytes())
+        reference = processor("<s>", audios=og.Audios.open(str(path)))["audio_features"].as_numpy()
+        ours = driver.drive(audio_features(CpuBackend(), config, read_wav(path))).tensors["input_features"]
+        end = len(wave_) // config.hop_length
+        edges = [0, 1, end, end + 1] if end < config.frames else [0, 1, config.frames - 1]
+        inside = np.delete(np.arange(config.frames), edges)
+        compare(f"genai {name}", ours[..., inside], reference[..., inside])
+
+
+def test_an_extensions_sequence_that_computes_other_features_is_refused(tmp_path: Path) -> None:
+    step = {"operation": {"type": "STFTNorm", "attrs": {"n_fft": 512, "frame_length": 512, "hop": 1}}}
+    sequence = [{"operation": {"type": "AudioDecoder"}}, step, {"operation": {"type": "Phi4AudioEmbed"}}]
+    (tmp_path / "audio_processor_config.json").write_text(json.dumps(
+        {"feature_extraction": {"sequence": sequence}, "extra": 1}))
+    with pytest.raises(ConfigError) as error:
+        load_audio_config(LocalFolder(tmp_path))
+    said = str(error.value)
+    assert "audio_processor_config.json.extra is not read" in said
+    assert "sequence[1].operation.attrs.hop is not supported for STFTNorm" in said
+    assert "sequence[2].operation.type 'Phi4AudioEmbed' is not supported" in said
+    assert "must be the operations AudioDecoder, STFTNorm, LogMelSpectrum" in said
+    sequence[2] = {"operation": {"type": "LogMelSpectrum", "attrs": {"n_fft": 400, "n_mel": 128}}}
+    step["operation"]["attrs"].pop("hop")
+    config = {"feature_extraction": {"sequence": sequence}}
+    (tmp_path / "audio_processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="STFTNorm's n_fft 512 is not LogMelSpectrum's n_fft 400"):
+        load_audio_config(LocalFolder(tmp_path))
+
+
 # Size arithmetic against transformers' own functions
 
 def test_fit_pixels_equals_smart_resize() -> None:

@@ -105,6 +105,30 @@ def test_beam_search_tiles_the_encoder_outputs_for_every_beam(
     assert ours.tokens == out[0, 1:].tolist()
 
 
+def test_a_wav_on_the_builders_folder_gives_the_tokens_of_transformers_features(
+    pipe: Pipeline, whisper_hf: Path, tmp_path: Path
+) -> None:
+    """The builder describes the features in audio_processor_config.json (onnxruntime-extensions'
+    AudioDecoder, STFTNorm, LogMelSpectrum); ortpipe reads it as WhisperFeatureExtractor's config, so a
+    WAV file gives the tokens transformers generates from that extractor's features of the same samples."""
+    import wave
+
+    import transformers
+
+    samples = (0.2 * np.random.default_rng(3).standard_normal(16000 * 2)).astype(np.float32)
+    pcm = (samples * 32767).astype(np.int16)
+    path = tmp_path / "clip.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    extractor = transformers.WhisperFeatureExtractor(feature_size=WHISPER_MELS)
+    read = pcm.astype(np.float32) / 32768  # what a WAV reader gives back of the samples written
+    feats = extractor(read, sampling_rate=16000, return_tensors="np")["input_features"]
+    prompt = PROMPTS["start"]
+    ours = pipe.generate(prompt_ids=prompt, max_new_tokens=NEW, audios=[str(path)]).tokens
+    assert ours == hf_whisper_greedy(whisper_hf, feats, prompt, NEW)
+
+
 def test_bad_request_inputs_are_refused_before_running(whisper_builder: Path) -> None:
     pipe = ortpipe.load(whisper_builder, threads=1)
     with pytest.raises(

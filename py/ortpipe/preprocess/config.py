@@ -3,7 +3,10 @@
 Reads what transformers saves beside a model (preprocessor_config.json, or processor_config.json
 with an `image_processor` / `feature_extractor` section) and the seed's image_processor.json /
 audio_processor.json, which use the same keys. Keys a config leaves out take the defaults of the
-transformers class it names. Every problem is collected and raised as one ConfigError.
+transformers class it names. onnxruntime-genai's model builder writes a Whisper folder's
+audio_processor_config.json instead, an onnxruntime-extensions operation sequence (AudioDecoder,
+STFTNorm, LogMelSpectrum): its attributes are read as the same Whisper features. Every problem is
+collected and raised as one ConfigError.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from ..folder import Folder
 from ..jsonfile import read_json
 
 IMAGE_FILES = ("image_processor.json", "preprocessor_config.json", "processor_config.json")
-AUDIO_FILES = ("audio_processor.json", "preprocessor_config.json", "processor_config.json")
+AUDIO_FILES = ("audio_processor.json", "preprocessor_config.json", "processor_config.json",
+               "audio_processor_config.json")  # the last: onnxruntime-genai's builder (EXTENSIONS_AUDIO)
 
 # PIL's resampling enum, as transformers configs store it
 RESAMPLE_CODES = {2: "bilinear", 3: "bicubic"}
@@ -120,6 +124,8 @@ def _image_section(data: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _audio_section(data: dict[str, Any]) -> dict[str, Any] | None:
+    if "feature_extraction" in data:  # onnxruntime-extensions' sequence: read by audio_config
+        return data
     for key in ("feature_extractor", "audio_processor"):
         if isinstance(data.get(key), dict):
             return data[key]
@@ -262,7 +268,76 @@ def _resample(sec: Section, value: Any) -> str:
     return "bicubic"
 
 
+# onnxruntime-extensions' operations of Whisper's features, in order, and the attributes ortpipe reads of each
+# (keys from "_", such as "_comment", are comments); missing ones take WhisperFeatureExtractor's defaults
+EXTENSIONS_AUDIO = {"AudioDecoder": ("target_sample_rate", "stereo_to_mono"),
+                    "STFTNorm": ("n_fft", "frame_length", "hop_length"),
+                    "LogMelSpectrum": ("chunk_size", "hop_length", "n_fft", "n_mel")}
+
+
+def _from_extensions(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """An onnxruntime-extensions feature_extraction sequence as the WhisperFeatureExtractor config it
+    computes; a ConfigError listing every problem when it computes something else."""
+    problems = Problems()
+    where = f"{source}.feature_extraction"
+    for key in raw:
+        if key != "feature_extraction" and not key.startswith("_"):
+            problems.add(f"{source}.{key} is not read (ortpipe reads its feature_extraction); remove it")
+    decoder, stft, mel = _extensions_ops(raw["feature_extraction"], where, problems)
+    n_fft, hop = mel.get("n_fft", AudioConfig.n_fft), mel.get("hop_length", AudioConfig.hop_length)
+    if decoder.get("stereo_to_mono", 1) != 1:
+        problems.add(f"{where}: AudioDecoder's stereo_to_mono {decoder['stereo_to_mono']} is not supported; "
+                     "ortpipe averages the channels (1)")
+    for key, value in (("n_fft", n_fft), ("hop_length", hop), ("frame_length", n_fft)):
+        if stft.get(key, value) != value:
+            problems.add(f"{where}: STFTNorm's {key} {stft[key]} is not LogMelSpectrum's "
+                         f"{'n_fft' if key == 'frame_length' else key} {value}; ortpipe's STFT takes "
+                         "one n_fft-sample window")
+    problems.raise_if_any()
+    return {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": mel.get("n_mel", 80),
+            "sampling_rate": decoder.get("target_sample_rate", AudioConfig.sampling_rate), "hop_length": hop,
+            "chunk_length": mel.get("chunk_size", AudioConfig.chunk_length), "n_fft": n_fft}
+
+
+def _extensions_ops(section: Any, where: str, problems: Problems) -> list[dict[str, Any]]:
+    """The attributes of each of EXTENSIONS_AUDIO's operations in `section`'s sequence, in that order; the
+    problems raised when the sequence is another."""
+    sequence = section.get("sequence") if isinstance(section, dict) else None
+    if not isinstance(sequence, list):
+        raise ConfigError(f"{where}.sequence must be a list of operations, found {sequence!r}")
+    attrs: dict[str, dict[str, Any]] = {}
+    for i, step in enumerate(sequence):
+        op = step.get("operation") if isinstance(step, dict) else None
+        at = f"{where}.sequence[{i}].operation"
+        kind = op.get("type") if isinstance(op, dict) else op
+        if kind not in EXTENSIONS_AUDIO:
+            problems.add(f"{at}.type {kind!r} is not supported: ortpipe computes Whisper's log-mel "
+                         f"features, the sequence {', '.join(EXTENSIONS_AUDIO)}")
+            continue
+        given = op.get("attrs", {})
+        if not isinstance(given, dict):
+            problems.add(f"{at}.attrs must be an object, found {given!r}")
+            continue
+        known = EXTENSIONS_AUDIO[kind]
+        for key, value in given.items():
+            if key.startswith("_"):
+                continue
+            if key not in known:
+                problems.add(f"{at}.attrs.{key} is not supported for {kind} (ortpipe reads "
+                             f"{one_of(known)}).{did_you_mean(key, known)}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.add(f"{at}.attrs.{key} must be a non-negative integer, found {value!r}")
+        attrs[kind] = {k: v for k, v in given.items() if k in known and isinstance(v, int)}
+    if list(attrs) != list(EXTENSIONS_AUDIO) or len(sequence) != len(EXTENSIONS_AUDIO):
+        problems.add(f"{where}.sequence must be the operations {', '.join(EXTENSIONS_AUDIO)}, once each "
+                     "and in that order (Whisper's log-mel features)")
+    problems.raise_if_any()
+    return [attrs[name] for name in EXTENSIONS_AUDIO]
+
+
 def audio_config(raw: dict[str, Any], source: str) -> AudioConfig:
+    if "feature_extraction" in raw:
+        raw = _from_extensions(raw, source)
     problems = Problems()
     sec = Section(raw, source, problems)
     key = "feature_extractor_type" if "feature_extractor_type" in raw else "audio_processor_type"
