@@ -4,7 +4,8 @@
     rows.py      a request as a row: chat template, tokens, the prompt cache, the core's Request
     engine.py    the engine thread that owns the pipeline, the bounded queue, the scheduler interface
     outputs.py   the endpoints of folders that make outputs: /v1/embeddings, /v1/audio/speech, /v1/images
-    forms.py     multipart/form-data bodies (/v1/images/edits' image and mask files)
+    forms.py     multipart/form-data bodies (/v1/images/edits' image and mask files, transcriptions' audio)
+    transcriptions.py  /v1/audio/transcriptions' form, for a folder whose decoder reads speech
     metrics.py   /metrics in the Prometheus text format
     app.py       the Starlette routes, API key, CORS, server-sent events, disconnects
     load.py      the serve benchmark (`ortpipe bench --serve`: tokens/s at 1 to 8 streams)

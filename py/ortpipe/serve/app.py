@@ -33,6 +33,7 @@ from .engine import Delta, Engine, Failed, Finished, Job, Made, NotReady, QueueF
 from .forms import boundary_of, parse_form
 from .outputs import OutputQuery, parse_embeddings, parse_image_edit, parse_images, parse_speech
 from .protocol import Completion, InvalidRequest, Reply, Usage, error_body, parse_chat, parse_text
+from .transcriptions import parse_transcription
 
 MAX_BODY_BYTES = 8 * 2**20
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -57,6 +58,7 @@ def create_app(engine: Engine, model_dir: str | Path, api_key: str | None = None
               Route("/v1/completions", api.text, methods=["POST"]),
               Route("/v1/embeddings", api.embeddings, methods=["POST"]),
               Route("/v1/audio/speech", api.speech, methods=["POST"]),
+              Route("/v1/audio/transcriptions", api.transcriptions, methods=["POST"]),
               Route("/v1/images/generations", api.images, methods=["POST"]),
               Route("/v1/images/edits", api.image_edits, methods=["POST"]),
               Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.one_model),
@@ -98,6 +100,10 @@ class Api:
     async def image_edits(self, request: Request) -> Any:
         # its parse decodes the image and mask: off the event loop, which other clients' streams share
         return await self._complete(request, parse_image_edit, "img", "images", _form_body, threaded=True)
+
+    async def transcriptions(self, request: Request) -> Any:
+        # its parse only reads the form: the engine decodes the audio, at the folder's sampling rate
+        return await self._complete(request, parse_transcription, "trsc", "completions", _form_body)
 
     async def _complete(self, request: Request, parse: Callable[[Any], Completion | OutputQuery],
                         prefix: str, endpoint: str, read: Callable[[Request], Any] | None = None,
@@ -295,6 +301,12 @@ class JobResponse:
         asked = self.reply.completion.settings.get("logprobs") is not None
         choices = [("".join(texts[i]), finished[i].finish_reason, logprobs[i] if asked else None)
                    for i in range(n)]
+        if self.reply.completion.endpoint == "transcription":
+            text, usage = choices[0][0], _usage(finished)
+            response: Response = (PlainTextResponse(text) if self.reply.completion.response_format == "text"
+                                  else JSONResponse(self.reply.transcription(text, usage)))
+            await response(scope, receive, send)
+            return
         wanted = self.reply.completion.n
         if n > wanted:  # best_of: the candidates with the highest mean log-probability a token, best first
             best = sorted(range(n), key=lambda i: -_mean_logprob(logprobs[i]))[:wanted]

@@ -1,5 +1,6 @@
-"""multipart/form-data bodies (RFC 7578), as OpenAI's image edit endpoint takes them: text fields and
-files, read from the bytes the server already holds (the body's size is bounded before it gets here).
+"""multipart/form-data bodies (RFC 7578), as OpenAI's image edit and transcription endpoints take them: text
+fields and files, read from the bytes the server already holds (the body's size is bounded before it gets
+here).
 
 A field's value is text; a part with a filename is a file, kept as bytes. A name may repeat (OpenAI's
 `image[]`): `Form.fields` keeps every value in order. Malformed bodies are an `InvalidRequest` naming what
@@ -42,7 +43,7 @@ def boundary_of(content_type: str) -> bytes:
     params = _header_params(content_type, "content-type")
     if params.get_content_type() != "multipart/form-data":
         raise InvalidRequest(
-            f"This endpoint takes multipart/form-data (the image as a file, as OpenAI's does), but the "
+            f"This endpoint takes multipart/form-data (its files as file parts, as OpenAI's does), but the "
             f"request's Content-Type is {content_type or 'missing'!r}."
         )
     boundary = params.get_param("boundary", header="content-type")

@@ -57,7 +57,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 class Completion:
     """A checked request, in ortpipe's terms: what to prompt with, how much, and the generation settings."""
 
-    endpoint: str  # "chat" or "text"
+    endpoint: str  # "chat", "text" or "transcription"
     model: str
     messages: tuple[dict[str, str], ...] = ()  # chat: rendered with the folder's chat template
     prompt: str | None = None  # text: a prompt string ...
@@ -69,6 +69,8 @@ class Completion:
     n: int = 1  # choices: n rows of the batch, choice i seeded seed + i when the request gives a seed
     prediction: str | None = None  # chat: the text the reply is expected to be (OpenAI's Predicted Outputs)
     best_of: int = 1  # completions: candidates generated (at least n), the n best returned
+    audio: tuple[str, bytes] | None = None  # transcriptions: the uploaded file's name and bytes (a WAV file)
+    response_format: str = "json"  # transcriptions: "json" ({"text"}) or "text" (the text alone)
 
     @property
     def candidates(self) -> int:
@@ -587,6 +589,12 @@ class Reply:
             "model": self.model,
             "system_fingerprint": self.fingerprint,
         }
+
+    def transcription(self, text: str, usage: Usage) -> dict[str, Any]:
+        """A transcription's JSON: its text, and its tokens as usage (the decoder's prompt as input)."""
+        return {"text": text, "usage": {"type": "tokens", "input_tokens": usage.prompt_tokens,
+                                        "output_tokens": usage.completion_tokens,
+                                        "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
 
     def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         """The whole response: its choices in order (index i the i-th) and the request's usage."""

@@ -13,6 +13,8 @@ This is the one module that reaches under the pipeline's public API (load, reque
   conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
   (from its cached prefix or anew) and then joins the batch (loops/batched.py), so cached prefixes and
   batching work together.
+- A transcription (an uploaded WAV file) is no prompt to cache: its row is `pipe.request` with the audio,
+  decoded here at the folder's sampling rate, the decoder starting from the folder's start token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.settings import SearchSettings
+from ..errors import GenerationError
 from ..request import Chunk, Request
 from ..sampling.settings import settings_for
 from ..tokenizer import encode
@@ -48,6 +51,19 @@ def render_chat(template: Any, messages: tuple[dict[str, str], ...]) -> str:
 
 
 def prompt_ids(pipe: Any, template: Any | None, c: Completion) -> list[int]:
+    if c.endpoint == "transcription":
+        try:  # a folder that reads no audio says so first
+            pipe.model.check_media(False, True)
+        except GenerationError as e:
+            raise InvalidRequest(f"This model does not transcribe: {e}.", "file", "invalid_value") from None
+        start = pipe.config.tokens.decoder_start
+        if start is None:
+            raise InvalidRequest("This model folder sets no decoder start token, which a transcription "
+                                 "starts from: add it to its config (genai_config.json: "
+                                 "model.decoder_start_token_id, or tokens.decoder_start in v2).", status=500,
+                                 kind="server_error")
+        return [start]
+    _needs_no_audio(pipe)
     if c.prompt_ids is not None:
         return list(c.prompt_ids)
     if pipe.tokenizer is None:
@@ -59,6 +75,19 @@ def prompt_ids(pipe: Any, template: Any | None, c: Completion) -> list[int]:
         raise InvalidRequest("This model folder has no chat template (tokenizer_config.json chat_template): "
                              "use /v1/completions.", "messages", "unsupported_value")
     return encode(pipe.tokenizer, render_chat(template, c.messages))
+
+
+def _needs_no_audio(pipe: Any) -> None:
+    """A folder whose every request needs audio (its encoder's input, which no text route gives) sends text
+    requests to the route that takes audio."""
+    plan = pipe.plan
+    for s in plan.init_steps:
+        required = not (s.step.optional or plan.config.pipeline.sessions[s.session].optional)
+        heard = sorted({"input_features", "audio_features"} & set(s.request_inputs))
+        if required and heard:
+            raise InvalidRequest(f"Every request of this model needs audio (session {s.session!r} reads "
+                                 f"{heard[0]}), which this route does not take: send the audio to POST "
+                                 "/v1/audio/transcriptions.", code="unsupported_value")
 
 
 @dataclass
@@ -113,6 +142,8 @@ class PromptCache:
     def open(self, ids: list[int], c: Completion) -> Row:
         if len(ids) + (c.max_tokens or 1) > self.length:
             raise _too_long(len(ids), c, self.length)
+        if c.audio is not None:
+            return self._heard(ids, c)
         asked = {**self.defaults, **c.settings}
         if "prompt_lookup_num_tokens" in c.settings:
             asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))
@@ -130,6 +161,15 @@ class PromptCache:
         request = Request(gen.core, settings, self.pipe.tokenizer, pending, c.max_tokens)
         return Row(request, gen, self.pipe.drive(request), len(ids), len(ids) - pending, True,
                    predicted=predicted is not None)
+
+    def _heard(self, ids: list[int], c: Completion) -> Row:
+        """A transcription's row: the request over its audio, decoded at the folder's sampling rate."""
+        from ..targets.cpython.media import wav_samples  # the server runs the CPython target
+
+        name, data = c.audio
+        samples = wav_samples(data, name, self.pipe.model.sampling_rate())
+        request = self.pipe.request(prompt_ids=ids, audios=[samples], max_length=self.length, **c.settings)
+        return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
 
     def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:
         """A request's prediction as token ids, and (in `asked`) the prompt lookup that drafts it: the

@@ -100,13 +100,28 @@ def read_wav(path: str | os.PathLike[str], rate: int = WHISPER_RATE) -> np.ndarr
     """A PCM WAV file as float32 mono samples in [-1, 1] at `rate` Hz: channels averaged, resampled
     when the file has another rate."""
     file = _existing(path, "audio")
+    return _wav(str(file), str(file), file.name, rate)
+
+
+def wav_samples(data: bytes, name: str, rate: int = WHISPER_RATE) -> np.ndarray:
+    """A PCM WAV file's bytes (`name`: the file's name, for errors) as read_wav reads the file; an error
+    naming the setting "file" (a server's upload) when they are no such file."""
+    return _wav(io.BytesIO(data), repr(name), name, rate, "file")
+
+
+def _wav(source: Any, shown: str, name: str, rate: int, setting: str | None = None) -> np.ndarray:
     try:
-        with wave.open(str(file), "rb") as w:
+        with wave.open(source, "rb") as w:
             width, channels, source_rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
             data = w.readframes(w.getnframes())
     except (wave.Error, EOFError) as e:
-        raise GenerationError(f"{file} is not a PCM WAV file the wave module reads ({e}); convert it, e.g. "
-                              f"ffmpeg -i {file.name} -ac 1 -ar {rate} -c:a pcm_s16le out.wav") from e
+        raise GenerationError(f"{shown} is not a PCM WAV file the wave module reads ({e}); convert it, e.g. "
+                              f"ffmpeg -i {name} -ac 1 -ar {rate} -c:a pcm_s16le out.wav", setting) from e
+    frame = width * channels
+    data = data[:len(data) - len(data) % frame] if frame > 0 else b""  # a file cut inside a frame
+    if not data or width not in (1, 2, 3, 4):
+        raise GenerationError(f"{shown} holds no samples (or {width}-byte ones): give a WAV file of audio",
+                              setting)
     samples = _pcm_to_float(data, width).reshape(-1, channels).mean(axis=1, dtype=np.float32)
     return resample(samples, source_rate, rate) if source_rate != rate else samples
 
