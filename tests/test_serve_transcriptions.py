@@ -71,11 +71,13 @@ def test_transcriptions_equal_the_pipelines_text(whisper_builder: Path, tmp_path
                 expected[0].text
 
         wav = ("a.wav", clips[0].read_bytes())
+        slow = ("slow.wav", clip(tmp_path / "slow.wav", 9.0, 2, rate=10).read_bytes())  # 90 samples at 10 Hz
         for fields, status, param, words in [
             ([("model", "m")], 400, "file", "Missing required parameter: 'file'"),
             ([("file", wav)], 400, "model", "Missing required parameter: 'model'"),
             ([("model", "m"), ("file", ("a.mp3", b"ID3\x03\x00garbage"))], 400, "file",
              "'a.mp3' is not a PCM WAV file"),
+            ([("model", "m"), ("file", slow)], 400, "file", "at 10 Hz, which is no audio rate"),
             ([("model", "m"), ("file", wav), ("language", "en")], 400, "language", "starts from the model"),
             ([("model", "m"), ("file", wav), ("prompt", "earlier")], 400, "prompt", "previous text"),
             ([("model", "m"), ("file", wav), ("response_format", "srt")], 400, "response_format",

@@ -35,7 +35,7 @@ from .onnxinfo import read_model
 from .outputs import OutputRequest
 from .plan import FROM_REQUEST, Plan, make_plan
 from .plugins import Context, Factory, load_factory, unread_settings
-from .preprocess import load_audio_config
+from .preprocess import AudioConfig, load_audio_config
 from .preprocess.request import Image, check_media, media_inputs
 from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for, warn_unreachable_minimums
@@ -619,9 +619,13 @@ class Model:
             )
         return max_length
 
-    def sampling_rate(self) -> int:
+    def audio_config(self) -> AudioConfig:
+        """The folder's audio feature extractor config (its sampling rate, the seconds of a clip it reads)."""
         prep = self.config.pipeline.preprocessing.get("audio")
-        return load_audio_config(self.folder, prep.get("config") if prep else None).sampling_rate
+        return load_audio_config(self.folder, prep.get("config") if prep else None)
+
+    def sampling_rate(self) -> int:
+        return self.audio_config().sampling_rate
 
     def _limits(self, limit: int, max_new_tokens: int | None, max_length: int | None) -> Limits:
         return Limits(

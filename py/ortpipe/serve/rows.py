@@ -167,7 +167,8 @@ class PromptCache:
         from ..targets.cpython.media import wav_samples  # the server runs the CPython target
 
         name, data = c.audio
-        samples = wav_samples(data, name, self.pipe.model.sampling_rate())
+        config = self.pipe.model.audio_config()
+        samples = wav_samples(data, name, config.sampling_rate, config.chunk_length)
         request = self.pipe.request(prompt_ids=ids, audios=[samples], max_length=self.length, **c.settings)
         return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
 

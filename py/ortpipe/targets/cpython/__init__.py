@@ -275,9 +275,11 @@ def _image(item: Any, what: str = "image") -> np.ndarray:
 
 
 def _waveform(item: Any, model: Model) -> np.ndarray:
-    """A .wav path read at the feature extractor's rate, or float32 mono samples."""
+    """A .wav path read at the feature extractor's rate (the seconds of it the extractor reads), or float32
+    mono samples."""
     if isinstance(item, (str, os.PathLike)):
-        return read_wav(item, model.sampling_rate())
+        config = model.audio_config()
+        return read_wav(item, config.sampling_rate, config.chunk_length)
     array = np.asarray(item) if isinstance(item, (np.ndarray, list)) else None
     if array is None or array.ndim != 1 or array.dtype.kind != "f" or not array.size:
         raise GenerationError("an audio clip must be a .wav path or a 1-D float array of mono samples")

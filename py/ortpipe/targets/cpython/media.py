@@ -96,24 +96,37 @@ def _opened(source: Any, name: str, max_side: int | None, read: Any) -> Any:
                           "are taken")
 
 
-def read_wav(path: str | os.PathLike[str], rate: int = WHISPER_RATE) -> np.ndarray:
+RATES = (1000, 1_000_000)  # the sampling rates a WAV file may say it has, in Hz
+
+
+def read_wav(path: str | os.PathLike[str], rate: int = WHISPER_RATE,
+             seconds: float | None = None) -> np.ndarray:
     """A PCM WAV file as float32 mono samples in [-1, 1] at `rate` Hz: channels averaged, resampled
-    when the file has another rate."""
+    when the file has another rate; with `seconds`, only its first `seconds` (what a feature extractor that
+    cuts clips to that length reads; the file's frames after them are not read)."""
     file = _existing(path, "audio")
-    return _wav(str(file), str(file), file.name, rate)
+    return _wav(str(file), str(file), file.name, rate, seconds)
 
 
-def wav_samples(data: bytes, name: str, rate: int = WHISPER_RATE) -> np.ndarray:
+def wav_samples(data: bytes, name: str, rate: int = WHISPER_RATE, seconds: float | None = None) -> np.ndarray:
     """A PCM WAV file's bytes (`name`: the file's name, for errors) as read_wav reads the file; an error
     naming the setting "file" (a server's upload) when they are no such file."""
-    return _wav(io.BytesIO(data), repr(name), name, rate, "file")
+    return _wav(io.BytesIO(data), repr(name), name, rate, seconds, "file")
 
 
-def _wav(source: Any, shown: str, name: str, rate: int, setting: str | None = None) -> np.ndarray:
+def _wav(source: Any, shown: str, name: str, rate: int, seconds: float | None,
+         setting: str | None = None) -> np.ndarray:
     try:
         with wave.open(source, "rb") as w:
             width, channels, source_rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
-            data = w.readframes(w.getnframes())
+            if not RATES[0] <= source_rate <= RATES[1]:
+                raise GenerationError(f"{shown} says its samples come at {source_rate} Hz, which is no audio "
+                                      f"rate ({RATES[0]} to {RATES[1]} Hz): give a WAV file of audio",
+                                      setting)
+            frames = w.getnframes()
+            if seconds is not None:
+                frames = min(frames, source_frames(seconds, source_rate, rate))
+            data = w.readframes(frames)
     except (wave.Error, EOFError) as e:
         raise GenerationError(f"{shown} is not a PCM WAV file the wave module reads ({e}); convert it, e.g. "
                               f"ffmpeg -i {name} -ac 1 -ar {rate} -c:a pcm_s16le out.wav", setting) from e
@@ -155,6 +168,13 @@ def _pcm_to_float(data: bytes, width: int) -> np.ndarray:
     if width in (2, 4):
         return np.frombuffer(data, f"<i{width}").astype(np.float32) / float(2 ** (8 * width - 1))
     raise GenerationError(f"{width * 8}-bit PCM WAV is not supported")
+
+
+def source_frames(seconds: float, source_rate: int, rate: int, zeros: int = 16) -> int:
+    """The frames at `source_rate` that `resample` to `rate` reads for its first `seconds` of output."""
+    if source_rate == rate:
+        return math.ceil(seconds * rate)
+    return math.floor(seconds * source_rate) + math.ceil(zeros / min(1.0, rate / source_rate)) + 1
 
 
 def resample(samples: np.ndarray, source_rate: int, rate: int, zeros: int = 16) -> np.ndarray:
