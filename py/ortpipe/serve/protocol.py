@@ -338,8 +338,9 @@ def _content(value: Any, where: str) -> str:
             raise _type_error(f"{where}[{i}]", "an object", part)
         if part.get("type") != "text":
             raise InvalidRequest(
-                f"Invalid '{where}[{i}].type': this model reads text only; content parts of "
-                f"type {part.get('type')!r} are not supported.",
+                f"Invalid '{where}[{i}].type': this server gives the model text only (images and audio "
+                f"in chat messages are not served yet); content parts of type {part.get('type')!r} are "
+                "not supported.",
                 f"{where}[{i}].type",
                 "unsupported_value",
             )
