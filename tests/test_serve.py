@@ -335,9 +335,14 @@ BAD_CHAT = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     (
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
         "messages[0].content[0].type",
         "unsupported_value",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0].image_url.url",
+        "invalid_value",
     ),
     ({"extra_body": {"frobnicate": True}}, "frobnicate", "unknown_parameter"),
     ({"extra_body": {"prompt_lookup_num_tokens": -1}}, "prompt_lookup_num_tokens", "integer_below_min_value"),

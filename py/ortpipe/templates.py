@@ -77,19 +77,38 @@ def _failure(e: TemplateFailure, where: str) -> Exception:
 
 
 def check_messages(messages: Any) -> None:
+    """Messages as chat templates take them: a role and a content, which is a string or a list of parts
+    ({"type": "text", "text": ...}, or {"type": "image"} where the request's next image goes, as
+    transformers' processors pass them to a vision-language model's template)."""
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise GenerationError(
             f"messages must be a non-empty list of {{role, content}} objects, found {quote(messages)}"
         )
     for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not _content_ok(m.get("content")):
             raise GenerationError(
-                f"messages[{i}] must be an object with string role and content, found {quote(m)}"
+                f"messages[{i}] must be an object with a string role and a content that is a string or a "
+                f'list of parts ({{"type": "text", "text": ...}} or {{"type": "image"}}), found {quote(m)}'
             )
+
+
+def _content_ok(content: Any) -> bool:
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and (p == IMAGE_PART or _text_part(p))
+                                             for p in content)
+
+
+IMAGE_PART = {"type": "image"}
+
+
+def _text_part(part: dict[str, Any]) -> bool:
+    return part.keys() == {"type", "text"} and part["type"] == "text" and isinstance(part["text"], str)
+
+
+def image_parts(messages: list[dict[str, Any]]) -> int:
+    """How many {"type": "image"} parts the messages hold."""
+    return sum(p == IMAGE_PART for m in messages if isinstance(m["content"], list) for p in m["content"])
 
 
 def load_chat_template(folder: Folder, compile_template: Compiler) -> ChatTemplate | None:

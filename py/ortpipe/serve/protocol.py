@@ -23,7 +23,10 @@ The `openai` package sends only what its caller passed (it drops every omitted a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +62,7 @@ class Completion:
 
     endpoint: str  # "chat", "text" or "transcription"
     model: str
-    messages: tuple[dict[str, str], ...] = ()  # chat: rendered with the folder's chat template
+    messages: tuple[dict[str, Any], ...] = ()  # chat: rendered with the folder's chat template
     prompt: str | None = None  # text: a prompt string ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     max_tokens: int | None = None  # None: until eos or the end of the context
@@ -70,6 +73,7 @@ class Completion:
     prediction: str | None = None  # chat: the text the reply is expected to be (OpenAI's Predicted Outputs)
     best_of: int = 1  # completions: candidates generated (at least n), the n best returned
     audio: tuple[str, bytes] | None = None  # transcriptions: the uploaded file's name and bytes (a WAV file)
+    images: tuple[bytes, ...] = ()  # chat: the image files of the messages' image parts, in order
     response_format: str = "json"  # transcriptions: "json" ({"text"}) or "text" (the text alone)
 
     @property
@@ -326,28 +330,69 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> int | None:
 # --- chat ------------------------------------------------------------------------------------------------
 
 
-def _content(value: Any, where: str) -> str:
-    """A message's content: a string, or text parts (joined by newlines, as vLLM joins them)."""
+def _content(value: Any, where: str, images: list[bytes] | None = None) -> str | list[dict[str, str]]:
+    """A message's content: a string, or text parts (joined by newlines, as vLLM joins them); with `images`
+    (a user message), image parts too: each image's bytes appended to `images`, and the content the list
+    of parts chat templates take ({"type": "text", "text"} and {"type": "image"})."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise _type_error(where, "a string or an array of content parts", value)
-    texts = []
+    parts: list[dict[str, str]] = []
     for i, part in enumerate(value):
+        at = f"{where}[{i}]"
         if not isinstance(part, dict):
-            raise _type_error(f"{where}[{i}]", "an object", part)
+            raise _type_error(at, "an object", part)
+        if part.get("type") == "image_url" and images is not None:
+            images.append(_image_url(part, at))
+            parts.append({"type": "image"})
+            continue
         if part.get("type") != "text":
             raise InvalidRequest(
-                f"Invalid '{where}[{i}].type': this server gives the model text only (images and audio "
-                f"in chat messages are not served yet); content parts of type {part.get('type')!r} are "
-                "not supported.",
-                f"{where}[{i}].type",
+                f"Invalid '{at}.type': this server gives the model text"
+                f"{IMAGES_WHERE if images is None else ''} only (audio in chat messages is not served yet); "
+                f"content parts of type {part.get('type')!r} are not supported.",
+                f"{at}.type",
                 "unsupported_value",
             )
         if not isinstance(part.get("text"), str):
-            raise _type_error(f"{where}[{i}].text", "a string", part.get("text"))
-        texts.append(part["text"])
-    return "\n".join(texts)
+            raise _type_error(f"{at}.text", "a string", part.get("text"))
+        parts.append({"type": "text", "text": part["text"]})
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+IMAGES_WHERE = " (and images in user messages)"
+DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+(;[A-Za-z0-9=.+-]+)*;base64,")
+
+
+def _image_url(part: dict[str, Any], where: str) -> bytes:
+    """An image_url part's image: the bytes of its data: URL (this server fetches nothing)."""
+    image = part.get("image_url")
+    if not isinstance(image, dict):
+        raise _type_error(f"{where}.image_url", "an object", image)
+    unknown = sorted(set(image) - {"url", "detail"})
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {where}.image_url.{unknown[0]}",
+                             f"{where}.image_url.{unknown[0]}", "unknown_parameter")
+    if image.get("detail") not in (None, "auto"):
+        raise _unsupported(f"{where}.image_url.detail", f"{image['detail']!r} is not served: the model's "
+                                                        "image processor decides the resolution; send 'auto'")
+    url = image.get("url")
+    if not isinstance(url, str):
+        raise _type_error(f"{where}.image_url.url", "a string", url)
+    head = DATA_URL.match(url)
+    if head is None:
+        shown = url if len(url) <= 60 else f"{url[:40]}..."
+        raise InvalidRequest(f"Invalid '{where}.image_url.url': {shown!r} is no base64 data: URL of an "
+                             "image; this server fetches nothing: send it as data:image/png;base64,...",
+                             f"{where}.image_url.url", "invalid_value")
+    try:
+        return base64.b64decode(url[head.end():], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"Invalid '{where}.image_url.url': its base64 data does not decode.",
+                             f"{where}.image_url.url", "invalid_value") from None
 
 
 MESSAGE_FIELDS = {
@@ -362,7 +407,7 @@ MESSAGE_FIELDS = {
 }
 
 
-def _message(message: Any, i: int) -> dict[str, str]:
+def _message(message: Any, i: int, images: list[bytes] | None = None) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise _type_error(where, "an object", message)
@@ -386,7 +431,9 @@ def _message(message: Any, i: int) -> dict[str, str]:
     content = message.get("content")
     if content is None and role != "assistant":
         raise _missing(f"{where}.content")
-    out = {"role": ROLES[role], "content": "" if content is None else _content(content, f"{where}.content")}
+    heard = images if ROLES[role] == "user" else None  # images come in user messages
+    text = "" if content is None else _content(content, f"{where}.content", heard)
+    out: dict[str, Any] = {"role": ROLES[role], "content": text}
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
     return out
@@ -432,10 +479,12 @@ def parse_chat(body: Any) -> Completion:
     for name in sorted(CHAT_NEUTRAL):
         _neutral(body, name)
     stream, usage = _stream(body)
+    images: list[bytes] = []
     return Completion(
         "chat",
         body["model"],
-        tuple(_message(m, i) for i, m in enumerate(messages)),
+        tuple(_message(m, i, images) for i, m in enumerate(messages)),
+        images=tuple(images),
         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")),
         settings=_with_logprobs(_settings(body), _chat_logprobs(body)),
         stream=stream,

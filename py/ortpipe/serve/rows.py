@@ -31,6 +31,7 @@ from ..tokenizer import encode
 from .protocol import Completion, InvalidRequest
 
 DEFAULT_SLOT_LENGTH = 2048  # a row's tokens when neither the config nor the model says
+MAX_IMAGE_SIDE = 4096  # the largest side of a chat message's image, in pixels (checked before it is decoded)
 PREDICTION_DRAFTS = 16  # drafted tokens a round at most for a prediction, where the server sets no lookup
 
 
@@ -144,6 +145,8 @@ class PromptCache:
             raise _too_long(len(ids), c, self.length)
         if c.audio is not None:
             return self._heard(ids, c)
+        if c.images:
+            return self._seen(ids, c)
         asked = {**self.defaults, **c.settings}
         if "prompt_lookup_num_tokens" in c.settings:
             asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))
@@ -169,7 +172,26 @@ class PromptCache:
         name, data = c.audio
         config = self.pipe.model.audio_config()
         samples = wav_samples(data, name, config.sampling_rate, config.chunk_length)
-        request = self.pipe.request(prompt_ids=ids, audios=[samples], max_length=self.length, **c.settings)
+        request = self.pipe.request(prompt_ids=ids, audios=[samples], **self._length(c), **c.settings)
+        return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
+
+    def _length(self, c: Completion) -> dict[str, int]:
+        """A request's length limit: its max_tokens, else the slot's length."""
+        return {"max_new_tokens": c.max_tokens} if c.max_tokens else {"max_length": self.length}
+
+    def _seen(self, ids: list[int], c: Completion) -> Row:
+        """A chat with images: the request over them, decoded (a prompt with images is not cached)."""
+        from ..targets.cpython.media import decode_image_bytes  # the server runs the CPython target
+
+        self.pipe.model.check_media(True, False)  # a folder that reads no image says so before any decoding
+        images = []
+        for i, data in enumerate(c.images):
+            try:
+                images.append(decode_image_bytes(data, f"image {i + 1}", MAX_IMAGE_SIDE))
+            except GenerationError as e:
+                raise InvalidRequest(f"Invalid image {i + 1} of the messages: {e}.", "messages",
+                                     "invalid_image") from None
+        request = self.pipe.request(prompt_ids=ids, images=images, **self._length(c), **c.settings)
         return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
 
     def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:
