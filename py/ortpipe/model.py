@@ -39,7 +39,7 @@ from .preprocess import AudioConfig, load_audio_config
 from .preprocess.request import Image, check_media, media_inputs
 from .request import BeamRequest, PluginRequest, Request
 from .sampling.settings import SearchSettings, check_setting, settings_for, warn_unreachable_minimums
-from .templates import ChatTemplate, Compiler, image_parts, load_chat_template, missing_template
+from .templates import ChatTemplate, Compiler, load_chat_template, media_parts, missing_template
 from .tokenizer import Tokenizer, encode
 from .variants import OPTIMIZED_FOR, check_dtype, choose, present
 from .vocab_tokenizers import load_vits_tokenizer, load_vocab_tokenizer
@@ -390,7 +390,7 @@ class Model:
         if messages is not None:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
-            prompt = self._rendered(messages, len(images or ()))
+            prompt = self._rendered(messages, {"image": len(images or ()), "audio": len(audios or ())})
         ids = self.prompt_ids(prompt, prompt_ids)
         search = settings_for(self.config.generation.settings, settings)
         draft = yield from self.prepare(settings)
@@ -559,13 +559,15 @@ class Model:
             raise missing_template()
         return self.template
 
-    def _rendered(self, messages: list[dict[str, Any]], images: int) -> str:
-        """The messages rendered by the chat template; their image parts, if any, one for each image."""
+    def _rendered(self, messages: list[dict[str, Any]], given: dict[str, int]) -> str:
+        """The messages rendered by the chat template; their image and audio parts, if any, one for each
+        image or clip the request gives."""
         prompt = self.chat_template().render(messages)
-        parts = image_parts(messages)
-        if parts and parts != images:
-            raise GenerationError(f'the messages hold {parts} {{"type": "image"}} part(s) and the request '
-                                  f"{images} image(s): give one image for each part, in their order")
+        for kind, count in given.items():
+            parts = media_parts(messages, kind)
+            if parts and parts != count:
+                raise GenerationError(f'the messages hold {parts} {{"type": "{kind}"}} part(s) and the '
+                                      f"request {count} {kind}(s): give one {kind} for each part, in order")
         return prompt
 
     def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:

@@ -78,8 +78,8 @@ def _failure(e: TemplateFailure, where: str) -> Exception:
 
 def check_messages(messages: Any) -> None:
     """Messages as chat templates take them: a role and a content, which is a string or a list of parts
-    ({"type": "text", "text": ...}, or {"type": "image"} where the request's next image goes, as
-    transformers' processors pass them to a vision-language model's template)."""
+    ({"type": "text", "text": ...}, or {"type": "image"} / {"type": "audio"} where the request's next image
+    or audio clip goes, as transformers' processors pass them to a multimodal model's template)."""
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise GenerationError(
             f"messages must be a non-empty list of {{role, content}} objects, found {quote(messages)}"
@@ -88,27 +88,28 @@ def check_messages(messages: Any) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not _content_ok(m.get("content")):
             raise GenerationError(
                 f"messages[{i}] must be an object with a string role and a content that is a string or a "
-                f'list of parts ({{"type": "text", "text": ...}} or {{"type": "image"}}), found {quote(m)}'
+                f'list of parts ({{"type": "text", "text": ...}}, {{"type": "image"}} or '
+                f'{{"type": "audio"}}), found {quote(m)}'
             )
 
 
 def _content_ok(content: Any) -> bool:
     if isinstance(content, str):
         return True
-    return isinstance(content, list) and all(isinstance(p, dict) and (p == IMAGE_PART or _text_part(p))
-                                             for p in content)
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and (p in (IMAGE_PART, AUDIO_PART) or _text_part(p)) for p in content)
 
 
-IMAGE_PART = {"type": "image"}
+IMAGE_PART, AUDIO_PART = {"type": "image"}, {"type": "audio"}
 
 
 def _text_part(part: dict[str, Any]) -> bool:
     return part.keys() == {"type", "text"} and part["type"] == "text" and isinstance(part["text"], str)
 
 
-def image_parts(messages: list[dict[str, Any]]) -> int:
-    """How many {"type": "image"} parts the messages hold."""
-    return sum(p == IMAGE_PART for m in messages if isinstance(m["content"], list) for p in m["content"])
+def media_parts(messages: list[dict[str, Any]], kind: str) -> int:
+    """How many {"type": kind} parts ("image", "audio") the messages hold."""
+    return sum(p == {"type": kind} for m in messages if isinstance(m["content"], list) for p in m["content"])
 
 
 def load_chat_template(folder: Folder, compile_template: Compiler) -> ChatTemplate | None:

@@ -74,6 +74,7 @@ class Completion:
     best_of: int = 1  # completions: candidates generated (at least n), the n best returned
     audio: tuple[str, bytes] | None = None  # transcriptions: the uploaded file's name and bytes (a WAV file)
     images: tuple[bytes, ...] = ()  # chat: the image files of the messages' image parts, in order
+    audios: tuple[bytes, ...] = ()  # chat: the WAV files of the messages' audio parts, in order
     response_format: str = "json"  # transcriptions: "json" ({"text"}) or "text" (the text alone)
 
     @property
@@ -330,10 +331,18 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> int | None:
 # --- chat ------------------------------------------------------------------------------------------------
 
 
-def _content(value: Any, where: str, images: list[bytes] | None = None) -> str | list[dict[str, str]]:
-    """A message's content: a string, or text parts (joined by newlines, as vLLM joins them); with `images`
-    (a user message), image parts too: each image's bytes appended to `images`, and the content the list
-    of parts chat templates take ({"type": "text", "text"} and {"type": "image"})."""
+@dataclass
+class Media:
+    """The files of a chat's image and audio parts, in the order the messages hold them."""
+
+    images: list[bytes] = field(default_factory=list)
+    audios: list[bytes] = field(default_factory=list)
+
+
+def _content(value: Any, where: str, media: Media | None = None) -> str | list[dict[str, str]]:
+    """A message's content: a string, or text parts (joined by newlines, as vLLM joins them); with `media`
+    (a user message), image_url and input_audio parts too: their files appended to `media`, and the content
+    the list of parts chat templates take ({"type": "text", "text"}, {"type": "image"}, {"type": "audio"})."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -343,39 +352,66 @@ def _content(value: Any, where: str, images: list[bytes] | None = None) -> str |
         at = f"{where}[{i}]"
         if not isinstance(part, dict):
             raise _type_error(at, "an object", part)
-        if part.get("type") == "image_url" and images is not None:
-            images.append(_image_url(part, at))
+        kind = part.get("type")
+        if media is not None and kind == "image_url":
+            media.images.append(_image_url(part, at))
             parts.append({"type": "image"})
-            continue
-        if part.get("type") != "text":
+        elif media is not None and kind == "input_audio":
+            media.audios.append(_input_audio(part, at))
+            parts.append({"type": "audio"})
+        elif kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise _type_error(f"{at}.text", "a string", part.get("text"))
+            parts.append({"type": "text", "text": part["text"]})
+        else:
             raise InvalidRequest(
-                f"Invalid '{at}.type': this server gives the model text"
-                f"{IMAGES_WHERE if images is None else ''} only (audio in chat messages is not served yet); "
-                f"content parts of type {part.get('type')!r} are not supported.",
+                f"Invalid '{at}.type': content parts of type {kind!r} are not supported here; this server "
+                "gives the model text, and images (image_url) and audio (input_audio) in user messages.",
                 f"{at}.type",
                 "unsupported_value",
             )
-        if not isinstance(part.get("text"), str):
-            raise _type_error(f"{at}.text", "a string", part.get("text"))
-        parts.append({"type": "text", "text": part["text"]})
     if all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)
     return parts
 
 
-IMAGES_WHERE = " (and images in user messages)"
 DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+(;[A-Za-z0-9=.+-]+)*;base64,")
+
+
+def _base64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"Invalid '{where}': its base64 data does not decode.", where, "invalid_value") \
+            from None
+
+
+def _part_object(part: dict[str, Any], where: str, name: str, known: set[str]) -> dict[str, Any]:
+    """A content part's object (`name`: "image_url", "input_audio"), with only the `known` fields."""
+    value = part.get(name)
+    if not isinstance(value, dict):
+        raise _type_error(f"{where}.{name}", "an object", value)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{name}.{unknown[0]}",
+                             f"{where}.{name}.{unknown[0]}", "unknown_parameter")
+    return value
+
+
+def _input_audio(part: dict[str, Any], where: str) -> bytes:
+    """An input_audio part's audio: the bytes of its base64 data, a WAV file."""
+    audio = _part_object(part, where, "input_audio", {"data", "format"})
+    if audio.get("format") != "wav":
+        raise _unsupported(f"{where}.input_audio.format", f"{audio.get('format')!r} is not read: this server "
+                                                           "reads 'wav' (PCM) only")
+    if not isinstance(audio.get("data"), str):
+        raise _type_error(f"{where}.input_audio.data", "a string", audio.get("data"))
+    return _base64(audio["data"], f"{where}.input_audio.data")
 
 
 def _image_url(part: dict[str, Any], where: str) -> bytes:
     """An image_url part's image: the bytes of its data: URL (this server fetches nothing)."""
-    image = part.get("image_url")
-    if not isinstance(image, dict):
-        raise _type_error(f"{where}.image_url", "an object", image)
-    unknown = sorted(set(image) - {"url", "detail"})
-    if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {where}.image_url.{unknown[0]}",
-                             f"{where}.image_url.{unknown[0]}", "unknown_parameter")
+    image = _part_object(part, where, "image_url", {"url", "detail"})
     if image.get("detail") not in (None, "auto"):
         raise _unsupported(f"{where}.image_url.detail", f"{image['detail']!r} is not served: the model's "
                                                         "image processor decides the resolution; send 'auto'")
@@ -388,11 +424,7 @@ def _image_url(part: dict[str, Any], where: str) -> bytes:
         raise InvalidRequest(f"Invalid '{where}.image_url.url': {shown!r} is no base64 data: URL of an "
                              "image; this server fetches nothing: send it as data:image/png;base64,...",
                              f"{where}.image_url.url", "invalid_value")
-    try:
-        return base64.b64decode(url[head.end():], validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(f"Invalid '{where}.image_url.url': its base64 data does not decode.",
-                             f"{where}.image_url.url", "invalid_value") from None
+    return _base64(url[head.end():], f"{where}.image_url.url")
 
 
 MESSAGE_FIELDS = {
@@ -407,7 +439,7 @@ MESSAGE_FIELDS = {
 }
 
 
-def _message(message: Any, i: int, images: list[bytes] | None = None) -> dict[str, Any]:
+def _message(message: Any, i: int, media: Media | None = None) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise _type_error(where, "an object", message)
@@ -431,8 +463,8 @@ def _message(message: Any, i: int, images: list[bytes] | None = None) -> dict[st
     content = message.get("content")
     if content is None and role != "assistant":
         raise _missing(f"{where}.content")
-    heard = images if ROLES[role] == "user" else None  # images come in user messages
-    text = "" if content is None else _content(content, f"{where}.content", heard)
+    given = media if ROLES[role] == "user" else None  # images and audio come in user messages
+    text = "" if content is None else _content(content, f"{where}.content", given)
     out: dict[str, Any] = {"role": ROLES[role], "content": text}
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
@@ -479,12 +511,13 @@ def parse_chat(body: Any) -> Completion:
     for name in sorted(CHAT_NEUTRAL):
         _neutral(body, name)
     stream, usage = _stream(body)
-    images: list[bytes] = []
+    media = Media()
     return Completion(
         "chat",
         body["model"],
-        tuple(_message(m, i, images) for i, m in enumerate(messages)),
-        images=tuple(images),
+        tuple(_message(m, i, media) for i, m in enumerate(messages)),
+        images=tuple(media.images),
+        audios=tuple(media.audios),
         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")),
         settings=_with_logprobs(_settings(body), _chat_logprobs(body)),
         stream=stream,

@@ -145,7 +145,7 @@ class PromptCache:
             raise _too_long(len(ids), c, self.length)
         if c.audio is not None:
             return self._heard(ids, c)
-        if c.images:
+        if c.images or c.audios:
             return self._seen(ids, c)
         asked = {**self.defaults, **c.settings}
         if "prompt_lookup_num_tokens" in c.settings:
@@ -180,18 +180,32 @@ class PromptCache:
         return {"max_new_tokens": c.max_tokens} if c.max_tokens else {"max_length": self.length}
 
     def _seen(self, ids: list[int], c: Completion) -> Row:
-        """A chat with images: the request over them, decoded (a prompt with images is not cached)."""
-        from ..targets.cpython.media import decode_image_bytes  # the server runs the CPython target
+        """A chat with images or audio: the request over them, decoded (such a prompt is not cached)."""
+        from ..targets.cpython.media import decode_image_bytes, wav_samples  # the server runs CPython
 
-        self.pipe.model.check_media(True, False)  # a folder that reads no image says so before any decoding
-        images = []
+        try:  # a folder that reads no image (no audio) says so before any is decoded
+            self.pipe.model.check_media(bool(c.images), bool(c.audios))
+        except GenerationError as e:
+            raise InvalidRequest(f"This model does not take the messages' media: {e}.", "messages",
+                                 "invalid_value") from None
+        images, audios = [], []
         for i, data in enumerate(c.images):
             try:
                 images.append(decode_image_bytes(data, f"image {i + 1}", MAX_IMAGE_SIDE))
             except GenerationError as e:
                 raise InvalidRequest(f"Invalid image {i + 1} of the messages: {e}.", "messages",
                                      "invalid_image") from None
-        request = self.pipe.request(prompt_ids=ids, images=images, **self._length(c), **c.settings)
+        if c.audios:
+            config = self.pipe.model.audio_config()
+            rate, seconds = config.sampling_rate, config.chunk_length
+            for i, data in enumerate(c.audios):
+                try:
+                    audios.append(wav_samples(data, f"audio {i + 1}", rate, seconds))
+                except GenerationError as e:
+                    raise InvalidRequest(f"Invalid audio {i + 1} of the messages: {e}.", "messages",
+                                         "invalid_value") from None
+        request = self.pipe.request(prompt_ids=ids, images=images, audios=audios, **self._length(c),
+                                    **c.settings)
         return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
 
     def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:
