@@ -335,7 +335,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     (
-        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-1"}}]}]},
         "messages[0].content[0].type",
         "unsupported_value",
     ),

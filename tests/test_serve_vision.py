@@ -86,6 +86,9 @@ def test_an_image_in_a_chat_message_gives_the_pipelines_tokens(folder: Path) -> 
                                                max_tokens=8, temperature=0)
         assert reply.choices[0].message.content == expected.text
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(expected.tokens))
+        with pytest.raises(openai.BadRequestError, match="Invalid 'prediction'"):
+            client.chat.completions.create(model="vlm", messages=[{"role": "user", "content": content}],
+                                           max_tokens=2, prediction={"type": "content", "content": "t5"})
         text_only = client.chat.completions.create(  # a folder whose vision step is optional takes text alone
             model="vlm", messages=[{"role": "user", "content": "t5 t17 t42"}], max_tokens=4, temperature=0)
         assert text_only.choices[0].message.content == pipe.generate(

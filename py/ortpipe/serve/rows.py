@@ -13,8 +13,9 @@ This is the one module that reaches under the pipeline's public API (load, reque
   conversation's cache serves one request at a time. A row of the batched scheduler prefills alone
   (from its cached prefix or anew) and then joins the batch (loops/batched.py), so cached prefixes and
   batching work together.
-- A transcription (an uploaded WAV file) is no prompt to cache: its row is `pipe.request` with the audio,
-  decoded here at the folder's sampling rate, the decoder starting from the folder's start token.
+- A transcription (an uploaded WAV file) and a chat whose messages hold images or audio are no prompt to
+  cache: their row is `pipe.request` with the media, decoded here (audio at the folder's sampling rate; a
+  transcription's decoder starts from the folder's start token).
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ class PromptCache:
         """A chat with images or audio: the request over them, decoded (such a prompt is not cached)."""
         from ..targets.cpython.media import decode_image_bytes, wav_samples  # the server runs CPython
 
+        if c.prediction is not None:
+            raise InvalidRequest("Invalid 'prediction': a prediction drafts by prompt lookup, which a "
+                                 "request with images or audio does not run; leave it out.", "prediction",
+                                 "invalid_value")
         try:  # a folder that reads no image (no audio) says so before any is decoded
             self.pipe.model.check_media(bool(c.images), bool(c.audios))
         except GenerationError as e:
