@@ -163,6 +163,40 @@ def test_sampling_text_only_and_decoded_sources_equal_cpython(page: Any, served:
     assert got["runs"][1]["result"]["text"] == text.text
 
 
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for p in m.content %}{% if p.type == 'image' %}z{% else %}{{ p.text }}{% endif %}"
+                  "{% endfor %}"
+                  "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # z: id 90
+
+
+def test_chat_messages_with_image_parts_equal_cpython(page: Any, served: dict[str, Path],
+                                                      serve_model: Callable[[str, Path], str],
+                                                      tmp_path: Path) -> None:
+    """Messages with {"type": "image"} parts, rendered by @huggingface/jinja in the page and by jinja2 under
+    CPython, place the images where the template says: the same tokens as the prompt ids they render to."""
+    import json
+
+    folder = Path(shutil.copytree(served["phi3v-images"], tmp_path / "parts"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PARTS_TEMPLATE}))
+    serve_model("phi3v-parts", folder)
+    files = list(IMAGES)
+    image = {"type": "image"}
+    parts = [{"type": "text", "text": "ab"}, image, {"type": "text", "text": "c"}, image]
+    messages = [{"role": "user", "content": parts}]
+    pipe = ortpipe.load(folder, threads=1)
+    paths = [str(served["media"] / name) for name in files]
+    expected = pipe.generate(messages=messages, images=paths, max_new_tokens=NEW_TOKENS)
+    rendered = pipe.tokenizer.encode("<user>abzcz\n<assistant>")
+    assert rendered.count(IMAGE) == 2
+    by_ids = pipe.generate(prompt_ids=rendered, images=paths, max_new_tokens=NEW_TOKENS)
+    assert expected.tokens == by_ids.tokens
+    got = in_page(page, "phi3v-parts", [{"messages": messages, "images": [{"file": f"media/{f}", "as": "url"}
+                                                                         for f in files],
+                                         "maxNewTokens": NEW_TOKENS}])
+    assert got["runs"][0]["result"]["tokens"] == expected.tokens
+
+
 def test_webgpu_greedy_and_sampled_tokens_with_images_equal_cpython(page: Any, requests_seen: list[str],
                                                  served: dict[str, Path]) -> None:
     files = list(IMAGES)
