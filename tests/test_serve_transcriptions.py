@@ -87,6 +87,7 @@ def test_transcriptions_equal_the_pipelines_text(whisper_builder: Path, tmp_path
             ([("model", "m"), ("file", wav), ("stream", "true")], 400, "stream", "send false"),
             ([("model", "m"), ("file", wav), ("temperature", "1.5")], 400, "temperature", "maximum value"),
             ([("model", "m"), ("file", wav), ("temperature", "warm")], 400, "temperature", "a decimal"),
+            ([("model", "m"), ("file", wav), ("temperature", "nan")], 400, "temperature", "a decimal"),
             ([("model", "m"), ("file", wav), ("beam_size", "5")], 400, "beam_size",
              "Unrecognized request argument supplied: beam_size"),
             ([("model", "m"), ("file", wav), ("file", wav)], 400, "file", "given 2 times"),

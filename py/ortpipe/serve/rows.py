@@ -167,22 +167,13 @@ class PromptCache:
                    predicted=predicted is not None)
 
     def _heard(self, ids: list[int], c: Completion) -> Row:
-        """A transcription's row: the request over its audio, decoded at the folder's sampling rate."""
-        from ..targets.cpython.media import wav_samples  # the server runs the CPython target
-
+        """A transcription's row: the request over its audio file (a bad file names the "file" parameter)."""
         name, data = c.audio
-        config = self.pipe.model.audio_config()
-        samples = wav_samples(data, name, config.sampling_rate, config.chunk_length)
-        request = self.pipe.request(prompt_ids=ids, audios=[samples], **self._length(c), **c.settings)
-        return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
-
-    def _length(self, c: Completion) -> dict[str, int]:
-        """A request's length limit: its max_tokens, else the slot's length."""
-        return {"max_new_tokens": c.max_tokens} if c.max_tokens else {"max_length": self.length}
+        return self._media_row(ids, c, [], [self._samples(data, name)])
 
     def _seen(self, ids: list[int], c: Completion) -> Row:
         """A chat with images or audio: the request over them, decoded (such a prompt is not cached)."""
-        from ..targets.cpython.media import decode_image_bytes, wav_samples  # the server runs CPython
+        from ..targets.cpython.media import decode_image_bytes  # the server runs the CPython target
 
         if c.prediction is not None:
             raise InvalidRequest("Invalid 'prediction': a prediction drafts by prompt lookup, which a "
@@ -194,23 +185,30 @@ class PromptCache:
             raise InvalidRequest(f"This model does not take the messages' media: {e}.", "messages",
                                  "invalid_value") from None
         images, audios = [], []
-        for i, data in enumerate(c.images):
+        for i, data in enumerate(c.images, 1):
             try:
-                images.append(decode_image_bytes(data, f"image {i + 1}", MAX_IMAGE_SIDE))
+                images.append(decode_image_bytes(data, f"image {i}", MAX_IMAGE_SIDE))
             except GenerationError as e:
-                raise InvalidRequest(f"Invalid image {i + 1} of the messages: {e}.", "messages",
+                raise InvalidRequest(f"Invalid image {i} of the messages: {e}.", "messages",
                                      "invalid_image") from None
-        if c.audios:
-            config = self.pipe.model.audio_config()
-            rate, seconds = config.sampling_rate, config.chunk_length
-            for i, data in enumerate(c.audios):
-                try:
-                    audios.append(wav_samples(data, f"audio {i + 1}", rate, seconds))
-                except GenerationError as e:
-                    raise InvalidRequest(f"Invalid audio {i + 1} of the messages: {e}.", "messages",
-                                         "invalid_value") from None
-        request = self.pipe.request(prompt_ids=ids, images=images, audios=audios, **self._length(c),
-                                    **c.settings)
+        for i, data in enumerate(c.audios, 1):
+            try:
+                audios.append(self._samples(data, f"audio {i}"))
+            except GenerationError as e:
+                raise InvalidRequest(f"Invalid audio {i} of the messages: {e}.", "messages",
+                                     "invalid_value") from None
+        return self._media_row(ids, c, images, audios)
+
+    def _samples(self, data: bytes, name: str) -> Any:
+        """A WAV file's samples at the folder's sampling rate, as far as its feature extractor reads."""
+        from ..targets.cpython.media import wav_samples  # the server runs the CPython target
+
+        config = self.pipe.model.audio_config()
+        return wav_samples(data, name, config.sampling_rate, config.chunk_length)
+
+    def _media_row(self, ids: list[int], c: Completion, images: list[Any], audios: list[Any]) -> Row:
+        limit = {"max_new_tokens": c.max_tokens} if c.max_tokens else {"max_length": self.length}
+        request = self.pipe.request(prompt_ids=ids, images=images, audios=audios, **limit, **c.settings)
         return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
 
     def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:

@@ -85,6 +85,8 @@ def _temperature(value: Any) -> dict[str, Any]:
         number = float(value)
     except ValueError:
         raise _type_error("temperature", "a decimal", value) from None
+    if number != number:  # "nan": float() takes it, and it is no temperature
+        raise _type_error("temperature", "a decimal", value)
     t = _decimal(number, "temperature", 0.0, 1.0)
     return {"do_sample": True, "temperature": t} if t > 0 else {"do_sample": False}
 
