@@ -378,7 +378,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
     status = LiveStatus() if sys.stdout.isatty() else None
-    if prompt is not None:
+    if prompt is not None and pipe.plan.text_encoder is None:  # an encoder's text is no start of the answer
         print(prompt, end="", flush=True)
     chunks = []
     try:

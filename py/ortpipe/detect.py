@@ -34,7 +34,7 @@ _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence
 
 
 def detect_config(folder: Folder) -> dict[str, Any]:
-    for layout in (_diffusers, _sentence_transformers, _musicgen, _speech):
+    for layout in (_diffusers, _sentence_transformers, _musicgen, _seq2seq, _speech):
         raw = layout(folder)
         if raw is not None:
             return raw
@@ -409,6 +409,66 @@ def _speech(folder: Folder) -> dict[str, Any] | None:
         "generation": {"loop": "single_pass"},
         "metadata": {"model_type": hf.get("model_type"), "detected_from": "config.json"},
     }
+
+
+SEQ2SEQ_PARTS = {"encoder": "encoder_model.onnx", "decoder": "decoder_model_merged.onnx"}
+UNMERGED = ("decoder_model.onnx", "decoder_with_past_model.onnx")
+
+
+def _seq2seq(folder: Folder) -> dict[str, Any] | None:
+    """optimum's encoder-decoder export, as transformers.js runs it (in the folder or onnx/): the encoder
+    once (init) on the prompt's text (T5, BART, Marian) or on audio features (Whisper), the merged decoder
+    step by step from decoder_start_token_id, its cross-attention cache taken from its first run. What the
+    encoder reads is the graph's: the plan feeds `input_ids` from the prompt, `input_features` from audio."""
+    encoder = SEQ2SEQ_PARTS["encoder"]
+    base = next((b for b in ("", "onnx/") if variants.present(folder, b + encoder)), None)
+    if base is None:
+        return None
+    decoder = base + SEQ2SEQ_PARTS["decoder"]
+    if not variants.present(folder, decoder):
+        split = [base + f for f in UNMERGED if variants.present(folder, base + f)]
+        found = f"has {base}{encoder}{''.join(', ' + f for f in split)} but no {decoder}"
+        raise ConfigError(
+            f"{folder.describe()} {found}: ortpipe runs an encoder-decoder's merged decoder (one graph for "
+            "the first step and the steps with a cache). Export with optimum's exporter, which writes it, or "
+            "merge the two decoders with optimum.onnx.merge_decoders into decoder_model_merged.onnx"
+        )
+    hf = optional_json(folder, "config.json")
+    gen = optional_json(folder, "generation_config.json")
+    sessions: dict[str, Any] = {}
+    for name, file in (("encoder", base + encoder), ("decoder", decoder)):
+        sessions[name] = {"file": file}
+        dtype = _transformers_js_dtype(hf, file)
+        if dtype is not None:
+            sessions[name]["dtype"] = dtype
+    raw: dict[str, Any] = {
+        "version": 2,
+        "pipeline": {
+            "extends": "encoder-decoder",
+            "sessions": sessions,
+            "dataflow": [{"from": "encoder.last_hidden_state", "to": "decoder.encoder_hidden_states"}],
+        },
+        "tokens": _tokens(gen, hf),
+        "generation": {},
+        "metadata": {"model_type": hf.get("model_type"), "detected_from": decoder},
+    }
+    # learned position tables: the decoder's (Whisper's max_target_positions; BART's and Marian's shared
+    # max_position_embeddings) bounds the length, the encoder's the prompt; T5's relative positions neither
+    positions = next((hf[k] for k in ("max_target_positions", "max_position_embeddings")
+                      if _count(hf.get(k))), None)
+    if positions and hf.get("model_type") != "t5":
+        raw["generation"]["max_length"] = positions
+    source = hf.get("max_position_embeddings")
+    if _count(source) and "max_source_positions" not in hf and hf.get("model_type") != "t5":
+        raw["pipeline"]["preprocessing"] = {"text": {"max_length": source}}
+    sampling = _sampling(folder, gen, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
+    if sampling:
+        raw["generation"]["sampling"] = sampling
+    return raw
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 MUSICGEN_PARTS = {

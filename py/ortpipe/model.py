@@ -33,7 +33,7 @@ from .loops.stages import StagedModel
 from .onnxinfo import Model as OnnxModel
 from .onnxinfo import read_model
 from .outputs import OutputRequest
-from .plan import FROM_REQUEST, Plan, make_plan
+from .plan import ENCODER_MASK, FROM_REQUEST, Plan, make_plan
 from .plugins import Context, Factory, load_factory, unread_settings
 from .preprocess import AudioConfig, load_audio_config
 from .preprocess.request import Image, check_media, media_inputs
@@ -391,7 +391,7 @@ class Model:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
             prompt = self._rendered(messages, {"image": len(images or ()), "audio": len(audios or ())})
-        ids = self.prompt_ids(prompt, prompt_ids)
+        ids, encoded = self._encoded(prompt, prompt_ids)
         search = settings_for(self.config.generation.settings, settings)
         draft = yield from self.prepare(settings)
         if images or audios:
@@ -400,6 +400,7 @@ class Model:
             )
             inputs = {**made, **(inputs or {})}
         check_inputs(self.plan, inputs or {}, self.backend)
+        inputs = _with_encoded(inputs, encoded)
         limit = self.max_length(len(ids), max_new_tokens, max_length)
         warn_unreachable_minimums(search, len(ids), limit)
         if self.plugin is not None:
@@ -432,7 +433,9 @@ class Model:
             self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
         gen.append_tokens(ids)
-        request = Request(gen, search, self.tokenizer, len(ids))
+        # the prompt's tokens: an encoder's text (not the decoder's start token), else the decoder's
+        prompt_tokens = int(self.backend.shape(next(iter(encoded.values())))[-1]) if encoded else len(ids)
+        request = Request(gen, search, self.tokenizer, prompt_tokens)
         request.timings.load_ms = self.load_ms
         return request
 
@@ -597,6 +600,49 @@ class Model:
                                   "adds no start token): give some text, or prompt_ids", setting="prompt_ids")
         return ids
 
+    def _encoded(self, prompt: str | None, prompt_ids: list[int] | None) -> tuple[list[int], dict[str, Any]]:
+        """The decoder's prompt ids, and the request inputs an encoder makes of the prompt: for an
+        encoder-decoder whose encoder reads text (T5, BART, Marian) the prompt's ids and mask are that
+        encoder's inputs (and the decoder's mask over them), and the decoder starts from tokens.decoder_start;
+        for the others the prompt is the decoder's, and no inputs are made."""
+        step = self.plan.text_encoder
+        if step is None:
+            return self.prompt_ids(prompt, prompt_ids), {}
+        start = self.config.tokens.decoder_start
+        if start is None:
+            raise GenerationError(
+                f'session "{step.session}" encodes the prompt, and the decoder needs a start token: set '
+                'tokens.decoder_start (decoder_start_token_id in generation_config.json)'
+            )
+        if prompt is None and prompt_ids is None:
+            raise GenerationError(f'give a prompt: session "{step.session}" encodes it, and the decoder '
+                                  "writes the answer from its start token")
+        ids = self.prompt_ids(prompt, prompt_ids)
+        if not ids:
+            raise GenerationError("prompt_ids must be a non-empty list of token ids, found []")
+        check_ids(ids, self.vocab)
+        most = self.config.pipeline.preprocessing.get("text", {}).get("max_length")
+        if isinstance(most, int) and len(ids) > most:
+            raise GenerationError(
+                f"the prompt is {len(ids)} tokens; this folder's encoder reads at most {most} "
+                "(preprocessing.text.max_length): shorten it", setting="prompt"
+            )
+        b, n = self.backend, len(ids)
+        spec = self.config.pipeline.sessions[step.session]
+        roles = {(step.session, spec.inputs.get(r, r)): r for r in ("input_ids", "attention_mask")}
+        for s in self.plan.step_phase:  # the decoder's mask over the encoder's positions: the same ones
+            name = self.config.pipeline.sessions[s.session].inputs.get(ENCODER_MASK, ENCODER_MASK)
+            roles[(s.session, name)] = "attention_mask"
+        made = {}
+        for s in (step, *self.plan.step_phase):
+            for f in s.feeds:
+                role = roles.get((s.session, f.input)) if f.kind == FROM_REQUEST else None
+                if role == "input_ids":
+                    made[f.input] = b.tensor(ids, (1, n), f.dtype)
+                elif role == "attention_mask":
+                    made[f.input] = b.full((1, n), 1, f.dtype)
+        return [start], made
+
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""
         check_setting("max_new_tokens", max_new_tokens)
@@ -676,6 +722,17 @@ class Model:
 
 class _Reader(NamedTuple):
     session: str
+
+
+def _with_encoded(inputs: dict[str, Handle] | None, encoded: dict[str, Handle]) -> dict[str, Handle] | None:
+    """A request's inputs and those its encoder's text makes (Model._encoded), which it may not give."""
+    if not encoded:
+        return inputs
+    taken = sorted(set(encoded) & set(inputs or {}))
+    if taken:
+        raise GenerationError(f"{', '.join(taken)} {'are' if len(taken) > 1 else 'is'} made from the prompt "
+                              "for this folder's encoder: drop it from inputs")
+    return {**(inputs or {}), **encoded}
 
 
 def check_inputs(plan: Plan, inputs: dict[str, Handle], backend: Backend) -> None:

@@ -44,7 +44,8 @@ DENOISING_OPTIONAL = ("time_ids", "timestep_cond")
 # JOINED: init sessions' outputs joined along the last axis (a wire of several sources, Feed.parts), computed
 # once the init phase has run; Feed.source names the joined value
 JOINED = "joined"
-CODEBOOK_ROLES = ("input_ids", "encoder_attention_mask")  # the codebook loop's step inputs (loops/codebooks)
+ENCODER_MASK = "encoder_attention_mask"  # a decoder's mask over its encoder's positions
+CODEBOOK_ROLES = ("input_ids", ENCODER_MASK)  # the codebook loop's step inputs (loops/codebooks)
 
 # (past key, present key, past value, present value) name patterns tried by format "auto".
 SEPARATE_PATTERNS = (
@@ -171,6 +172,18 @@ class Plan:
             return shape[-1]
         facts = self.facts.get(gen.session)
         return facts.vocab_size if facts else None
+
+    @property
+    def text_encoder(self) -> FlowStepPlan | None:
+        """The init step that reads the request's text in an encoder-decoder pipeline (T5, BART, Marian: the
+        prompt is the encoder's, the decoder starts from tokens.decoder_start); None for the others."""
+        if self.config.pipeline.state.cross_cache is None or self.config.generation.loop != "autoregressive":
+            return None
+        for s in self.init_steps:
+            ids = self.config.pipeline.sessions[s.session].inputs.get(INPUT_IDS, INPUT_IDS)
+            if any(f.kind == FROM_REQUEST and f.input == ids for f in s.feeds):
+                return s
+        return None
 
     @property
     def init_steps(self) -> list[FlowStepPlan]:
@@ -433,7 +446,17 @@ def _step_plan(
         roles = {}
     elif codebooks:  # the codebook loop makes the text inputs and the step's ids itself
         roles = {CACHE_BRANCH: "use_cache_branch"} if step.when == "step" else {}
+    elif config.pipeline.state.cross_cache is not None and step.when == "init":
+        # an encoder-decoder's encoder reads the request's text (Model.request makes it); the decoder's ids
+        # start from tokens.decoder_start
+        roles = {}
     by_name = {name: role for role, name in roles.items()}
+    # the text's mask for an encoder-decoder's cross-attention, given with the request (Model.request)
+    request_roles = (
+        {spec.inputs.get(ENCODER_MASK, ENCODER_MASK)}
+        if config.pipeline.state.cross_cache is not None and step.when == "step" and loop == "autoregressive"
+        and not codebooks else set()
+    )
     loop_roles = (
         {spec.inputs.get(r, r): r for r in (*DENOISING_ROLES, *DENOISING_OPTIONAL)}
         if loop == "denoising" and step.when == "step"
@@ -454,7 +477,7 @@ def _step_plan(
             or (Feed(t.name, by_name[t.name], dtype=t.dtype) if t.name in by_name else None)
             or _same_name_output(config, step, flow, sigs, t)
         )
-        if feed is None and step.when == "init":
+        if feed is None and (step.when == "init" or t.name in request_roles):
             feed = Feed(t.name, FROM_REQUEST, dtype=t.dtype)
         if loop == "denoising" and step.when == "final" and _from_step(feed, flow):
             feed = Feed(t.name, LOOP, "latents", t.dtype)  # the step session's wire carries the final latents

@@ -142,12 +142,19 @@ class PromptCache:
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def open(self, ids: list[int], c: Completion) -> Row:
-        if len(ids) + (c.max_tokens or 1) > self.length:
+        encoded = self.pipe.plan.text_encoder is not None  # the prompt is an encoder's: the decoder's is 1 id
+        if (1 if encoded else len(ids)) + (c.max_tokens or 1) > self.length:
             raise _too_long(len(ids), c, self.length)
         if c.audio is not None:
             return self._heard(ids, c)
         if c.images or c.audios:
             return self._seen(ids, c)
+        if encoded:
+            if c.prediction is not None:
+                raise InvalidRequest("Invalid 'prediction': a prediction drafts by prompt lookup, which this "
+                                     "model (an encoder-decoder) does not run; leave it out.", "prediction",
+                                     "invalid_value")
+            return self._media_row(ids, c, [], [])
         asked = {**self.defaults, **c.settings}
         if "prompt_lookup_num_tokens" in c.settings:
             asked.update(self._own_lookup(c.settings["prompt_lookup_num_tokens"]))

@@ -1,0 +1,119 @@
+"""Tiny random encoder-decoder models in optimum's export layout, with transformers' references.
+
+    python -m build.seq2seq t5-optimum whisper-optimum     # builds (once; cached like build/hfmodels.py)
+
+- `t5-hf`: a T5ForConditionalGeneration of random weights (2 + 2 layers, hidden 64) over the test tokenizer
+  (build/hfmodels.py's byte-level BPE), saved by transformers 5.
+- `t5-optimum`: its text2text-generation-with-past export by optimum in transformers.js's layout: the
+  graphs in `onnx/` (`encoder_model.onnx`, `decoder_model_merged.onnx`), config.json,
+  generation_config.json and the tokenizer beside them; no genai_config.json.
+- `whisper-optimum`: build/hfmodels.py's `whisper-hf` exported by optimum for automatic-speech-recognition-
+  with-past, in optimum's own flat layout, with the preprocessor_config.json of WhisperFeatureExtractor
+  (80 mels) that a Whisper folder ships.
+
+optimum runs in build/hfmodels.py's Optimum virtualenv (transformers 4.57), which reads the saved config.json
+in its legacy keys. The references (`hf_t5_greedy`) run transformers 5 on the saved weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from build import hfmodels
+
+# random weights make a decoder repeat one token whatever the text: sharper relative-position biases,
+# a larger final norm and smaller embeddings make the tokens follow the prompt and the position
+T5 = {"d_model": hfmodels.HIDDEN, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
+      "num_heads": 4, "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+      "dropout_rate": 0.0, "feed_forward_proj": "gated-gelu"}
+# the logits are the last norm's output times d_model ** -0.5 (T5's tied head, in transformers 4 and 5 alike)
+BIAS_GAIN, LOGIT_GAIN, EMBED_GAIN = 30.0, 64.0, 0.5
+KEEP = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "special_tokens_map.json")
+GRAPHS = ("encoder_model.onnx", "decoder_model_merged.onnx")
+
+
+def make_t5_hf(out: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    hfmodels.train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    pad, eos = hfmodels.PAD_ID, hfmodels.EOS_ID
+    config = transformers.T5Config(vocab_size=len(vocab), pad_token_id=pad, eos_token_id=eos,
+                                   decoder_start_token_id=pad, **T5)
+    torch.manual_seed(seed)
+    model = transformers.T5ForConditionalGeneration(config).to(torch.float32)
+    hfmodels._redraw(model, seed)
+    with torch.no_grad():
+        for stack in (model.encoder, model.decoder):
+            stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(BIAS_GAIN)
+        model.decoder.final_layer_norm.weight.mul_(LOGIT_GAIN)
+        model.shared.weight.mul_(EMBED_GAIN)
+        model.shared.weight[eos] = 0.0  # tied to the head: eos is never likely, and runs go to length
+    model.generation_config = transformers.GenerationConfig(decoder_start_token_id=pad, eos_token_id=eos,
+                                                            pad_token_id=pad, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _export(hf: Path, out: Path, task: str, graphs_in: str) -> Path:
+    python = hfmodels.ensure_optimum_venv()
+    with tempfile.TemporaryDirectory(prefix="ortpipe-seq2seq-") as scratch:
+        legacy, onnx = Path(scratch) / "hf", Path(scratch) / "onnx"
+        shutil.copytree(hf, legacy)
+        config = json.loads((legacy / "config.json").read_text())
+        (legacy / "config.json").write_text(json.dumps(hfmodels._legacy_config(config), indent=2))
+        hfmodels._run([str(python), "-m", "optimum.exporters.onnx", "--model", str(legacy), "--task", task,
+                       str(onnx)], f"optimum export ({task})")
+        (out / graphs_in).mkdir(parents=True, exist_ok=True)
+        for name in KEEP:
+            if (onnx / name).is_file():
+                shutil.copy2(onnx / name, out / name)
+        for name in GRAPHS:
+            shutil.copy2(onnx / name, out / graphs_in / name)
+    return out
+
+
+def make_t5_optimum(out: Path) -> Path:
+    return _export(get("t5-hf"), out, "text2text-generation-with-past", "onnx")
+
+
+def make_whisper_optimum(out: Path) -> Path:
+    import transformers
+
+    _export(hfmodels.get("whisper-hf"), out, "automatic-speech-recognition-with-past", "")
+    extractor = transformers.WhisperFeatureExtractor(feature_size=hfmodels.WHISPER_MELS)
+    extractor.save_pretrained(out)  # preprocessor_config.json
+    return out
+
+
+RECIPES = {"t5-hf": make_t5_hf, "t5-optimum": make_t5_optimum, "whisper-optimum": make_whisper_optimum}
+
+
+def get(name: str) -> Path:
+    recipe = Path(__file__).read_text(encoding="utf-8") + "".join(hfmodels.OPTIMUM_REQUIREMENTS)
+    return hfmodels.cached(name, RECIPES[name], recipe=recipe)
+
+
+def hf_t5_greedy(hf_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate of the T5 on the encoder ids `prompt_ids`: the new tokens (the decoder
+    start token left out)."""
+    import torch
+    import transformers
+
+    model = transformers.T5ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.int64)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                             max_new_tokens=max_new_tokens)
+    return out[0, 1:].tolist()
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(RECIPES):
+        print(get(name))

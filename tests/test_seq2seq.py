@@ -1,0 +1,179 @@
+"""Encoder-decoder folders as optimum exports them and transformers.js runs them (`encoder_model.onnx` and
+`decoder_model_merged.onnx`, in the folder or `onnx/`; no genai_config.json): ortpipe detects them, feeds
+the prompt's text to a text encoder (T5) or audio to a speech encoder (Whisper), starts the decoder from
+`decoder_start_token_id`, and keeps the cross-attention cache of the decoder's first run. Tokens are compared
+with transformers' generate on the weights optimum exported (build/seq2seq.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from build import hfmodels, seq2seq
+from build.hfmodels import WHISPER_MELS, WHISPER_START_ID
+from build.references import hf_whisper_greedy
+
+import ortpipe
+from ortpipe.targets.cpython import Pipeline
+
+from .test_serve_transcriptions import clip
+from .test_whisper import features
+
+pytestmark = pytest.mark.slow
+NEW = 20
+PROMPTS = ["def bisect(a, x):", "import os, sys", "x", "return self._data[key] if key in self else default"]
+
+
+@pytest.fixture(scope="module")
+def t5_hf() -> Path:
+    return seq2seq.get("t5-hf")
+
+
+@pytest.fixture(scope="module")
+def t5_optimum() -> Path:
+    return seq2seq.get("t5-optimum")
+
+
+@pytest.fixture(scope="module")
+def whisper_optimum() -> Path:
+    return seq2seq.get("whisper-optimum")
+
+
+@pytest.fixture(scope="module")
+def t5(t5_optimum: Path) -> Pipeline:
+    return ortpipe.load(t5_optimum, threads=1)
+
+
+def test_the_folder_is_detected_as_an_encoder_decoder(t5: Pipeline, t5_optimum: Path) -> None:
+    assert not (t5_optimum / "genai_config.json").exists()
+    assert (t5_optimum / "onnx/encoder_model.onnx").is_file()
+    assert t5.plan.config.source == "detected"
+    flow = [(s.run, s.when) for s in t5.plan.config.pipeline.flow]
+    assert flow == [("encoder", "init"), ("decoder", "step")]
+    assert t5.plan.text_encoder is not None and t5.plan.text_encoder.session == "encoder"
+    [decoder] = t5.plan.step_phase
+    cross = [e.past_input for e in decoder.kv.entries if e.frozen]
+    assert cross and all(".encoder." in name for name in cross)
+    assert t5.config.tokens.decoder_start == hfmodels.PAD_ID
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_t5_greedy_equals_transformers(prompt: str, t5: Pipeline, t5_hf: Path) -> None:
+    ids = t5.tokenizer.encode(prompt)
+    expected = seq2seq.hf_t5_greedy(t5_hf, ids, NEW)
+    assert t5.generate(prompt, max_new_tokens=NEW).tokens == expected
+    assert t5.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
+    assert [c.token for c in t5.stream(prompt, max_new_tokens=NEW)] == expected
+
+
+def test_the_prompt_decides_the_tokens_and_requests_stay_apart(t5: Pipeline) -> None:
+    first, other, again = (t5.generate(p, max_new_tokens=NEW).tokens for p in (*PROMPTS[:2], PROMPTS[0]))
+    assert first == again  # the frozen cross cache is per request
+    assert first != other
+
+
+def test_t5_beam_search_equals_transformers(t5: Pipeline, t5_hf: Path) -> None:
+    import torch
+    import transformers
+
+    ids = t5.tokenizer.encode(PROMPTS[0])
+    ours = t5.generate(prompt_ids=ids, max_new_tokens=12, num_beams=3, early_stopping=False).tokens
+    model = transformers.T5ForConditionalGeneration.from_pretrained(t5_hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), do_sample=False, num_beams=3,
+                             early_stopping=False, max_new_tokens=12, length_penalty=1.0)
+    assert ours == out[0, 1:].tolist()
+
+
+def test_seeded_sampling_repeats_and_follows_the_seed(t5: Pipeline) -> None:
+    runs = [t5.generate(PROMPTS[0], max_new_tokens=NEW, do_sample=True, temperature=0.9, seed=s).tokens
+            for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_what_an_encoder_decoder_request_refuses(t5: Pipeline) -> None:
+    with pytest.raises(ortpipe.GenerationError, match='give a prompt: session "encoder" encodes it'):
+        t5.generate(max_new_tokens=3)
+    with pytest.raises(ortpipe.GenerationError, match="non-empty list"):
+        t5.generate(prompt_ids=[], max_new_tokens=3)
+    with pytest.raises(ortpipe.GenerationError, match="input_ids is made from the prompt"):
+        t5.generate(PROMPTS[0], max_new_tokens=3, inputs={"input_ids": np.array([[5]], dtype=np.int64)})
+    with pytest.raises(ortpipe.GenerationError, match="speculative decoding needs"):
+        t5.generate(PROMPTS[0], max_new_tokens=3, prompt_lookup_num_tokens=3)
+
+
+def test_a_prompt_longer_than_the_encoders_positions_is_refused(t5_optimum: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="bart", max_position_embeddings=4)  # as a BART or Marian folder gives it
+    (folder / "config.json").write_text(json.dumps(config))
+    pipe = ortpipe.load(folder, threads=1)
+    assert pipe.config.pipeline.preprocessing["text"]["max_length"] == 4
+    assert pipe.config.generation.max_length == 4
+    with pytest.raises(ortpipe.GenerationError, match="encoder reads at most 4"):
+        pipe.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=2)
+
+
+def test_split_decoders_are_refused_with_the_merge_to_run(t5_optimum: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
+    (folder / "onnx/decoder_model_merged.onnx").rename(folder / "onnx/decoder_model.onnx")
+    with pytest.raises(ortpipe.ConfigError, match="has onnx/encoder_model.onnx, onnx/decoder_model.onnx "
+                                                  "but no onnx/decoder_model_merged.onnx.*merge_decoders"):
+        ortpipe.load(folder)
+
+
+def test_cli_runs_the_folder_on_a_prompt(t5: Pipeline, t5_optimum: Path) -> None:
+    expected = t5.generate(PROMPTS[1], max_new_tokens=8)
+    proc = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(t5_optimum), PROMPTS[1],
+                           "--max-new-tokens", "8", "--threads", "1", "--json"],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tokens"] == expected.tokens
+
+
+def test_whisper_export_equals_transformers_from_features_and_a_wav(whisper_optimum: Path,
+                                                                    tmp_path: Path) -> None:
+    import transformers
+
+    pipe = ortpipe.load(whisper_optimum, threads=1)
+    assert pipe.plan.text_encoder is None  # the encoder reads audio features
+    whisper_hf = hfmodels.get("whisper-hf")
+    feats = features(0)
+    ours = pipe.generate(max_new_tokens=32, inputs={"input_features": feats}).tokens  # from decoder_start
+    assert ours == hf_whisper_greedy(whisper_hf, feats, [WHISPER_START_ID], 32)
+    path = clip(tmp_path / "a.wav", 2.0, 3)
+    from ortpipe.targets.cpython.media import read_wav
+
+    samples = read_wav(str(path), 16000)
+    extractor = transformers.WhisperFeatureExtractor(feature_size=WHISPER_MELS)
+    heard = extractor(np.asarray(samples, dtype=np.float32), sampling_rate=16000, return_tensors="np")
+    assert pipe.generate(max_new_tokens=32, audios=[str(path)]).tokens == \
+        hf_whisper_greedy(whisper_hf, heard["input_features"], [WHISPER_START_ID], 32)
+
+
+def test_served_completions_and_transcriptions(t5: Pipeline, t5_optimum: Path, whisper_optimum: Path,
+                                               tmp_path: Path) -> None:
+    """`ortpipe serve` on both folders, driven by the openai client: a completion is the encoder's prompt
+    answered (its usage counts the prompt's tokens); the Whisper export transcribes a WAV file with no config
+    written for it (decoder_start_token_id from generation_config.json)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from .test_serve import served
+
+    expected = [t5.generate(p, max_new_tokens=10) for p in PROMPTS[:2]]
+    with served(t5_optimum, max_batch=4) as server:
+        client = server.client()
+        for prompt, result in zip(PROMPTS, expected, strict=False):
+            got = client.completions.create(model="t5", prompt=prompt, max_tokens=10, temperature=0)
+            assert got.choices[0].text == result.text
+            usage = (got.usage.prompt_tokens, got.usage.completion_tokens)
+            assert usage == (len(t5.tokenizer.encode(prompt)), 10)
+    path = clip(tmp_path / "a.wav", 1.5, 4)
+    heard = ortpipe.load(whisper_optimum, threads=1).generate(audios=[str(path)])
+    with served(whisper_optimum) as server, path.open("rb") as f:
+        assert server.client().audio.transcriptions.create(model="whisper", file=f).text == heard.text

@@ -1,0 +1,50 @@
+"""An optimum encoder-decoder folder (T5 in transformers.js's layout, no genai_config.json) in Chromium: the
+core detects it in Pyodide, the prompt's text goes to the encoder through tokenizers.js, and the browser's
+tokens are CPython's (which tests/test_seq2seq.py checks against transformers' generate), greedy and seeded
+sampled, on wasm and WebGPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import ortpipe
+
+PROMPTS = ["def bisect(a, x):", "import os, sys"]
+SAMPLED = {"doSample": True, "temperature": 0.9, "seed": 11}
+
+RUN = """async ({model, device, prompts, sampled}) => {
+  const {load} = await import('./ortpipe.js');
+  const pipe = await load(model, {device});
+  try {
+    const runs = [];
+    for (const prompt of prompts) {
+      const result = await pipe.generate({prompt, maxNewTokens: 16});
+      runs.push({tokens: result.tokens, text: result.text});
+    }
+    const result = await pipe.generate({prompt: prompts[0], maxNewTokens: 16, ...sampled});
+    runs.push({tokens: result.tokens, text: result.text});
+    return {info: pipe.info, runs};
+  } finally {
+    pipe.dispose();
+  }
+}"""
+
+
+@pytest.mark.parametrize("target", ["wasm", "webgpu"])
+def test_t5_folder_in_the_browser_equals_cpython(target: str, page: Any, serve_model: Any) -> None:
+    from build import seq2seq
+
+    folder = seq2seq.get("t5-optimum")
+    pipe = ortpipe.load(folder, threads=1)
+    expected = [pipe.generate(p, max_new_tokens=16) for p in PROMPTS]
+    expected.append(pipe.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, temperature=0.9, seed=11))
+    assert expected[0].tokens != expected[1].tokens and expected[0].tokens != expected[2].tokens
+    model = serve_model("t5-optimum", folder)
+    page.goto("/")
+    got = page.evaluate(RUN, {"model": model, "device": target, "prompts": PROMPTS, "sampled": SAMPLED})
+    assert got["info"]["device"] == target
+    runs = got["runs"]
+    assert [r["tokens"] for r in runs] == [e.tokens for e in expected]
+    assert [r["text"] for r in runs] == [e.text for e in expected]
