@@ -596,3 +596,19 @@ def test_a_profile_is_layered_before_the_config_is_checked(tmp_path: Path) -> No
     assert load_config(folder).pipeline.sessions["vision"].providers == ("cpu",)
     with pytest.raises(ConfigError, match='Unknown profile "raspberry". .* Did you mean "raspberry-pi"?'):
         load_config(folder, profile="raspberry")
+
+
+def test_decoder_start_is_an_id_or_the_decoders_first_ids(tmp_path: Path) -> None:
+    pipeline = {"extends": "autoregressive-decoder"}
+    one = load_config(folder_with(tmp_path / "one", v2(pipeline, tokens={"decoder_start": 7})))
+    assert (one.tokens.decoder_start, one.tokens.decoder_prompt) == (7, (7,))
+    listed = v2(pipeline, tokens={"decoder_start": [7, 9, 4]})
+    several = load_config(folder_with(tmp_path / "several", listed))
+    assert (several.tokens.decoder_start, several.tokens.decoder_prompt) == (7, (7, 9, 4))
+    none = load_config(folder_with(tmp_path / "none", v2(pipeline)))
+    assert (none.tokens.decoder_start, none.tokens.decoder_prompt) == (None, ())
+    for i, bad in enumerate(([], [7, "x"], [7, -1], [True])):
+        message = errors_of(tmp_path / f"bad{i}", v2(pipeline, tokens={"decoder_start": bad}))
+        assert "tokens.decoder_start must be a token id or a non-empty list of token ids" in message
+    assert "tokens.decoder_start must be at least 0" in errors_of(
+        tmp_path / "negative", v2(pipeline, tokens={"decoder_start": -2}))

@@ -177,3 +177,22 @@ def test_served_completions_and_transcriptions(t5: Pipeline, t5_optimum: Path, w
     heard = ortpipe.load(whisper_optimum, threads=1).generate(audios=[str(path)])
     with served(whisper_optimum) as server, path.open("rb") as f:
         assert server.client().audio.transcriptions.create(model="whisper", file=f).text == heard.text
+
+
+def test_whisper_starts_from_the_ids_generation_config_forces(whisper_optimum: Path, tmp_path: Path) -> None:
+    """forced_decoder_ids from index 1 on (an English-only Whisper's no-timestamps token; a multilingual one's
+    language and task) follow decoder_start_token_id as the decoder's first ids, as transformers' Whisper
+    generate starts; a null leaves the rest to the model."""
+    folder = Path(shutil.copytree(whisper_optimum, tmp_path / "whisper"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    feats = features(2)
+    for forced, prompt in (([[1, 300], [2, 301]], [WHISPER_START_ID, 300, 301]),
+                           ([[1, None], [2, 301]], [WHISPER_START_ID]),
+                           ([[2, 301]], [WHISPER_START_ID])):
+        (folder / "generation_config.json").write_text(json.dumps({**gen, "forced_decoder_ids": forced}))
+        pipe = ortpipe.load(folder, threads=1)
+        assert pipe.config.tokens.decoder_prompt == tuple(prompt)
+        given = {"input_features": feats}
+        got = pipe.generate(max_new_tokens=8, inputs=given).tokens
+        assert got == pipe.generate(prompt_ids=prompt, max_new_tokens=8, inputs=given).tokens
+        assert got == hf_whisper_greedy(hfmodels.get("whisper-hf"), feats, prompt, 8)

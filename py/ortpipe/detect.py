@@ -441,6 +441,10 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
         dtype = _transformers_js_dtype(hf, file)
         if dtype is not None:
             sessions[name]["dtype"] = dtype
+    tokens = _tokens(gen, hf)
+    forced = _forced(gen)
+    if forced and "decoder_start" in tokens:
+        tokens["decoder_start"] = [tokens["decoder_start"], *forced]
     raw: dict[str, Any] = {
         "version": 2,
         "pipeline": {
@@ -448,7 +452,7 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
             "sessions": sessions,
             "dataflow": [{"from": "encoder.last_hidden_state", "to": "decoder.encoder_hidden_states"}],
         },
-        "tokens": _tokens(gen, hf),
+        "tokens": tokens,
         "generation": {},
         "metadata": {"model_type": hf.get("model_type"), "detected_from": decoder},
     }
@@ -465,6 +469,26 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
     if sampling:
         raw["generation"]["sampling"] = sampling
     return raw
+
+
+def _forced(gen: dict[str, Any]) -> list[int]:
+    """The ids generation_config.json forces right after the decoder's start token: `forced_decoder_ids`'
+    pairs [index, id] from index 1 on, as long as they follow each other and name an id (Whisper's task and
+    no-timestamps tokens; a null leaves the model its choice there, and what follows it to the model too),
+    else `forced_bos_token_id` (mBART's target language)."""
+    pairs = gen.get("forced_decoder_ids")
+    ids: list[int] = []
+    if isinstance(pairs, list):
+        at = {p[0]: p[1] for p in pairs if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)}
+        while _id(at.get(len(ids) + 1)):
+            ids.append(at[len(ids) + 1])
+        return ids
+    bos = gen.get("forced_bos_token_id")
+    return [bos] if _id(bos) else []
+
+
+def _id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _count(value: Any) -> bool:

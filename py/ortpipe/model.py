@@ -576,7 +576,7 @@ class Model:
     def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
         start = self.config.tokens.decoder_start
         if prompt is None and prompt_ids is None and start is not None:
-            return [start]  # an encoder-decoder model starts from its decoder_start token
+            return list(self.config.tokens.decoder_prompt)  # an encoder-decoder's decoder: its start ids
         if prompt is None and prompt_ids is None and self.config.pipeline.state.cross_cache:
             raise GenerationError(
                 "this encoder-decoder folder sets no decoder start token (tokens.decoder_start, "
@@ -641,7 +641,7 @@ class Model:
                     made[f.input] = b.tensor(ids, (1, n), f.dtype)
                 elif role == "attention_mask":
                     made[f.input] = b.full((1, n), 1, f.dtype)
-        return [start], made
+        return list(self.config.tokens.decoder_prompt), made
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""

@@ -29,7 +29,7 @@ def as_v2(config: Config) -> dict[str, Any]:
     return {
         "version": 2,
         "pipeline": pipeline,
-        "tokens": _clean(dataclasses.asdict(config.tokens)),
+        "tokens": _tokens(config.tokens),
         "generation": _generation(config),
         "metadata": config.metadata,
     }
@@ -120,6 +120,15 @@ def _step(s: FlowStep) -> dict[str, Any]:
         if f.name not in out and value != getattr(defaults, f.name):
             value = list(value) if isinstance(value, tuple) else value
             out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def _tokens(tokens: Any) -> dict[str, Any]:
+    """tokens as written: the decoder's first ids as decoder_start (one id, or the list)."""
+    out = _clean(dataclasses.asdict(tokens))
+    prompt = out.pop("decoder_prompt", [])
+    if len(prompt) > 1:
+        out["decoder_start"] = prompt
     return out
 
 

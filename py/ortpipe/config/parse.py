@@ -863,9 +863,20 @@ def _tokens(sec: Section) -> Tokens:
     ):
         sec.problems.add(f"{sec.path}.eos must be a token id or a list of token ids, found {quote(eos)}")
         eos = []
-    names = ("pad", "bos", "image_token", "audio_token", "decoder_start")
+    names = ("pad", "bos", "image_token", "audio_token")
     values = {k: sec.number(k, int, None, 0) for k in names}
-    return Tokens(eos=tuple(eos), **values)
+    start = sec.raw.get("decoder_start")
+    if isinstance(start, list):  # the decoder's first ids, the start token first
+        ok = bool(start) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in start)
+        if not ok:
+            sec.problems.add(f"{sec.path}.decoder_start must be a token id or a non-empty list of token ids, "
+                             f"found {quote(start)}")
+        prompt = tuple(start) if ok else ()
+    else:
+        one = sec.number("decoder_start", int, None, 0)
+        prompt = () if one is None else (one,)
+    first = prompt[0] if prompt else None
+    return Tokens(eos=tuple(eos), decoder_start=first, decoder_prompt=prompt, **values)
 
 
 def _generation(sec: Section, folder: Folder) -> Generation:

@@ -215,6 +215,9 @@ class Tokens:
     image_token: int | None = None
     audio_token: int | None = None
     decoder_start: int | None = None
+    # the ids an encoder-decoder's decoder starts from: decoder_start, then those generation_config.json
+    # forces after it (Whisper's task and timestamp tokens); `tokens.decoder_start` may give them as a list
+    decoder_prompt: tuple[int, ...] = ()
 
 
 GENERATED = "generated"  # the dataflow source of the generated ids: "generated.ids" (not a session name)

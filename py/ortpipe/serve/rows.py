@@ -64,7 +64,7 @@ def prompt_ids(pipe: Any, template: Any | None, c: Completion) -> list[int]:
                                  "starts from: add it to its config (genai_config.json: "
                                  "model.decoder_start_token_id, or tokens.decoder_start in v2).", status=500,
                                  kind="server_error")
-        return [start]
+        return list(pipe.config.tokens.decoder_prompt)
     _needs_no_audio(pipe)
     if c.prompt_ids is not None:
         return list(c.prompt_ids)
