@@ -7,6 +7,8 @@
 - `t5-optimum`: its text2text-generation-with-past export by optimum in transformers.js's layout: the
   graphs in `onnx/` (`encoder_model.onnx`, `decoder_model_merged.onnx`), config.json,
   generation_config.json and the tokenizer beside them; no genai_config.json.
+- `captioner-hf`, `captioner-optimum`: a VisionEncoderDecoderModel (ViT encoder, GPT-2 decoder) and its
+  image-to-text-with-past export in transformers.js's layout, with its ViTImageProcessor config.
 - `whisper-optimum`: build/hfmodels.py's `whisper-hf` exported by optimum for automatic-speech-recognition-
   with-past, in optimum's own flat layout, with the preprocessor_config.json of WhisperFeatureExtractor
   (80 mels) that a Whisper folder ships.
@@ -33,7 +35,8 @@ T5 = {"d_model": hfmodels.HIDDEN, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num
 # the logits are the last norm's output times d_model ** -0.5 (T5's tied head, in transformers 4 and 5 alike)
 BIAS_GAIN, LOGIT_GAIN, EMBED_GAIN = 30.0, 64.0, 0.5
 KEEP = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-        "special_tokens_map.json")
+        "special_tokens_map.json", "preprocessor_config.json")
+IMAGE_SIDE = 32  # the captioner's ViT: 32 x 32 pixels in patches of 8
 GRAPHS = ("encoder_model.onnx", "decoder_model_merged.onnx")
 
 
@@ -61,13 +64,45 @@ def make_t5_hf(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def make_captioner_hf(out: Path, seed: int = 0) -> Path:
+    """A VisionEncoderDecoderModel (a ViT encoder, a GPT-2 decoder with cross-attention) of random weights,
+    its ViTImageProcessor and the test tokenizer: an image captioner of the shape transformers.js's
+    image-to-text pipeline runs (vit-gpt2-image-captioning)."""
+    import torch
+    import transformers
+
+    hfmodels.train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    bos, eos, pad = hfmodels.BOS_ID, hfmodels.EOS_ID, hfmodels.PAD_ID
+    encoder = transformers.ViTConfig(hidden_size=hfmodels.HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, image_size=IMAGE_SIDE, patch_size=8)
+    decoder = transformers.GPT2Config(vocab_size=len(vocab), n_embd=hfmodels.HIDDEN, n_layer=2, n_head=4,
+                                      n_inner=128, n_positions=128, add_cross_attention=True, is_decoder=True,
+                                      bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = bos, pad, eos
+    torch.manual_seed(seed)
+    model = transformers.VisionEncoderDecoderModel(config).to(torch.float32)
+    hfmodels._redraw(model, seed)
+    with torch.no_grad():
+        model.decoder.lm_head.weight[eos] = 0.0  # never eos: runs to length
+    model.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=bos, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    transformers.ViTImageProcessor(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE}).save_pretrained(out)
+    return out
+
+
 def _export(hf: Path, out: Path, task: str, graphs_in: str) -> Path:
     python = hfmodels.ensure_optimum_venv()
     with tempfile.TemporaryDirectory(prefix="ortpipe-seq2seq-") as scratch:
         legacy, onnx = Path(scratch) / "hf", Path(scratch) / "onnx"
         shutil.copytree(hf, legacy)
-        config = json.loads((legacy / "config.json").read_text())
-        (legacy / "config.json").write_text(json.dumps(hfmodels._legacy_config(config), indent=2))
+        config = hfmodels._legacy_config(json.loads((legacy / "config.json").read_text()))
+        for part in ("encoder", "decoder"):  # a VisionEncoderDecoder's own configs
+            if isinstance(config.get(part), dict):
+                config[part] = hfmodels._legacy_config(config[part])
+        (legacy / "config.json").write_text(json.dumps(config, indent=2))
         hfmodels._run([str(python), "-m", "optimum.exporters.onnx", "--model", str(legacy), "--task", task,
                        str(onnx)], f"optimum export ({task})")
         (out / graphs_in).mkdir(parents=True, exist_ok=True)
@@ -92,7 +127,15 @@ def make_whisper_optimum(out: Path) -> Path:
     return out
 
 
-RECIPES = {"t5-hf": make_t5_hf, "t5-optimum": make_t5_optimum, "whisper-optimum": make_whisper_optimum}
+def make_captioner_optimum(out: Path) -> Path:
+    hf = get("captioner-hf")
+    _export(hf, out, "image-to-text-with-past", "onnx")
+    shutil.copy2(hf / "preprocessor_config.json", out / "preprocessor_config.json")
+    return out
+
+
+RECIPES = {"t5-hf": make_t5_hf, "t5-optimum": make_t5_optimum, "whisper-optimum": make_whisper_optimum,
+           "captioner-hf": make_captioner_hf, "captioner-optimum": make_captioner_optimum}
 
 
 def get(name: str) -> Path:
@@ -111,6 +154,22 @@ def hf_t5_greedy(hf_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                              max_new_tokens=max_new_tokens)
+    return out[0, 1:].tolist()
+
+
+def hf_caption_greedy(hf_dir: Path, image: Path, max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate of the captioner on the pixels its own ViTImageProcessor makes of the
+    image file (PIL's bilinear resize): the new tokens."""
+    import torch
+    import transformers
+    from PIL import Image
+
+    processor = transformers.ViTImageProcessor.from_pretrained(hf_dir)
+    with Image.open(image) as picture:
+        pixels = processor(picture.convert("RGB"), return_tensors="pt")["pixel_values"]
+    model = transformers.VisionEncoderDecoderModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(pixel_values=pixels, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
     return out[0, 1:].tolist()
 
 

@@ -124,8 +124,8 @@ def test_center_crop_pads_an_image_smaller_than_the_crop(driver: Driver) -> None
 
 
 @pytest.mark.parametrize("height,width", [(123, 457), (40, 30), (1000, 800)])
-@pytest.mark.parametrize("kind,side", [("Siglip", 224), ("Gemma3", 896)])
-def test_siglip_and_gemma3_match_transformers(driver: Driver, kind: str, side: int, height: int,
+@pytest.mark.parametrize("kind,side", [("Siglip", 224), ("Gemma3", 896), ("ViT", 224), ("ViT", 384)])
+def test_siglip_gemma3_and_vit_match_transformers(driver: Driver, kind: str, side: int, height: int,
                                               width: int) -> None:
     image = noise(height, width, height * width)
     size = {"height": side, "width": side}

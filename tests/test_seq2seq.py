@@ -196,3 +196,28 @@ def test_whisper_starts_from_the_ids_generation_config_forces(whisper_optimum: P
         got = pipe.generate(max_new_tokens=8, inputs=given).tokens
         assert got == pipe.generate(prompt_ids=prompt, max_new_tokens=8, inputs=given).tokens
         assert got == hf_whisper_greedy(hfmodels.get("whisper-hf"), feats, prompt, 8)
+
+
+def test_image_captioner_equals_transformers(tmp_path: Path) -> None:
+    """A vision encoder-decoder (ViT, GPT-2; optimum's image-to-text-with-past export in transformers.js's
+    layout): the image goes through the folder's ViTImageProcessor config to the encoder's pixel_values, and
+    the caption is transformers' (its processor's pixels of the same file)."""
+    from PIL import Image
+
+    folder, hf = seq2seq.get("captioner-optimum"), seq2seq.get("captioner-hf")
+    pipe = ortpipe.load(folder, threads=1)
+    assert pipe.plan.text_encoder is None and [s.session for s in pipe.plan.init_steps] == ["encoder"]
+    rng = np.random.default_rng(5)
+    captions = []
+    for i, (h, w) in enumerate(((40, 48), (64, 32), (32, 32))):
+        path = tmp_path / f"image{i}.png"
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(path)
+        ours = pipe.generate(images=[str(path)], max_new_tokens=12).tokens
+        assert ours == seq2seq.hf_caption_greedy(hf, path, 12)
+        captions.append(ours)
+    assert len({tuple(c) for c in captions}) == 3  # the image decides the caption
+    proc = subprocess.run([sys.executable, "-m", "ortpipe.cli", "run", str(folder), "--image", str(path),
+                           "--max-new-tokens", "12", "--threads", "1", "--json"],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tokens"] == captions[-1]

@@ -5,6 +5,7 @@ sampled, on wasm and WebGPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,3 +49,31 @@ def test_t5_folder_in_the_browser_equals_cpython(target: str, page: Any, serve_m
     runs = got["runs"]
     assert [r["tokens"] for r in runs] == [e.tokens for e in expected]
     assert [r["text"] for r in runs] == [e.text for e in expected]
+
+
+def test_image_captioner_in_the_browser_equals_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:
+    """The vision encoder-decoder export (ViT, GPT-2) on wasm: the page decodes the PNG, the core's ViT
+    preprocessing kernels make its pixels, and the caption is CPython's (transformers': test_seq2seq.py)."""
+    import shutil
+
+    import numpy as np
+    from build import seq2seq
+    from PIL import Image
+
+    folder = Path(shutil.copytree(seq2seq.get("captioner-optimum"), tmp_path / "captioner"))
+    Image.fromarray((np.random.default_rng(8).random((40, 56, 3)) * 255).astype(np.uint8)).save(
+        folder / "picture.png")
+    picture = str(folder / "picture.png")
+    expected = ortpipe.load(folder, threads=1).generate(images=[picture], max_new_tokens=12)
+    model = serve_model("captioner", folder)
+    page.goto("/")
+    tokens = page.evaluate("""async ({model}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try {
+        return (await pipe.generate({images: [`${model}picture.png`], maxNewTokens: 12})).tokens;
+      } finally {
+        pipe.dispose();
+      }
+    }""", {"model": model})
+    assert tokens == expected.tokens

@@ -45,9 +45,13 @@ IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
                              "image_std": _HALF},
     "Gemma3ImageProcessor": {"resample": 2, "size": {"height": 224, "width": 224}, "image_mean": _HALF,
                              "image_std": _HALF},
+    # a vision encoder-decoder's (image captioning, TrOCR)
+    "ViTImageProcessor": {"resample": 2, "size": {"height": 224, "width": 224}, "image_mean": _HALF,
+                          "image_std": _HALF},
 }
 PATCH_PROCESSORS = frozenset({"Qwen2VLImageProcessor"})
-SQUARE_BY_DEFAULT = frozenset({"SiglipImageProcessor", "Gemma3ImageProcessor"})  # an int size means h = w
+# an int size means h = w
+SQUARE_BY_DEFAULT = frozenset({"SiglipImageProcessor", "Gemma3ImageProcessor", "ViTImageProcessor"})
 AUDIO_PROCESSORS = ("WhisperFeatureExtractor",)
 
 
