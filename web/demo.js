@@ -203,7 +203,9 @@ async function generate(event) {
         return;
       }
       Object.assign(options, samplingOptions());
-      output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: options.prompt ?? '' }));
+      // an encoder-decoder answers the prompt (a translation, ...): the answer starts on a line of its own
+      const shown = (options.prompt ?? '') + (model.info.text_encoder && options.prompt ? '\n' : '');
+      output.append(Object.assign(document.createElement('span'), { className: 'prompt', textContent: shown }));
       $('status').textContent = 'Generating…';
       stream = model.stream(options);
     }

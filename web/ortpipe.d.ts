@@ -237,6 +237,9 @@ export interface PipelineInfo {
   load_ms: number;
   /** generation.loop: "autoregressive", "single_pass" or "denoising". */
   loop: string;
+  /** An encoder-decoder's session that reads the prompt's text (T5, BART, Marian): the decoder writes an
+   * answer to the prompt, not its continuation. null for the others. */
+  text_encoder: string | null;
   /** The named outputs and their kinds. */
   outputs: Record<string, string>;
 }

@@ -45,7 +45,7 @@ def test_t5_folder_in_the_browser_equals_cpython(target: str, page: Any, serve_m
     model = serve_model("t5-optimum", folder)
     page.goto("/")
     got = page.evaluate(RUN, {"model": model, "device": target, "prompts": PROMPTS, "sampled": SAMPLED})
-    assert got["info"]["device"] == target
+    assert got["info"]["device"] == target and got["info"]["text_encoder"] == "encoder"
     runs = got["runs"]
     assert [r["tokens"] for r in runs] == [e.tokens for e in expected]
     assert [r["text"] for r in runs] == [e.text for e in expected]
@@ -77,3 +77,24 @@ def test_image_captioner_in_the_browser_equals_cpython(page: Any, serve_model: A
       }
     }""", {"model": model})
     assert tokens == expected.tokens
+
+
+def test_demo_page_shows_the_answer_below_the_prompt(page: Any, serve_model: Any) -> None:
+    """The demo page on the T5 folder: the prompt, then CPython's answer on a line of its own (an encoder-
+    decoder answers the prompt, it does not continue it)."""
+    from build import seq2seq
+
+    folder = seq2seq.get("t5-optimum")
+    expected = ortpipe.load(folder, threads=1).generate(PROMPTS[1], max_new_tokens=8)
+    model = serve_model("t5-optimum", folder)
+    page.goto("/")
+    page.fill("#model-url", model)
+    page.select_option("#device", "wasm")
+    page.fill("#prompt", PROMPTS[1])
+    page.fill("#max-new-tokens", "8")
+    page.click("#generate")
+    page.wait_for_selector("#output[data-finish-reason], #error:not(:empty)", state="attached",
+                           timeout=120_000)
+    assert page.text_content("#error") == ""
+    assert page.text_content("#output .prompt") == PROMPTS[1] + "\n"
+    assert page.text_content("#output") == PROMPTS[1] + "\n" + expected.text

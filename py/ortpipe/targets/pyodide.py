@@ -783,6 +783,7 @@ class Worker:
         stages = getattr(model, "models", {})  # pipeline.stages: every stage's sessions
         opened = {n for m in stages.values() for n in m.plan.signatures} or set(model.plan.signatures)
         files = {name: model.config.pipeline.sessions[name].file for name in sorted(opened)}
+        encoder = getattr(model, "plan", None) and model.plan.text_encoder
         return {
             "device": self.driver.device,
             "sessions": sorted(opened),
@@ -799,6 +800,8 @@ class Worker:
             # the generation settings a request gets unless it says otherwise (the page's placeholders)
             "defaults": {s.name: _plain(getattr(model.config.generation.settings, s.name)) for s in SEARCH},
             "loop": model.config.generation.loop,
+            # an encoder-decoder's session that reads the prompt (T5, ...): its answer does not continue it
+            "text_encoder": encoder.session if encoder is not None else None,
             "outputs": {o.name: o.kind for o in model.config.pipeline.outputs},
         }
 
