@@ -119,6 +119,18 @@ def test_a_prompt_longer_than_the_encoders_positions_is_refused(t5_optimum: Path
         pipe.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=2)
 
 
+def test_start_ids_outside_the_vocabulary_are_refused_at_load(t5_optimum: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "forced_decoder_ids": [[1, 99999]]}))
+    with pytest.raises(ortpipe.ConfigError, match=r"starts from ids \[0, 99999\] .*forced_decoder_ids\), and "
+                                                  "99999 is outside the decoder's vocabulary of 512"):
+        ortpipe.load(folder)
+    # what is no forced id (a string, a pair without an id, another shape) forces nothing
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "forced_decoder_ids": [[1, "x"], 5]}))
+    assert ortpipe.load(folder).config.tokens.decoder_prompt == (hfmodels.PAD_ID,)
+
+
 def test_split_decoders_are_refused_with_the_merge_to_run(t5_optimum: Path, tmp_path: Path) -> None:
     folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
     (folder / "onnx/decoder_model_merged.onnx").rename(folder / "onnx/decoder_model.onnx")

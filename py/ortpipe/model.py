@@ -326,6 +326,17 @@ class Model:
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
+        # the ids a token loop's decoder starts from are checked as a prompt's are (a codebook loop's start, a
+        # pad beyond the codes, is its own: MusicGen's embeddings hold one row more than its logits)
+        starts = self.config.tokens.decoder_prompt if self.config.generation.codebooks is None else ()
+        outside = [i for i in starts if self.vocab is not None and i >= self.vocab]
+        if outside:
+            detected = ("generation_config.json's decoder_start_token_id and forced_decoder_ids"
+                        if self.config.source == "detected" else "its config")
+            ids = list(self.config.tokens.decoder_prompt)
+            raise ConfigError(f"{folder.describe()}: the decoder starts from ids {ids} "
+                              f"(tokens.decoder_start, from {detected}), and {outside[0]} is outside the "
+                              f"decoder's vocabulary of {self.vocab}: fix the id there")
         self.plugin: Factory | None = None
         self.loop: LoopSetup | None = None  # what a single_pass or denoising loop reads from the folder
         self.platform: Platform | None = None  # set by load_model: draft models load through it, with
