@@ -3,13 +3,18 @@
     python -m build.bench_loops sd [--folder sd-bench] [--steps 8] [--guidance 7.5] [--rounds 3] [--threads 2]
     python -m build.bench_loops embed [--folder st-bench] [--texts 1024] [--batch 32] [--rounds 3]
     python -m build.bench_loops tts [--folder vits-bench] [--rounds 3]
+    python -m build.bench_loops seq2seq [--folder t5-bench] [--new-tokens 64] [--rounds 3]
 
 sd: the time of one denoising step (the UNet on the guided batch of two rows and the scheduler's update),
 median over the steps of a generation, for ortpipe, a hand-written onnxruntime loop (tests/paradigm_refs.py's,
 numpy for the scheduler) and optimum's ORTDiffusionPipeline (diffusers' scheduler in torch). embed: texts
 embedded per second by ortpipe, the hand loop and sentence-transformers' ONNX backend (optimum's
 ORTModelForFeatureExtraction under SentenceTransformer.encode), all in batches of `--batch`. tts: the
-real-time factor (seconds of compute per second of audio) of ortpipe and the hand loop.
+real-time factor (seconds of compute per second of audio) of ortpipe and the hand loop. seq2seq (a loop
+that makes tokens, here for its peer): the tokens per second of a greedy generation of an encoder-decoder
+(t5-bench, below) by ortpipe, a hand-written onnxruntime loop over optimum's merged decoder and optimum's
+ORTModelForSeq2SeqLM, from the same 32 prompt ids; every engine makes exactly `--new-tokens` tokens
+(min_new_tokens) and their tokens must agree.
 
 Each round is one process of the peers' virtualenv ($ORTPIPE_PARADIGMS_BENCH_VENV, default
 .venv-paradigms-bench: the export environment of build/paradigms.py plus sentence-transformers 5.1.2,
@@ -40,7 +45,7 @@ PEER_REQUIREMENTS = ("torch==2.13.0", "transformers==4.57.6", "optimum-onnx==0.1
                      "onnx==1.23.2", "onnxruntime==1.31.1", "diffusers==0.39.0",
                      "sentence-transformers==5.1.2")
 ENGINES = {"sd": ("ortpipe", "hand", "optimum"), "embed": ("ortpipe", "hand", "sentence-transformers"),
-           "tts": ("ortpipe", "hand")}
+           "tts": ("ortpipe", "hand"), "seq2seq": ("ortpipe", "hand", "optimum")}
 PROMPT = "a red cube on a wooden table, studio light"
 NEGATIVE = "blurry, low quality"
 SPEECH = ("The quick brown fox jumps over the lazy dog while the parser reads each line of the file and "
@@ -59,6 +64,13 @@ ST_BENCH = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 1
 # transformers.js's layout (build/tjs_layout.py) with vocab.json kept for the hand loop. Made in the peers'
 # virtualenv into $ORTPIPE_CACHE/bench-loops/vits-bench.
 VITS_BENCH = {"noise_scale": 0.0, "noise_scale_duration": 0.0, "sampling_rate": 16000}
+# A T5 of t5-small's shape (60.5M parameters: 6 + 6 layers, d_model 512, 8 heads, d_ff 2048, its 32,128-token
+# vocabulary), random weights (seed 0), no tokenizer (the engines take ids); optimum's
+# text2text-generation-with-past export in transformers.js's layout (onnx/encoder_model.onnx,
+# onnx/decoder_model_merged.onnx). Made in the peers' virtualenv into $ORTPIPE_CACHE/bench-loops/t5-bench.
+T5_BENCH = {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8,
+            "feed_forward_proj": "relu", "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
+SEQ2SEQ_PROMPT = 32  # prompt ids, drawn (seeded) from 5 to 32000
 
 
 def st_bench_folder() -> Path:
@@ -84,6 +96,44 @@ def vits_bench_folder() -> Path:
                    str(out)]
         subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
     return out
+
+
+def t5_bench_folder() -> Path:
+    from build import hfmodels
+
+    out = hfmodels.cache_root() / "bench-loops" / "t5-bench"
+    if not (out / "onnx" / "decoder_model_merged.onnx").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = [str(peers_python()), "-m", "build.bench_loops", "_make_t5_bench", str(out)]
+        subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    return out
+
+
+def make_t5_bench(out: Path) -> None:
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory(prefix="t5-bench-") as scratch:
+        hf, onnx = Path(scratch) / "hf", Path(scratch) / "onnx"
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(**T5_BENCH))
+        model.generation_config = transformers.GenerationConfig(
+            **{k: T5_BENCH[k] for k in ("decoder_start_token_id", "pad_token_id", "eos_token_id")})
+        model.save_pretrained(hf)
+        subprocess.run([sys.executable, "-m", "optimum.exporters.onnx", "--model", str(hf), "--task",
+                        "text2text-generation-with-past", str(onnx)], check=True)
+        (out / "onnx").mkdir(parents=True)
+        for name in ("config.json", "generation_config.json"):
+            shutil.copy2(onnx / name, out / name)
+        for name in ("encoder_model.onnx", "decoder_model_merged.onnx"):
+            shutil.copy2(onnx / name, out / "onnx" / name)
+
+
+def seq2seq_ids() -> list[int]:
+    return random.Random(0).choices(range(5, 32000), k=SEQ2SEQ_PROMPT)
 
 
 def make_vits_bench(tokenizer: Path, out: Path) -> None:
@@ -351,10 +401,93 @@ def tts_hand(folder: Path, args: dict) -> Callable[[], dict]:
     return run
 
 
+def seq2seq_ortpipe(folder: Path, args: dict) -> Callable[[], dict]:
+    import ortpipe
+
+    pipe = ortpipe.load(folder, threads=args["threads"])
+    ids, n = seq2seq_ids(), args["new_tokens"]
+
+    def generate() -> list[int]:
+        return pipe.generate(prompt_ids=ids, max_new_tokens=n, min_new_tokens=n).tokens
+
+    return _timed_tokens(generate)
+
+
+def seq2seq_hand(folder: Path, args: dict) -> Callable[[], dict]:
+    """The floor: the encoder once, then the merged decoder token by token (the first run computes the
+    cross-attention cache, later runs take it back unchanged), argmax in numpy; eos kept out as
+    min_new_tokens does."""
+    import numpy as np
+    import onnxruntime as ort
+
+    options = session_options(args["threads"])
+    encoder = ort.InferenceSession(str(folder / "onnx" / "encoder_model.onnx"), options,
+                                   providers=["CPUExecutionProvider"])
+    decoder = ort.InferenceSession(str(folder / "onnx" / "decoder_model_merged.onnx"), options,
+                                   providers=["CPUExecutionProvider"])
+    pasts = [i.name for i in decoder.get_inputs() if i.name.startswith("past_key_values.")]
+    outputs = [o.name for o in decoder.get_outputs()]
+    heads, size = T5_BENCH["num_heads"], T5_BENCH["d_kv"]
+    ids, n, eos = np.array([seq2seq_ids()], np.int64), args["new_tokens"], T5_BENCH["eos_token_id"]
+
+    def generate() -> list[int]:
+        mask = np.ones_like(ids)
+        states = encoder.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        feeds = {"encoder_attention_mask": mask, "encoder_hidden_states": states,
+                 "use_cache_branch": np.array([False])}
+        feeds.update({name: np.zeros((1, heads, 0, size), np.float32) for name in pasts})
+        token, tokens = T5_BENCH["decoder_start_token_id"], []
+        for step in range(n):
+            feeds["input_ids"] = np.array([[token]], np.int64)
+            got = dict(zip(outputs, decoder.run(None, feeds), strict=True))
+            logits = got["logits"][0, -1].copy()
+            logits[eos] = -np.inf
+            token = int(logits.argmax())
+            tokens.append(token)
+            for name in pasts:
+                if step == 0 or ".decoder." in name:
+                    feeds[name] = got[name.replace("past_key_values.", "present.")]
+            feeds["use_cache_branch"] = np.array([True])
+        return tokens
+
+    return _timed_tokens(generate)
+
+
+def seq2seq_optimum(folder: Path, args: dict) -> Callable[[], dict]:
+    import torch
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    torch.set_num_threads(args["threads"])  # its logits processing in torch: the same threads as the others
+    model = ORTModelForSeq2SeqLM.from_pretrained(folder, subfolder="onnx", session_options=session_options(
+        args["threads"]), use_cache=True, use_merged=True, provider="CPUExecutionProvider")
+    ids, n = torch.tensor([seq2seq_ids()]), args["new_tokens"]
+
+    def generate() -> list[int]:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, num_beams=1)
+        return out[0, 1:].tolist()
+
+    return _timed_tokens(generate)
+
+
+def _timed_tokens(generate: Callable[[], list[int]]) -> Callable[[], dict]:
+    generate()  # warm-up
+
+    def run() -> dict:
+        start = _now()
+        tokens = generate()
+        return {**_since(start), "tokens": tokens}
+
+    return run
+
+
 RUNNERS = {("sd", "ortpipe"): sd_ortpipe, ("sd", "hand"): sd_hand, ("sd", "optimum"): sd_optimum,
            ("embed", "ortpipe"): embed_ortpipe, ("embed", "hand"): embed_hand,
            ("embed", "sentence-transformers"): embed_sentence_transformers,
-           ("tts", "ortpipe"): tts_ortpipe, ("tts", "hand"): tts_hand}
+           ("tts", "ortpipe"): tts_ortpipe, ("tts", "hand"): tts_hand,
+           ("seq2seq", "ortpipe"): seq2seq_ortpipe, ("seq2seq", "hand"): seq2seq_hand,
+           ("seq2seq", "optimum"): seq2seq_optimum}
 
 
 # --- driving the rounds --------------------------------------------------------------------------
@@ -398,9 +531,11 @@ def summarise(task: str, results: dict[str, list[dict]], args: dict) -> list[str
         seconds = r["cpu_seconds" if args["threads"] == 1 else "seconds"]
         if task == "embed":
             return args["texts"] / seconds
+        if task == "seq2seq":
+            return len(r["tokens"]) / seconds
         return seconds / r["audio_s"]
 
-    unit = {"sd": "ms a step", "embed": "texts/s", "tts": "real-time factor"}[task]
+    unit = {"sd": "ms a step", "embed": "texts/s", "tts": "real-time factor", "seq2seq": "tokens/s"}[task]
     unit += " (CPU time)" if args["threads"] == 1 else ""
     medians = {e: statistics.median(value(r) for r in rs) for e, rs in results.items()}
     lines = []
@@ -414,6 +549,10 @@ def summarise(task: str, results: dict[str, list[dict]], args: dict) -> list[str
 
 def check_outputs(task: str, results: dict[str, list[dict]]) -> None:
     """The engines computed the same embeddings (and ortpipe its image), or the comparison means nothing."""
+    if task == "seq2seq":
+        for engine, rs in results.items():
+            if any(r["tokens"] != results["ortpipe"][0]["tokens"] for r in rs):
+                print(f"warning: {engine}'s tokens differ from ortpipe's")
     if task == "embed":
         import numpy as np
 
@@ -428,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_make_st_bench":
         make_st_bench(Path(argv[1]), Path(argv[2]))
+        return 0
+    if argv and argv[0] == "_make_t5_bench":
+        make_t5_bench(Path(argv[1]))
         return 0
     if argv and argv[0] == "_make_vits_bench":
         make_vits_bench(Path(argv[1]), Path(argv[2]))
@@ -448,18 +590,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--texts", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--new-tokens", type=int, default=64, help="seq2seq: tokens each generation makes")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     args = parser.parse_args(argv)
     from build import paradigms
 
-    name = args.folder or {"sd": "sd-bench", "embed": "st-bench", "tts": "vits-bench"}[args.task]
-    made_here = {"st-bench": st_bench_folder, "vits-bench": vits_bench_folder}
+    name = args.folder or {"sd": "sd-bench", "embed": "st-bench", "tts": "vits-bench",
+                           "seq2seq": "t5-bench"}[args.task]
+    made_here = {"st-bench": st_bench_folder, "vits-bench": vits_bench_folder, "t5-bench": t5_bench_folder}
     if Path(name).is_dir():
         folder = Path(name)
     else:
         folder = made_here[name]() if name in made_here else paradigms.get(name)
     engines = args.engines.split(",") if args.engines else list(ENGINES[args.task])
-    names = ("threads", "steps", "guidance", "texts", "batch", "repeats", "rounds")
+    names = ("threads", "steps", "guidance", "texts", "batch", "repeats", "rounds", "new_tokens")
     settings = {k: getattr(args, k) for k in names}
     results = run_engines(args.task, engines, folder, settings)
     check_outputs(args.task, results)

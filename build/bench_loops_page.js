@@ -6,6 +6,8 @@
 //   bench-loops.html?engine=ortpipe&task=tts&model=vits-bench&runs=3
 //   bench-loops.html?engine=transformers.js&task=tts&model=vits-bench&runs=3
 //   bench-loops.html?engine=ort&task=tts&model=vits-bench&runs=3
+//   bench-loops.html?engine=ortpipe&task=seq2seq&model=t5-bench&runs=3&tokens=64
+//   bench-loops.html?engine=transformers.js&task=seq2seq&model=t5-bench&runs=3&tokens=64
 //
 // embed: texts.json (the bundle's) embedded in batches of `batch`: ortpipe's embed (its own batches, longest
 // first), or transformers.js's feature-extraction pipeline (mean pooling, normalised) on the batches in the
@@ -13,9 +15,11 @@
 // caller would batch), over the onnxruntime-web build ortpipe bundles (the same kernels). tts: ortpipe's
 // speak, transformers.js's text-to-speech pipeline or a hand-written onnxruntime-web loop ("ort": one
 // session.run on the sentence's ids, speech-ids.json in the bundle) on the same sentence, timed per second
-// of audio.
-// window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings] or [the first 64
-// samples]} or {error}.
+// of audio. seq2seq: a greedy generation of exactly `tokens` tokens (min_new_tokens) from the encoder-decoder's
+// prompt ids (seq2seq-ids.json in the bundle): ortpipe's generate, or transformers.js's generate on
+// AutoModelForSeq2SeqLM (what its text2text-generation pipeline calls), timed per generation.
+// window.benchResult settles to {runs: [seconds...], first: [the first 4 embeddings], [the first 64
+// samples] or [the tokens]} or {error}.
 
 const here = (path) => new URL(path, import.meta.url).href;
 const SPEECH = 'The quick brown fox jumps over the lazy dog while the parser reads each line of the file and '
@@ -28,7 +32,9 @@ async function run(params) {
   const runs = Number(params.get('runs'));
   const batch = Number(params.get('batch') ?? 32);
   const texts = task === 'embed' ? await (await fetch(here('./texts.json'))).json() : null;
-  const work = engine === 'ortpipe' ? await ortpipeTask(task, model, batch)
+  const tokens = Number(params.get('tokens') ?? 64);
+  const work = task === 'seq2seq' ? await seq2seq(engine, model, tokens)
+    : engine === 'ortpipe' ? await ortpipeTask(task, model, batch)
     : engine === 'ort' ? await ortSpeech(model)
     : task === 'tts' ? await transformersJsSpeech(model)
       : await transformersJs(model, batch, engine === 'transformers.js-sorted');
@@ -58,9 +64,33 @@ async function ortpipeTask(task, model, batch) {
   };
 }
 
+/** A greedy generation of `tokens` tokens from seq2seq-ids.json by ortpipe or transformers.js. */
+async function seq2seq(engine, model, tokens) {
+  const ids = await (await fetch(here('./seq2seq-ids.json'))).json();
+  if (engine === 'ortpipe') {
+    const { load } = await import('./ortpipe.js');
+    const pipe = await load(`models/${model}/`, { device: 'wasm' });
+    return async () => {
+      const result = await pipe.generate({ promptIds: ids, maxNewTokens: tokens, minNewTokens: tokens });
+      return { first: result.tokens };
+    };
+  }
+  const { tjs } = await transformersJsSetUp(model, false);
+  const t5 = await tjs.AutoModelForSeq2SeqLM.from_pretrained(model, {
+    device: 'auto', session_options: { executionProviders: ['wasm'] }, dtype: 'fp32',
+  });
+  const inputIds = new tjs.Tensor('int64', BigInt64Array.from(ids, BigInt), [1, ids.length]);
+  const mask = new tjs.Tensor('int64', BigInt64Array.from(ids, () => 1n), [1, ids.length]);
+  return async () => {
+    const out = await t5.generate({ input_ids: inputIds, attention_mask: mask, max_new_tokens: tokens,
+      min_new_tokens: tokens, do_sample: false, num_beams: 1 });
+    return { first: Array.from(out.data, Number).slice(1) };
+  };
+}
+
 /** transformers.js over ortpipe's onnxruntime-web build, one thread, local files only; the folder's
- * tokenizer files. */
-async function transformersJsSetUp(model) {
+ * tokenizer files (`tokenizer` false: none). */
+async function transformersJsSetUp(model, tokenizer = true) {
   globalThis[Symbol.for('onnxruntime')] = await import('./ort/ort.wasm.min.mjs');
   const tjs = await import('./tjs/transformers.min.js');
   const { env } = tjs;
@@ -70,6 +100,7 @@ async function transformersJsSetUp(model) {
   env.useBrowserCache = false;
   env.backends.onnx.wasm.wasmPaths = here('./ort/');
   env.backends.onnx.wasm.numThreads = 1;
+  if (!tokenizer) return { tjs };
   // Made from the folder's files: AutoTokenizer's existence check skips local files given by http URL
   // (as web/bench.js finds).
   const [json, config] = await Promise.all(['tokenizer.json', 'tokenizer_config.json'].map(

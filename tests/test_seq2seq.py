@@ -66,7 +66,12 @@ def test_the_folder_is_detected_as_an_encoder_decoder(t5: Pipeline, t5_optimum: 
 def test_t5_greedy_equals_transformers(prompt: str, t5: Pipeline, t5_hf: Path) -> None:
     ids = t5.tokenizer.encode(prompt)
     expected = seq2seq.hf_t5_greedy(t5_hf, ids, NEW)
-    assert t5.generate(prompt, max_new_tokens=NEW).tokens == expected
+    result = t5.generate(prompt, max_new_tokens=NEW)
+    assert result.tokens == expected
+    # every step after the first (which fills the cross-attention cache) runs fused, fed the encoder's
+    # states and mask and the frozen cross-attention entries as fixed inputs
+    assert t5.plan.fused is not None and "encoder_hidden_states" in t5.plan.fused.fixed
+    assert result.timings.fused_steps == NEW - 1
     assert t5.generate(prompt_ids=ids, max_new_tokens=NEW).tokens == expected
     assert [c.token for c in t5.stream(prompt, max_new_tokens=NEW)] == expected
 

@@ -415,6 +415,7 @@ export class Decoder {
     this.presents = Object.entries(spec.presents);
     this.others = spec.outputs.filter((name) => name !== spec.logits && !(name in spec.presents));
     this.cache = {};
+    this.fixed = {}; // inputs fed the same tensor at every step of the request (Python owns them)
     this.eos = new Set(spec.eos);
     // one row of ones; the mask of a step is a view of its first past + 1 values
     this.ones = spec.mask ? typedArray(spec.mask[1], new Array(spec.capacity).fill(1)) : null;
@@ -423,6 +424,12 @@ export class Decoder {
   /** Take over `tensors` as the cache entries `names`: from now on this decoder disposes them. */
   seed(names, tensors) {
     names.forEach((name, i) => this.put(name, tensors[i]));
+  }
+
+  /** Feed `tensors` as the inputs `names` at every step (an encoder-decoder's encoder states, mask, cache
+   * branch flag and cross-attention cache); they stay Python's, never disposed here. */
+  fix(names, tensors) {
+    names.forEach((name, i) => { this.fixed[name] = tensors[i]; });
   }
 
   current(name) {
@@ -489,7 +496,7 @@ export class Decoder {
   /** One step: `token` at position `past`; the token selected from the logits' last row. */
   async step(token, past) {
     const { ids, mask, positions } = this.spec;
-    const feeds = { ...this.cache };
+    const feeds = { ...this.fixed, ...this.cache };
     const { Tensor } = this.ort;
     feeds[ids[0]] = new Tensor(ids[1], typedArray(ids[1], [token]), [1, 1]);
     if (mask) feeds[mask[0]] = new Tensor(mask[1], this.ones.subarray(0, past + 1), [1, past + 1]);

@@ -321,7 +321,9 @@ def _fused_step(
 ) -> FusedStep | None:
     """The step phase as one fused greedy decode step (execute/work.py), when its shape allows: one
     decoder session run once per iteration, fed only input ids, an attention mask, 1D position ids
-    and a KV cache (a concat cache with no window a kernel trims, or a shared buffer), giving logits
+    and a KV cache (a concat cache with no window a kernel trims, or a shared buffer), and, with a concat
+    cache, values fixed for the request (an encoder-decoder's encoder states and mask, its cache-branch
+    flag and its frozen cross-attention entries: FusedStep.fixed), giving logits
     of a fixed vocabulary and nothing another step reads. Whether a request uses it depends on its
     settings (plain greedy) and on the target (Backend.fused_layouts)."""
     if len(step) != 1:
@@ -342,13 +344,12 @@ def _fused_step(
     layout = "shared" if s.kv.share_buffer else "concat"
     if layout == "concat" and any(e.window is not None for e in s.kv.entries):
         return None
-    roles: dict[str, tuple[str, str]] = {}
-    for f in s.feeds:
-        if f.kind == KV_PAST:
-            continue
-        if f.kind not in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) or f.kind in roles:
-            return None
-        roles[f.kind] = (f.input, f.dtype)
+    found = _fused_feeds(s)
+    if found is None:
+        return None
+    roles, fixed = found
+    if fixed and layout != "concat":
+        return None
     sig = sigs[s.session]
     info = sig.output(s.logits)
     vocab = info.shape[-1] if info.shape else None
@@ -361,12 +362,30 @@ def _fused_step(
         roles[INPUT_IDS],
         roles.get(ATTENTION_MASK),
         roles.get(POSITION_IDS),
-        {e.present_output: e.past_input for e in s.kv.entries},
+        {e.present_output: e.past_input for e in s.kv.entries if not e.frozen},
         layout,
         s.outputs,
         s.logits,
         (1, 1, vocab) if info.rank == 3 else (1, vocab),
+        tuple(fixed),
     )
+
+
+def _fused_feeds(s: FlowStepPlan) -> tuple[dict[str, tuple[str, str]], list[str]] | None:
+    """A fused step's roles (input ids, mask, positions: their input and dtype) and the inputs fixed for a
+    request (what the init phase made, the request's, the cache-branch flag, frozen cross-attention
+    entries); None when another feed (a carried output, ...) keeps it from fusing."""
+    roles: dict[str, tuple[str, str]] = {}
+    frozen = {e.past_input for e in s.kv.entries if e.frozen}
+    fixed = []
+    for f in s.feeds:
+        if f.kind in (FROM_OUTPUT, FROM_REQUEST, CACHE_BRANCH) or f.input in frozen:
+            fixed.append(f.input)
+        elif f.kind != KV_PAST:
+            if f.kind not in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS) or f.kind in roles:
+                return None
+            roles[f.kind] = (f.input, f.dtype)
+    return roles, fixed
 
 
 def _embedding_stages(init: list[FlowStepPlan], step: list[FlowStepPlan]) -> list[FlowStepPlan]:

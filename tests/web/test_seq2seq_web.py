@@ -22,7 +22,7 @@ RUN = """async ({model, device, prompts, sampled}) => {
     const runs = [];
     for (const prompt of prompts) {
       const result = await pipe.generate({prompt, maxNewTokens: 16});
-      runs.push({tokens: result.tokens, text: result.text});
+      runs.push({tokens: result.tokens, text: result.text, fused: result.timings.fusedSteps});
     }
     const result = await pipe.generate({prompt: prompts[0], maxNewTokens: 16, ...sampled});
     runs.push({tokens: result.tokens, text: result.text});
@@ -49,6 +49,7 @@ def test_t5_folder_in_the_browser_equals_cpython(target: str, page: Any, serve_m
     runs = got["runs"]
     assert [r["tokens"] for r in runs] == [e.tokens for e in expected]
     assert [r["text"] for r in runs] == [e.text for e in expected]
+    assert [r.get("fused") for r in runs[:2]] == [15, 15]  # the JS Decoder runs every step after the first
 
 
 def test_image_captioner_in_the_browser_equals_cpython(page: Any, serve_model: Any, tmp_path: Path) -> None:

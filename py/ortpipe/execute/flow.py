@@ -31,7 +31,7 @@ from ..plan import (
 )
 from ..state.kv import END, KVCache
 from ..state.positions import mrope
-from .work import Backend, Handle, Run, RunAll, Work, kernel
+from .work import Backend, FusedStep, Handle, Run, RunAll, Work, kernel
 
 
 class FlowRun:
@@ -59,6 +59,7 @@ class FlowRun:
         self.item_rows: dict[str, list[int]] = {}  # encoder -> rows of its output per item
         self.rope_delta = 0
         self.label = "init"  # what the target's trace calls the current runs
+        self._fixed: dict[str, Handle] | None = None  # FusedStep.fixed's values (fixed)
 
     def resize(self, max_length: int) -> None:
         """New, larger caches, before any step ran (the prompt grew when its placeholders expanded)."""
@@ -291,6 +292,26 @@ class FlowRun:
         self.position += n
         self.iterations += 1
         return logits
+
+    def fixed(self, step: FusedStep) -> dict[str, Handle]:
+        """The values of `step.fixed` for this request (the same at every decode step), made once."""
+        if self._fixed is None:
+            s = next(p for p in self.plan.step_phase if p.session == step.session)
+            cache, b, values = self.caches[s.session].feeds, self.backend, {}
+            for f in s.feeds:
+                if f.input not in step.fixed:
+                    continue
+                if f.kind == KV_PAST:  # a frozen cross-attention entry, as the first run made it
+                    values[f.input] = cache[f.input]
+                elif f.kind == CACHE_BRANCH:
+                    values[f.input] = b.tensor([1], (1,), f.dtype)  # decode steps all have a past
+                elif f.kind == FROM_REQUEST:
+                    own = f"{s.session}.{f.input}"
+                    values[f.input] = self.inputs[own] if own in self.inputs else self.inputs[f.input]
+                else:
+                    values[f.input] = self._value(s, f.input, f.source)
+            self._fixed = values
+        return self._fixed
 
     def advance(self, session: str, cache: Mapping[str, Handle], n: int) -> None:
         """Account for n iterations the target ran as a `Decode` on `session`, whose cache it answered."""

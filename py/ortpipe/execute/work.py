@@ -128,6 +128,9 @@ class FusedStep:
     outputs: tuple[str, ...]
     logits: str
     logits_shape: tuple[int, ...]  # of one decode run: (1, 1, vocab) or (1, vocab)
+    # inputs fed the same value at every step of a request, `Decode.fixed` (an encoder-decoder's: the
+    # encoder's states and mask, the cache-branch flag, the cross-attention cache of its first run)
+    fixed: tuple[str, ...] = ()
 
 
 class Decode(NamedTuple):
@@ -153,6 +156,7 @@ class Decode(NamedTuple):
     label: str
     speculation: Any = None  # loops.speculative.Speculation
     pick: Any = None  # sampling.sampler.Pick
+    fixed: Mapping[str, Handle] | None = None  # the values of `step.fixed`, fed to every step
 
 
 class Decoded(NamedTuple):

@@ -292,6 +292,7 @@ class TokenGenerator:
             f"step {self.flow.iterations}",
             speculation=spec.speculation(self.tokens) if spec is not None else None,
             pick=pick,
+            fixed=self.flow.fixed(fused) if fused.fixed else None,
         )
         tokens = self._check_burst(answer, limit)
         self.sampler.drew(len(tokens))

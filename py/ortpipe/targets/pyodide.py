@@ -468,6 +468,8 @@ class Driver:
             else:
                 entry.js = None
         decoder.seed(to_js(names), to_js(tensors))
+        if d.fixed:  # fed to every step; Python keeps them (the decoder does not dispose them)
+            decoder.fix(to_js(list(d.fixed)), to_js([value.js for value in d.fixed.values()]))
         slots = {**d.cache, **{name: CacheSlot(decoder, name) for name in names}}
         self._decoders[step.session] = (decoder, slots, slots[names[0]])
         return decoder

@@ -277,6 +277,8 @@ class Driver:
         """A step over a concat cache: a plain run whose presents replace the pasts in `cache`."""
         ids, mask, positions = d.step.ids, d.step.mask, d.step.positions
         feeds = dict(cache)
+        if d.fixed:
+            feeds.update(d.fixed)
         feeds[ids[0]] = np.full((1, 1), token, ids[1])
         if mask:
             feeds[mask[0]] = f.ones[:, : position + 1]
