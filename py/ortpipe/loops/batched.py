@@ -43,7 +43,9 @@ def batchable(plan: Plan) -> str | None:
     session = plan.step_phase[0]
     if session.kv.format != "separate" or any(e.window is not None for e in session.kv.entries):
         return "its KV cache is combined or slides (rows of such caches are not batched yet)"
-    if step.fixed or any(e.frozen or e.batch_axis != 0 for e in session.kv.entries):
+    if step.fixed:
+        return "its decoder reads an encoder's outputs (an encoder-decoder), which each row has its own of"
+    if any(e.frozen or e.batch_axis != 0 for e in session.kv.entries):
         return "its KV cache keeps cross-attention entries or has no leading batch axis"
     if step.mask is None:
         return "its decoder takes no attention mask, which is how rows of different lengths are told apart"
