@@ -136,6 +136,25 @@ def test_start_ids_outside_the_vocabulary_are_refused_at_load(t5_optimum: Path, 
     assert ortpipe.load(folder).config.tokens.decoder_prompt == (hfmodels.PAD_ID,)
 
 
+def test_a_decoder_without_its_encoder_is_refused(t5_optimum: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
+    (folder / "onnx/encoder_model.onnx").unlink()
+    words = r"decoder_model_merged.onnx reads an encoder's states \(encoder_hidden_states\), and .* has no "
+    with pytest.raises(ortpipe.ConfigError, match=words + "encoder_model.onnx"):
+        ortpipe.load(folder)
+
+
+def test_position_tables_that_bound_nothing_are_left_out(t5_optimum: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
+    config = json.loads((folder / "config.json").read_text())
+    for value in ("x", True, -5, 10**12):
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "bart",
+                                                        "max_position_embeddings": value}))
+        pipe = ortpipe.load(folder, threads=1)
+        assert pipe.config.generation.max_length is None and "text" not in pipe.config.pipeline.preprocessing
+        assert len(pipe.generate(PROMPTS[1], max_new_tokens=3).tokens) == 3
+
+
 def test_split_decoders_are_refused_with_the_merge_to_run(t5_optimum: Path, tmp_path: Path) -> None:
     folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
     (folder / "onnx/decoder_model_merged.onnx").rename(folder / "onnx/decoder_model.onnx")

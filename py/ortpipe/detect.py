@@ -492,7 +492,9 @@ def _id(value: Any) -> bool:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    """A position table's size that bounds anything: a positive int up to the configs' own limit (a
+    larger one is no limit ortpipe would reach)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 1 << 20
 
 
 MUSICGEN_PARTS = {

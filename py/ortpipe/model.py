@@ -129,6 +129,12 @@ def load_model(
         check_external_data(folder, spec.file, graph)  # before onnxruntime opens what it names
         if config.source == "detected" and not prefix and spec.name == "decoder":
             names = ([v.name for v in graph.graph.outputs], [v.name for v in graph.graph.inputs])
+            if "encoder_hidden_states" in names[1] and set(config.pipeline.sessions) == {"decoder"}:
+                raise ConfigError(
+                    f"{shown} reads an encoder's states (encoder_hidden_states), and {folder.describe()} has "
+                    "no encoder_model.onnx beside it: an encoder-decoder export holds both (optimum writes "
+                    "encoder_model.onnx and decoder_model_merged.onnx); add the encoder's graph"
+                )
             raw = encoder_embeddings(detect_config(folder), *names)
             if raw is not None:  # the graph is an encoder: the folder's detected config is the embeddings'
                 config = load_config(folder, warn=False, profile=profile, detected=raw)
