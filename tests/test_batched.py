@@ -104,7 +104,7 @@ def test_what_cannot_be_batched_says_why(
     unmasked = dataclasses.replace(concat, fused=dataclasses.replace(concat.fused, mask=None))
     assert "no attention mask" in batchable(unmasked)
     assert "slides" in batchable(ortpipe.load(gemma_builder).plan)
-    assert "reads an encoder's outputs" in batchable(ortpipe.load(whisper_builder).plan)
+    assert "inputs fixed for each request" in batchable(ortpipe.load(whisper_builder).plan)
     pipe = ortpipe.load(llama_builder_fp32, threads=1)
     assert batchable(pipe.plan) is None
     batch = Batch(pipe.plan, pipe.model.backend, CAPACITY)

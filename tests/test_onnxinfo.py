@@ -911,6 +911,20 @@ def test_merged_optimum_decoder_gives_its_config() -> None:
 
 
 @pytest.mark.slow
+def test_merged_optimum_decoder_decodes_fused_like_the_single_graph_export() -> None:
+    """The merged graph's decode steps run fused, its use_cache_branch flag fixed to true (FusedStep.fixed),
+    and give the tokens of optimum's single-graph export of the same weights."""
+    import ortpipe
+
+    merged = ortpipe.load(_extra("odd-llama-optimum-merged"), threads=1)
+    single = ortpipe.load(_extra("odd-llama-optimum"), threads=1)
+    assert merged.plan.fused.fixed == ("use_cache_branch",) and single.plan.fused.fixed == ()
+    got = merged.generate(prompt_ids=[5, 17, 42, 8], max_new_tokens=24)
+    assert got.tokens == single.generate(prompt_ids=[5, 17, 42, 8], max_new_tokens=24).tokens
+    assert got.timings.fused_steps == 23
+
+
+@pytest.mark.slow
 def test_odd_phi3_half_rotary() -> None:
     facts = graphfacts.decoder_facts(onnxinfo.read_model(_extra("odd-phi3-builder-int4") / "model.onnx"))
     assert (facts.head_size, facts.rotary_dim) == (16, 8)

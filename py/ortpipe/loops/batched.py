@@ -44,7 +44,8 @@ def batchable(plan: Plan) -> str | None:
     if session.kv.format != "separate" or any(e.window is not None for e in session.kv.entries):
         return "its KV cache is combined or slides (rows of such caches are not batched yet)"
     if step.fixed:
-        return "its decoder reads an encoder's outputs (an encoder-decoder), which each row has its own of"
+        return ("its decoder takes inputs fixed for each request (an encoder's states, a cache-branch flag), "
+                "which rows of a batch do not share")
     if any(e.frozen or e.batch_axis != 0 for e in session.kv.entries):
         return "its KV cache keeps cross-attention entries or has no leading batch axis"
     if step.mask is None:

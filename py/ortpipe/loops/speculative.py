@@ -74,7 +74,8 @@ def cannot_verify(plan: Plan) -> str | None:
     if step is None:
         return "its step phase is not a single decoder run over a KV cache (a multi-session pipeline)"
     if step.fixed:
-        return "its decoder reads an encoder's outputs (an encoder-decoder), which speculative rounds skip"
+        return ("its decoder takes inputs fixed for each request (an encoder's states, a cache-branch flag), "
+                "which speculative rounds do not feed yet")
     if any(e.window is not None for e in plan.step_phase[0].kv.entries):
         return "its KV cache slides (a sliding-window cache cannot be rolled back)"
     info = plan.signatures[step.session].output(step.logits)
