@@ -196,6 +196,39 @@ def test_mutated_configs(base: Path, tmp_path: Path) -> None:
     assert sum(counts.values()) == int(2000 * SCALE)
 
 
+@pytest.mark.slow
+def test_mutated_encoder_decoder_folders(tmp_path: Path) -> None:
+    """Mutations of optimum's encoder-decoder exports' JSON files (a T5's config.json and
+    generation_config.json; a Whisper's and its preprocessor_config.json), one file at a time: each folder
+    loads and answers a short request (a prompt; a WAV file), or is refused. Found a hang before: a
+    sampling_rate of 2 ** 31 Hz resampled a clip to billions of samples."""
+    from build import seq2seq
+
+    from tests.test_serve_transcriptions import clip
+
+    rng = random.Random(SEED)
+    wav = clip(tmp_path / "clip.wav", 1.0, 2)
+    counts: Counter = Counter()
+    jsons = ("config.json", "generation_config.json")
+    for name, files in (("t5-optimum", jsons), ("whisper-optimum", (*jsons, "preprocessor_config.json"))):
+        source = seq2seq.get(name)
+        folder = Path(shutil.copytree(source, tmp_path / name))
+        originals = {f: json.loads((source / f).read_text()) for f in files}
+        asked = {"prompt": "import os"} if name == "t5-optimum" else {"audios": [str(wav)]}
+
+        def run(folder: Path = folder, asked: dict = asked) -> Any:
+            return ortpipe.load(folder, threads=1).generate(max_new_tokens=2, **asked)
+
+        for _ in range(int(60 * SCALE)):
+            for f in files:
+                write_json(folder / f, originals[f])
+            changed = rng.choice(files)
+            write_json(folder / changed, mutate(originals[changed], rng))
+            counts[f"{name} {outcome(run, folder, tmp_path)}"] += 1
+    print("mutated encoder-decoder folders:", dict(counts))
+    assert counts["t5-optimum ok"] and counts["whisper-optimum ok"]
+
+
 BROKEN_FILES: dict[str, Callable[[Path], None]] = {
     "empty graph": lambda f: (f / "model.onnx").write_bytes(b""),
     "truncated graph": lambda f: (f / "model.onnx").write_bytes((f / "model.onnx").read_bytes()[:500]),

@@ -186,6 +186,11 @@ def test_config_errors_name_the_problem(tmp_path: Path) -> None:
     assert "'lanczos' is not supported" in str(error.value) and "x.json.size must be" in str(error.value)
     with pytest.raises(ConfigError, match="dither"):
         audio_config({"feature_extractor_type": "WhisperFeatureExtractor", "dither": 0.1}, "a.json")
+    # a rate or a window that would make a clip of billions of samples (the fuzz found a hang at 2 ** 31 Hz)
+    for key, value, words in (("sampling_rate", 2**31, "1000 to 1000000 Hz"), ("sampling_rate", 10, "Hz"),
+                              ("chunk_length", 10**6, "1 to 3600 seconds"), ("n_fft", 2**20, "samples")):
+        with pytest.raises(ConfigError, match=f"a.json.{key} {value} is out of range: .*{words}"):
+            audio_config({"feature_extractor_type": "WhisperFeatureExtractor", key: value}, "a.json")
 
 
 # Whisper

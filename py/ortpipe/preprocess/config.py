@@ -53,6 +53,10 @@ PATCH_PROCESSORS = frozenset({"Qwen2VLImageProcessor"})
 # an int size means h = w
 SQUARE_BY_DEFAULT = frozenset({"SiglipImageProcessor", "Gemma3ImageProcessor", "ViTImageProcessor"})
 AUDIO_PROCESSORS = ("WhisperFeatureExtractor",)
+# what an audio feature extractor config may say: audio rates, a window of up to an hour
+AUDIO_LIMITS = {"sampling_rate": (1000, 1_000_000, "Hz"), "chunk_length": (1, 3600, "seconds"),
+                "feature_size": (1, 4096, "mel bins"), "n_fft": (1, 65536, "samples"),
+                "hop_length": (1, 65536, "samples")}
 
 
 @dataclass(frozen=True)
@@ -348,6 +352,9 @@ def audio_config(raw: dict[str, Any], source: str) -> AudioConfig:
     _processor_type(sec, key, AUDIO_PROCESSORS)
     ints = {k: _positive(sec, k, sec.get(k, int, getattr(AudioConfig, k)))
             for k in ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft")}
+    for key, (low, high, unit) in AUDIO_LIMITS.items():
+        if not low <= ints[key] <= high:  # a clip at such a rate or length would take all the memory there is
+            problems.add(f"{source}.{key} {ints[key]} is out of range: ortpipe reads {low} to {high} {unit}")
     for name, neutral in (("padding_value", 0.0), ("dither", 0.0), ("do_normalize", False)):
         if raw.get(name, neutral) not in (neutral, None):
             problems.add(f"{source}.{name} {raw[name]!r} is not supported; ortpipe computes Whisper's "
