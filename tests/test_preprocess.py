@@ -186,6 +186,18 @@ def test_config_errors_name_the_problem(tmp_path: Path) -> None:
     assert "'lanczos' is not supported" in str(error.value) and "x.json.size must be" in str(error.value)
     with pytest.raises(ConfigError, match="dither"):
         audio_config({"feature_extractor_type": "WhisperFeatureExtractor", "dither": 0.1}, "a.json")
+    # what a fuzz of a captioner's preprocessor_config.json found: a TypeError, a resize past any memory,
+    # and pixels divided by zero or NaN (the model's logits NaN at the first step)
+    vit = {"image_processor_type": "ViTImageProcessor"}
+    for change, words in (({"resample": [[1]]}, r"resample \[\[1\]\] is not supported"),
+                          ({"size": 10**9}, "size.height must be an integer from 1 to 16384"),
+                          ({"size": True}, "size must be an integer or an object"),
+                          ({"image_std": 0}, "image_std must be .* finite numbers above 1e-6"),
+                          ({"image_std": [0.5, float("nan"), 0.5]}, "image_std must be"),
+                          ({"image_mean": float("inf")}, "image_mean must be .* finite numbers"),
+                          ({"rescale_factor": float("nan")}, "rescale_factor must be a finite number")):
+        with pytest.raises(ConfigError, match=words):
+            image_config({**vit, **change}, "p.json")
     # a rate or a window that would make a clip of billions of samples (the fuzz found a hang at 2 ** 31 Hz)
     for key, value, words in (("sampling_rate", 2**31, "1000 to 1000000 Hz"), ("sampling_rate", 10, "Hz"),
                               ("chunk_length", 10**6, "1 to 3600 seconds"), ("n_fft", 2**20, "samples")):

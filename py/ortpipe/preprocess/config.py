@@ -11,6 +11,7 @@ collected and raised as one ConfigError.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -203,6 +204,8 @@ def image_config(raw: dict[str, Any], source: str) -> ImageConfig:
         size = _pixel_budget(sec, defaults) if patches else _size(sec, get("size", object), kind)
     crop = _crop_size(sec, get("crop_size", object)) if get("do_center_crop", bool, False) else None
     scale = get("rescale_factor", float, 1 / 255) if get("do_rescale", bool, True) else 1.0
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        problems.add(f"{source}.rescale_factor must be a finite number above 0, found {scale!r}")
     mean, std = (0.0,) * 3, (1.0,) * 3
     if get("do_normalize", bool, True):
         mean, std = _channels(sec, "image_mean", get("image_mean", object)), _channels(
@@ -212,9 +215,14 @@ def image_config(raw: dict[str, Any], source: str) -> ImageConfig:
     return ImageConfig(source, kind, size, resample, crop, scale, mean, std, patches)
 
 
-def _positive(sec: Section, key: str, value: Any) -> int:
-    if not isinstance(value, int) or value <= 0:
-        sec.problems.add(f"{sec.path}.{key} must be a positive integer, found {value!r}")
+MOST_SIDE = 16384  # pixels: the longest side (or edge, or crop) a processor config may resize to
+MOST_PIXELS = MOST_SIDE * MOST_SIDE
+
+
+def _positive(sec: Section, key: str, value: Any, most: int = MOST_SIDE) -> int:
+    """A positive integer up to `most` (larger ones would allocate without bound)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= most:
+        sec.problems.add(f"{sec.path}.{key} must be an integer from 1 to {most}, found {value!r}")
         return 1
     return value
 
@@ -227,7 +235,8 @@ def _pixel_budget(sec: Section, defaults: dict[str, Any]) -> Size:
         return sec.raw.get(key) or size.get(key) or size.get(size_key) or defaults["size"][size_key]
 
     low, high = first("min_pixels", "shortest_edge"), first("max_pixels", "longest_edge")
-    return Size(min_pixels=_positive(sec, "min_pixels", low), max_pixels=_positive(sec, "max_pixels", high))
+    return Size(min_pixels=_positive(sec, "min_pixels", low, MOST_PIXELS),
+                max_pixels=_positive(sec, "max_pixels", high, MOST_PIXELS))
 
 
 _SIZE_FORMS = ({"height", "width"}, {"shortest_edge"}, {"shortest_edge", "longest_edge"})
@@ -257,21 +266,27 @@ def _crop_size(sec: Section, value: Any) -> tuple[int, int] | None:
 
 
 def _channels(sec: Section, key: str, value: Any) -> tuple[float, ...]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return (float(value),) * 3
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
-        return tuple(float(v) for v in value)
-    sec.problems.add(f"{sec.path}.{key} must be a number or a list of numbers per channel, found {value!r}")
-    return (0.0,) * 3
+    """image_mean or image_std: one finite number, or one per channel (a std above 1e-6: pixels are divided
+    by it)."""
+    values = [value] * 3 if isinstance(value, (int, float)) else value
+    low = 1e-6 if key == "image_std" else -math.inf
+    if (isinstance(values, (list, tuple)) and values
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
+                    for v in values)):
+        return tuple(float(v) for v in values)
+    which = "finite numbers above 1e-6" if key == "image_std" else "finite numbers"
+    sec.problems.add(f"{sec.path}.{key} must be a number or a list of numbers per channel, {which}, found "
+                     f"{value!r}")
+    return (1.0,) * 3
 
 
 def _resample(sec: Section, value: Any) -> str:
     names = {name: name for name in RESAMPLE_CODES.values()}
     if isinstance(value, str) and value.lower() in names:
         return value.lower()
-    if value in RESAMPLE_CODES and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and value in RESAMPLE_CODES:
         return RESAMPLE_CODES[value]
-    found = UNSUPPORTED_RESAMPLE.get(value, value)
+    found = UNSUPPORTED_RESAMPLE.get(value, value) if isinstance(value, int) else value
     sec.problems.add(f"{sec.path}.resample {found!r} is not supported; supported: bilinear (2), bicubic (3)")
     return "bicubic"
 
@@ -350,7 +365,7 @@ def audio_config(raw: dict[str, Any], source: str) -> AudioConfig:
     sec = Section(raw, source, problems)
     key = "feature_extractor_type" if "feature_extractor_type" in raw else "audio_processor_type"
     _processor_type(sec, key, AUDIO_PROCESSORS)
-    ints = {k: _positive(sec, k, sec.get(k, int, getattr(AudioConfig, k)))
+    ints = {k: _positive(sec, k, sec.get(k, int, getattr(AudioConfig, k)), 1 << 31)
             for k in ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft")}
     for key, (low, high, unit) in AUDIO_LIMITS.items():
         if not low <= ints[key] <= high:  # a clip at such a rate or length would take all the memory there is
