@@ -408,7 +408,7 @@ class Model:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
             prompt = self._rendered(messages, {"image": len(images or ()), "audio": len(audios or ())})
-        ids, encoded = self._encoded(prompt, prompt_ids)
+        ids, encoded, prompt_tokens = self._encoded(prompt, prompt_ids)
         search = settings_for(self.config.generation.settings, settings)
         draft = yield from self.prepare(settings)
         if images or audios:
@@ -450,8 +450,6 @@ class Model:
             self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
         gen.append_tokens(ids)
-        # the prompt's tokens: an encoder's text (not the decoder's start token), else the decoder's
-        prompt_tokens = int(self.backend.shape(next(iter(encoded.values())))[-1]) if encoded else len(ids)
         request = Request(gen, search, self.tokenizer, prompt_tokens)
         request.timings.load_ms = self.load_ms
         return request
@@ -617,14 +615,16 @@ class Model:
                                   "adds no start token): give some text, or prompt_ids", setting="prompt_ids")
         return ids
 
-    def _encoded(self, prompt: str | None, prompt_ids: list[int] | None) -> tuple[list[int], dict[str, Any]]:
-        """The decoder's prompt ids, and the request inputs an encoder makes of the prompt: for an
-        encoder-decoder whose encoder reads text (T5, BART, Marian) the prompt's ids and mask are that
-        encoder's inputs (and the decoder's mask over them), and the decoder starts from tokens.decoder_start;
-        for the others the prompt is the decoder's, and no inputs are made."""
+    def _encoded(self, prompt: str | None,
+                 prompt_ids: list[int] | None) -> tuple[list[int], dict[str, Any], int]:
+        """The decoder's prompt ids, the request inputs an encoder makes of the prompt, and the prompt's
+        token count: for an encoder-decoder whose encoder reads text (T5, BART, Marian) the prompt's ids and
+        mask are that encoder's inputs (and the decoder's mask over them), and the decoder starts from
+        tokens.decoder_start; for the others the prompt is the decoder's, and no inputs are made."""
         step = self.plan.text_encoder
         if step is None:
-            return self.prompt_ids(prompt, prompt_ids), {}
+            ids = self.prompt_ids(prompt, prompt_ids)
+            return ids, {}, len(ids)
         start = self.config.tokens.decoder_start
         if start is None:
             raise GenerationError(
@@ -635,8 +635,6 @@ class Model:
             raise GenerationError(f'give a prompt: session "{step.session}" encodes it, and the decoder '
                                   "writes the answer from its start token")
         ids = self.prompt_ids(prompt, prompt_ids)
-        if not ids:
-            raise GenerationError("prompt_ids must be a non-empty list of token ids, found []")
         check_ids(ids, self.vocab)
         most = self.config.pipeline.preprocessing.get("text", {}).get("max_length")
         if isinstance(most, int) and len(ids) > most:
@@ -658,7 +656,7 @@ class Model:
                     made[f.input] = b.tensor(ids, (1, n), f.dtype)
                 elif role == "attention_mask":
                     made[f.input] = b.full((1, n), 1, f.dtype)
-        return list(self.config.tokens.decoder_prompt), made
+        return list(self.config.tokens.decoder_prompt), made, n
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""

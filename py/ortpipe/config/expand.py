@@ -126,9 +126,9 @@ def _step(s: FlowStep) -> dict[str, Any]:
 def _tokens(tokens: Any) -> dict[str, Any]:
     """tokens as written: the decoder's first ids as decoder_start (one id, or the list)."""
     out = _clean(dataclasses.asdict(tokens))
-    prompt = out.pop("decoder_prompt", [])
-    if len(prompt) > 1:
-        out["decoder_start"] = prompt
+    prompt = out.pop("decoder_prompt")
+    if prompt:
+        out["decoder_start"] = prompt if len(prompt) > 1 else prompt[0]
     return out
 
 

@@ -875,8 +875,7 @@ def _tokens(sec: Section) -> Tokens:
     else:
         one = sec.number("decoder_start", int, None, 0)
         prompt = () if one is None else (one,)
-    first = prompt[0] if prompt else None
-    return Tokens(eos=tuple(eos), decoder_start=first, decoder_prompt=prompt, **values)
+    return Tokens(eos=tuple(eos), decoder_prompt=prompt, **values)
 
 
 def _generation(sec: Section, folder: Folder) -> Generation:

@@ -214,10 +214,13 @@ class Tokens:
     bos: int | None = None
     image_token: int | None = None
     audio_token: int | None = None
-    decoder_start: int | None = None
-    # the ids an encoder-decoder's decoder starts from: decoder_start, then those generation_config.json
-    # forces after it (Whisper's task and timestamp tokens); `tokens.decoder_start` may give them as a list
+    # the ids an encoder-decoder's decoder starts from (`tokens.decoder_start`: one id, or a list): its start
+    # token, then those generation_config.json forces after it (Whisper's task and timestamp tokens)
     decoder_prompt: tuple[int, ...] = ()
+
+    @property
+    def decoder_start(self) -> int | None:
+        return self.decoder_prompt[0] if self.decoder_prompt else None
 
 
 GENERATED = "generated"  # the dataflow source of the generated ids: "generated.ids" (not a session name)
