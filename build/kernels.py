@@ -351,7 +351,9 @@ def argmax(_: int) -> onnx.GraphProto:
 
 
 def beam_topk(elem: int) -> onnx.GraphProto:
-    """logits [beams, s, v], running [beams] -> the k best (running + log_softmax) over all beams.
+    """logits [beams, s, v], running [beams], banned [beams, n] -> the k best (running + log_softmax) over all
+    beams, each beam's banned ids at -inf after the log_softmax (as transformers' logits processors ban them
+    in beam search). `banned` is padded with the id `vocab`, a column dropped again, as in `process`.
 
     Indices run over the flattened [beams * vocab]: beam = index // vocab, token = index % vocab.
     """
@@ -359,11 +361,24 @@ def beam_topk(elem: int) -> onnx.GraphProto:
         _const("start", [-1]),
         _const("end", [INT64_MAX]),
         _const("axis1", [1]),
+        _const("zero", [0]),
         _const("flat", [1, -1]),
         helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
         helper.make_node("Squeeze", ["last3", "axis1"], ["last_any"]),
         helper.make_node("Cast", ["last_any"], ["last"], to=TensorProto.FLOAT),
-        helper.make_node("LogSoftmax", ["last"], ["logp"], axis=-1),
+        helper.make_node("LogSoftmax", ["last"], ["logp_all"], axis=-1),
+        helper.make_node("Shape", ["last"], ["shape"]),
+        helper.make_node("Slice", ["shape", "zero", "axis1", "zero"], ["batch"]),
+        helper.make_node("Concat", ["batch", "axis1"], ["pad_shape"], axis=0),
+        helper.make_node("ConstantOfShape", ["pad_shape"], ["pad"],
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
+        helper.make_node("Concat", ["logp_all", "pad"], ["wide"], axis=1),
+        helper.make_node("Shape", ["banned"], ["banned_shape"]),
+        helper.make_node("ConstantOfShape", ["banned_shape"], ["minus_inf"],
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG_INF])),
+        helper.make_node("ScatterElements", ["wide", "banned", "minus_inf"], ["allowed"], axis=1),
+        helper.make_node("Slice", ["shape", "axis1", "end", "zero"], ["vocab"]),
+        helper.make_node("Slice", ["allowed", "zero", "vocab", "axis1"], ["logp"]),
         helper.make_node("Unsqueeze", ["running", "axis1"], ["running2"]),
         helper.make_node("Add", ["logp", "running2"], ["total"]),
         helper.make_node("Reshape", ["total", "flat"], ["flat_total"]),
@@ -378,6 +393,7 @@ def beam_topk(elem: int) -> onnx.GraphProto:
         [
             helper.make_tensor_value_info("logits", elem, ["beams", "seq", "vocab"]),
             helper.make_tensor_value_info("running", TensorProto.FLOAT, ["beams"]),
+            helper.make_tensor_value_info("banned", TensorProto.INT64, ["beams", "banned_count"]),
             _scalar("k", TensorProto.INT64),
         ],
         [

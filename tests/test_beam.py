@@ -103,3 +103,31 @@ def test_num_return_sequences(llama_builder_fp32: Path) -> None:
         pass
     assert len(request.sequences) == 3 and request.sequences[0] == request.tokens
     assert len({tuple(s) for s in request.sequences}) == 3
+
+
+def test_beams_apply_bans_and_minimum_lengths_as_transformers(
+    llama_builder_fp32: Path, llama_hf: Path, tmp_path: Path
+) -> None:
+    """Beam search bans what greedy search bans (n-gram repeats, eos before min_new_tokens, suppress_tokens,
+    begin_suppress_tokens on the first token), each beam on its own text, at -inf after the log-softmax as
+    transformers' logits processors ban them."""
+    ids = prompt_ids(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    free = pipe.generate(prompt_ids=ids, max_new_tokens=30, num_beams=4)
+    eos = free.tokens[6]
+    folder = tmp_path / "eos"
+    shutil.copytree(llama_builder_fp32, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = eos
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    pipe = ortpipe.load(folder, threads=1)
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=30, num_beams=4, early_stopping=False).tokens
+    for bans in ({"no_repeat_ngram_size": 2}, {"min_new_tokens": 26},
+                 {"suppress_tokens": [free.tokens[1], 234], "begin_suppress_tokens": [17]}):
+        search = {"num_beams": 4, "early_stopping": False, **bans}
+        ours = pipe.generate(prompt_ids=ids, max_new_tokens=30, **search).tokens
+        reference = hf_beams(llama_hf, ids, 30, eos=eos, **search)
+        while len(reference) > len(ours) and reference[-1] == eos:
+            reference.pop()
+        assert ours == reference, search
+        assert ours != plain, search  # each ban changed the search's result

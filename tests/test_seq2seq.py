@@ -95,6 +95,55 @@ def test_t5_beam_search_equals_transformers(t5: Pipeline, t5_hf: Path) -> None:
     assert ours == out[0, 1:].tolist()
 
 
+@pytest.mark.parametrize("kind", ["beams", "greedy"])
+def test_generation_config_is_read_as_transformers_generate_reads_it(
+        kind: str, t5: Pipeline, t5_optimum: Path, t5_hf: Path, tmp_path: Path) -> None:
+    """generation_config.json's search keys (beams, n-gram and token bans, bad_words_ids of one token, a
+    minimum and a maximum length) are the folder's defaults, as transformers' generate takes them: a request
+    that gives none equals transformers' generate given none, on the same generation_config.json."""
+    import torch
+    import transformers
+
+    ids = t5.tokenizer.encode(PROMPTS[0])
+    plain = t5.generate(prompt_ids=ids, max_new_tokens=15).tokens
+    gen = json.loads((t5_optimum / "generation_config.json").read_text())
+    gen.update({"max_length": 16, "begin_suppress_tokens": [plain[0]], "bad_words_ids": [[plain[2]]],
+                "suppress_tokens": [plain[4]], "min_length": 12})
+    if kind == "beams":
+        gen.update({"num_beams": 3, "no_repeat_ngram_size": 2, "length_penalty": 0.8})
+    folders = [Path(shutil.copytree(f, tmp_path / n)) for f, n in ((t5_optimum, "onnx"), (t5_hf, "hf"))]
+    for folder in folders:
+        (folder / "generation_config.json").write_text(json.dumps(gen))
+    pipe = ortpipe.load(folders[0], threads=1)
+    settings = pipe.config.generation.settings
+    assert settings.suppress_tokens == (plain[4], plain[2]) and settings.begin_suppress_tokens == (plain[0],)
+    ours = pipe.generate(prompt_ids=ids).tokens
+    model = transformers.T5ForConditionalGeneration.from_pretrained(folders[1], dtype=torch.float32).eval()
+    with torch.no_grad():
+        given = torch.tensor([ids])
+        out = model.generate(input_ids=given, attention_mask=torch.ones_like(given))
+    assert ours == out[0, 1:].tolist()
+    assert len(ours) == 15 and ours != plain and ours[0] != plain[0]
+    assert not {plain[2], plain[4]} & set(ours)
+
+
+def test_generation_config_keys_not_applied_are_warned_of(t5_optimum: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen.update({"typical_p": 0.9, "forced_eos_token_id": 2, "bad_words_ids": [[5], [6, 7]],
+                "early_stopping": "never", "num_beam_groups": 1, "renormalize_logits": False})
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.warns(UserWarning) as caught:
+        pipe = ortpipe.load(folder, threads=1)
+    said = sorted(str(w.message).split(",")[0].removeprefix("generation_config.json sets ") for w in caught)
+    assert said == ["bad_words_ids [[6", 'early_stopping "never"', "forced_eos_token_id 2", "typical_p 0.9"]
+    assert all("its tokens may differ from transformers' generate" in str(w.message) for w in caught)
+    assert pipe.config.generation.settings.suppress_tokens == (5,)  # the one-token entry is banned
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "num_beams": 0}))
+    with pytest.raises(ortpipe.ConfigError, match=r"generation_config.json: num_beams .*fix it there"):
+        ortpipe.load(folder)
+
+
 def test_seeded_sampling_repeats_and_follows_the_seed(t5: Pipeline) -> None:
     runs = [t5.generate(PROMPTS[0], max_new_tokens=NEW, do_sample=True, temperature=0.9, seed=s).tokens
             for s in (3, 3, 4)]

@@ -107,6 +107,8 @@ export interface GenerateOptions {
   minNewTokens?: number;
   /** Token ids never generated. */
   suppressTokens?: number[];
+  /** Token ids not generated first (the first token after the prompt). */
+  beginSuppressTokens?: number[];
   /** Generation ends before any of these strings, which are not returned. */
   stop?: string | string[];
   /** Beam search with this many beams; 1 turns it off. */

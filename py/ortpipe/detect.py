@@ -19,6 +19,7 @@ audio decoder. Tensor names are optimum's; the plan checks them against the grap
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from . import variants
@@ -60,9 +61,7 @@ def detect_config(folder: Folder) -> dict[str, Any]:
     length = next((hf[k] for k in _LENGTH_KEYS if isinstance(hf.get(k), int) and hf[k] > 0), None)
     if length:
         raw["generation"]["max_length"] = length
-    sampling = _sampling(folder, gen, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
-    if sampling:
-        raw["generation"]["sampling"] = sampling
+    _generation(folder, gen, raw)
     return raw
 
 
@@ -96,6 +95,82 @@ def _sampling(folder: Folder, gen: dict[str, Any], keys: tuple[str, ...]) -> dic
             )
         out[key] = checked
     return out
+
+
+# generation_config.json's keys that transformers' generate applies and ortpipe's settings of the same name
+# read (generation.KEY): beam search, bans and minimum lengths
+_SEARCH_KEYS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences",
+                "no_repeat_ngram_size", "min_length", "min_new_tokens", "suppress_tokens",
+                "begin_suppress_tokens", "prompt_lookup_num_tokens")
+# keys that change transformers' tokens and that ortpipe does not apply, each with the value that changes
+# nothing (a folder that sets another is loaded with a warning naming the key, not silently)
+_NOT_APPLIED: dict[str, Any] = {
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
+    "num_beam_groups": 1, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "exponential_decay_length_penalty": None, "sequence_bias": None, "force_words_ids": None,
+    "constraints": None, "guidance_scale": None, "forced_eos_token_id": None, "max_new_tokens": None,
+    "renormalize_logits": False, "max_time": None, "top_h": None, "dola_layers": None,
+    "watermarking_config": None, "token_healing": False,
+}
+
+
+def _generation(folder: Folder, gen: dict[str, Any], raw: dict[str, Any]) -> None:
+    """generation's settings from generation_config.json, as transformers' generate applies them: sampling
+    (`_sampling`), beam search, bans (`suppress_tokens`, `begin_suppress_tokens`, one-id `bad_words_ids`),
+    minimum lengths, `stop_strings`, and a `max_length` below the position table's. A key that changes
+    transformers' tokens and that ortpipe does not apply becomes a note (a warning at load)."""
+    from .config.settings import BY_NAME  # not at the top: the config package imports this module
+
+    out = raw["generation"]
+    sampling = _sampling(folder, gen, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
+    if sampling:
+        out["sampling"] = sampling
+    given, notes = _search_keys(gen)
+    for key, value in given.items():
+        checked, problem = BY_NAME[key].check(value)
+        if problem:
+            raise ConfigError(f"{folder.describe('generation_config.json')}: {key} {problem}; fix it there, "
+                              "or give the model a genai_config.json")
+        if checked != BY_NAME[key].default:
+            out[key] = checked
+    most = gen.get("max_length")
+    if _count(most) and (out.get("max_length") is None or most < out["max_length"]):
+        out["max_length"] = most
+    for key, nothing in _NOT_APPLIED.items():
+        value = gen.get(key, nothing)
+        if value not in (nothing, []) and not (key == "guidance_scale" and value == 1):
+            notes.append(_not_applied(key, value))
+    if notes:
+        raw["metadata"]["notes"] = notes
+
+
+def _search_keys(gen: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The search keys of generation_config.json as ortpipe's settings (unchecked), and notes on the parts
+    that are not applied: bad_words_ids of several tokens, early_stopping "never"."""
+    given = {k: gen[k] for k in _SEARCH_KEYS if gen.get(k) is not None}
+    notes = []
+    bad = gen.get("bad_words_ids")
+    if isinstance(bad, list) and bad:
+        single = [w[0] for w in bad if isinstance(w, list) and len(w) == 1]
+        longer = [w for w in bad if not (isinstance(w, list) and len(w) == 1)]
+        if longer:
+            notes.append(_not_applied("bad_words_ids", longer, "(only its one-token entries are banned)"))
+        if single:
+            given["suppress_tokens"] = [*(given.get("suppress_tokens") or []), *single]
+    if given.get("early_stopping") == "never":  # transformers' exhaustive beam search
+        notes.append(_not_applied("early_stopping", "never", "(beam search stops when no beam can improve)"))
+        del given["early_stopping"]
+    if gen.get("stop_strings") is not None:
+        given["stop"] = gen["stop_strings"]
+    return given, notes
+
+
+def _not_applied(key: str, value: Any, why: str = "") -> str:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return (f"generation_config.json sets {key} {shown}, which ortpipe does not apply"
+            f"{' ' + why if why else ''}: its tokens may differ from transformers' generate")
 
 
 def _transformers_js_dtype(hf: dict[str, Any], file: str) -> Any:
@@ -465,9 +540,7 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
     source = hf.get("max_position_embeddings")
     if _count(source) and "max_source_positions" not in hf and hf.get("model_type") != "t5":
         raw["pipeline"]["preprocessing"] = {"text": {"max_length": source}}
-    sampling = _sampling(folder, gen, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
-    if sampling:
-        raw["generation"]["sampling"] = sampling
+    _generation(folder, gen, raw)
     return raw
 
 

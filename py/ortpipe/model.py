@@ -717,10 +717,6 @@ class Model:
                 ("frequency_penalty", search.frequency_penalty),
                 ("presence_penalty", search.presence_penalty),
                 ("logit_bias", search.logit_bias),
-                ("no_repeat_ngram_size", search.no_repeat_ngram_size),
-                ("min_length", search.min_length),
-                ("min_new_tokens", search.min_new_tokens),
-                ("suppress_tokens", search.suppress_tokens),
                 ("stop", search.stop),
             )
             if on

@@ -45,6 +45,8 @@ def load_config(folder: Folder, warn: bool = True, profile: str | Profile | None
     (config/profiles.py). `warn`: show the config's notes (unknown v1 keys, ...) as Python warnings."""
     found = None if detected is not None else raw_config(folder)
     raw, source, notes = found if found else (detected or detect_config(folder), "detected", ())
+    if source == "detected":  # what detection read and does not apply (generation_config.json's keys, ...)
+        notes = tuple(raw.get("metadata", {}).get("notes", ()))
     if profile is not None:
         raw = layer_profile(raw, profile if isinstance(profile, Profile) else load_profile(profile))
     config = parse_config(raw, folder, source, notes)

@@ -297,6 +297,8 @@ SETTINGS: tuple[Setting, ...] = (
         v2="min_new_tokens",
     ),
     Setting("suppress_tokens", "ids", (), "token ids never generated", v2="suppress_tokens"),
+    Setting("begin_suppress_tokens", "ids", (), "token ids not generated first (the first token after the "
+            "prompt)", v2="begin_suppress_tokens"),
     Setting(
         "stop",
         "strings",
@@ -476,6 +478,7 @@ class _Derived:
     presence_penalty: float
     logit_bias: tuple[tuple[int, float], ...] | None
     suppress_tokens: tuple[int, ...]
+    begin_suppress_tokens: tuple[int, ...]
     no_repeat_ngram_size: int
     min_length: int
     min_new_tokens: int
@@ -510,6 +513,7 @@ class _Derived:
         return (
             self.argmax_only
             and not self.suppress_tokens
+            and not self.begin_suppress_tokens
             and not self.no_repeat_ngram_size
             and not self.min_length
             and not self.min_new_tokens

@@ -2,7 +2,9 @@
 
 The bookkeeping follows transformers' beam search: each step takes the best
 max(2, 1 + len(eos)) * num_beams continuations over all beams (a kernel computes the log-softmax,
-adds each beam's running score and takes the top k); candidates that end (eos or max_length)
+adds each beam's running score and takes the top k; the ids each beam's bans name, from
+sampling/processors.py as greedy search bans them, at -inf after the log-softmax, as transformers' logits
+processors set them); candidates that end (eos or max_length)
 among the first num_beams enter the finished list with their score divided by
 generated_length ** length_penalty; the best num_beams others run on, and the caches follow them.
 """
@@ -15,6 +17,7 @@ from ..config.settings import SearchSettings
 from ..execute.flow import FlowRun
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..plan import Plan
+from ..sampling.processors import banned_ids
 
 PENALTY = -1.0e9  # transformers' stand-in for "impossible"
 
@@ -47,16 +50,21 @@ class BeamSearch:
         logits = yield from self.flow.run_iteration(prompt)
         improvable = True
         while True:
+            vocab = b.shape(logits)[-1]
+            generated = cur_len - prompt_len
+            bans = [banned_ids(self.settings, prompt + h.tokens, generated, self.eos) for h in running]
+            width = max(1, max(len(row) for row in bans))
             out = yield Run(
                 self.kernel,
                 {
                     "logits": logits,
                     "running": b.tensor([h.score for h in running], (beams,), "float32"),
+                    "banned": b.tensor([i for row in bans for i in row + [vocab] * (width - len(row))],
+                                       (beams, width), "int64"),
                     "k": b.tensor([self.keep], (1,), "int64"),
                 },
                 ("values", "indices"),
             )
-            vocab = b.shape(logits)[-1]
             cands = [
                 (score, index // vocab, index % vocab)
                 for score, index in zip(b.to_list(out["values"]), b.to_list(out["indices"]), strict=True)

@@ -12,6 +12,8 @@ from ..config.settings import SearchSettings
 
 def banned_ids(s: SearchSettings, tokens: list[int], generated: int, eos: frozenset[int]) -> list[int]:
     banned = list(s.suppress_tokens)
+    if generated == 0:
+        banned.extend(s.begin_suppress_tokens)
     if eos and (len(tokens) < s.min_length or generated < s.min_new_tokens):
         banned.extend(sorted(eos))
     if s.no_repeat_ngram_size:

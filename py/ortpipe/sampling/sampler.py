@@ -72,7 +72,9 @@ class Sampler:
         """The token ids the settings name are below the vocabulary size (a kernel would fail on them)."""
         s = self.settings
         biased = [i for i, _ in s.logit_bias or ()]
-        for name, ids in (("suppress_tokens", s.suppress_tokens), ("logit_bias", biased)):
+        named = (("suppress_tokens", s.suppress_tokens), ("begin_suppress_tokens", s.begin_suppress_tokens),
+                 ("logit_bias", biased))
+        for name, ids in named:
             wrong = [i for i in ids if i >= vocab]
             if wrong:
                 raise GenerationError(f"{name}: token id {wrong[0]} is not below the vocabulary size {vocab} "
@@ -114,6 +116,8 @@ class Sampler:
         held = max(s.min_length - len(tokens), s.min_new_tokens - generated) if self.eos else 0
         if held > 0:
             limit = min(limit, held)
+        if s.begin_suppress_tokens and generated == 0:
+            limit = 1  # the first token's bans are not the next one's
         uniforms: tuple[float, ...] = ()
         if s.sampling:
             uniforms = tuple(self.uniforms(limit))
