@@ -43,6 +43,24 @@ def argmax_last(elem: int) -> onnx.GraphProto:
         [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"])])
 
 
+def argmax_among(elem: int) -> onnx.GraphProto:
+    """logits [1, seq, vocab], ids int64 [n] -> token int64 [1]: of `ids`, the one whose logit at the last
+    position is highest (the first of them on a tie; a decoder prompt's language, chosen by the model)."""
+    nodes = [
+        _const("start", [-1]), _const("end", [INT64_MAX]), _const("axis1", [1]),
+        helper.make_node("Slice", ["logits", "start", "end", "axis1"], ["last3"]),
+        helper.make_node("Squeeze", ["last3", "axis1"], ["last"]),
+        helper.make_node("Gather", ["last", "ids"], ["among"], axis=1),
+        helper.make_node("ArgMax", ["among"], ["arg"], axis=-1, keepdims=0),
+        helper.make_node("Gather", ["ids", "arg"], ["token"], axis=0),
+    ]
+    return helper.make_graph(
+        nodes, "argmax_among",
+        [helper.make_tensor_value_info("logits", elem, [1, "seq", "vocab"]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("token", TensorProto.INT64, [1])])
+
+
 def argmax_all(elem: int) -> onnx.GraphProto:
     """logits [batch, seq, vocab] -> tokens int64 [batch, seq]: the argmax of every position (a batch's
     rows checking drafted tokens, greedy)."""
@@ -467,6 +485,7 @@ def _gather_rows(axis: int) -> Callable[[int], onnx.GraphProto]:
 # name -> (builder, element types it is built for); stages over float32 scores are built once.
 KERNELS: dict[str, tuple[Callable[[int], onnx.GraphProto], tuple[str, ...]]] = {
     "argmax_last": (argmax_last, tuple(FLOAT_TYPES)),
+    "argmax_among": (argmax_among, tuple(FLOAT_TYPES)),
     "argmax_all": (argmax_all, tuple(FLOAT_TYPES)),
     "narrow": (narrow, (*FLOAT_TYPES, "int64")),
     "concat0": (_concat(0), tuple(FLOAT_TYPES)),

@@ -264,23 +264,169 @@ def test_served_completions_and_transcriptions(t5: Pipeline, t5_optimum: Path, w
         assert server.client().audio.transcriptions.create(model="whisper", file=f).text == heard.text
 
 
+def hf_whisper_generate(folder: Path, feats: np.ndarray, new: int, **options: str) -> list[int]:
+    """transformers' Whisper generate (WhisperGenerationMixin: its start ids from generation_config.json, the
+    request's language and task, the language detected where none is given) of the test Whisper's weights
+    with the generation_config.json of `folder`: the new tokens."""
+    import torch
+    import transformers
+
+    hf = Path(shutil.copytree(hfmodels.get("whisper-hf"), folder.parent / (folder.name + "-hf")))
+    shutil.copy(folder / "generation_config.json", hf / "generation_config.json")
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_features=torch.as_tensor(feats), max_new_tokens=new, **options)
+    shutil.rmtree(hf)
+    return out[0].tolist()
+
+
 def test_whisper_starts_from_the_ids_generation_config_forces(whisper_optimum: Path, tmp_path: Path) -> None:
-    """forced_decoder_ids from index 1 on (an English-only Whisper's no-timestamps token; a multilingual one's
-    language and task) follow decoder_start_token_id as the decoder's first ids, as transformers' Whisper
-    generate starts; a null leaves the rest to the model."""
+    """forced_decoder_ids from index 1 on, while their indices follow each other (an English-only Whisper's
+    no-timestamps token; a multilingual one's language and task), follow decoder_start_token_id as the
+    decoder's first ids, as transformers' Whisper generate starts; without lang_to_id a null is left out, and
+    no_timestamps_token_id ends them."""
     folder = Path(shutil.copytree(whisper_optimum, tmp_path / "whisper"))
     gen = json.loads((folder / "generation_config.json").read_text())
     feats = features(2)
     for forced, prompt in (([[1, 300], [2, 301]], [WHISPER_START_ID, 300, 301]),
-                           ([[1, None], [2, 301]], [WHISPER_START_ID]),
-                           ([[2, 301]], [WHISPER_START_ID])):
-        (folder / "generation_config.json").write_text(json.dumps({**gen, "forced_decoder_ids": forced}))
+                           ([[1, None], [2, 301]], [WHISPER_START_ID, 301]),
+                           ([[2, 301]], [WHISPER_START_ID]),
+                           ([[1, 301]], [WHISPER_START_ID, 301, 511])):
+        quiet = {"no_timestamps_token_id": 511} if len(prompt) == 3 and prompt[-1] == 511 else {}
+        config = {**gen, "forced_decoder_ids": forced, **quiet}
+        (folder / "generation_config.json").write_text(json.dumps(config))
         pipe = ortpipe.load(folder, threads=1)
         assert pipe.config.tokens.decoder_prompt == tuple(prompt)
         given = {"input_features": feats}
         got = pipe.generate(max_new_tokens=8, inputs=given).tokens
         assert got == pipe.generate(prompt_ids=prompt, max_new_tokens=8, inputs=given).tokens
-        assert got == hf_whisper_greedy(hfmodels.get("whisper-hf"), feats, prompt, 8)
+        assert got == hf_whisper_generate(folder, feats, 8)
+
+
+MULTILINGUAL = {"lang_to_id": {"<|en|>": 505, "<|fr|>": 506, "<|de|>": 507, "<|es|>": 508},
+                "task_to_id": {"transcribe": 509, "translate": 510}, "no_timestamps_token_id": 511,
+                "forced_decoder_ids": [[1, None], [2, 509]], "is_multilingual": True}
+
+
+@pytest.fixture(scope="module")
+def multilingual(whisper_optimum: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test Whisper with a multilingual Whisper's generation_config.json: languages, tasks, the
+    no-timestamps token, and forced ids that leave the language to the model (ids at the top of the
+    vocabulary, so that transformers takes no generated id for a timestamp)."""
+    folder = Path(shutil.copytree(whisper_optimum, tmp_path_factory.mktemp("multilingual") / "whisper"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, **MULTILINGUAL}))
+    return folder
+
+
+def test_whisper_language_and_task_equal_transformers(multilingual: Path) -> None:
+    """A request's language and task take their places in the decoder's start ids; without a language the
+    model chooses it (its most likely language id after the start token), as transformers' Whisper generate
+    detects it: the tokens equal transformers' for each, and the result names the language."""
+    pipe = ortpipe.load(multilingual, threads=1)
+    tokens = pipe.config.tokens
+    assert tokens.decoder_prompt == (WHISPER_START_ID, None, 509, 511)
+    assert dict(tokens.languages) == {"en": 505, "fr": 506, "de": 507, "es": 508}
+    assert dict(tokens.tasks) == {"transcribe": 509, "translate": 510}
+    seen = {}
+    for seed in (2, 3, 4):
+        feats = features(seed)
+        given = {"input_features": feats}
+        for options in ({}, {"language": "de"}, {"language": "<|es|>", "task": "translate"},
+                        {"task": "translate"}):
+            result = pipe.generate(max_new_tokens=8, inputs=given, **options)
+            assert result.tokens == hf_whisper_generate(multilingual, feats, 8, **options), options
+            if "language" in options:
+                assert result.language == options["language"].strip("<|>")
+            seen[(seed, tuple(options))] = (result.language, tuple(result.tokens))
+        detected = seen[(seed, ())][0]
+        assert detected in dict(tokens.languages)
+        chosen = pipe.generate(max_new_tokens=8, inputs=given, language=detected).tokens
+        assert chosen == list(seen[(seed, ())][1])  # the detected language is the one a request would name
+    assert len({tokens for _, tokens in seen.values()}) > 6  # languages and tasks change what is said
+
+
+def test_served_transcriptions_and_translations_take_the_language(multilingual: Path, tmp_path: Path) -> None:
+    """POST /v1/audio/transcriptions with `language` and /v1/audio/translations (the "translate" task),
+    driven by the openai client, give pipe.generate's text with the same language and task; the CLI's
+    --language and --task give its tokens."""
+    import openai
+
+    from .test_serve import served
+
+    path = clip(tmp_path / "a.wav", 2.0, 4)
+    pipe = ortpipe.load(multilingual, threads=1)
+    expected = {options: pipe.generate(audios=[str(path)], **dict(options))
+                for options in ((), (("language", "de"),), (("task", "translate"),))}
+    assert len({r.text for r in expected.values()}) == 3
+    with served(multilingual) as server, path.open("rb") as f:
+        client = server.client()
+        for options, result in expected.items():
+            f.seek(0)
+            given = dict(options)
+            if given.get("task") == "translate":
+                got = client.audio.translations.create(model="whisper", file=f)
+            else:
+                got = client.audio.transcriptions.create(model="whisper", file=f, **given)
+            assert got.text == result.text, options
+        f.seek(0)
+        with pytest.raises(openai.BadRequestError, match='language "xx" is not one of this folder'):
+            client.audio.transcriptions.create(model="whisper", file=f, language="xx")
+        f.seek(0)
+        with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: language"):
+            client.audio.translations.create(model="whisper", file=f, extra_body={"language": "de"})
+    command = ["run", str(multilingual), "--audio", str(path), "--language", "de", "--task", "translate",
+               "--max-new-tokens", "8", "--threads", "1", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "ortpipe.cli", *command], capture_output=True, text=True,
+                          check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["language"] == "de"
+    assert out["tokens"] == pipe.generate(audios=[str(path)], max_new_tokens=8, language="de",
+                                          task="translate").tokens
+
+
+def test_whisper_language_and_task_are_refused_where_they_cannot_apply(multilingual: Path,
+                                                                       t5: Pipeline) -> None:
+    pipe = ortpipe.load(multilingual, threads=1)
+    given = {"input_features": features(2)}
+    with pytest.raises(ortpipe.GenerationError, match='language "klingon" is not one of this folder.s: en, '
+                                                      "fr, de, es"):
+        pipe.generate(max_new_tokens=2, inputs=given, language="klingon")
+    with pytest.raises(ortpipe.GenerationError, match='task "summarize" is not one of this folder.s: '
+                                                      "transcribe, translate"):
+        pipe.generate(max_new_tokens=2, inputs=given, task="summarize")
+    with pytest.raises(ortpipe.GenerationError, match="which a prompt gives itself: give one or the other"):
+        pipe.generate(prompt_ids=[WHISPER_START_ID], max_new_tokens=2, inputs=given, language="fr")
+    with pytest.raises(ortpipe.GenerationError, match="beam search does not choose the decoder's language: "
+                                                      "give language"):
+        pipe.generate(max_new_tokens=2, inputs=given, num_beams=2)
+    beams = pipe.generate(max_new_tokens=4, inputs=given, num_beams=2, language="fr")
+    assert len(beams.tokens) == 4
+    with pytest.raises(ortpipe.GenerationError, match=r"this folder names no languages \(tokens.languages; "
+                                                      r"generation_config.json's lang_to_id\): drop "):
+        t5.generate(PROMPTS[0], max_new_tokens=2, language="fr")
+
+
+def test_language_tables_are_checked_at_load(multilingual: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(multilingual, tmp_path / "w"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "lang_to_id": {"<|en|>": 505,
+                                                                                      "<|xx|>": 9999}}))
+    with pytest.raises(ortpipe.ConfigError, match=r"its languages name ids \(tokens.languages, from "
+                                                  r"generation_config.json's lang_to_id\), and 9999 is "):
+        ortpipe.load(folder)
+    config = {"version": 2, "pipeline": {"extends": "encoder-decoder", "sessions": {
+        "encoder": {"file": "encoder_model.onnx"}, "decoder": {"file": "decoder_model_merged.onnx"}}},
+        "tokens": {"eos": [2], "decoder_start": [1, None, None]}}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ortpipe.ConfigError, match="tokens.decoder_start holds null, the place of a language "
+                                                  "id, more than once"):
+        ortpipe.load(folder)
+    config["tokens"]["decoder_start"] = [1, None]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ortpipe.ConfigError, match="and tokens.languages names none"):
+        ortpipe.load(folder)
 
 
 def test_image_captioner_equals_transformers(tmp_path: Path) -> None:

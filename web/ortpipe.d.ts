@@ -72,6 +72,12 @@ export interface GenerateOptions {
    * follows the typed array (plain numbers are float32), and the core checks each against its graph. */
   inputs?: Record<string, { data: Float32Array | BigInt64Array | Int32Array | Uint8Array | Int8Array | Float64Array | number[]; dims: number[] }>;
 
+  /** An encoder-decoder's language (a code its generation_config.json's lang_to_id names, e.g. 'en'): the
+   * decoder's start ids hold it; without it the model chooses (result.language says which). */
+  language?: string;
+  /** An encoder-decoder's task, a name its task_to_id gives ('transcribe', 'translate'). */
+  task?: string;
+
   /** Each denoising step as it ends ({phase: 'step', step, steps}); the pipeline's onProgress otherwise. */
   onProgress?: (progress: Progress) => void;
   // generation settings: written by `python -m build.typescript` from py/ortpipe/config/settings.py
@@ -218,6 +224,8 @@ export interface GenerateResult {
   audio?: Audio;
   /** pipeline.stages: each stage's ids and finish reason (tokens and text above are the first stage's). */
   stages?: Record<string, { tokens: number[]; finishReason: string }>;
+  /** An encoder-decoder's language, given or chosen by the model (a code of its lang_to_id). */
+  language?: string;
 }
 
 export interface PipelineInfo {

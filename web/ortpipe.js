@@ -461,6 +461,7 @@ function finish(result, started, firstToken) {
   timings.totalMs = performance.now() - started;
   timings.firstTokenMs = firstToken === null ? null : firstToken - started;
   const finished = { tokens: result.tokens, text: result.text, finishReason: result.finish_reason, timings };
+  if (result.language) finished.language = result.language;
   if (result.stages) {
     finished.stages = Object.fromEntries(Object.entries(result.stages).map(([name, stage]) => [
       name, { tokens: stage.tokens, finishReason: stage.finish_reason }]));

@@ -147,6 +147,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH.wav",
         help="a .wav clip for the pipeline's audio encoder (repeatable)",
     )
+    run.add_argument("--language", help="the language an encoder-decoder's decoder starts from (a code "
+                     "the folder names, e.g. en: lang_to_id); else the model chooses")
+    run.add_argument("--task", help="the task an encoder-decoder's decoder starts from (a name the folder "
+                     "names: transcribe, translate)")
     run.add_argument(
         "--input",
         action="append",
@@ -335,6 +339,8 @@ def _run(args: argparse.Namespace) -> int:
         images=args.image,
         audios=args.audio,
         mask=args.mask,
+        **({"language": args.language} if args.language is not None else {}),
+        **({"task": args.task} if args.task is not None else {}),
         **_settings(args),
     )
     trace = Trace() if args.trace or args.verbose else None
@@ -391,8 +397,9 @@ def _stream(pipe: Any, request: Any, trace: Any, prompt: str | None) -> None:
         if status:
             status.close()
     t = request.timings
+    language = f"language {request.language}; " if getattr(request, "language", None) else ""
     print(
-        f"\n\n[{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
+        f"\n\n[{language}{t.prompt_tokens} prompt tokens, {t.new_tokens} new ({request.finish_reason}); "
         f"prefill {t.prefill_ms:.1f} ms, decode {t.decode_tokens_per_s:.1f} tokens/s]",
         file=sys.stderr,
     )

@@ -517,9 +517,8 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
         if dtype is not None:
             sessions[name]["dtype"] = dtype
     tokens = _tokens(gen, hf)
-    forced = _forced(gen)
-    if forced and "decoder_start" in tokens:
-        tokens["decoder_start"] = [tokens["decoder_start"], *forced]
+    if "decoder_start" in tokens:
+        tokens.update(_decoder_prompt(gen, tokens["decoder_start"]))
     raw: dict[str, Any] = {
         "version": 2,
         "pipeline": {
@@ -544,20 +543,53 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
     return raw
 
 
-def _forced(gen: dict[str, Any]) -> list[int]:
+def _decoder_prompt(gen: dict[str, Any], start: int) -> dict[str, Any]:
+    """tokens.decoder_start (and languages, tasks) as transformers' generate starts an encoder-decoder's
+    decoder from generation_config.json: the start token, then `forced_decoder_ids`' ids from index 1 on as
+    long as their indices follow each other (Whisper's language, task and no-timestamps tokens), else
+    `forced_bos_token_id` (mBART's target language). With `lang_to_id`, a language not forced (a null
+    there, or nothing after the start token) is the model's to choose among those (None, filled per
+    request); without it, a null is left out. `no_timestamps_token_id` ends the ids unless
+    `return_timestamps`."""
+    forced = _forced(gen)
+    languages = _names(gen.get("lang_to_id"))
+    if languages and (not forced or forced[0] is None):
+        forced = [None, *forced[1:]]
+    forced = [i for i in forced if i is not None or languages]
+    quiet = gen.get("no_timestamps_token_id")
+    if _id(quiet) and gen.get("return_timestamps") is not True and forced[-1:] != [quiet]:
+        forced.append(quiet)
+    out: dict[str, Any] = {"decoder_start": [start, *forced]} if forced else {}
+    tasks = _names(gen.get("task_to_id"))
+    for key, named in (("languages", languages), ("tasks", tasks)):
+        if named:
+            out[key] = named
+    return out
+
+
+def _forced(gen: dict[str, Any]) -> list[int | None]:
     """The ids generation_config.json forces right after the decoder's start token: `forced_decoder_ids`'
-    pairs [index, id] from index 1 on, as long as they follow each other and name an id (Whisper's task and
-    no-timestamps tokens; a null leaves the model its choice there, and what follows it to the model too),
-    else `forced_bos_token_id` (mBART's target language)."""
+    pairs [index, id] from index 1 on, as long as their indices follow each other (an id, or None: the
+    model's choice), else `forced_bos_token_id`."""
     pairs = gen.get("forced_decoder_ids")
-    ids: list[int] = []
+    ids: list[int | None] = []
     if isinstance(pairs, list):
-        at = {p[0]: p[1] for p in pairs if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)}
-        while _id(at.get(len(ids) + 1)):
+        at = {p[0]: p[1] for p in pairs if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
+              and (p[1] is None or _id(p[1]))}
+        while len(ids) + 1 in at:
             ids.append(at[len(ids) + 1])
         return ids
     bos = gen.get("forced_bos_token_id")
     return [bos] if _id(bos) else []
+
+
+def _names(value: Any) -> dict[str, int]:
+    """lang_to_id or task_to_id as {name: id}: Whisper's "<|en|>" keys as "en"; {} unless every entry is a
+    name and an id."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _id(v) for k, v in value.items()):
+        return {}
+    named = {k.removeprefix("<|").removesuffix("|>"): v for k, v in value.items()}
+    return named if all(named) and len(named) == len(value) else {}
 
 
 def _id(value: Any) -> bool:

@@ -9,6 +9,7 @@ construction. The public APIs (targets/cpython.py's Pipeline, the browser worker
 from __future__ import annotations
 
 import dataclasses
+import json
 import posixpath
 import time
 from collections.abc import Callable, Mapping
@@ -332,17 +333,7 @@ class Model:
         self.tokenizer, self.template = tokenizer, template
         self.load_ms = 0.0
         self.vocab = plan.vocab_size
-        # the ids a token loop's decoder starts from are checked as a prompt's are (a codebook loop's start, a
-        # pad beyond the codes, is its own: MusicGen's embeddings hold one row more than its logits)
-        starts = self.config.tokens.decoder_prompt if self.config.generation.codebooks is None else ()
-        outside = [i for i in starts if self.vocab is not None and i >= self.vocab]
-        if outside:
-            detected = ("generation_config.json's decoder_start_token_id and forced_decoder_ids"
-                        if self.config.source == "detected" else "its config")
-            ids = list(self.config.tokens.decoder_prompt)
-            raise ConfigError(f"{folder.describe()}: the decoder starts from ids {ids} "
-                              f"(tokens.decoder_start, from {detected}), and {outside[0]} is outside the "
-                              f"decoder's vocabulary of {self.vocab}: fix the id there")
+        _check_start_ids(folder, self.config, self.vocab)
         self.plugin: Factory | None = None
         self.loop: LoopSetup | None = None  # what a single_pass or denoising loop reads from the folder
         self.platform: Platform | None = None  # set by load_model: draft models load through it, with
@@ -372,15 +363,19 @@ class Model:
         images: list[Image] | None = None,
         audios: list[Handle] | None = None,
         mask: Image | None = None,
+        language: str | None = None,
+        task: str | None = None,
         **settings: Any,
     ) -> Work:
         """A Request for what the caller asks (work: images and audio are preprocessed by kernels).
         `images`: decoded uint8 [h, w, 3] images with their height and width; `audios`: float32
-        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs.
+        waveforms at the folder's sampling rate; `inputs`: raw tensors for named session inputs;
+        `language`, `task`: the decoder's start ids' language and task (tokens.languages, tokens.tasks).
         A single_pass or denoising folder makes an OutputRequest (loops/setup.py)."""
         if mask is not None and (self.loop is None or self.loop.denoising is None):
             raise GenerationError(MASK_REFUSED)
         if self.loop is not None:
+            _no_language(language, task)
             if messages is not None or audios or (images and self.loop.denoising is None):
                 raise GenerationError(
                     "messages, images and audios are for the autoregressive loop (an image also for "
@@ -408,7 +403,7 @@ class Model:
             if prompt is not None or prompt_ids is not None:
                 raise GenerationError("give one of prompt, prompt_ids and messages")
             prompt = self._rendered(messages, {"image": len(images or ()), "audio": len(audios or ())})
-        ids, encoded, prompt_tokens = self._encoded(prompt, prompt_ids)
+        ids, encoded, prompt_tokens = self._encoded(prompt, prompt_ids, language, task)
         search = settings_for(self.config.generation.settings, settings)
         draft = yield from self.prepare(settings)
         if images or audios:
@@ -444,15 +439,30 @@ class Model:
                 "decoding do not keep: drop num_beams and the speculative settings"
             )
         if search.num_beams > 1:
-            check_ids(ids, self.vocab)
             return self._beam_request(ids, search, limit, inputs)
         gen = TokenGenerator(
             self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
-        gen.append_tokens(ids)
+        language = yield from self._start(gen, ids)
         request = Request(gen, search, self.tokenizer, prompt_tokens)
+        request.language = language
         request.timings.load_ms = self.load_ms
         return request
+
+    def _start(self, gen: TokenGenerator, ids: list[Any]) -> Work:
+        """Append the prompt `ids`; a None among them is the language's place, which the model fills with
+        its most likely language after the ids before it (a run of the decoder over them). The prompt's
+        language's code, or None."""
+        languages = dict(self.config.tokens.languages)
+        if None in ids:
+            at = ids.index(None)
+            gen.append_tokens(ids[:at])
+            chosen = yield from gen.choose(list(languages.values()))
+            ids = [*ids[:at], chosen, *ids[at + 1:]]
+            gen.append_tokens(ids[at:])
+        else:
+            gen.append_tokens(ids)
+        return next((code for code, i in languages.items() if i in ids), None)
 
     def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH, pooling: str | None = None,
               normalize: bool | None = None) -> OutputRequest:
@@ -588,6 +598,53 @@ class Model:
                                       f"request {count} {kind}(s): give one {kind} for each part, in order")
         return prompt
 
+    def decoder_ids(self, language: str | None = None, task: str | None = None) -> list[int | None]:
+        """An encoder-decoder's start ids for a request (tokens.decoder_start) with its `language` and `task`
+        (tokens.languages' and tokens.tasks' names) in the places of the ids of their kind, else the language
+        after the start token and the task after the language. None: the language's place, for the model
+        to fill (Model.request)."""
+        tokens = self.config.tokens
+        ids: list[int | None] = list(tokens.decoder_prompt)
+        languages = set(dict(tokens.languages).values())
+        for name, value in (("language", language), ("task", task)):
+            if value is None:
+                continue
+            table = dict(getattr(tokens, name + "s"))
+            if not table:
+                raise GenerationError(
+                    f"this folder names no {name}s (tokens.{name}s; generation_config.json's "
+                    f"{'lang' if name == 'language' else 'task'}_to_id): drop {name}", setting=name)
+            key = value.removeprefix("<|").removesuffix("|>") if isinstance(value, str) else None
+            if key not in table:
+                raise GenerationError(f"{name} {quote(value)} is not one of this folder's: "
+                                      f"{self._names(name + 's')}", setting=name)
+            kind = languages | {None} if name == "language" else set(table.values())
+            at = next((i for i, x in enumerate(ids) if i and x in kind), None)
+            if at is None:  # a language after the start token, a task after the language
+                lang = next((i for i, x in enumerate(ids) if i and (x is None or x in languages)), 0)
+                at = 1 if name == "language" else lang + 1
+                ids.insert(at, None)
+            ids[at] = table[key]
+        return ids
+
+    def _decoder_prompt(self, prompt: str | None, prompt_ids: list[int] | None, language: str | None,
+                        task: str | None) -> list[Any]:
+        """The decoder's prompt where no encoder reads it: the prompt's ids, or an encoder-decoder's start
+        ids with the request's language and task."""
+        chosen = language is not None or task is not None
+        if chosen and (prompt is not None or prompt_ids is not None):
+            raise GenerationError("language and task choose the decoder's start ids (tokens.decoder_start), "
+                                  "which a prompt gives itself: give one or the other", setting="language")
+        if prompt is None and prompt_ids is None and self.config.tokens.decoder_start is not None:
+            return self.decoder_ids(language, task)
+        if chosen:
+            self.decoder_ids(language, task)  # the folder's refusal: it names no languages or tasks
+        return self.prompt_ids(prompt, prompt_ids)
+
+    def _names(self, kind: str) -> str:
+        names = [name for name, _ in getattr(self.config.tokens, kind)]
+        return ", ".join(names[:20]) + (f" ({len(names) - 20} more)" if len(names) > 20 else "")
+
     def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
         start = self.config.tokens.decoder_start
         if prompt is None and prompt_ids is None and start is not None:
@@ -615,15 +672,16 @@ class Model:
                                   "adds no start token): give some text, or prompt_ids", setting="prompt_ids")
         return ids
 
-    def _encoded(self, prompt: str | None,
-                 prompt_ids: list[int] | None) -> tuple[list[int], dict[str, Any], int]:
+    def _encoded(self, prompt: str | None, prompt_ids: list[int] | None, language: str | None = None,
+                 task: str | None = None) -> tuple[list[Any], dict[str, Any], int]:
         """The decoder's prompt ids, the request inputs an encoder makes of the prompt, and the prompt's
         token count: for an encoder-decoder whose encoder reads text (T5, BART, Marian) the prompt's ids and
         mask are that encoder's inputs (and the decoder's mask over them), and the decoder starts from
-        tokens.decoder_start; for the others the prompt is the decoder's, and no inputs are made."""
+        tokens.decoder_start; for the others the prompt is the decoder's, and no inputs are made. The
+        decoder's start ids hold the request's language and task (a None: the model's to choose)."""
         step = self.plan.text_encoder
         if step is None:
-            ids = self.prompt_ids(prompt, prompt_ids)
+            ids = self._decoder_prompt(prompt, prompt_ids, language, task)
             return ids, {}, len(ids)
         start = self.config.tokens.decoder_start
         if start is None:
@@ -656,7 +714,7 @@ class Model:
                     made[f.input] = b.tensor(ids, (1, n), f.dtype)
                 elif role == "attention_mask":
                     made[f.input] = b.full((1, n), 1, f.dtype)
-        return list(self.config.tokens.decoder_prompt), made, n
+        return self.decoder_ids(language, task), made, n
 
     def max_length(self, prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
         """The request's length limit: max_length, or the prompt plus max_new_tokens, or the config's."""
@@ -710,6 +768,10 @@ class Model:
     def _beam_request(
         self, prompt_ids: list[int], search: SearchSettings, limit: int, inputs: dict[str, Handle] | None
     ) -> BeamRequest:
+        if None in prompt_ids:
+            raise GenerationError("beam search does not choose the decoder's language: give language (one of "
+                                  f"{self._names('languages')})", setting="language")
+        check_ids(prompt_ids, self.vocab)
         unsupported = [
             name
             for name, on in (
@@ -729,6 +791,34 @@ class Model:
         request = BeamRequest(beam, list(prompt_ids), search, self.tokenizer)
         request.timings.load_ms = self.load_ms
         return request
+
+
+def _check_start_ids(folder: Folder, config: Config, vocab: int | None) -> None:
+    """The ids a token loop's decoder starts from, and those its languages and tasks name, are checked as a
+    prompt's are (a codebook loop's start, a pad beyond the codes, is its own: MusicGen's embeddings hold
+    one row more than its logits)."""
+    tokens = config.tokens
+    token_loop = config.generation.codebooks is None
+    starts = [i for i in tokens.decoder_prompt if i is not None] if token_loop else []
+    shown = json.dumps(list(tokens.decoder_prompt))
+    for ids, what, found in (
+        (starts, f"the decoder starts from ids {shown} (tokens.decoder_start",
+         "decoder_start_token_id and forced_decoder_ids"),
+        ([i for _, i in tokens.languages], "its languages name ids (tokens.languages", "lang_to_id"),
+        ([i for _, i in tokens.tasks], "its tasks name ids (tokens.tasks", "task_to_id"),
+    ):
+        outside = [i for i in ids if vocab is not None and i >= vocab]
+        if outside:
+            source = f"generation_config.json's {found}" if config.source == "detected" else "its config"
+            raise ConfigError(f"{folder.describe()}: {what}, from {source}), and {outside[0]} is outside the "
+                              f"decoder's vocabulary of {vocab}: fix the id there")
+
+
+def _no_language(language: str | None, task: str | None) -> None:
+    for name, value in (("language", language), ("task", task)):
+        if value is not None:
+            raise GenerationError(f"{name} chooses an encoder-decoder's start ids (tokens.{name}s); this "
+                                  "folder's loop reads none: drop it", setting=name)
 
 
 class _Reader(NamedTuple):

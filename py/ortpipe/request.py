@@ -72,6 +72,7 @@ class Result:
     outputs: dict[str, Any] = field(default_factory=dict)
     kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
     stages: dict[str, Result] = field(default_factory=dict)  # pipeline.stages: each stage's own result
+    language: str | None = None  # the decoder prompt's language (tokens.languages' code): given or chosen
 
     def output_of(self, kind: str) -> Any:
         """The first named output of `kind` ("audio", "image", "embedding", "tensor"), or None."""
@@ -93,6 +94,8 @@ class Result:
                "timings": self.timings.as_dict()}
         if self.sequences:
             out["sequences"] = self.sequences
+        if self.language is not None:
+            out["language"] = self.language
         if self.stages:
             out["stages"] = {name: {"tokens": r.tokens, "finish_reason": r.finish_reason}
                              for name, r in self.stages.items()}
@@ -129,6 +132,7 @@ class Request:
         self.finish_reason: str | None = None
         self.max_new_tokens = max_new_tokens  # a budget for this request alone (a chat turn)
         self.outputs: dict[str, Any] = {}  # the named outputs of the final steps, once done
+        self.language: str | None = None  # the decoder prompt's language (Result.language)
 
     @property
     def done(self) -> bool:
@@ -241,7 +245,7 @@ class Request:
         else:  # pipeline.output from the steps (an accumulated output's rows of the whole loop)
             outputs, kinds = self.gen.named_outputs() if self.gen is not None else ({}, {})
         return Result(list(self.tokens), self.text, self.timings, self.finish_reason or "length",
-                      outputs=outputs, kinds=kinds)
+                      outputs=outputs, kinds=kinds, language=self.language)
 
 
 class WholeRequest(Request):

@@ -99,3 +99,44 @@ def test_demo_page_shows_the_answer_below_the_prompt(page: Any, serve_model: Any
     assert page.text_content("#error") == ""
     assert page.text_content("#output .prompt") == PROMPTS[1] + "\n"
     assert page.text_content("#output") == PROMPTS[1] + "\n" + expected.text
+
+
+def test_whisper_language_and_task_in_the_browser_equal_cpython(page: Any, serve_model: Any,
+                                                                tmp_path: Path) -> None:
+    """A multilingual Whisper folder (optimum's export with lang_to_id and task_to_id) on wasm: the decoder's
+    start ids take the request's language and task, or the language the model chooses (one decoder run and
+    the core's argmax_among kernel), as on CPython (transformers' tokens: test_seq2seq.py)."""
+    import json
+    import shutil
+
+    from build import seq2seq
+    from tests.test_seq2seq import MULTILINGUAL
+    from tests.test_whisper import features
+
+    folder = Path(shutil.copytree(seq2seq.get("whisper-optimum"), tmp_path / "whisper"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, **MULTILINGUAL}))
+    feats = features(3)
+    pipe = ortpipe.load(folder, threads=1)
+    cases = [{}, {"language": "de"}, {"task": "translate"}]
+    expected = [pipe.generate(max_new_tokens=8, inputs={"input_features": feats}, **c) for c in cases]
+    assert len({tuple(r.tokens) for r in expected}) == 3
+    model = serve_model("whisper-multilingual", folder)
+    page.goto("/")
+    got = page.evaluate("""async ({model, data, dims, cases}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try {
+        const inputs = {input_features: {data: new Float32Array(data), dims}};
+        const runs = [];
+        for (const c of cases) {
+          const r = await pipe.generate({inputs, maxNewTokens: 8, ...c});
+          runs.push({tokens: r.tokens, language: r.language});
+        }
+        return runs;
+      } finally {
+        pipe.dispose();
+      }
+    }""", {"model": model, "data": feats.ravel().tolist(), "dims": list(feats.shape), "cases": cases})
+    assert [r["tokens"] for r in got] == [e.tokens for e in expected]
+    assert [r["language"] for r in got] == [e.language for e in expected]

@@ -129,6 +129,11 @@ def _tokens(tokens: Any) -> dict[str, Any]:
     prompt = out.pop("decoder_prompt")
     if prompt:
         out["decoder_start"] = prompt if len(prompt) > 1 else prompt[0]
+    for key in ("languages", "tasks"):
+        if out.get(key):
+            out[key] = dict(out[key])
+        else:
+            out.pop(key, None)
     return out
 
 

@@ -855,7 +855,7 @@ def _metadata(sec: Section) -> dict[str, Any]:
 
 
 def _tokens(sec: Section) -> Tokens:
-    sec.allow("eos", "pad", "bos", "image_token", "audio_token", "decoder_start")
+    sec.allow("eos", "pad", "bos", "image_token", "audio_token", "decoder_start", "languages", "tasks")
     eos = sec.raw.get("eos", [])
     eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
     if not isinstance(eos, list) or not all(
@@ -865,17 +865,40 @@ def _tokens(sec: Section) -> Tokens:
         eos = []
     names = ("pad", "bos", "image_token", "audio_token")
     values = {k: sec.number(k, int, None, 0) for k in names}
+    named = {key: _named_ids(sec, key) for key in ("languages", "tasks")}
     start = sec.raw.get("decoder_start")
-    if isinstance(start, list):  # the decoder's first ids, the start token first
-        ok = bool(start) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in start)
+    if isinstance(start, list):  # the decoder's first ids, the start token first; null: the language's place
+        ok = bool(start) and all(i is None or _token_id(i) for i in start) and start[0] is not None
         if not ok:
-            sec.problems.add(f"{sec.path}.decoder_start must be a token id or a non-empty list of token ids, "
-                             f"found {quote(start)}")
+            sec.problems.add(f"{sec.path}.decoder_start must be a token id or a non-empty list of token ids "
+                             f"(null after the first: the language's place), found {quote(start)}")
+        elif start.count(None) > 1 or (None in start and not named["languages"]):
+            how = "more than once" if start.count(None) > 1 else "and tokens.languages names none"
+            sec.problems.add(f"{sec.path}.decoder_start holds null, the place of a language id, {how}: give "
+                             "one null and tokens.languages ({code: id}), or the ids alone")
+            ok = False
         prompt = tuple(start) if ok else ()
     else:
         one = sec.number("decoder_start", int, None, 0)
         prompt = () if one is None else (one,)
-    return Tokens(eos=tuple(eos), decoder_prompt=prompt, **values)
+    return Tokens(eos=tuple(eos), decoder_prompt=prompt, **named, **values)
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _named_ids(sec: Section, key: str) -> tuple[tuple[str, int], ...]:
+    """tokens.languages or tokens.tasks: {name: token id}, as (name, id) pairs."""
+    raw = sec.raw.get(key)
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or not raw or not all(
+            isinstance(k, str) and k and _token_id(v) for k, v in raw.items()):
+        sec.problems.add(f"{sec.path}.{key} must map names to token ids ({{\"en\": 50259, ...}}), "
+                         f"found {quote(raw)}")
+        return ()
+    return tuple(raw.items())
 
 
 def _generation(sec: Section, folder: Folder) -> Generation:

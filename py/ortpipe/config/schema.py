@@ -215,8 +215,14 @@ class Tokens:
     image_token: int | None = None
     audio_token: int | None = None
     # the ids an encoder-decoder's decoder starts from (`tokens.decoder_start`: one id, or a list): its start
-    # token, then those generation_config.json forces after it (Whisper's task and timestamp tokens)
-    decoder_prompt: tuple[int, ...] = ()
+    # token, then those generation_config.json forces after it (Whisper's language, task, timestamp tokens);
+    # None: the language's place, filled by a request's `language` or else by the model (`languages`' id it
+    # makes most likely after the ids before it)
+    decoder_prompt: tuple[int | None, ...] = ()
+    # (code, id): the language ids a request's `language` names (generation_config.json's lang_to_id)
+    languages: tuple[tuple[str, int], ...] = ()
+    # (name, id): the task ids a request's `task` names (generation_config.json's task_to_id)
+    tasks: tuple[tuple[str, int], ...] = ()
 
     @property
     def decoder_start(self) -> int | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ..config.settings import SearchSettings
 from ..errors import GenerationError
 from ..execute.flow import FlowRun
-from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Work
+from ..execute.work import Backend, Decode, Decoded, FusedStep, Handle, Run, Work, kernel
 from ..lifecycle import APPEND, BEGIN, EMPTY, END, FINISH, READY, RESAMPLE, REWIND, STOP, Lifecycle
 from ..plan import Plan
 from ..sampling.sampler import Sampler
@@ -192,6 +192,28 @@ class TokenGenerator:
         self.generated -= n
         if self.speculator is not None:
             yield from self.speculator.rewound(keep)
+
+    def choose(self, among: list[int]) -> Work:
+        """Run the queued ids and give the id of `among` the model makes most likely after them, queued
+        as a prompt id (not a generated one): the decoder prompt's language, when a request names none.
+        Append the ids that follow it before asking for tokens."""
+        if self.life.state == READY and self.done:
+            self.life.fire(STOP)
+        self.life.fire(BEGIN)
+        try:
+            if self.flow.iterations == 0:
+                yield from self._init_phase()
+            logits = yield from self.flow.run_iteration(self._pending)
+            ids = self.backend.tensor(sorted(among), (len(among),), "int64")
+            out = yield Run(kernel("argmax_among", self.sampler.dtype), {"logits": logits, "ids": ids},
+                            ("token",), None, self.flow.label)
+            chosen = int(self.backend.to_list(out["token"])[0])
+        except BaseException as e:  # as next_tokens: the cache cannot be trusted
+            self.life.fail(e)
+            raise
+        self.life.fire(END)
+        self._pending = []
+        return chosen
 
     def next_token(self) -> Work:
         """The next token."""

@@ -33,7 +33,7 @@ from .engine import Delta, Engine, Failed, Finished, Job, Made, NotReady, QueueF
 from .forms import boundary_of, parse_form
 from .outputs import OutputQuery, parse_embeddings, parse_image_edit, parse_images, parse_speech
 from .protocol import Completion, InvalidRequest, Reply, Usage, error_body, parse_chat, parse_text
-from .transcriptions import parse_transcription
+from .transcriptions import parse_transcription, parse_translation
 
 MAX_BODY_BYTES = 8 * 2**20
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -59,6 +59,7 @@ def create_app(engine: Engine, model_dir: str | Path, api_key: str | None = None
               Route("/v1/embeddings", api.embeddings, methods=["POST"]),
               Route("/v1/audio/speech", api.speech, methods=["POST"]),
               Route("/v1/audio/transcriptions", api.transcriptions, methods=["POST"]),
+              Route("/v1/audio/translations", api.translations, methods=["POST"]),
               Route("/v1/images/generations", api.images, methods=["POST"]),
               Route("/v1/images/edits", api.image_edits, methods=["POST"]),
               Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.one_model),
@@ -104,6 +105,9 @@ class Api:
     async def transcriptions(self, request: Request) -> Any:
         # its parse only reads the form: the engine decodes the audio, at the folder's sampling rate
         return await self._complete(request, parse_transcription, "trsc", "completions", _form_body)
+
+    async def translations(self, request: Request) -> Any:
+        return await self._complete(request, parse_translation, "trsl", "completions", _form_body)
 
     async def _complete(self, request: Request, parse: Callable[[Any], Completion | OutputQuery],
                         prefix: str, endpoint: str, read: Callable[[Request], Any] | None = None,

@@ -76,6 +76,8 @@ class Completion:
     images: tuple[bytes, ...] = ()  # chat: the image files of the messages' image parts, in order
     audios: tuple[bytes, ...] = ()  # chat: the WAV files of the messages' audio parts, in order
     response_format: str = "json"  # transcriptions: "json" ({"text"}) or "text" (the text alone)
+    language: str | None = None  # transcriptions: the decoder's language (a code; None: the model's choice)
+    task: str | None = None  # transcriptions: the decoder's task (translations: "translate")
 
     @property
     def candidates(self) -> int:

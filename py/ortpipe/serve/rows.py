@@ -64,7 +64,12 @@ def prompt_ids(pipe: Any, template: Any | None, c: Completion) -> list[int]:
                                  "starts from: add it to its config (genai_config.json: "
                                  "model.decoder_start_token_id, or tokens.decoder_start in v2).", status=500,
                                  kind="server_error")
-        return list(pipe.config.tokens.decoder_prompt)
+        try:  # the start ids with the request's language and task (a None: the model chooses the language)
+            return pipe.model.decoder_ids(c.language, c.task)
+        except GenerationError as e:
+            doing = "translate" if c.task == "translate" else "take this language"
+            raise InvalidRequest(f"This model does not {doing}: {e}.", "language" if c.language else None,
+                                 "invalid_value") from None
     _needs_no_audio(pipe)
     if c.prompt_ids is not None:
         return list(c.prompt_ids)
@@ -213,9 +218,12 @@ class PromptCache:
         config = self.pipe.model.audio_config()
         return wav_samples(data, name, config.sampling_rate, config.chunk_length)
 
-    def _media_row(self, ids: list[int], c: Completion, images: list[Any], audios: list[Any]) -> Row:
+    def _media_row(self, ids: list[Any], c: Completion, images: list[Any], audios: list[Any]) -> Row:
         limit = {"max_new_tokens": c.max_tokens} if c.max_tokens else {"max_length": self.length}
-        request = self.pipe.request(prompt_ids=ids, images=images, audios=audios, **limit, **c.settings)
+        # a transcription's decoder starts from the folder's start ids with its language and task
+        prompt = ({"language": c.language, "task": c.task} if c.endpoint == "transcription"
+                  else {"prompt_ids": ids})
+        request = self.pipe.request(images=images, audios=audios, **prompt, **limit, **c.settings)
         return Row(request, None, self.pipe.drive(request), len(ids), 0, False)
 
     def _predicted(self, c: Completion, asked: dict[str, Any]) -> list[int] | None:

@@ -1,14 +1,15 @@
-"""POST /v1/audio/transcriptions: OpenAI's multipart form as a Completion, for a folder whose decoder reads
-speech through an audio encoder (Whisper's encoder-decoder).
+"""POST /v1/audio/transcriptions and /v1/audio/translations: OpenAI's multipart forms as a Completion, for a
+folder whose decoder reads speech through an audio encoder (Whisper's encoder-decoder).
 
 - served: `file` (a PCM WAV file; the engine decodes it at the folder's sampling rate, rows.py), `model`,
   `response_format` `json` (`{"text", "usage"}`) or `text` (the text alone), `temperature` (0, the default:
-  greedy; above 0: sampled at that temperature);
-- refused, naming the parameter: `language` and `prompt` (the decoder starts from the folder's start
-  token, and nothing here writes a language or a previous text before it), `stream` true, the formats
-  with timestamps (`verbose_json`, `srt`, `vtt`) and what asks for them (`timestamp_granularities[]`,
-  `include[]`), `chunking_strategy` (a clip longer than the encoder's window is cut to it, as
-  WhisperFeatureExtractor cuts it);
+  greedy; above 0: sampled at that temperature); transcriptions' `language` (a code of the folder's
+  tokens.languages, e.g. "en": the decoder's language; without it the model chooses). A translation is a
+  transcription whose decoder starts from the folder's "translate" task (into English, for Whisper);
+- refused, naming the parameter: `prompt` (nothing here writes a previous text before the decoder's start
+  ids), `stream` true, the formats with timestamps (`verbose_json`, `srt`, `vtt`) and what asks for them
+  (`timestamp_granularities[]`, `include[]`), `chunking_strategy` (a clip longer than the encoder's window
+  is cut to it, as WhisperFeatureExtractor cuts it);
 - anything else: "Unrecognized request argument supplied", as OpenAI refuses it.
 """
 
@@ -21,10 +22,9 @@ from .protocol import Completion, InvalidRequest, _decimal, _missing, _type_erro
 
 FORMATS = ("json", "text")
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
-STARTS = "is not supported by this server yet: the decoder starts from the model folder's start token"
 REFUSED = {
-    "language": f"{STARTS}, and nothing writes a language token after it",
-    "prompt": f"{STARTS}, and nothing writes a previous text before it",
+    "prompt": "is not supported by this server yet: the decoder starts from the model folder's start ids, "
+              "and nothing writes a previous text before them",
     "timestamp_granularities[]": "is not supported: this server makes no timestamps",
     "timestamp_granularities": "is not supported: this server makes no timestamps",
     "include[]": "is not supported: this server makes no log-probabilities of transcriptions",
@@ -33,13 +33,23 @@ REFUSED = {
     "known_speaker_names[]": "is not supported: this server does not tell speakers apart",
     "known_speaker_references[]": "is not supported: this server does not tell speakers apart",
 }
-KNOWN = {"file", "model", "response_format", "temperature", "stream", *REFUSED}
+KNOWN = {"file", "model", "response_format", "temperature", "stream", "language", *REFUSED}
 
 
 def parse_transcription(form: Form) -> Completion:
+    return _parse(form, KNOWN, None)
+
+
+def parse_translation(form: Form) -> Completion:
+    """A translation: OpenAI's form has no `language` (the text is English); the decoder's task is
+    "translate"."""
+    return _parse(form, KNOWN - {"language"}, "translate")
+
+
+def _parse(form: Form, known: set[str], task: str | None) -> Completion:
     fields: dict[str, str | Upload] = {}
     for name, values in form.fields.items():
-        if name not in KNOWN:
+        if name not in known:
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
         if len(values) > 1:
             raise InvalidRequest(f"The form field '{name}' is given {len(values)} times: send it once.", name)
@@ -61,7 +71,8 @@ def parse_transcription(form: Form) -> Completion:
             raise _unsupported(name, why)
     return Completion("transcription", str(model), audio=(upload.filename or "file", upload.data),
                       settings=_temperature(text.get("temperature")), stream=_stream(text.get("stream")),
-                      response_format=_format(text.get("response_format")))
+                      response_format=_format(text.get("response_format")),
+                      language=str(text["language"]) if text.get("language") else None, task=task)
 
 
 def _format(value: Any) -> str:
