@@ -369,9 +369,10 @@ def argmax(_: int) -> onnx.GraphProto:
 
 
 def beam_topk(elem: int) -> onnx.GraphProto:
-    """logits [beams, s, v], running [beams], banned [beams, n] -> the k best (running + log_softmax) over all
-    beams, each beam's banned ids at -inf after the log_softmax (as transformers' logits processors ban them
-    in beam search). `banned` is padded with the id `vocab`, a column dropped again, as in `process`.
+    """logits [beams, s, v], running [beams], banned [beams, n], renormalize [1] -> the k best (running +
+    log_softmax) over all beams, each beam's banned ids at -inf after the log_softmax (as transformers' logits
+    processors ban them in beam search), and with `renormalize` the log_softmax again over the rest. `banned`
+    is padded with the id `vocab`, a column dropped again, as in `process`.
 
     Indices run over the flattened [beams * vocab]: beam = index // vocab, token = index % vocab.
     """
@@ -396,7 +397,10 @@ def beam_topk(elem: int) -> onnx.GraphProto:
                          value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG_INF])),
         helper.make_node("ScatterElements", ["wide", "banned", "minus_inf"], ["allowed"], axis=1),
         helper.make_node("Slice", ["shape", "axis1", "end", "zero"], ["vocab"]),
-        helper.make_node("Slice", ["allowed", "zero", "vocab", "axis1"], ["logp"]),
+        helper.make_node("Slice", ["allowed", "zero", "vocab", "axis1"], ["kept"]),
+        # renormalize: the log-softmax again over what the bans left (transformers' renormalize_logits)
+        helper.make_node("LogSoftmax", ["kept"], ["renormalized"], axis=-1),
+        helper.make_node("Where", ["renormalize", "renormalized", "kept"], ["logp"]),
         helper.make_node("Unsqueeze", ["running", "axis1"], ["running2"]),
         helper.make_node("Add", ["logp", "running2"], ["total"]),
         helper.make_node("Reshape", ["total", "flat"], ["flat_total"]),
@@ -412,6 +416,7 @@ def beam_topk(elem: int) -> onnx.GraphProto:
             helper.make_tensor_value_info("logits", elem, ["beams", "seq", "vocab"]),
             helper.make_tensor_value_info("running", TensorProto.FLOAT, ["beams"]),
             helper.make_tensor_value_info("banned", TensorProto.INT64, ["beams", "banned_count"]),
+            helper.make_tensor_value_info("renormalize", TensorProto.BOOL, [1]),
             _scalar("k", TensorProto.INT64),
         ],
         [

@@ -9,6 +9,9 @@
   generation_config.json and the tokenizer beside them; no genai_config.json.
 - `captioner-hf`, `captioner-optimum`: a VisionEncoderDecoderModel (ViT encoder, GPT-2 decoder) and its
   image-to-text-with-past export in transformers.js's layout, with its ViTImageProcessor config.
+- `bart-hf`, `bart-optimum`: a BartForConditionalGeneration of random weights and its text2text-generation-
+  with-past export in transformers.js's layout, with a summarizer's generation_config.json (beams, a length
+  penalty, n-gram bans, minimum and maximum lengths, forced bos and eos tokens), as distilbart-cnn ships it.
 - `whisper-optimum`: build/hfmodels.py's `whisper-hf` exported by optimum for automatic-speech-recognition-
   with-past, in optimum's own flat layout, with the preprocessor_config.json of WhisperFeatureExtractor
   (80 mels) that a Whisper folder ships.
@@ -60,6 +63,34 @@ def make_t5_hf(out: Path, seed: int = 0) -> Path:
         model.shared.weight[eos] = 0.0  # tied to the head: eos is never likely, and runs go to length
     model.generation_config = transformers.GenerationConfig(decoder_start_token_id=pad, eos_token_id=eos,
                                                             pad_token_id=pad, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+BART = {"d_model": hfmodels.HIDDEN, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+        "max_position_embeddings": 128, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0}
+# a summarizer's search (distilbart-cnn's keys, smaller lengths): transformers' generate applies each
+SUMMARIZER = {"num_beams": 4, "length_penalty": 2.0, "no_repeat_ngram_size": 3, "min_length": 8,
+              "max_length": 30, "early_stopping": True}
+
+
+def make_bart_hf(out: Path, seed: int = 0) -> Path:
+    """A BART summarizer of random weights over the test tokenizer: the decoder starts from eos, forces bos
+    first and eos at the last position (BART's forced_bos_token_id and forced_eos_token_id)."""
+    import torch
+    import transformers
+
+    hfmodels.train_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    bos, eos, pad = hfmodels.BOS_ID, hfmodels.EOS_ID, hfmodels.PAD_ID
+    tokens = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad, "decoder_start_token_id": eos,
+              "forced_bos_token_id": bos, "forced_eos_token_id": eos}
+    config = transformers.BartConfig(vocab_size=len(vocab), **tokens, **BART)
+    torch.manual_seed(seed)
+    model = transformers.BartForConditionalGeneration(config).to(torch.float32)
+    hfmodels._redraw(model, seed)
+    model.generation_config = transformers.GenerationConfig(**tokens, **SUMMARIZER)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -118,6 +149,10 @@ def make_t5_optimum(out: Path) -> Path:
     return _export(get("t5-hf"), out, "text2text-generation-with-past", "onnx")
 
 
+def make_bart_optimum(out: Path) -> Path:
+    return _export(get("bart-hf"), out, "text2text-generation-with-past", "onnx")
+
+
 def make_whisper_optimum(out: Path) -> Path:
     import transformers
 
@@ -135,7 +170,8 @@ def make_captioner_optimum(out: Path) -> Path:
 
 
 RECIPES = {"t5-hf": make_t5_hf, "t5-optimum": make_t5_optimum, "whisper-optimum": make_whisper_optimum,
-           "captioner-hf": make_captioner_hf, "captioner-optimum": make_captioner_optimum}
+           "captioner-hf": make_captioner_hf, "captioner-optimum": make_captioner_optimum,
+           "bart-hf": make_bart_hf, "bart-optimum": make_bart_optimum}
 
 
 def get(name: str) -> Path:

@@ -130,18 +130,86 @@ def test_generation_config_is_read_as_transformers_generate_reads_it(
 def test_generation_config_keys_not_applied_are_warned_of(t5_optimum: Path, tmp_path: Path) -> None:
     folder = Path(shutil.copytree(t5_optimum, tmp_path / "t5"))
     gen = json.loads((folder / "generation_config.json").read_text())
-    gen.update({"typical_p": 0.9, "forced_eos_token_id": 2, "bad_words_ids": [[5], [6, 7]],
+    gen.update({"typical_p": 0.9, "forced_eos_token_id": [2, 3], "bad_words_ids": [[5], [6, 7]],
                 "early_stopping": "never", "num_beam_groups": 1, "renormalize_logits": False})
     (folder / "generation_config.json").write_text(json.dumps(gen))
     with pytest.warns(UserWarning) as caught:
         pipe = ortpipe.load(folder, threads=1)
     said = sorted(str(w.message).split(",")[0].removeprefix("generation_config.json sets ") for w in caught)
-    assert said == ["bad_words_ids [[6", 'early_stopping "never"', "forced_eos_token_id 2", "typical_p 0.9"]
+    assert said == ["bad_words_ids [[6", 'early_stopping "never"', "forced_eos_token_id [2", "typical_p 0.9"]
     assert all("its tokens may differ from transformers' generate" in str(w.message) for w in caught)
     assert pipe.config.generation.settings.suppress_tokens == (5,)  # the one-token entry is banned
     (folder / "generation_config.json").write_text(json.dumps({**gen, "num_beams": 0}))
     with pytest.raises(ortpipe.ConfigError, match=r"generation_config.json: num_beams .*fix it there"):
         ortpipe.load(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"decoder_start_token_id": 0,
+                                                               "suppress_tokens": [3, 99999]}))
+    with pytest.raises(ortpipe.ConfigError, match="generation setting suppress_tokens names token 99999, "
+                                                  "outside the decoder's vocabulary of 512: fix it in "
+                                                  "generation_config"):
+        ortpipe.load(folder)
+
+
+def hf_bart_generate(ids: list[int], **options: object) -> list[int]:
+    """transformers' generate of the test BART on its own generation_config.json (a summarizer's search), the
+    decoder start token left out."""
+    import torch
+    import transformers
+
+    model = transformers.BartForConditionalGeneration.from_pretrained(seq2seq.get("bart-hf"),
+                                                                      dtype=torch.float32).eval()
+    given = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=given, attention_mask=torch.ones_like(given), **options)
+    return out[0, 1:].tolist()
+
+
+def test_bart_summarizer_equals_transformers() -> None:
+    """A BART export with a summarizer's generation_config.json (as distilbart-cnn ships it: 4 beams, length
+    penalty 2, no repeated trigram, minimum and maximum lengths, early stopping, bos forced first and eos at
+    the last position): a request that gives nothing searches as transformers' generate does, and so does
+    one that decodes greedily."""
+    pipe = ortpipe.load(seq2seq.get("bart-optimum"), threads=1)
+    settings = pipe.config.generation.settings
+    assert (settings.num_beams, settings.forced_bos_token_id, settings.forced_eos_token_id) == (4, 1, 2)
+    assert pipe.config.tokens.decoder_prompt == (hfmodels.EOS_ID,)
+    results = []
+    for prompt in PROMPTS[:3]:
+        ids = pipe.tokenizer.encode(prompt)
+        ours = pipe.generate(prompt_ids=ids)
+        assert ours.tokens == hf_bart_generate(ids), prompt
+        assert ours.tokens[0] == hfmodels.BOS_ID and ours.tokens[-1] == hfmodels.EOS_ID
+        greedy = pipe.generate(prompt_ids=ids, num_beams=1)
+        assert greedy.tokens == hf_bart_generate(ids, num_beams=1), prompt
+        short = pipe.generate(prompt_ids=ids, num_beams=1, max_new_tokens=5)
+        assert short.tokens == hf_bart_generate(ids, num_beams=1, max_new_tokens=5), prompt
+        options = {"renormalize_logits": True, "length_penalty": 0.5}
+        assert pipe.generate(prompt_ids=ids, **options).tokens == hf_bart_generate(ids, **options), prompt
+        results.append((ours.tokens, greedy.tokens))
+    assert all(beams != greedy for beams, greedy in results)  # the beams searched
+
+
+def test_forced_tokens_equal_transformers_on_a_decoder(llama_builder_fp32: Path, llama_hf: Path) -> None:
+    """forced_eos_token_id as a request setting on a decoder-only model: the token at the last position the
+    length limit allows is the forced one, fused steps or not, as transformers' processor forces it; a
+    forced_bos_token_id applies only after a one-token sequence (transformers' rule), so not here."""
+    import torch
+    from build.references import _hf_model, prompt_ids
+
+    ids = prompt_ids(llama_builder_fp32)
+    pipe = ortpipe.load(llama_builder_fp32, threads=1)
+    model = _hf_model(str(llama_hf))
+    given = torch.tensor([ids])
+    for options in ({"forced_eos_token_id": 7}, {"forced_eos_token_id": 7, "forced_bos_token_id": 9},
+                    {"forced_eos_token_id": 7, "num_beams": 3, "early_stopping": False}):
+        ours = pipe.generate(prompt_ids=ids, max_new_tokens=12, **options)
+        with torch.no_grad():
+            out = model.generate(input_ids=given, attention_mask=torch.ones_like(given), max_new_tokens=12,
+                                 do_sample=False, **options)
+        assert ours.tokens == out[0, len(ids):].tolist(), options
+        assert ours.tokens[-1] == 7
+    with pytest.raises(ortpipe.GenerationError, match="speculative decoding does not force the last token"):
+        pipe.generate(prompt_ids=ids, max_new_tokens=4, forced_eos_token_id=7, prompt_lookup_num_tokens=3)
 
 
 def test_seeded_sampling_repeats_and_follows_the_seed(t5: Pipeline) -> None:

@@ -413,11 +413,12 @@ def test_malformed_bodies_and_urls_get_openai_errors(server: Served) -> None:
     assert status == 400 and json.loads(body)["error"]["param"] == "model"
     status, body = raw(server.url, "POST", "/v1/completions", b'{"model": "x", "prompt": ["a", "b"]}', post)
     assert status == 400 and json.loads(body)["error"]["code"] == "unsupported_parameter"
-    status, body = raw(server.url, "POST", "/v1/audio/translations", b"{}", post)
+    status, body = raw(server.url, "POST", "/v1/moderations", b"{}", post)
     assert status == 404
-    assert json.loads(body)["error"]["message"] == "Invalid URL (POST /v1/audio/translations)"
-    status, body = raw(server.url, "POST", "/v1/audio/transcriptions", b"{}", post)  # a form, not JSON
-    assert status == 400 and "takes multipart/form-data" in json.loads(body)["error"]["message"]
+    assert json.loads(body)["error"]["message"] == "Invalid URL (POST /v1/moderations)"
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        status, body = raw(server.url, "POST", path, b"{}", post)  # a form, not JSON
+        assert status == 400 and "takes multipart/form-data" in json.loads(body)["error"]["message"]
     status, body = raw(
         server.url, "POST", "/v1/embeddings", b"{}", post
     )  # the route of another kind of model

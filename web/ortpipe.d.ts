@@ -115,6 +115,10 @@ export interface GenerateOptions {
   suppressTokens?: number[];
   /** Token ids not generated first (the first token after the prompt). */
   beginSuppressTokens?: number[];
+  /** The first generated token is this id (BART's and mBART's, whose target language it names). */
+  forcedBosTokenId?: number;
+  /** The token at the last position the length limit allows is this id (an end of sequence there, as BART's and Marian's searches end). */
+  forcedEosTokenId?: number;
   /** Generation ends before any of these strings, which are not returned. */
   stop?: string | string[];
   /** Beam search with this many beams; 1 turns it off. */
@@ -123,6 +127,8 @@ export interface GenerateOptions {
   lengthPenalty?: number;
   /** Beam search ends once num_beams hypotheses are finished. */
   earlyStopping?: boolean;
+  /** Beam search: each beam's scores are log-softmaxed again after its bans (transformers' renormalize_logits; greedy and sampled selections are the same either way). */
+  renormalizeLogits?: boolean;
   /** Hypotheses returned by beam search (result.sequences). */
   numReturnSequences?: number;
   /** Give each generated token's log-probability and this many most likely alternatives (chunk.logprob, chunk.top_logprobs). */

@@ -101,7 +101,8 @@ def _sampling(folder: Folder, gen: dict[str, Any], keys: tuple[str, ...]) -> dic
 # read (generation.KEY): beam search, bans and minimum lengths
 _SEARCH_KEYS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences",
                 "no_repeat_ngram_size", "min_length", "min_new_tokens", "suppress_tokens",
-                "begin_suppress_tokens", "prompt_lookup_num_tokens")
+                "begin_suppress_tokens", "prompt_lookup_num_tokens", "forced_bos_token_id",
+                "forced_eos_token_id", "renormalize_logits")
 # keys that change transformers' tokens and that ortpipe does not apply, each with the value that changes
 # nothing (a folder that sets another is loaded with a warning naming the key, not silently)
 _NOT_APPLIED: dict[str, Any] = {
@@ -109,8 +110,8 @@ _NOT_APPLIED: dict[str, Any] = {
     "num_beam_groups": 1, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
     "encoder_no_repeat_ngram_size": 0,
     "exponential_decay_length_penalty": None, "sequence_bias": None, "force_words_ids": None,
-    "constraints": None, "guidance_scale": None, "forced_eos_token_id": None, "max_new_tokens": None,
-    "renormalize_logits": False, "max_time": None, "top_h": None, "dola_layers": None,
+    "constraints": None, "guidance_scale": None, "max_new_tokens": None,
+    "max_time": None, "top_h": None, "dola_layers": None,
     "watermarking_config": None, "token_healing": False,
 }
 
@@ -163,6 +164,13 @@ def _search_keys(gen: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         del given["early_stopping"]
     if gen.get("stop_strings") is not None:
         given["stop"] = gen["stop_strings"]
+    ends = given.get("forced_eos_token_id")
+    if isinstance(ends, list):  # several ids: transformers forces one of them, which ortpipe does not
+        if len(ends) > 1:
+            notes.append(_not_applied("forced_eos_token_id", ends, "(one id is forced, not a list)"))
+            del given["forced_eos_token_id"]
+        else:
+            given["forced_eos_token_id"] = ends[0] if ends else None
     return given, notes
 
 
@@ -546,11 +554,10 @@ def _seq2seq(folder: Folder) -> dict[str, Any] | None:
 def _decoder_prompt(gen: dict[str, Any], start: int) -> dict[str, Any]:
     """tokens.decoder_start (and languages, tasks) as transformers' generate starts an encoder-decoder's
     decoder from generation_config.json: the start token, then `forced_decoder_ids`' ids from index 1 on as
-    long as their indices follow each other (Whisper's language, task and no-timestamps tokens), else
-    `forced_bos_token_id` (mBART's target language). With `lang_to_id`, a language not forced (a null
-    there, or nothing after the start token) is the model's to choose among those (None, filled per
-    request); without it, a null is left out. `no_timestamps_token_id` ends the ids unless
-    `return_timestamps`."""
+    long as their indices follow each other (Whisper's language, task and no-timestamps tokens). With
+    `lang_to_id`, a language not forced (a null there, or nothing after the start token) is the model's to
+    choose among those (None, filled per request); without it, a null is left out. `no_timestamps_token_id`
+    ends the ids unless `return_timestamps`."""
     forced = _forced(gen)
     languages = _names(gen.get("lang_to_id"))
     if languages and (not forced or forced[0] is None):
@@ -570,7 +577,8 @@ def _decoder_prompt(gen: dict[str, Any], start: int) -> dict[str, Any]:
 def _forced(gen: dict[str, Any]) -> list[int | None]:
     """The ids generation_config.json forces right after the decoder's start token: `forced_decoder_ids`'
     pairs [index, id] from index 1 on, as long as their indices follow each other (an id, or None: the
-    model's choice), else `forced_bos_token_id`."""
+    model's choice). (`forced_bos_token_id` is no start id: transformers forces it as the first generated
+    token, the setting of that name.)"""
     pairs = gen.get("forced_decoder_ids")
     ids: list[int | None] = []
     if isinstance(pairs, list):
@@ -578,9 +586,7 @@ def _forced(gen: dict[str, Any]) -> list[int | None]:
               and (p[1] is None or _id(p[1]))}
         while len(ids) + 1 in at:
             ids.append(at[len(ids) + 1])
-        return ids
-    bos = gen.get("forced_bos_token_id")
-    return [bos] if _id(bos) else []
+    return ids
 
 
 def _names(value: Any) -> dict[str, int]:

@@ -812,6 +812,17 @@ def _check_start_ids(folder: Folder, config: Config, vocab: int | None) -> None:
             source = f"generation_config.json's {found}" if config.source == "detected" else "its config"
             raise ConfigError(f"{folder.describe()}: {what}, from {source}), and {outside[0]} is outside the "
                               f"decoder's vocabulary of {vocab}: fix the id there")
+    s = config.generation.settings  # the ids the settings name, as a request's are (Sampler.check_ids)
+    for name, ids in (("suppress_tokens", s.suppress_tokens),
+                      ("begin_suppress_tokens", s.begin_suppress_tokens),
+                      ("forced_bos_token_id", [s.forced_bos_token_id]),
+                      ("forced_eos_token_id", [s.forced_eos_token_id]),
+                      ("logit_bias", [i for i, _ in s.logit_bias or ()])):
+        outside = [i for i in ids if i is not None and vocab is not None and i >= vocab]
+        if outside and token_loop:
+            where = "generation_config.json" if config.source == "detected" else "its config"
+            raise ConfigError(f"{folder.describe()}: generation setting {name} names token {outside[0]}, "
+                              f"outside the decoder's vocabulary of {vocab}: fix it in {where}")
 
 
 def _no_language(language: str | None, task: str | None) -> None:

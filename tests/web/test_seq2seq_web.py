@@ -140,3 +140,28 @@ def test_whisper_language_and_task_in_the_browser_equal_cpython(page: Any, serve
     }""", {"model": model, "data": feats.ravel().tolist(), "dims": list(feats.shape), "cases": cases})
     assert [r["tokens"] for r in got] == [e.tokens for e in expected]
     assert [r["language"] for r in got] == [e.language for e in expected]
+
+
+def test_bart_summarizer_in_the_browser_equals_cpython(page: Any, serve_model: Any) -> None:
+    """The BART export with a summarizer's generation_config.json on wasm: its beams, n-gram bans, minimum
+    length and forced bos and eos tokens are the core's, so the browser's tokens are CPython's (which
+    test_seq2seq.py checks against transformers' generate), searched and greedy."""
+    from build import seq2seq
+
+    folder = seq2seq.get("bart-optimum")
+    pipe = ortpipe.load(folder, threads=1)
+    expected = [pipe.generate(PROMPTS[0]).tokens, pipe.generate(PROMPTS[1], num_beams=1).tokens]
+    assert expected[0][0] == 1 and expected[0][-1] == 2
+    model = serve_model("bart", folder)
+    page.goto("/")
+    got = page.evaluate("""async ({model, prompts}) => {
+      const {load} = await import('./ortpipe.js');
+      const pipe = await load(model, {device: 'wasm'});
+      try {
+        return [(await pipe.generate({prompt: prompts[0]})).tokens,
+                (await pipe.generate({prompt: prompts[1], numBeams: 1})).tokens];
+      } finally {
+        pipe.dispose();
+      }
+    }""", {"model": model, "prompts": PROMPTS})
+    assert got == expected

@@ -299,6 +299,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("suppress_tokens", "ids", (), "token ids never generated", v2="suppress_tokens"),
     Setting("begin_suppress_tokens", "ids", (), "token ids not generated first (the first token after the "
             "prompt)", v2="begin_suppress_tokens"),
+    Setting("forced_bos_token_id", "int", None, "the first generated token is this id (BART's and mBART's, "
+            "whose target language it names)", low=0, v2="forced_bos_token_id"),
+    Setting("forced_eos_token_id", "int", None, "the token at the last position the length limit allows is "
+            "this id (an end of sequence there, as BART's and Marian's searches end)", low=0,
+            v2="forced_eos_token_id"),
     Setting(
         "stop",
         "strings",
@@ -333,6 +338,14 @@ SETTINGS: tuple[Setting, ...] = (
         "beam search ends once num_beams hypotheses are finished",
         v2="early_stopping",
         v1="early_stopping",
+    ),
+    Setting(
+        "renormalize_logits",
+        "bool",
+        False,
+        "beam search: each beam's scores are log-softmaxed again after its bans (transformers' "
+        "renormalize_logits; greedy and sampled selections are the same either way)",
+        v2="renormalize_logits",
     ),
     Setting(
         "num_return_sequences",
@@ -479,6 +492,9 @@ class _Derived:
     logit_bias: tuple[tuple[int, float], ...] | None
     suppress_tokens: tuple[int, ...]
     begin_suppress_tokens: tuple[int, ...]
+    forced_bos_token_id: int | None
+    renormalize_logits: bool
+    forced_eos_token_id: int | None
     no_repeat_ngram_size: int
     min_length: int
     min_new_tokens: int
@@ -514,6 +530,8 @@ class _Derived:
             self.argmax_only
             and not self.suppress_tokens
             and not self.begin_suppress_tokens
+            and self.forced_bos_token_id is None
+            and self.forced_eos_token_id is None
             and not self.no_repeat_ngram_size
             and not self.min_length
             and not self.min_new_tokens

@@ -67,6 +67,7 @@ class TokenGenerator:
         gen = plan.generator
         dtype = plan.signatures[gen.session].output(gen.logits).dtype
         self.sampler = Sampler(backend, dtype, settings or SearchSettings(), limits.eos, limits.vocab)
+        self.sampler.max_length = limits.max_length
         self.life = Lifecycle()
         self.tokens: list[int] = []  # every id so far: prompts and generated
         self.generated = 0  # since the last append
@@ -115,6 +116,7 @@ class TokenGenerator:
         self.life.fire(RESAMPLE)
         self._draft = draft
         self.sampler = Sampler(self.backend, self.sampler.dtype, settings, self.limits.eos, self.limits.vocab)
+        self.sampler.max_length = self.limits.max_length
         self._choose_path()
 
     @property
@@ -270,6 +272,11 @@ class TokenGenerator:
     def _iterate(self, budget: int | None) -> Work:
         if self.flow.iterations == 0:
             yield from self._init_phase()
+        if self.sampler.forced(self.tokens, self.generated) is not None:
+            return [(yield from self._step())]  # a forced token is no burst's: the sampler's own step
+        if self.sampler.settings.forced_eos_token_id is not None:  # no burst or round past the forced last
+            room = self.limits.max_length - len(self.tokens) - 1
+            budget = room if budget is None else min(budget, room)
         fused, spec = self._fused, self.speculator
         if self.flow.iterations and len(self._pending) == 1:
             if fused is not None:
@@ -336,6 +343,7 @@ class TokenGenerator:
             extra = len(expanded) - len(self._pending)
             self.limits = dataclasses.replace(self.limits, max_length=self.limits.max_length + extra)
             self.flow.resize(self.limits.max_length)
+            self.sampler.max_length = self.limits.max_length
         self._pending = expanded
         if len(self.tokens) > self.limits.max_length:
             raise GenerationError(

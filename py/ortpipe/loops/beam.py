@@ -18,6 +18,7 @@ from ..execute.flow import FlowRun
 from ..execute.work import Backend, Handle, Run, Work, kernel
 from ..plan import Plan
 from ..sampling.processors import banned_ids
+from ..sampling.sampler import forced_id
 
 PENALTY = -1.0e9  # transformers' stand-in for "impossible"
 
@@ -41,7 +42,7 @@ class BeamSearch:
 
     def run(self, prompt: list[int]) -> Work:
         """The finished hypotheses, best first (num_return_sequences of them)."""
-        b, beams = self.backend, self.beams
+        beams = self.beams
         prompt = yield from self.flow.run_init(prompt)
         running = [Hypothesis([], 0.0)] + [Hypothesis([], PENALTY) for _ in range(beams - 1)]
         finished = [Hypothesis([], PENALTY) for _ in range(beams)]
@@ -50,25 +51,11 @@ class BeamSearch:
         logits = yield from self.flow.run_iteration(prompt)
         improvable = True
         while True:
-            vocab = b.shape(logits)[-1]
-            generated = cur_len - prompt_len
-            bans = [banned_ids(self.settings, prompt + h.tokens, generated, self.eos) for h in running]
-            width = max(1, max(len(row) for row in bans))
-            out = yield Run(
-                self.kernel,
-                {
-                    "logits": logits,
-                    "running": b.tensor([h.score for h in running], (beams,), "float32"),
-                    "banned": b.tensor([i for row in bans for i in row + [vocab] * (width - len(row))],
-                                       (beams, width), "int64"),
-                    "k": b.tensor([self.keep], (1,), "int64"),
-                },
-                ("values", "indices"),
-            )
-            cands = [
-                (score, index // vocab, index % vocab)
-                for score, index in zip(b.to_list(out["values"]), b.to_list(out["indices"]), strict=True)
-            ]
+            forced = forced_id(self.settings, cur_len, self.max_length)
+            if forced is not None:  # one candidate a beam, scored 0 as transformers' processors force it
+                cands = sorted(((h.score, i, forced) for i, h in enumerate(running)), key=lambda c: -c[0])
+            else:
+                cands = yield from self._candidates(logits, prompt, running, cur_len - prompt_len)
             ends = [token in self.eos or cur_len + 1 >= self.max_length for _, _, token in cands]
             finished, done_flags = self._finish(
                 cands, ends, running, finished, done_flags, cur_len - prompt_len + 1, improvable
@@ -92,6 +79,29 @@ class BeamSearch:
             logits = yield from self.flow.run_iteration([], [[h.tokens[-1]] for h in running])
         n = self.settings.num_return_sequences
         return [h for h, flag in zip(finished, done_flags, strict=True) if flag][:n] or running[:n]
+
+    def _candidates(self, logits: Handle, prompt: list[int], running: list[Hypothesis],
+                    generated: int) -> Work:
+        """The best `keep` (score, beam, token) over all beams: running score plus the log-softmax, each
+        beam's bans at -inf."""
+        b, beams = self.backend, self.beams
+        vocab = b.shape(logits)[-1]
+        bans = [banned_ids(self.settings, prompt + h.tokens, generated, self.eos) for h in running]
+        width = max(1, max(len(row) for row in bans))
+        out = yield Run(
+            self.kernel,
+            {
+                "logits": logits,
+                "running": b.tensor([h.score for h in running], (beams,), "float32"),
+                "banned": b.tensor([i for row in bans for i in row + [vocab] * (width - len(row))],
+                                   (beams, width), "int64"),
+                "renormalize": b.tensor([self.settings.renormalize_logits], (1,), "bool"),
+                "k": b.tensor([self.keep], (1,), "int64"),
+            },
+            ("values", "indices"),
+        )
+        return [(score, index // vocab, index % vocab)
+                for score, index in zip(b.to_list(out["values"]), b.to_list(out["indices"]), strict=True)]
 
     def _finish(
         self,

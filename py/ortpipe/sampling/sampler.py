@@ -45,6 +45,13 @@ class Pick:
     bias: tuple[tuple[int, float], ...] = ()  # (id, bias): the logit bias
 
 
+def forced_id(s: SearchSettings, length: int, max_length: int | None) -> int | None:
+    """The id forced after a sequence of `length` ids (Sampler.forced), or None."""
+    if s.forced_eos_token_id is not None and max_length is not None and length == max_length - 1:
+        return s.forced_eos_token_id
+    return s.forced_bos_token_id if length == 1 else None
+
+
 def generator(seed: int | None) -> random.Random:
     """The generator of one request. Unseeded: a seed from the module's generator, which each target
     seeds from the system's entropy (the browser's worker from crypto.getRandomValues after restoring
@@ -64,6 +71,7 @@ class Sampler:
         if vocab:
             self.check_ids(vocab)
         self._peeked = False  # a burst's pick carries uniforms the generator has not drawn yet
+        self.max_length: int | None = None  # the request's length limit (forced_eos_token_id's last position)
         self.label = ""  # the step the logits come from, for messages and traces
         self.last_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
@@ -72,8 +80,9 @@ class Sampler:
         """The token ids the settings name are below the vocabulary size (a kernel would fail on them)."""
         s = self.settings
         biased = [i for i, _ in s.logit_bias or ()]
+        forced = [i for i in (s.forced_bos_token_id, s.forced_eos_token_id) if i is not None]
         named = (("suppress_tokens", s.suppress_tokens), ("begin_suppress_tokens", s.begin_suppress_tokens),
-                 ("logit_bias", biased))
+                 ("logit_bias", biased), ("forced_bos_token_id and forced_eos_token_id", forced))
         for name, ids in named:
             wrong = [i for i in ids if i >= vocab]
             if wrong:
@@ -118,6 +127,8 @@ class Sampler:
             limit = min(limit, held)
         if s.begin_suppress_tokens and generated == 0:
             limit = 1  # the first token's bans are not the next one's
+        if s.forced_eos_token_id is not None and self.max_length is not None:
+            limit = max(1, min(limit, self.max_length - 1 - len(tokens)))  # the last position is forced
         uniforms: tuple[float, ...] = ()
         if s.sampling:
             uniforms = tuple(self.uniforms(limit))
@@ -172,8 +183,20 @@ class Sampler:
             self.last_logprobs = (b.to_list(out["chosen"])[0], tuple(top))
         return token
 
+    def forced(self, tokens: list[int], generated: int) -> int | None:
+        """The id the next token is forced to be, as transformers' logits processors force it (every other
+        score -inf): forced_bos_token_id after a one-token sequence (an encoder-decoder's start token),
+        forced_eos_token_id at the last position max_length allows (the later wins where both apply); None:
+        a selection."""
+        return forced_id(self.settings, len(tokens), self.max_length)
+
     def _pick(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         s, b = self.settings, self.backend
+        forced = self.forced(tokens, generated)
+        if forced is not None:
+            if s.sampling:
+                self.rng.random()  # one uniform a token, as a selection draws it
+            return forced
         banned = banned_ids(s, tokens, generated, self.eos)
         if s.argmax_only and not banned:
             out = yield Run(

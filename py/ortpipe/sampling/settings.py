@@ -94,6 +94,10 @@ def check_combination(s: SearchSettings) -> None:
             "beam search with speculative decoding is not supported; drop prompt_lookup_num_tokens, "
             "ngram_size and draft_model, or set num_beams 1"
         )
+    if s.speculative and s.forced_eos_token_id is not None:
+        raise GenerationError(
+            "speculative decoding does not force the last token (forced_eos_token_id): drop the speculative "
+            "settings, or set forced_eos_token_id to null", setting="forced_eos_token_id")
     if s.num_beams > 1 and s.logprobs is not None:
         raise GenerationError("beam search does not give logprobs; set num_beams 1 or drop logprobs")
     if s.num_return_sequences > s.num_beams:
