@@ -72,12 +72,15 @@ def test_transcriptions_equal_the_pipelines_text(whisper_builder: Path, tmp_path
 
         wav = ("a.wav", clips[0].read_bytes())
         slow = ("slow.wav", clip(tmp_path / "slow.wav", 9.0, 2, rate=10).read_bytes())  # 90 samples at 10 Hz
+        long = ("long.wav", clip(tmp_path / "long.wav", 31.0, 3, rate=8000).read_bytes())
         for fields, status, param, words in [
             ([("model", "m")], 400, "file", "Missing required parameter: 'file'"),
             ([("file", wav)], 400, "model", "Missing required parameter: 'model'"),
             ([("model", "m"), ("file", ("a.mp3", b"ID3\x03\x00garbage"))], 400, "file",
              "'a.mp3' is not a PCM WAV file"),
             ([("model", "m"), ("file", slow)], 400, "file", "at 10 Hz, which is no audio rate"),
+            ([("model", "m"), ("file", long)], 400, "file", "is 31.0 s of audio, and this model hears its "
+             "first 30 s (the feature extractor's chunk_length): the rest would not be heard. Cut the clip"),
             ([("model", "m"), ("file", wav), ("language", "en")], 400, "language", "names no languages"),
             ([("model", "m"), ("file", wav), ("prompt", "earlier")], 400, "prompt", "previous text"),
             ([("model", "m"), ("file", wav), ("response_format", "srt")], 400, "response_format",
@@ -113,3 +116,20 @@ def test_a_folder_that_cannot_transcribe_says_why(whisper_builder: Path, vits_ti
     with served(vits_tiny) as server:  # a folder that makes speech answers its own endpoint only
         status, answer = posted(server.url, [("model", "m"), ("file", wav)])
         assert status == 404 and "POST /v1/audio/speech only" in answer["error"]["message"], answer
+
+
+def test_a_clip_longer_than_the_model_hears_is_warned_of(whisper_builder: Path, tmp_path: Path) -> None:
+    """The library reads the seconds the feature extractor keeps and warns of the rest (a server refuses the
+    upload: above); a clip within them is read without a word."""
+    import warnings
+
+    pipe = ortpipe.load(started(whisper_builder, tmp_path), threads=1)
+    long, short = clip(tmp_path / "long.wav", 31.5, 3, rate=8000), clip(tmp_path / "short.wav", 2.0, 3)
+    with pytest.warns(UserWarning, match=r"long.wav is 31.5 s of audio, and this model hears its first 30 s"):
+        pipe.generate(prompt_ids=[WHISPER_START_ID], audios=[str(long)], max_new_tokens=2)
+    with pytest.warns(UserWarning, match="the audio clip is 40.0 s of audio"):
+        silence = np.zeros(16000 * 40, np.float32)
+        pipe.generate(prompt_ids=[WHISPER_START_ID], audios=[silence], max_new_tokens=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.generate(prompt_ids=[WHISPER_START_ID], audios=[str(short)], max_new_tokens=2)

@@ -9,7 +9,7 @@ folder whose decoder reads speech through an audio encoder (Whisper's encoder-de
 - refused, naming the parameter: `prompt` (nothing here writes a previous text before the decoder's start
   ids), `stream` true, the formats with timestamps (`verbose_json`, `srt`, `vtt`) and what asks for them
   (`timestamp_granularities[]`, `include[]`), `chunking_strategy` (a clip longer than the encoder's window
-  is cut to it, as WhisperFeatureExtractor cuts it);
+  is refused: its transcript would leave the rest out; rows.py);
 - anything else: "Unrecognized request argument supplied", as OpenAI refuses it.
 """
 
@@ -29,7 +29,7 @@ REFUSED = {
     "timestamp_granularities": "is not supported: this server makes no timestamps",
     "include[]": "is not supported: this server makes no log-probabilities of transcriptions",
     "include": "is not supported: this server makes no log-probabilities of transcriptions",
-    "chunking_strategy": "is not supported: a clip longer than the model's window is cut to it",
+    "chunking_strategy": "is not supported: send clips no longer than the model's window (30 s for Whisper)",
     "known_speaker_names[]": "is not supported: this server does not tell speakers apart",
     "known_speaker_references[]": "is not supported: this server does not tell speakers apart",
 }

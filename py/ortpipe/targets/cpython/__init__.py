@@ -31,7 +31,7 @@ from ...request import Chunk, Request, Result
 from ...trace import Trace
 from . import providers
 from .driver import Driver
-from .media import Audio, audio_of, decode_image, read_wav
+from .media import Audio, audio_of, decode_image, read_wav, unheard
 from .text import HFTokenizer, compile_template
 
 
@@ -283,6 +283,11 @@ def _waveform(item: Any, model: Model) -> np.ndarray:
     array = np.asarray(item) if isinstance(item, (np.ndarray, list)) else None
     if array is None or array.ndim != 1 or array.dtype.kind != "f" or not array.size:
         raise GenerationError("an audio clip must be a .wav path or a 1-D float array of mono samples")
+    try:
+        config = model.audio_config()
+    except ConfigError:  # a folder without a feature extractor config: the core's media_inputs says so
+        return array.astype(np.float32, copy=False)
+    unheard(array.size / config.sampling_rate, config.chunk_length, "the audio clip", None)
     return array.astype(np.float32, copy=False)
 
 

@@ -12,6 +12,7 @@ import io
 import math
 import os
 import struct
+import warnings
 import wave
 import zlib
 from collections.abc import Iterator
@@ -125,6 +126,7 @@ def _wav(source: Any, shown: str, name: str, rate: int, seconds: float | None,
                                       setting)
             frames = w.getnframes()
             if seconds is not None:
+                unheard(frames / source_rate, seconds, shown, setting)
                 frames = min(frames, source_frames(seconds, source_rate, rate))
             data = w.readframes(frames)
     except (wave.Error, EOFError) as e:
@@ -168,6 +170,20 @@ def _pcm_to_float(data: bytes, width: int) -> np.ndarray:
     if width in (2, 4):
         return np.frombuffer(data, f"<i{width}").astype(np.float32) / float(2 ** (8 * width - 1))
     raise GenerationError(f"{width * 8}-bit PCM WAV is not supported")
+
+
+def unheard(length: float, seconds: float, shown: str, setting: str | None) -> None:
+    """A clip longer than the `seconds` a model hears (its feature extractor's chunk_length, which cuts it):
+    a server's upload (`setting` "file") is refused, as its transcript would leave the rest out without a
+    word; a caller of the library is warned."""
+    if length <= seconds:
+        return
+    message = (f"{shown} is {length:.1f} s of audio, and this model hears its first {seconds:g} s (the "
+               f"feature extractor's chunk_length): the rest would not be heard. Cut the clip into parts of "
+               f"at most {seconds:g} s")
+    if setting == "file":
+        raise GenerationError(message, setting)
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def source_frames(seconds: float, source_rate: int, rate: int, zeros: int = 16) -> int:
