@@ -4,6 +4,7 @@
     python -m build.bench_loops embed [--folder st-bench] [--texts 1024] [--batch 32] [--rounds 3]
     python -m build.bench_loops tts [--folder vits-bench] [--rounds 3]
     python -m build.bench_loops seq2seq [--folder t5-bench] [--new-tokens 64] [--rounds 3]
+    python -m build.bench_loops seq2seq --beams 4 --engines ortpipe,optimum     # beam search
 
 sd: the time of one denoising step (the UNet on the guided batch of two rows and the scheduler's update),
 median over the steps of a generation, for ortpipe, a hand-written onnxruntime loop (tests/paradigm_refs.py's,
@@ -14,7 +15,7 @@ real-time factor (seconds of compute per second of audio) of ortpipe and the han
 that makes tokens, here for its peer): the tokens per second of a greedy generation of an encoder-decoder
 (t5-bench, below) by ortpipe, a hand-written onnxruntime loop over optimum's merged decoder and optimum's
 ORTModelForSeq2SeqLM, from the same 32 prompt ids; every engine makes exactly `--new-tokens` tokens
-(min_new_tokens) and their tokens must agree.
+(min_new_tokens) and their tokens must agree; with `--beams N`, beam search of N beams (ortpipe and optimum).
 
 Each round is one process of the peers' virtualenv ($ORTPIPE_PARADIGMS_BENCH_VENV, default
 .venv-paradigms-bench: the export environment of build/paradigms.py plus sentence-transformers 5.1.2,
@@ -407,8 +408,10 @@ def seq2seq_ortpipe(folder: Path, args: dict) -> Callable[[], dict]:
     pipe = ortpipe.load(folder, threads=args["threads"])
     ids, n = seq2seq_ids(), args["new_tokens"]
 
+    beams = {"num_beams": args["beams"], "early_stopping": False} if args["beams"] > 1 else {}
+
     def generate() -> list[int]:
-        return pipe.generate(prompt_ids=ids, max_new_tokens=n, min_new_tokens=n).tokens
+        return pipe.generate(prompt_ids=ids, max_new_tokens=n, min_new_tokens=n, **beams).tokens
 
     return _timed_tokens(generate)
 
@@ -420,6 +423,8 @@ def seq2seq_hand(folder: Path, args: dict) -> Callable[[], dict]:
     import numpy as np
     import onnxruntime as ort
 
+    if args["beams"] > 1:
+        raise SystemExit("the hand loop decodes greedily: run --beams with --engines ortpipe,optimum")
     options = session_options(args["threads"])
     encoder = ort.InferenceSession(str(folder / "onnx" / "encoder_model.onnx"), options,
                                    providers=["CPUExecutionProvider"])
@@ -465,7 +470,8 @@ def seq2seq_optimum(folder: Path, args: dict) -> Callable[[], dict]:
     def generate() -> list[int]:
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, num_beams=1)
+                                 min_new_tokens=n, do_sample=False, num_beams=args["beams"],
+                                 early_stopping=False)
         return out[0, 1:].tolist()
 
     return _timed_tokens(generate)
@@ -591,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--new-tokens", type=int, default=64, help="seq2seq: tokens each generation makes")
+    parser.add_argument("--beams", type=int, default=1, help="seq2seq: beam search with this many beams "
+                        "(ortpipe and optimum)")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     args = parser.parse_args(argv)
     from build import paradigms
@@ -603,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         folder = made_here[name]() if name in made_here else paradigms.get(name)
     engines = args.engines.split(",") if args.engines else list(ENGINES[args.task])
-    names = ("threads", "steps", "guidance", "texts", "batch", "repeats", "rounds", "new_tokens")
+    names = ("threads", "steps", "guidance", "texts", "batch", "repeats", "rounds", "new_tokens", "beams")
     settings = {k: getattr(args, k) for k in names}
     results = run_engines(args.task, engines, folder, settings)
     check_outputs(args.task, results)
