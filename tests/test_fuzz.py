@@ -199,22 +199,27 @@ def test_mutated_configs(base: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_mutated_encoder_decoder_folders(tmp_path: Path) -> None:
     """Mutations of optimum's encoder-decoder exports' JSON files (a T5's config.json and
-    generation_config.json; a Whisper's and its preprocessor_config.json), one file at a time: each folder
-    loads and answers a short request (a prompt; a WAV file), or is refused. Found a hang before: a
-    sampling_rate of 2 ** 31 Hz resampled a clip to billions of samples."""
+    generation_config.json; a BART summarizer's, whose generation_config.json sets its search; a multilingual
+    Whisper's and its preprocessor_config.json), one file at a time: each folder loads and answers a short
+    request (a prompt; a WAV file), or is refused. Found a hang before: a sampling_rate of 2 ** 31 Hz
+    resampled a clip to billions of samples."""
     from build import seq2seq
 
+    from tests.test_seq2seq import MULTILINGUAL
     from tests.test_serve_transcriptions import clip
 
     rng = random.Random(SEED)
     wav = clip(tmp_path / "clip.wav", 1.0, 2)
     counts: Counter = Counter()
     jsons = ("config.json", "generation_config.json")
-    for name, files in (("t5-optimum", jsons), ("whisper-optimum", (*jsons, "preprocessor_config.json"))):
+    for name, files in (("t5-optimum", jsons), ("bart-optimum", jsons),
+                        ("whisper-optimum", (*jsons, "preprocessor_config.json"))):
         source = seq2seq.get(name)
         folder = Path(shutil.copytree(source, tmp_path / name))
         originals = {f: json.loads((source / f).read_text()) for f in files}
-        asked = {"prompt": "import os"} if name == "t5-optimum" else {"audios": [str(wav)]}
+        if name == "whisper-optimum":
+            originals["generation_config.json"].update(MULTILINGUAL)
+        asked = {"audios": [str(wav)]} if name == "whisper-optimum" else {"prompt": "import os"}
 
         def run(folder: Path = folder, asked: dict = asked) -> Any:
             return ortpipe.load(folder, threads=1).generate(max_new_tokens=2, **asked)
@@ -226,7 +231,7 @@ def test_mutated_encoder_decoder_folders(tmp_path: Path) -> None:
             write_json(folder / changed, mutate(originals[changed], rng))
             counts[f"{name} {outcome(run, folder, tmp_path)}"] += 1
     print("mutated encoder-decoder folders:", dict(counts))
-    assert counts["t5-optimum ok"] and counts["whisper-optimum ok"]
+    assert counts["t5-optimum ok"] and counts["bart-optimum ok"] and counts["whisper-optimum ok"]
 
 
 BROKEN_FILES: dict[str, Callable[[Path], None]] = {
