@@ -390,7 +390,8 @@ def multilingual(whisper_optimum: Path, tmp_path_factory: pytest.TempPathFactory
 def test_whisper_language_and_task_equal_transformers(multilingual: Path) -> None:
     """A request's language and task take their places in the decoder's start ids; without a language the
     model chooses it (its most likely language id after the start token), as transformers' Whisper generate
-    detects it: the tokens equal transformers' for each, and the result names the language."""
+    detects it: the tokens equal transformers' for each, greedy and with beams (the language chosen first),
+    and the result names the language."""
     pipe = ortpipe.load(multilingual, threads=1)
     tokens = pipe.config.tokens
     assert tokens.decoder_prompt == (WHISPER_START_ID, None, 509, 511)
@@ -407,6 +408,11 @@ def test_whisper_language_and_task_equal_transformers(multilingual: Path) -> Non
             if "language" in options:
                 assert result.language == options["language"].strip("<|>")
             seen[(seed, tuple(options))] = (result.language, tuple(result.tokens))
+        for options in ({}, {"language": "fr"}):  # beam search: the language chosen first, as transformers'
+            beams = pipe.generate(max_new_tokens=6, inputs=given, num_beams=2, **options)
+            expected = hf_whisper_generate(multilingual, feats, 6, num_beams=2, **options)
+            assert beams.tokens == expected, options
+            assert beams.language == options.get("language", seen[(seed, ())][0])
         detected = seen[(seed, ())][0]
         assert detected in dict(tokens.languages)
         chosen = pipe.generate(max_new_tokens=8, inputs=given, language=detected).tokens
@@ -466,11 +472,6 @@ def test_whisper_language_and_task_are_refused_where_they_cannot_apply(multiling
         pipe.generate(max_new_tokens=2, inputs=given, task="summarize")
     with pytest.raises(ortpipe.GenerationError, match="which a prompt gives itself: give one or the other"):
         pipe.generate(prompt_ids=[WHISPER_START_ID], max_new_tokens=2, inputs=given, language="fr")
-    with pytest.raises(ortpipe.GenerationError, match="beam search does not choose the decoder's language: "
-                                                      "give language"):
-        pipe.generate(max_new_tokens=2, inputs=given, num_beams=2)
-    beams = pipe.generate(max_new_tokens=4, inputs=given, num_beams=2, language="fr")
-    assert len(beams.tokens) == 4
     with pytest.raises(ortpipe.GenerationError, match=r"this folder names no languages \(tokens.languages; "
                                                       r"generation_config.json's lang_to_id\): drop "):
         t5.generate(PROMPTS[0], max_new_tokens=2, language="fr")

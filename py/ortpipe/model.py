@@ -439,7 +439,7 @@ class Model:
                 "decoding do not keep: drop num_beams and the speculative settings"
             )
         if search.num_beams > 1:
-            return self._beam_request(ids, search, limit, inputs)
+            return (yield from self._beam_request(ids, search, limit, inputs))
         gen = TokenGenerator(
             self.plan, self.backend, self._limits(limit, max_new_tokens, max_length), search, inputs, draft
         )
@@ -462,7 +462,11 @@ class Model:
             gen.append_tokens(ids[at:])
         else:
             gen.append_tokens(ids)
-        return next((code for code, i in languages.items() if i in ids), None)
+        return self._language(ids)
+
+    def _language(self, ids: list[Any]) -> str | None:
+        """The code of the language among a decoder prompt's ids, or None."""
+        return next((code for code, i in self.config.tokens.languages if i in ids), None)
 
     def embed(self, texts: Any, batch_size: int = DEFAULT_BATCH, pooling: str | None = None,
               normalize: bool | None = None) -> OutputRequest:
@@ -766,11 +770,16 @@ class Model:
         )
 
     def _beam_request(
-        self, prompt_ids: list[int], search: SearchSettings, limit: int, inputs: dict[str, Handle] | None
-    ) -> BeamRequest:
+        self, prompt_ids: list[Any], search: SearchSettings, limit: int, inputs: dict[str, Handle] | None
+    ) -> Work:
+        """A BeamRequest (work: a prompt with the language's place open first has the model choose the
+        language, on a one-row run of its own, as transformers detects it before its beams)."""
+        language = self._language(prompt_ids)
         if None in prompt_ids:
-            raise GenerationError("beam search does not choose the decoder's language: give language (one of "
-                                  f"{self._names('languages')})", setting="language")
+            probe = TokenGenerator(self.plan, self.backend, Limits(limit, frozenset(self.config.tokens.eos),
+                                                                   vocab=self.vocab), None, inputs)
+            language = yield from self._start(probe, prompt_ids)
+            prompt_ids = list(probe.tokens)
         check_ids(prompt_ids, self.vocab)
         unsupported = [
             name
@@ -789,6 +798,7 @@ class Model:
             )
         beam = BeamSearch(self.plan, self.backend, search, limit, frozenset(self.config.tokens.eos), inputs)
         request = BeamRequest(beam, list(prompt_ids), search, self.tokenizer)
+        request.language = language
         request.timings.load_ms = self.load_ms
         return request
 
