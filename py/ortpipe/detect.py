@@ -103,16 +103,15 @@ _SEARCH_KEYS = ("num_beams", "length_penalty", "early_stopping", "num_return_seq
                 "no_repeat_ngram_size", "min_length", "min_new_tokens", "suppress_tokens",
                 "begin_suppress_tokens", "prompt_lookup_num_tokens", "forced_bos_token_id",
                 "forced_eos_token_id", "renormalize_logits")
-# keys that change transformers' tokens and that ortpipe does not apply, each with the value that changes
+# keys that change transformers' tokens and that ortpipe does not apply, each with the values that change
 # nothing (a folder that sets another is loaded with a warning naming the key, not silently)
-_NOT_APPLIED: dict[str, Any] = {
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
-    "num_beam_groups": 1, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
-    "encoder_no_repeat_ngram_size": 0,
-    "exponential_decay_length_penalty": None, "sequence_bias": None, "force_words_ids": None,
-    "constraints": None, "guidance_scale": None, "max_new_tokens": None,
-    "max_time": None, "top_h": None, "dola_layers": None,
-    "watermarking_config": None, "token_healing": False,
+_NOT_APPLIED: dict[str, tuple[Any, ...]] = {
+    "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "diversity_penalty": (0.0,),
+    "num_beam_groups": (1,), "penalty_alpha": (None,), "encoder_repetition_penalty": (1.0,),
+    "encoder_no_repeat_ngram_size": (0,), "exponential_decay_length_penalty": (None,),
+    "sequence_bias": (None, []), "force_words_ids": (None, []), "constraints": (None, []),
+    "guidance_scale": (None, 1), "max_new_tokens": (None,), "max_time": (None,), "top_h": (None,),
+    "dola_layers": (None,), "watermarking_config": (None,), "token_healing": (False,),
 }
 
 
@@ -139,9 +138,8 @@ def _generation(folder: Folder, gen: dict[str, Any], raw: dict[str, Any]) -> Non
     if _count(most) and (out.get("max_length") is None or most < out["max_length"]):
         out["max_length"] = most
     for key, nothing in _NOT_APPLIED.items():
-        value = gen.get(key, nothing)
-        if value not in (nothing, []) and not (key == "guidance_scale" and value == 1):
-            notes.append(_not_applied(key, value))
+        if key in gen and gen[key] not in nothing:
+            notes.append(_not_applied(key, gen[key]))
     if notes:
         raw["metadata"]["notes"] = notes
 

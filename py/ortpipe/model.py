@@ -39,6 +39,7 @@ from .plugins import Context, Factory, load_factory, unread_settings
 from .preprocess import AudioConfig, load_audio_config
 from .preprocess.request import Image, check_media, media_inputs
 from .request import BeamRequest, PluginRequest, Request
+from .sampling.sampler import named_ids
 from .sampling.settings import SearchSettings, check_setting, settings_for, warn_unreachable_minimums
 from .templates import ChatTemplate, Compiler, load_chat_template, media_parts, missing_template
 from .tokenizer import Tokenizer, encode
@@ -650,9 +651,6 @@ class Model:
         return ", ".join(names[:20]) + (f" ({len(names) - 20} more)" if len(names) > 20 else "")
 
     def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
-        start = self.config.tokens.decoder_start
-        if prompt is None and prompt_ids is None and start is not None:
-            return list(self.config.tokens.decoder_prompt)  # an encoder-decoder's decoder: its start ids
         if prompt is None and prompt_ids is None and self.config.pipeline.state.cross_cache:
             raise GenerationError(
                 "this encoder-decoder folder sets no decoder start token (tokens.decoder_start, "
@@ -822,13 +820,8 @@ def _check_start_ids(folder: Folder, config: Config, vocab: int | None) -> None:
             source = f"generation_config.json's {found}" if config.source == "detected" else "its config"
             raise ConfigError(f"{folder.describe()}: {what}, from {source}), and {outside[0]} is outside the "
                               f"decoder's vocabulary of {vocab}: fix the id there")
-    s = config.generation.settings  # the ids the settings name, as a request's are (Sampler.check_ids)
-    for name, ids in (("suppress_tokens", s.suppress_tokens),
-                      ("begin_suppress_tokens", s.begin_suppress_tokens),
-                      ("forced_bos_token_id", [s.forced_bos_token_id]),
-                      ("forced_eos_token_id", [s.forced_eos_token_id]),
-                      ("logit_bias", [i for i, _ in s.logit_bias or ()])):
-        outside = [i for i in ids if i is not None and vocab is not None and i >= vocab]
+    for name, ids in named_ids(config.generation.settings):  # as a request's are (Sampler.check_ids)
+        outside = [i for i in ids if vocab is not None and i >= vocab]
         if outside and token_loop:
             where = "generation_config.json" if config.source == "detected" else "its config"
             raise ConfigError(f"{folder.describe()}: generation setting {name} names token {outside[0]}, "

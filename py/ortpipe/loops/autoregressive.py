@@ -272,9 +272,9 @@ class TokenGenerator:
     def _iterate(self, budget: int | None) -> Work:
         if self.flow.iterations == 0:
             yield from self._init_phase()
-        if self.sampler.forced(self.tokens, self.generated) is not None:
+        if self.sampler.forced(self.tokens) is not None:
             return [(yield from self._step())]  # a forced token is no burst's: the sampler's own step
-        if self.sampler.settings.forced_eos_token_id is not None:  # no burst or round past the forced last
+        if self.sampler.settings.forced_eos_token_id is not None:  # no burst or round reaches the forced last
             room = self.limits.max_length - len(self.tokens) - 1
             budget = room if budget is None else min(budget, room)
         fused, spec = self._fused, self.speculator

@@ -45,6 +45,16 @@ class Pick:
     bias: tuple[tuple[int, float], ...] = ()  # (id, bias): the logit bias
 
 
+def named_ids(s: SearchSettings) -> tuple[tuple[str, list[int]], ...]:
+    """The token ids the settings name, by setting: each must be below the vocabulary size (a request's are
+    checked by Sampler.check_ids, a config's at load)."""
+    forced = [i for i in (s.forced_bos_token_id, s.forced_eos_token_id) if i is not None]
+    return (("suppress_tokens", list(s.suppress_tokens)),
+            ("begin_suppress_tokens", list(s.begin_suppress_tokens)),
+            ("logit_bias", [i for i, _ in s.logit_bias or ()]),
+            ("forced_bos_token_id and forced_eos_token_id", forced))
+
+
 def forced_id(s: SearchSettings, length: int, max_length: int | None) -> int | None:
     """The id forced after a sequence of `length` ids (Sampler.forced), or None."""
     if s.forced_eos_token_id is not None and max_length is not None and length == max_length - 1:
@@ -78,12 +88,7 @@ class Sampler:
 
     def check_ids(self, vocab: int) -> None:
         """The token ids the settings name are below the vocabulary size (a kernel would fail on them)."""
-        s = self.settings
-        biased = [i for i, _ in s.logit_bias or ()]
-        forced = [i for i in (s.forced_bos_token_id, s.forced_eos_token_id) if i is not None]
-        named = (("suppress_tokens", s.suppress_tokens), ("begin_suppress_tokens", s.begin_suppress_tokens),
-                 ("logit_bias", biased), ("forced_bos_token_id and forced_eos_token_id", forced))
-        for name, ids in named:
+        for name, ids in named_ids(self.settings):
             wrong = [i for i in ids if i >= vocab]
             if wrong:
                 raise GenerationError(f"{name}: token id {wrong[0]} is not below the vocabulary size {vocab} "
@@ -127,8 +132,6 @@ class Sampler:
             limit = min(limit, held)
         if s.begin_suppress_tokens and generated == 0:
             limit = 1  # the first token's bans are not the next one's
-        if s.forced_eos_token_id is not None and self.max_length is not None:
-            limit = max(1, min(limit, self.max_length - 1 - len(tokens)))  # the last position is forced
         uniforms: tuple[float, ...] = ()
         if s.sampling:
             uniforms = tuple(self.uniforms(limit))
@@ -183,7 +186,7 @@ class Sampler:
             self.last_logprobs = (b.to_list(out["chosen"])[0], tuple(top))
         return token
 
-    def forced(self, tokens: list[int], generated: int) -> int | None:
+    def forced(self, tokens: list[int]) -> int | None:
         """The id the next token is forced to be, as transformers' logits processors force it (every other
         score -inf): forced_bos_token_id after a one-token sequence (an encoder-decoder's start token),
         forced_eos_token_id at the last position max_length allows (the later wins where both apply); None:
@@ -192,7 +195,7 @@ class Sampler:
 
     def _pick(self, logits: Handle, tokens: list[int], generated: int) -> Work:
         s, b = self.settings, self.backend
-        forced = self.forced(tokens, generated)
+        forced = self.forced(tokens)
         if forced is not None:
             if s.sampling:
                 self.rng.random()  # one uniform a token, as a selection draws it
